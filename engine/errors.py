@@ -1,0 +1,60 @@
+"""Typed errors. Each names the field or the numbers that broke, so the serving layer can map it to a
+clear HTTP status without parsing messages."""
+
+from __future__ import annotations
+
+
+class SinkserveError(Exception):
+    """Base class of every error the engine raises on purpose."""
+
+
+class ConfigError(SinkserveError, ValueError):
+    """An engine or policy setting is invalid. ``field`` names the setting."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class ModelLoadError(SinkserveError):
+    """The model directory is missing, is not a model, or holds an unsupported architecture."""
+
+
+class InvalidRequestError(SinkserveError, ValueError):
+    """A request is invalid (HTTP 400). ``field`` names the offending request field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt (plus requested output) does not fit the engine's limit."""
+
+    def __init__(self, num_tokens: int, limit: int, what: str = "max_model_len") -> None:
+        super().__init__(
+            "prompt", f"prompt has {num_tokens} tokens, more than the {what} of {limit} tokens"
+        )
+        self.num_tokens = num_tokens
+        self.limit = limit
+
+
+class ProtectionCapError(InvalidRequestError):
+    """Protected tokens (sinks, roles, anchors) would exceed ``max_protected_tokens``."""
+
+    def __init__(self, num_protected: int, cap: int) -> None:
+        super().__init__(
+            "anchors", f"{num_protected} protected tokens requested, more than max_protected_tokens={cap}"
+        )
+        self.num_protected = num_protected
+        self.cap = cap
+
+
+class RequestAbortedError(SinkserveError):
+    """The request was aborted (client disconnect, timeout or explicit abort)."""
+
+
+class EngineDeadError(SinkserveError):
+    """The engine's step loop has died; the replica must be restarted."""

@@ -1,0 +1,1 @@
+"""Attention kernels: a torch reference for every kernel (``reference``) and Triton versions beside it."""
