@@ -1,0 +1,1 @@
+"""sinkserve serving layer: a Ray Serve application (ingress -> router -> per-bucket engine pools)."""

@@ -1,0 +1,178 @@
+"""Metrics: replicas keep plain counters/histograms, push snapshots to the ``StatsHub``, and the
+ingress renders everything the hub holds as Prometheus text with prometheus-client, so one scrape
+sees every replica (labelled by pool and replica)."""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+)
+
+PREFIX = "sinkserve_"
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@dataclass
+class Histogram:
+    """Cumulative-on-export histogram with fixed bucket upper bounds."""
+
+    bounds: tuple[float, ...] = LATENCY_BUCKETS
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    n: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+        self.n += 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"bounds": list(self.bounds), "counts": list(self.counts), "sum": self.total, "count": self.n}
+
+
+class RequestMetrics:
+    """Per-ingress-replica request metrics, keyed by pool (and status for the counter)."""
+
+    def __init__(self) -> None:
+        self.requests: dict[tuple[str, str], int] = defaultdict(int)
+        self.ttft: dict[str, Histogram] = defaultdict(Histogram)
+        self.itl: dict[str, Histogram] = defaultdict(Histogram)
+        self.e2e: dict[str, Histogram] = defaultdict(Histogram)
+
+    def count(self, pool: str, status: int | str) -> None:
+        self.requests[(pool, str(status))] += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "requests": [[p, s, n] for (p, s), n in self.requests.items()],
+            "ttft": {p: h.to_dict() for p, h in self.ttft.items()},
+            "itl": {p: h.to_dict() for p, h in self.itl.items()},
+            "e2e": {p: h.to_dict() for p, h in self.e2e.items()},
+        }
+
+
+# engine.stats() key -> (metric name, kind, help)
+ENGINE_STATS: tuple[tuple[str, str, str, str], ...] = (
+    ("running", "requests_running", "gauge", "Requests running in the engine"),
+    ("waiting", "requests_waiting", "gauge", "Requests waiting in the engine queue"),
+    ("blocks_total", "kv_blocks_total", "gauge", "KV cache blocks in the pool"),
+    ("blocks_used", "kv_blocks_used", "gauge", "KV cache blocks in use"),
+    ("blocks_free", "kv_blocks_free", "gauge", "KV cache blocks free"),
+    ("blocks_pinned", "kv_blocks_pinned", "gauge", "KV cache blocks pinned (protected tokens)"),
+    ("prefix_cache_hit_tokens", "prefix_cache_hit_tokens_total", "counter", "Prompt tokens served from the prefix cache"),
+    ("tokens_evicted", "tokens_evicted_total", "counter", "Tokens evicted from the KV cache"),
+    ("tokens_protected", "tokens_protected_total", "counter", "Tokens protected from eviction (sinks, anchors)"),
+    ("prompt_tokens_total", "prompt_tokens_total", "counter", "Prompt tokens processed"),
+    ("generation_tokens_total", "generation_tokens_total", "counter", "Tokens generated"),
+    ("preemptions", "preemptions_total", "counter", "Sequences preempted for lack of KV blocks"),
+)
+
+
+def _num(v: Any) -> float | None:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def _hist_family(name: str, doc: str, per_source: Iterable[tuple[dict[str, str], dict[str, Any]]]) -> HistogramMetricFamily:
+    fam: HistogramMetricFamily | None = None
+    for labels, h in per_source:
+        if fam is None:
+            fam = HistogramMetricFamily(PREFIX + name, doc, labels=list(labels))
+        cum, buckets = 0, []
+        for bound, c in zip(list(h["bounds"]) + [math.inf], h["counts"]):
+            cum += c
+            buckets.append(("+Inf" if bound == math.inf else repr(float(bound)), cum))
+        fam.add_metric(list(labels.values()), buckets, h["sum"])
+    return fam or HistogramMetricFamily(PREFIX + name, doc, labels=["pool", "replica"])
+
+
+class SnapshotCollector:
+    """A prometheus-client collector over the hub's snapshot (a dict keyed by source id)."""
+
+    def __init__(self, snapshot: Mapping[str, Mapping[str, Any]]) -> None:
+        self.snapshot = snapshot
+
+    def collect(self):  # noqa: D401 - prometheus-client protocol
+        ingress = [s for s in self.snapshot.values() if s.get("kind") == "ingress"]
+        pools = [s for s in self.snapshot.values() if s.get("kind") == "pool"]
+
+        req = CounterMetricFamily(PREFIX + "requests", "HTTP requests by pool and status", labels=["pool", "status", "replica"])
+        for s in ingress:
+            for pool, status, n in s["data"]["requests"]:
+                req.add_metric([pool, status, s["replica"]], n)
+        yield req
+        for key, name, doc in (
+            ("ttft", "time_to_first_token_seconds", "Time to first token seen at the ingress"),
+            ("itl", "inter_token_latency_seconds", "Gap between streamed token deltas at the ingress"),
+            ("e2e", "e2e_request_latency_seconds", "End-to-end request latency at the ingress"),
+        ):
+            yield _hist_family(
+                name,
+                doc,
+                (({"pool": pool, "replica": s["replica"]}, h) for s in ingress for pool, h in s["data"][key].items()),
+            )
+
+        labels = ["pool", "version", "replica"]
+        fams = {}
+        for stat_key, name, kind, doc in ENGINE_STATS:
+            cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            # CounterMetricFamily appends _total itself.
+            fam_name = PREFIX + (name[: -len("_total")] if kind == "counter" else name)
+            fams[stat_key] = cls(fam_name, doc, labels=labels)
+        ready = GaugeMetricFamily(PREFIX + "replica_ready", "Pool replica has its model loaded", labels=labels)
+        nll = GaugeMetricFamily(
+            PREFIX + "perplexity_proxy_mean_nll",
+            "Mean negative log-likelihood of generated tokens (perplexity proxy = exp of this)",
+            labels=labels,
+        )
+        pver = GaugeMetricFamily(
+            PREFIX + "cache_policy_version",
+            "Cache policy generation (bumps on every reconfigure); the version string is a label",
+            labels=labels + ["policy_version"],
+        )
+        info = InfoMetricFamily(PREFIX + "pool", "Pool replica settings", labels=labels)
+        for s in pools:
+            lv = [s["pool"], s["version"], s["replica"]]
+            stats = s["data"].get("stats", {})
+            for stat_key, fam in fams.items():
+                v = _num(stats.get(stat_key))
+                if v is not None:
+                    fam.add_metric(lv, v)
+            ready.add_metric(lv, 1.0 if s["data"].get("ready") else 0.0)
+            nc, ns = _num(stats.get("nll_count")), _num(stats.get("nll_sum"))
+            if nc and ns is not None:
+                nll.add_metric(lv, ns / nc)
+            pver.add_metric(lv + [str(s["data"].get("policy_version", ""))], float(s["data"].get("policy_generation", 0)))
+            info.add_metric(lv, {"tensor_parallel_size": str(s["data"].get("tensor_parallel_size", 1)), "model": str(s["data"].get("model", ""))})
+        yield from fams.values()
+        yield from (ready, nll, pver, info)
+
+
+def render(snapshot: Mapping[str, Mapping[str, Any]]) -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector(snapshot))
+    return generate_latest(registry)
+
+
+def ready_pools(snapshot: Mapping[str, Mapping[str, Any]], expected: Iterable[str]) -> dict[str, bool]:
+    """For each expected pool deployment: does some live replica report its model loaded?"""
+    up = {s["deployment"] for s in snapshot.values() if s.get("kind") == "pool" and s["data"].get("ready")}
+    return {name: name in up for name in expected}

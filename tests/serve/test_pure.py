@@ -1,0 +1,64 @@
+"""Auth, settings and metrics rendering: pure, no ray."""
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
+
+from app.auth import AuthConfigError, ensure_key_file, resolve_auth
+from app.metrics import RequestMetrics, ready_pools, render
+from app.settings import AppArgs
+
+
+def test_auth_refuses_to_start_without_keys():
+    with pytest.raises(AuthConfigError, match="SINKSERVE_API_KEYS"):
+        resolve_auth("enabled", env={})
+    assert not resolve_auth("disabled", env={}).enabled
+
+
+def test_auth_keys_from_env_and_file(tmp_path):
+    f = tmp_path / "keys"
+    f.write_text("# comment\nk2\n\n")
+    auth = resolve_auth("enabled", env={"SINKSERVE_API_KEYS": "k1, k3", "SINKSERVE_API_KEYS_FILE": str(f)})
+    assert auth.keys == {"k1", "k2", "k3"}
+    assert auth.check("Bearer k2") == "k2"
+    for bad in (None, "k2", "Bearer", "Basic k2", "Bearer nope"):
+        with pytest.raises(PermissionError):
+            auth.check(bad)
+
+
+def test_ensure_key_file_creates_once(tmp_path):
+    p = tmp_path / "d" / "keys"
+    key, created = ensure_key_file(p)
+    assert created and p.stat().st_mode & 0o777 == 0o600
+    assert ensure_key_file(p) == (key, False)
+
+
+def test_app_args_validation():
+    args = AppArgs(pools=[{"name": "long", "max_prompt_tokens": 100}, {"name": "short", "max_prompt_tokens": 10}])
+    assert [p.name for p in args.pools] == ["short", "long"]
+    with pytest.raises(ValidationError, match="weight"):
+        AppArgs(versions=[{"name": "v1", "weight": 0}])
+    with pytest.raises(ValidationError, match="typo"):
+        AppArgs(typo=1)
+
+
+def test_render_parses_and_labels():
+    rm = RequestMetrics()
+    rm.count("short", 200)
+    rm.ttft["short"].observe(0.02)
+    snap = {
+        "ingress-1": {"kind": "ingress", "replica": "i1", "data": rm.snapshot()},
+        "pool-a": {
+            "kind": "pool", "pool": "short", "version": "v1", "replica": "r1", "deployment": "pool-short-v1",
+            "data": {"ready": True, "policy_version": "p-1", "policy_generation": 1,
+                     "stats": {"running": 0, "blocks_used": 3, "nll_sum": 4.0, "nll_count": 2, "tokens_evicted": 5}},
+        },
+    }
+    fams = {f.name: f for f in text_string_to_metric_families(render(snap).decode())}
+    assert fams["sinkserve_requests"].samples[0].labels == {"pool": "short", "status": "200", "replica": "i1"}
+    assert fams["sinkserve_kv_blocks_used"].samples[0].value == 3
+    assert fams["sinkserve_perplexity_proxy_mean_nll"].samples[0].value == 2.0
+    assert fams["sinkserve_cache_policy_version"].samples[0].labels["policy_version"] == "p-1"
+    assert any(s.name == "sinkserve_time_to_first_token_seconds_count" and s.value == 1
+               for s in fams["sinkserve_time_to_first_token_seconds"].samples)
+    assert ready_pools(snap, ["pool-short-v1", "pool-long-v1"]) == {"pool-short-v1": True, "pool-long-v1": False}
