@@ -1,0 +1,401 @@
+"""Triton paged attention over ragged batches, plus a Triton ``write_kv``.
+
+Same signatures and semantics as ``kernels.reference.paged_attention`` / ``write_kv``:
+
+* queries of all sequences are packed on one token axis; ``query_start_loc`` marks the sequences;
+* keys/values are read through ``block_tables`` from ``[num_blocks, block_size, Hkv, D]`` caches;
+  block id 0 (the null block) is skipped;
+* causal inside the new chunk: query ``i`` of a sequence sits at position ``seq_len - q_len + i``;
+* GQA of any ratio: one program owns one KV head and *all* of its query heads, so every key tile is
+  loaded once per group instead of once per query head.
+
+Work decomposition. One program = (query tile, KV head, KV split). A query tile is up to ``BLOCK_Q``
+consecutive query tokens of one sequence times the ``G = Hq / Hkv`` heads of the group, flattened into
+``BLOCK_M = BLOCK_Q * G`` rows, so decode tokens (``BLOCK_Q = 1``) still fill a tensor-core tile with
+their query heads. The kernel streams the sequence's KV in ``BLOCK_N`` tiles with an online softmax.
+
+Split-KV. A single long decode has only ``Hkv`` programs, far fewer than the GPU's SMs. With
+``num_splits > 1`` each program covers one contiguous segment of the keys and writes an unnormalized
+partial output with its running max and sum; ``_reduce_kernel`` merges the segments
+(``o = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s``). The split count is chosen on the host from
+shapes only (no device sync), so the call stays CUDA-graph friendly.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kernels._triton import check_device, dot_precision, find_seq, interpreting, load_kv, next_pow2, tl, triton
+
+logger = logging.getLogger(__name__)
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class KVSource:
+    """Where a kernel reads KV from: a plain 16-bit cache (``quant == 0``) or a quantized cache.
+
+    For ``quant in (8, 4)`` ``k/v`` hold the codes and the other tensors are the side pool, the per-block
+    indirection into it and the scales (see ``kernels.kv_quant.QuantKVCache``).
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    quant: int = 0
+    fp_k: torch.Tensor | None = None
+    fp_v: torch.Tensor | None = None
+    fp_index: torch.Tensor | None = None
+    k_scale: torch.Tensor | None = None
+    k_zero: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+    v_zero: torch.Tensor | None = None
+    group_size: int = 1
+
+    def pointers(self) -> tuple[torch.Tensor, ...]:
+        """The 11 tensors ``load_kv`` takes; unused ones alias ``k`` (never read when ``quant == 0``)."""
+        k = self.k
+        return (
+            self.k,
+            self.v,
+            self.fp_k if self.fp_k is not None else k,
+            self.fp_v if self.fp_v is not None else k,
+            self.fp_index if self.fp_index is not None else k,
+            self.k_scale if self.k_scale is not None else k,
+            self.k_zero if self.k_zero is not None else k,
+            self.v_scale if self.v_scale is not None else k,
+            self.v_zero if self.v_zero is not None else k,
+        )
+
+
+def plain_source(k_cache: torch.Tensor, v_cache: torch.Tensor) -> KVSource:
+    """A ``KVSource`` over 16/32-bit caches ``[num_blocks, block_size, Hkv, D]``."""
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        # Kernels compute flat offsets from the shape; a strided view would be read wrongly.
+        raise ValueError("KV caches must be contiguous")
+    _, block_size, hkv, d = k_cache.shape
+    if d % 2:
+        raise ValueError(f"head_dim must be even, got {d}")
+    return KVSource(k_cache, v_cache, block_size, hkv, d)
+
+
+@triton.jit
+def _paged_attn_kernel(
+    q_ptr,
+    o_ptr,
+    part_o_ptr,
+    part_ml_ptr,
+    k_ptr,
+    v_ptr,
+    fpk_ptr,
+    fpv_ptr,
+    fp_index_ptr,
+    ks_ptr,
+    kz_ptr,
+    vs_ptr,
+    vz_ptr,
+    block_tables_ptr,
+    stride_bt,
+    seq_lens_ptr,
+    qsl_ptr,
+    num_seqs,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    QUANT: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = find_seq(qsl_ptr, num_seqs, pid, BLOCK_Q)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    q_tile = pid - (q_start // BLOCK_Q + seq)
+    if q_tile * BLOCK_Q < q_len:
+        seq_len = tl.load(seq_lens_ptr + seq)
+        ctx = seq_len - q_len  # logical position of this sequence's first query
+
+        rows = tl.arange(0, BLOCK_M)
+        q_local = q_tile * BLOCK_Q + rows // GROUP
+        head = kv_head * GROUP + rows % GROUP
+        row_ok = (rows // GROUP < BLOCK_Q) & (q_local < q_len)
+        q_pos = ctx + q_local
+        tok = (q_start + q_local).to(tl.int64)
+
+        offs = tl.arange(0, HALF)
+        HD2: tl.constexpr = HEAD_DIM // 2
+        dmask = offs < HD2
+        qm = row_ok[:, None] & dmask[None, :]
+        q_row = tok * stride_qt + head * stride_qh
+        q_lo = tl.load(q_ptr + q_row[:, None] + offs[None, :], mask=qm, other=0.0)
+        q_hi = tl.load(q_ptr + q_row[:, None] + HD2 + offs[None, :], mask=qm, other=0.0)
+
+        # Keys this tile can see: positions [0, last query position of the tile].
+        kv_end = ctx + tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len)
+        if NUM_SPLITS == 1:
+            lo = 0
+            hi = kv_end
+        else:
+            seg = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+            lo = split * seg
+            hi = tl.minimum(lo + seg, kv_end)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc_lo = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
+        acc_hi = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
+        bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        for start in range(lo, hi, BLOCK_N):
+            pos = start + tl.arange(0, BLOCK_N)
+            in_range = pos < hi
+            blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=in_range, other=0)
+            kv_ok = in_range & (blk != 0)  # null block: evicted span, never attended
+            slots = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+            k_lo, k_hi, v_lo, v_hi = load_kv(
+                slots, kv_ok, kv_head, k_ptr, v_ptr, fpk_ptr, fpv_ptr, fp_index_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
+                NUM_KV_HEADS, HEAD_DIM, HALF, BLOCK_SIZE, GROUP_SIZE, QUANT,
+            )
+            s = tl.dot(q_lo, tl.trans(k_lo.to(q_lo.dtype)), input_precision=DOT_PREC)
+            s += tl.dot(q_hi, tl.trans(k_hi.to(q_hi.dtype)), input_precision=DOT_PREC)
+            s = s * qk_scale  # log2 domain: qk_scale = scale * log2(e)
+            ok = kv_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # Rows that have seen no valid key yet keep m = -inf; shift by 0 so exp2 gives 0, not NaN.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            pv = p.to(q_lo.dtype)
+            acc_lo = acc_lo * alpha[:, None] + tl.dot(pv, v_lo.to(q_lo.dtype), input_precision=DOT_PREC)
+            acc_hi = acc_hi * alpha[:, None] + tl.dot(pv, v_hi.to(q_lo.dtype), input_precision=DOT_PREC)
+            m_i = m_new
+
+        if NUM_SPLITS == 1:
+            # A query with no visible key (its whole past evicted) gets 0 rather than NaN.
+            inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
+            o_row = tok * stride_ot + head * stride_oh
+            om = row_ok[:, None] & dmask[None, :]
+            tl.store(o_ptr + o_row[:, None] + offs[None, :], (acc_lo * inv[:, None]).to(o_ptr.dtype.element_ty), mask=om)
+            tl.store(
+                o_ptr + o_row[:, None] + HD2 + offs[None, :], (acc_hi * inv[:, None]).to(o_ptr.dtype.element_ty), mask=om
+            )
+        else:
+            # Partials: [T, Hq, NUM_SPLITS, D] unnormalized accumulators and [T, Hq, NUM_SPLITS, 2] (m, l).
+            pr = (tok * NUM_Q_HEADS + head) * NUM_SPLITS + split
+            om = row_ok[:, None] & dmask[None, :]
+            tl.store(part_o_ptr + pr[:, None] * HEAD_DIM + offs[None, :], acc_lo, mask=om)
+            tl.store(part_o_ptr + pr[:, None] * HEAD_DIM + HD2 + offs[None, :], acc_hi, mask=om)
+            tl.store(part_ml_ptr + pr * 2, m_i, mask=row_ok)
+            tl.store(part_ml_ptr + pr * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _reduce_kernel(
+    part_o_ptr,
+    part_ml_ptr,
+    o_ptr,
+    stride_ot,
+    stride_oh,
+    NUM_Q_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    sp = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, D_PAD)
+    sm = sp < NUM_SPLITS
+    base = (tok * NUM_Q_HEADS + head) * NUM_SPLITS
+    m = tl.load(part_ml_ptr + (base + sp) * 2, mask=sm, other=float("-inf"))
+    l = tl.load(part_ml_ptr + (base + sp) * 2 + 1, mask=sm, other=0.0)
+    acc = tl.load(
+        part_o_ptr + (base + sp)[:, None] * HEAD_DIM + d[None, :], mask=sm[:, None] & (d[None, :] < HEAD_DIM), other=0.0
+    )
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_max)  # segments that saw no key have m = -inf -> weight 0
+    den = tl.sum(w * l, 0)
+    num = tl.sum(w[:, None] * acc, 0)
+    out = tl.where(den > 0, num / den, 0.0)
+    tl.store(o_ptr + tok * stride_ot + head * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
+
+
+def choose_num_splits(num_tokens: int, num_kv_heads: int, max_kv_len: int, device: torch.device) -> int:
+    """Split the key axis when (tokens x KV heads) programs cannot fill the GPU and keys are long.
+
+    Uses shapes only (``max_kv_len`` = block-table width x block size), never device values, so it does not
+    sync. Each split keeps at least 512 keys, so short contexts are never split.
+    """
+    if interpreting() or device.type != "cuda":
+        return 1
+    programs = num_tokens * num_kv_heads
+    sms = _num_sms(device)
+    if programs >= sms:
+        return 1
+    splits = min(math.ceil(2 * sms / programs), max(1, max_kv_len // 512), 64)
+    return max(1, splits)
+
+
+def launch_paged_attention(
+    query: torch.Tensor,
+    kv: KVSource,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Run the paged-attention kernel over any ``KVSource`` (16-bit or quantized). Returns ``[T, Hq, D]``."""
+    check_device(query, kv.k, block_tables)
+    num_tokens, hq, d = query.shape
+    if d != kv.head_dim:
+        raise ValueError(f"query head_dim {d} != cache head_dim {kv.head_dim}")
+    if hq % kv.num_kv_heads:
+        raise ValueError(f"{hq} query heads not a multiple of {kv.num_kv_heads} KV heads")
+    group = hq // kv.num_kv_heads
+    out = torch.empty_like(query)
+    num_seqs = int(seq_lens.shape[0])
+    if num_tokens == 0:
+        return out
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+
+    # Decode-only batches (one token per sequence) use BLOCK_Q = 1; mixed batches tile queries so each
+    # key tile is reused across up to BLOCK_Q tokens of a prefill chunk.
+    decode_only = num_tokens == num_seqs
+    block_m = max(16, next_pow2(group)) if decode_only else max(64 if not interpreting() else 32, next_pow2(group))
+    block_q = max(1, block_m // group)
+    block_n = 64 if not interpreting() else 32
+    half = next_pow2(d // 2)
+    max_kv_len = int(block_tables.shape[1]) * kv.block_size
+    if num_splits is None:
+        num_splits = choose_num_splits(num_tokens, kv.num_kv_heads, max_kv_len, query.device)
+    grid = (num_tokens // block_q + num_seqs, kv.num_kv_heads, num_splits)
+    if num_splits > 1:
+        part_o = torch.empty(num_tokens, hq, num_splits, d, dtype=torch.float32, device=query.device)
+        part_ml = torch.empty(num_tokens, hq, num_splits, 2, dtype=torch.float32, device=query.device)
+    else:
+        part_o = part_ml = out  # unused
+    _paged_attn_kernel[grid](
+        query, out, part_o, part_ml, *kv.pointers(),
+        block_tables, block_tables.stride(0), seq_lens, query_start_loc, num_seqs, scale * LOG2E,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        NUM_Q_HEADS=hq, NUM_KV_HEADS=kv.num_kv_heads, GROUP=group, HEAD_DIM=d, HALF=half,
+        BLOCK_SIZE=kv.block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        QUANT=kv.quant, GROUP_SIZE=kv.group_size, DOT_PREC=dot_precision(query.dtype),
+    )  # fmt: skip
+    if num_splits > 1:
+        _reduce_kernel[(num_tokens, hq)](
+            part_o, part_ml, out, out.stride(0), out.stride(1),
+            NUM_Q_HEADS=hq, HEAD_DIM=d, D_PAD=next_pow2(d), NUM_SPLITS=num_splits, SPLITS_PAD=next_pow2(num_splits),
+        )  # fmt: skip
+    return out
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed queries ``[T, Hq, D]`` over paged caches; returns ``[T, Hq, D]``.
+
+    Drop-in for ``kernels.reference.paged_attention``. ``num_splits`` forces the split-KV path (``None``
+    picks it from shapes: only when tokens x KV heads cannot fill the GPU).
+    """
+    return launch_paged_attention(
+        query, plain_source(k_cache, v_cache), block_tables, seq_lens, query_start_loc, scale, num_splits
+    )
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    H_PAD: tl.constexpr,
+    D_PAD: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot >= 0:  # negative slot: this token's KV must not be stored
+        h = tl.arange(0, H_PAD)
+        d = tl.arange(0, D_PAD)
+        m = (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_DIM)
+        k = tl.load(key_ptr + tok * stride_kt + h[:, None] * stride_kh + d[None, :], mask=m)
+        v = tl.load(value_ptr + tok * stride_vt + h[:, None] * stride_vh + d[None, :], mask=m)
+        dst = slot * NUM_KV_HEADS * HEAD_DIM + h[:, None] * HEAD_DIM + d[None, :]
+        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=m)
+        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=m)
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter new keys/values ``[T, Hkv, D]`` into the caches at flat slots; slots < 0 are skipped.
+
+    Drop-in for ``kernels.reference.write_kv`` (values are cast to the cache dtype).
+    """
+    check_device(key, k_cache)
+    plain_source(k_cache, v_cache)  # validates shape/contiguity
+    num_tokens = int(key.shape[0])
+    if num_tokens == 0:
+        return
+    if key.stride(-1) != 1:
+        key = key.contiguous()
+    if value.stride(-1) != 1:
+        value = value.contiguous()
+    _, _, hkv, d = k_cache.shape
+    _write_kv_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        NUM_KV_HEADS=hkv, HEAD_DIM=d, H_PAD=next_pow2(hkv), D_PAD=next_pow2(d),
+    )  # fmt: skip
