@@ -1,0 +1,79 @@
+"""The attention function registered with transformers, and the per-forward context it reads.
+
+Every attention layer of a loaded model calls ``paged_attention_forward`` instead of transformers' own
+SDPA: it writes the layer's new keys/values into the engine's paged cache and attends over it with the
+configured backend. Per-forward metadata (slots, block tables, lengths) lives in a scoped context set by
+the model runner, not in layer signatures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from engine.attention_backends import AttentionBackend
+
+ATTN_IMPLEMENTATION = "sinkserve_paged"
+
+
+@dataclass
+class ForwardContext:
+    """What one forward pass of a ragged batch needs in every attention layer."""
+
+    backend: AttentionBackend
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
+    slot_mapping: torch.Tensor  # [T] flat slot of each new token
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    seq_lens: torch.Tensor  # [S] logical tokens in cache after this forward
+    query_start_loc: torch.Tensor  # [S + 1]
+
+
+_CONTEXT: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("sinkserve_forward", default=None)
+
+
+@contextlib.contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[None]:
+    token = _CONTEXT.set(ctx)
+    try:
+        yield
+    finally:
+        _CONTEXT.reset(token)
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention interface: ``query [1, Hq, T, D]``, ``key/value [1, Hkv, T, D]`` -> ``[1, T, Hq, D]``."""
+    ctx = _CONTEXT.get()
+    if ctx is None:
+        raise RuntimeError("sinkserve attention called outside a forward_context (use the engine's model runner)")
+    k_cache, v_cache = ctx.kv_caches[module.layer_idx]
+    q = query[0].transpose(0, 1)
+    ctx.backend.write_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, ctx.slot_mapping)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = ctx.backend.paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, scale)
+    return out.unsqueeze(0), None
+
+
+def _no_mask(*args: object, **kwargs: object) -> None:
+    # Causality and sequence boundaries come from the paged metadata, not from a dense mask.
+    return None
+
+
+def register() -> None:
+    """Make ``attn_implementation=ATTN_IMPLEMENTATION`` available to transformers models (idempotent)."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)

@@ -1,0 +1,222 @@
+"""Paged KV blocks: free queue, reference counts, hash-chained prefix caching, the null block.
+
+Pure Python over integer block ids; no torch. The model runner owns the tensors these ids index.
+
+    block ids:     0      1  2  3  4 ...  N-1
+                  null   [----- allocatable ------]
+
+* Block 0 is the null block. It is never allocated or freed; evicted entries of a block table point to it.
+* The free queue is ordered: allocation takes from the front, freeing appends to the back, so the
+  least recently freed block is reused first and recently freed prefix blocks stay cached longest.
+* A full block's hash covers its tokens and its parent's hash. A freed block keeps its hash while it
+  sits in the free queue; a later request with the same prefix takes it back out (a prefix-cache hit).
+  Reallocating it for other tokens drops the hash.
+
+Example (``num_blocks=5``, ``block_size=4``)::
+
+    allocate 2 blocks for seq A  -> table [1, 2], free queue [3, 4]
+    free seq A                   -> free queue [3, 4, 2, 1]   (tail blocks first: they are the least
+                                                                 likely to be shared)
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
+
+from engine.sequence import Sequence
+
+NULL_BLOCK = 0
+
+
+def hash_block(parent_hash: int | None, token_ids: Seq[int]) -> int:
+    """Hash of a full block: chains the parent's hash so equal blocks under different prefixes differ."""
+    return hash((parent_hash, tuple(token_ids)))
+
+
+class BlockManager:
+    """Allocates KV blocks to sequences and shares identical prompt prefixes between them."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hashes: list[int | None] = [None] * num_blocks
+        self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        self.prefix_hit_tokens = 0
+        self.prefix_query_tokens = 0
+
+    # ------------------------------------------------------------------ counts
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - 1 - len(self.free_queue)
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def num_new_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Blocks ``append_slots(seq, num_new_tokens)`` would allocate."""
+        target = self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens)
+        return max(0, target - len(seq.block_table))
+
+    # ------------------------------------------------------------------ prefix cache
+    def match_prefix(self, token_ids: Seq[int]) -> list[int]:
+        """Cached block ids for the longest hashed prefix of ``token_ids`` (read-only).
+
+        At most ``(len - 1) // block_size`` blocks match, so at least one token is always computed and
+        the request gets logits to sample from.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        parent: int | None = None
+        for i in range((len(token_ids) - 1) // self.block_size):
+            h = hash_block(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
+            block = self.hash_to_block.get(h)
+            if block is None:
+                break
+            hits.append(block)
+            parent = h
+        return hits
+
+    def num_hits_in_free_queue(self, hits: Seq[int]) -> int:
+        """How many of ``hits`` would leave the free queue when taken (they then count as used)."""
+        return sum(1 for b in hits if self.ref_counts[b] == 0)
+
+    def take_prefix(self, seq: Sequence, hits: Seq[int]) -> None:
+        """Start ``seq`` (which holds no blocks) on the cached blocks ``hits``."""
+        assert not seq.block_table, "take_prefix on a sequence that already holds blocks"
+        self.prefix_query_tokens += seq.num_tokens
+        parent: int | None = None
+        for b in hits:
+            if self.ref_counts[b] == 0:
+                del self.free_queue[b]
+            self.ref_counts[b] += 1
+            parent = self.block_hashes[b]
+        seq.block_table = list(hits)
+        seq.num_computed_tokens = len(hits) * self.block_size
+        seq.num_cached_tokens = seq.num_computed_tokens
+        seq.num_hashed_blocks = len(hits)
+        seq.last_block_hash = parent
+        self.prefix_hit_tokens += seq.num_computed_tokens
+
+    def commit_full_blocks(self, seq: Sequence) -> None:
+        """Hash the blocks of ``seq`` whose tokens are now all computed, making them shareable."""
+        if not self.enable_prefix_caching or seq.num_evicted_blocks:
+            return
+        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        for i in range(seq.num_hashed_blocks, full):
+            block = seq.block_table[i]
+            h = hash_block(seq.last_block_hash, seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            if self.block_hashes[block] is None:
+                self.block_hashes[block] = h
+                self.hash_to_block.setdefault(h, block)
+            seq.last_block_hash = h
+            seq.num_hashed_blocks = i + 1
+
+    # ------------------------------------------------------------------ allocation
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= len(self.free_queue)
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[int]:
+        """Grow ``seq``'s table to cover ``num_new_tokens`` more tokens; returns the new block ids."""
+        need = self.num_new_blocks(seq, num_new_tokens)
+        if need > len(self.free_queue):
+            raise RuntimeError(f"need {need} blocks, only {len(self.free_queue)} free")
+        new = [self._allocate_block() for _ in range(need)]
+        seq.block_table.extend(new)
+        return new
+
+    def free(self, seq: Sequence) -> None:
+        """Release every block of ``seq``, tail first."""
+        for b in reversed(seq.block_table):
+            if b != NULL_BLOCK:
+                self._release_block(b)
+        seq.block_table = []
+        seq.num_hashed_blocks = 0
+        seq.last_block_hash = None
+
+    def evict_blocks(self, seq: Sequence, logical_indices: Seq[int]) -> list[int]:
+        """Free the given logical blocks of ``seq`` and point their table entries at the null block."""
+        freed = []
+        for i in logical_indices:
+            b = seq.block_table[i]
+            if b == NULL_BLOCK:
+                continue
+            self._release_block(b)
+            seq.block_table[i] = NULL_BLOCK
+            freed.append(b)
+        seq.num_evicted_blocks += len(freed)
+        return freed
+
+    def make_private(self, seq: Sequence, logical_index: int) -> tuple[int, int] | None:
+        """Give ``seq`` its own copy of a block before modifying it in place (copy-on-write).
+
+        A block that is shared, or hashed in the prefix cache, must not change under other readers:
+        returns ``(src, dst)`` for the runner to copy, or None if the block is already private (it is
+        then only un-hashed). Raises if a copy is needed and no block is free.
+        """
+        block = seq.block_table[logical_index]
+        if self.ref_counts[block] == 1 and self.block_hashes[block] is None:
+            return None
+        if not self.free_queue:
+            if self.ref_counts[block] == 1:
+                self._forget_hash(block)
+                return None
+            raise RuntimeError(f"no free block to copy shared block {block}")
+        new = self._allocate_block()
+        self._release_block(block)
+        seq.block_table[logical_index] = new
+        return block, new
+
+    def _forget_hash(self, block: int) -> None:
+        h = self.block_hashes[block]
+        if h is not None:
+            if self.hash_to_block.get(h) == block:
+                del self.hash_to_block[h]
+            self.block_hashes[block] = None
+
+    def _allocate_block(self) -> int:
+        block, _ = self.free_queue.popitem(last=False)
+        self._forget_hash(block)
+        self.ref_counts[block] = 1
+        return block
+
+    def _release_block(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] < 0:
+            raise RuntimeError(f"block {block} freed more often than allocated")
+        if self.ref_counts[block] == 0:
+            self.free_queue[block] = None
+
+    # ------------------------------------------------------------------ checks
+    def check_integrity(self, live: Seq[Sequence] | None = None) -> None:
+        """Raise if the books don't balance: free + used == total; with ``live``, refs match its tables."""
+        used = [b for b in range(1, self.num_blocks) if self.ref_counts[b] > 0]
+        if len(used) + len(self.free_queue) != self.num_blocks - 1:
+            raise AssertionError(
+                f"block leak: {len(used)} used + {len(self.free_queue)} free != {self.num_blocks - 1} total"
+            )
+        for b in self.free_queue:
+            if self.ref_counts[b] != 0:
+                raise AssertionError(f"block {b} is in the free queue with ref count {self.ref_counts[b]}")
+        if self.ref_counts[NULL_BLOCK] != 0 or NULL_BLOCK in self.free_queue:
+            raise AssertionError("the null block was allocated or freed")
+        if live is None:
+            return
+        expected = [0] * self.num_blocks
+        for seq in live:
+            for b in seq.block_table:
+                if b != NULL_BLOCK:
+                    expected[b] += 1
+        if live is not None and expected != self.ref_counts:
+            bad = [b for b in range(self.num_blocks) if expected[b] != self.ref_counts[b]]
+            raise AssertionError(f"ref counts disagree with live block tables for blocks {bad[:10]}")

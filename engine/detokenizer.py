@@ -1,0 +1,43 @@
+"""Incremental detokenization with stop strings.
+
+Byte-level BPE can split one character across tokens, so text is only released when it no longer ends
+in a replacement character, and text that could still become a stop string is held back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas, cutting at the first stop string."""
+
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.text = ""  # decoded output so far
+        self.emitted = 0  # characters of self.text already released
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def update(self, output_ids: list[int], finished: bool = False) -> str:
+        """Account for the newest tokens; returns the text that may be released now."""
+        prefix = self._decode(output_ids[self.prefix_offset : self.read_offset])
+        full = self._decode(output_ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.text += full[len(prefix) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(output_ids)
+        if self.stop:
+            cut = min((i for i in (self.text.find(s) for s in self.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                self.text = self.text[:cut]
+                self.stopped = True
+        end = len(self.text) if (finished or self.stopped) else max(self.emitted, len(self.text) - self.hold)
+        delta = self.text[self.emitted : end]
+        self.emitted = end
+        return delta

@@ -1,0 +1,32 @@
+"""What the engine hands back to callers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    """One streamed delta of a request (``finished`` marks the last one)."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass
+class CompletionResult:
+    """A whole finished request, as returned by ``LLMEngine.generate``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[float] = field(default_factory=list)

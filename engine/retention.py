@@ -1,0 +1,136 @@
+"""Which token spans are protected, kept or evicted. Pure functions over integers: no torch.
+
+Retention is block granular. A block is kept while it holds a protected token or a token of the
+recent window; every other block is freed and its table entry becomes the null block::
+
+    window = 8, block_size = 4, protected = {0, 1, 2, 3, 21}, 30 tokens computed
+
+    logical block:  0      1      2      3      4      5      6      7
+    tokens:        0-3    4-7    8-11  12-15  16-19  20-23  24-27  28-29
+                   sink   evict  evict  evict  evict  anchor  window window   (window starts at 22
+                                                                                -> first window block 5)
+
+Positions (StreamingLLM): kept tokens must look consecutive to the model. Keys are stored rotated at
+their true positions and queries use true positions, so the window needs no work. A kept block *before*
+evicted blocks sits ``block_size`` positions too far back for every evicted block after it; when blocks are
+evicted the runner rotates such blocks forward by that many positions, once (``rotation_shifts``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from engine.cache_policy import CachePolicy
+
+NULL_BLOCK = 0
+
+
+@dataclass(frozen=True)
+class EvictionRecord:
+    """One eviction event, logged at debug level and kept for inspection."""
+
+    request_id: str
+    evicted_ranges: tuple[tuple[int, int], ...]  # [start, end) token ranges that left the cache
+    freed_blocks: tuple[int, ...]
+    num_protected: int
+    window: int
+    num_computed: int
+
+
+def resolve_protected_positions(
+    token_ids: Sequence[int],
+    policy: CachePolicy,
+    *,
+    delimiter_ids: Iterable[int] = (),
+    session_start_ids: Iterable[int] = (),
+    system_span: tuple[int, int] | None = None,
+    anchor_spans: Iterable[tuple[int, int]] = (),
+) -> list[int]:
+    """Sorted absolute positions of ``token_ids`` the policy protects.
+
+    >>> resolve_protected_positions([1, 5, 9, 5, 7], CachePolicy(protected_positions=(0,),
+    ...     protected_token_roles=("sink", "delimiter")), delimiter_ids=[5], anchor_spans=[(4, 5)])
+    [0, 1, 3, 4]
+    """
+    n = len(token_ids)
+    roles = set(policy.protected_token_roles)
+    out: set[int] = set()
+    if "sink" in roles:
+        out.update(p for p in policy.protected_positions if p < n)
+    if "delimiter" in roles:
+        delims = set(delimiter_ids)
+        out.update(i for i, t in enumerate(token_ids) if t in delims)
+    if "session_start" in roles:
+        starts = set(session_start_ids)
+        out.update(i for i, t in enumerate(token_ids) if t in starts)
+    if "system" in roles and system_span is not None:
+        out.update(range(max(0, system_span[0]), min(n, system_span[1])))
+    for start, end in anchor_spans:
+        out.update(range(max(0, start), min(n, end)))
+    return sorted(out)
+
+
+def blocks_of(positions: Iterable[int], block_size: int) -> set[int]:
+    """Logical block indices holding ``positions``."""
+    return {p // block_size for p in positions}
+
+
+def first_window_block(num_computed: int, window: int, block_size: int) -> int:
+    """Logical index of the oldest block holding one of the last ``window`` computed tokens.
+
+    >>> first_window_block(num_computed=30, window=8, block_size=4)
+    5
+    >>> first_window_block(num_computed=6, window=8, block_size=4)
+    0
+    """
+    return max(0, num_computed - window) // block_size
+
+
+def blocks_to_evict(
+    block_table: Sequence[int], start: int, stop: int, protected_blocks: set[int]
+) -> list[int]:
+    """Logical blocks in ``[start, stop)`` that are still held and protect nothing.
+
+    >>> blocks_to_evict([7, 8, 0, 9, 10, 11], start=0, stop=5, protected_blocks={0, 4})
+    [1, 3]
+    """
+    return [i for i in range(start, min(stop, len(block_table))) if block_table[i] != NULL_BLOCK and i not in protected_blocks]
+
+
+def rotation_shifts(block_table: Sequence[int], evicted: Sequence[int], block_size: int) -> list[tuple[int, int]]:
+    """``(logical_block, positions)`` for kept blocks that sit before newly ``evicted`` logical blocks.
+
+    Each such block must move forward by ``block_size`` positions per evicted block after it, so the kept
+    tokens stay consecutive. ``block_table`` is the table *after* eviction.
+
+    >>> rotation_shifts([7, 0, 0, 9, 0, 11], evicted=[1, 2, 4], block_size=4)
+    [(0, 12), (3, 4)]
+    """
+    if not evicted:
+        return []
+    last = max(evicted)
+    shifts = []
+    for i in range(last):
+        if block_table[i] == NULL_BLOCK:
+            continue
+        shift = block_size * sum(1 for e in evicted if e > i)
+        if shift:
+            shifts.append((i, shift))
+    return shifts
+
+
+def token_ranges(logical_blocks: Sequence[int], block_size: int) -> tuple[tuple[int, int], ...]:
+    """Merge logical blocks into ``[start, end)`` token ranges.
+
+    >>> token_ranges([1, 2, 4], 4)
+    ((4, 12), (16, 20))
+    """
+    ranges: list[list[int]] = []
+    for b in sorted(logical_blocks):
+        start, end = b * block_size, (b + 1) * block_size
+        if ranges and ranges[-1][1] == start:
+            ranges[-1][1] = end
+        else:
+            ranges.append([start, end])
+    return tuple((s, e) for s, e in ranges)

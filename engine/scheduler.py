@@ -1,0 +1,196 @@
+"""Continuous batching: which sequences run this step and how many of their tokens.
+
+Each step fills a token budget (``max_num_batched_tokens``) in this order:
+
+1. running sequences that decode (one token each) - a long prompt never stalls them;
+2. running sequences part-way through a prefill (one chunk each);
+3. waiting sequences, oldest first, while blocks and sequence slots remain (after a prefix-cache lookup).
+
+When a running sequence needs a block and none is free, the most recently arrived sequence not yet
+scheduled this step is preempted: its blocks are freed and it goes back to the front of the queue to be
+recomputed later (its tokens are kept, so the output is unchanged). Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine import retention
+from engine.block_manager import BlockManager
+from engine.cache_policy import CachePolicy
+from engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_tokens: int  # tokens computed for this sequence in this step
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the sequence, so a next token is sampled from it."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    # (src, dst) block copies, then (block_id, positions) key rotations, applied before the forward.
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    rotations: list[tuple[int, int]] = field(default_factory=list)
+    evictions: list[retention.EvictionRecord] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Owns the waiting queue and the running list; mutates sequences and the block manager."""
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        policy: CachePolicy,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ) -> None:
+        self.bm = block_manager
+        self.policy = policy
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.tokens_evicted = 0
+
+    # ------------------------------------------------------------------ queue
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def live_sequences(self) -> list[Sequence]:
+        return [*self.running, *self.waiting]
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark ``seq`` finished and free its blocks at once."""
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.bm.free(seq)
+
+    def find(self, request_id: str) -> Sequence | None:
+        for seq in self.live_sequences():
+            if seq.request_id == request_id:
+                return seq
+        return None
+
+    # ------------------------------------------------------------------ step
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled_ids: set[int] = set()
+
+        # Decodes first (stable sort keeps arrival order inside each group).
+        for seq in sorted(self.running, key=lambda s: s.in_prefill):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            self._evict_out_of_window(seq, out)
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self._make_room(seq, self.bm.num_new_blocks(seq, n), scheduled_ids, out):
+                continue  # seq itself was preempted
+            self.bm.append_slots(seq, n)
+            out.scheduled.append(ScheduledSequence(seq, n))
+            scheduled_ids.add(id(seq))
+            budget -= n
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            seq = self.waiting[0]
+            hits = self.bm.match_prefix(seq.token_ids)
+            cached = len(hits) * self.bm.block_size
+            n = min(seq.num_tokens - cached, budget)
+            need = self.bm.num_hits_in_free_queue(hits) + self.bm.blocks_for_tokens(cached + n) - len(hits)
+            if need > self.bm.num_free_blocks:
+                break
+            self.waiting.popleft()
+            self.bm.take_prefix(seq, hits)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._evict_out_of_window(seq, out)
+            self.bm.append_slots(seq, n)
+            out.scheduled.append(ScheduledSequence(seq, n))
+            scheduled_ids.add(id(seq))
+            budget -= n
+        return out
+
+    def _make_room(self, seq: Sequence, need: int, scheduled_ids: set[int], out: SchedulerOutput) -> bool:
+        """Preempt until ``need`` blocks are free. Returns False if ``seq`` itself had to go."""
+        while not self.bm.can_allocate(need):
+            victims = [s for s in self.running if id(s) not in scheduled_ids and s is not seq]
+            victim = max(victims, key=lambda s: s.arrival) if victims else seq
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        logger.info("preempting request %s (%d tokens) to free %d blocks", seq.request_id, seq.num_tokens,
+                    sum(1 for b in seq.block_table if b))
+        self.bm.free(seq)
+        self.running.remove(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = 0
+        seq.num_evicted_blocks = 0
+        seq.eviction_cursor = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def _evict_out_of_window(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Free the blocks of ``seq`` that left the window and protect nothing; queue key rotations."""
+        if not self.policy.evicts:
+            return
+        bs = self.bm.block_size
+        stop = retention.first_window_block(seq.num_computed_tokens, self.policy.window, bs)
+        if stop <= seq.eviction_cursor:
+            return
+        logical = retention.blocks_to_evict(seq.block_table, seq.eviction_cursor, stop, seq.protected_blocks)
+        seq.eviction_cursor = stop
+        if not logical:
+            return
+        freed = self.bm.evict_blocks(seq, logical)
+        for index, shift in retention.rotation_shifts(seq.block_table, logical, bs):
+            copy = self.bm.make_private(seq, index)
+            if copy is not None:
+                out.copies.append(copy)
+            out.rotations.append((seq.block_table[index], shift))
+        self.tokens_evicted += len(logical) * bs
+        record = retention.EvictionRecord(
+            request_id=seq.request_id,
+            evicted_ranges=retention.token_ranges(logical, bs),
+            freed_blocks=tuple(freed),
+            num_protected=len(seq.protected_positions),
+            window=self.policy.window,
+            num_computed=seq.num_computed_tokens,
+        )
+        out.evictions.append(record)
+        logger.debug("eviction %s", record)

@@ -1,0 +1,67 @@
+"""Tiny, seeded, randomly initialised models saved to disk, shared by the engine tests.
+
+Random models have near-tied logits, so weights are scaled up until the next-token distribution is
+peaked; greedy decoding then has a clear winner and exact token equality with transformers is a fair
+check (float32).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+VOCAB = 256
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used by byte-level BPE."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer without merges: bytes 0..251 are tokens, 252..255 are BOS/EOS/delimiters."""
+    specials = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items() if b < VOCAB - len(specials)}
+    vocab.update({s: VOCAB - len(specials) + i for i, s in enumerate(specials)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", VOCAB - 4)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="</s>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+
+
+def build_model(path: Path, family: str = "llama", seed: int = 0, layers: int = 2, max_pos: int = 512) -> Path:
+    """Save a tiny seeded model of ``family`` (``llama`` with GQA, ``qwen2`` with attention biases)."""
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
+        bos_token_id=VOCAB - 4, eos_token_id=VOCAB - 3, tie_word_embeddings=False,
+    )
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    else:
+        raise ValueError(family)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(3.0)
+    model.save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return path
