@@ -115,3 +115,173 @@ def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch
     return torch.nn.functional.scaled_dot_product_attention(
         q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
     )
+
+
+# --------------------------------------------------------------------------------------------------------
+# References for the Triton kernels of issue 6 (quantized KV, lightning indexer, top-k, sparse attention).
+# --------------------------------------------------------------------------------------------------------
+
+
+def quantize_blocks(
+    k_blocks: torch.Tensor, v_blocks: torch.Tensor, bits: int, group_size: int
+) -> tuple[torch.Tensor, ...]:
+    """Asymmetric quantization of whole blocks ``[n, B, H, D]`` (layout of ``kernels.kv_quant``).
+
+    Keys: one (scale, zero) per channel over the block's tokens -> ``[n, H, D]``. Values: one per token per
+    ``group_size`` channels -> ``[n, B, H, D / G]``. Scales/zeros are rounded to fp16 first and the codes
+    computed against the rounded values. Returns unpacked codes ``(kc, ks, kz, vc, vs, vz)`` (codes as float).
+    """
+    qmax = (1 << bits) - 1
+    k = k_blocks.float()
+    kz = k.amin(1).half().float()
+    ks = ((k.amax(1) - kz) / qmax).half().float()
+    kc = ((k - kz[:, None]) / torch.where(ks > 0, ks, 1.0)[:, None] + 0.5).floor().clamp(0, qmax)
+    v = v_blocks.float().unflatten(-1, (-1, group_size))
+    vz = v.amin(-1).half().float()
+    vs = ((v.amax(-1) - vz) / qmax).half().float()
+    vc = ((v - vz[..., None]) / torch.where(vs > 0, vs, 1.0)[..., None] + 0.5).floor().clamp(0, qmax).flatten(-2)
+    return kc, ks, kz, vc, vs, vz
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """Pack ``[..., D]`` codes in 0..15 into ``[..., D/2]`` bytes: low nibble channel c, high nibble c + D/2."""
+    half = codes.shape[-1] // 2
+    c = codes.to(torch.uint8)
+    return c[..., :half] | (c[..., half:] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``pack_int4``: ``[..., D/2]`` bytes -> ``[..., D]`` codes (uint8)."""
+    return torch.cat([packed & 15, packed >> 4], dim=-1)
+
+
+def dequantize_cache(cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full fp32 ``(k_cache, v_cache) [NB, B, H, D]`` of a ``kv_quant.QuantKVCache``: 16-bit-resident blocks
+    (``fp_index >= 0``) come from the 16-bit pool, the others are dequantized ``code * scale + zero``."""
+    kc, vc = cache.k_codes, cache.v_codes
+    if cache.bits == 4:
+        kc, vc = unpack_int4(kc), unpack_int4(vc)
+    g = cache.group_size
+    k = kc.float() * cache.k_scale.float()[:, None] + cache.k_zero.float()[:, None]
+    vs = cache.v_scale.float().repeat_interleave(g, dim=-1)
+    vz = cache.v_zero.float().repeat_interleave(g, dim=-1)
+    v = vc.float() * vs + vz
+    fp = cache.fp_index.long()
+    is_fp = fp >= 0
+    k[is_fp] = cache.fp_k[fp[is_fp]].float()
+    v[is_fp] = cache.fp_v[fp[is_fp]].float()
+    return k, v
+
+
+def _token_positions(
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per packed query token: its sequence index and its logical position."""
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
+    seq_of = torch.repeat_interleave(torch.arange(len(q_lens), device=seq_lens.device), q_lens)
+    local = torch.arange(int(q_lens.sum()), device=seq_lens.device) - query_start_loc[:-1].long()[seq_of]
+    pos = seq_lens.long()[seq_of] - q_lens[seq_of] + local
+    return seq_of, pos
+
+
+def _visible(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, block_size: int, num_cols: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[T, N]`` mask of the logical positions each query may see (causal, in length, not null) and the
+    ``[T, N]`` flat slot of every position, plus per-token sequence index."""
+    seq_of, pos = _token_positions(seq_lens, query_start_loc)
+    p = torch.arange(num_cols, device=seq_lens.device)
+    table = block_tables.long()[seq_of][:, torch.clamp(p // block_size, max=block_tables.shape[1] - 1)]
+    in_table = (p // block_size < block_tables.shape[1])[None, :]
+    valid = in_table & (p[None, :] <= pos[:, None]) & (p[None, :] < seq_lens.long()[seq_of][:, None]) & (table != NULL_BLOCK)
+    slots = table * block_size + p[None, :] % block_size
+    return valid, slots, seq_of
+
+
+def indexer_scores(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    idx_k_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    idx_k_scale: torch.Tensor | None = None,
+    num_cols: int | None = None,
+) -> torch.Tensor:
+    """Lightning-indexer scores ``[T, N]``: ``sum_h w[t, h] * relu(q[t, h] . k[p])`` for every logical position.
+
+    ``q [T, Hi, Di]``, ``weights [T, Hi]``; ``idx_k_cache [NB, B, Di]`` is one small key per cached token
+    (any float dtype, or int8 with per-token ``idx_k_scale [NB, B]``). Invisible positions (after the query,
+    past the sequence, null block) score ``-inf``. ``N`` defaults to the block-table width x block size.
+    """
+    num_blocks, block_size, di = idx_k_cache.shape
+    n = num_cols if num_cols is not None else block_tables.shape[1] * block_size
+    keys = idx_k_cache.float()
+    if idx_k_scale is not None:
+        keys = keys * idx_k_scale.float()[..., None]
+    valid, slots, _ = _visible(block_tables, seq_lens, query_start_loc, block_size, n)
+    k = keys.view(-1, di)[slots.clamp(min=0, max=num_blocks * block_size - 1)]  # [T, N, Di]
+    logits = torch.einsum("thd,tnd->thn", q.float(), k).relu()
+    scores = (weights.float()[:, :, None] * logits).sum(1)
+    return scores.masked_fill(~valid, float("-inf"))
+
+
+def topk_select(
+    scores: torch.Tensor,
+    k: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    block_size: int,
+    window: int = 0,
+    forced_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per query row: the ``k`` visible positions with the highest score, always including the forced set.
+
+    Forced = visible positions in the local ``window`` (``pos - window < p <= pos``) or marked in
+    ``forced_mask [S, N]`` (protected tokens). Rows with <= ``k`` visible positions select all of them.
+    Ties (including among forced positions when there are more than ``k``) go to the lower position.
+    Returns ``[T, k]`` int32 physical slots ``block_id * block_size + offset`` in ascending position order,
+    padded with -1.
+    """
+    num_tokens, n = scores.shape
+    valid, slots, seq_of = _visible(block_tables, seq_lens, query_start_loc, block_size, n)
+    _, pos = _token_positions(seq_lens, query_start_loc)
+    p = torch.arange(n, device=scores.device)
+    forced = p[None, :] > (pos[:, None] - window)
+    if forced_mask is not None:
+        forced = forced | forced_mask[seq_of, :n].bool()
+    forced = forced & valid
+    key = torch.where(valid, scores.float(), float("-inf"))
+    key = torch.where(forced, float("inf"), key)
+    out = torch.full((num_tokens, k), -1, dtype=torch.int32, device=scores.device)
+    for t in range(num_tokens):
+        nvalid = int(valid[t].sum())
+        if nvalid <= k:
+            chosen = valid[t].nonzero().flatten()
+        else:
+            order = torch.sort(key[t], descending=True, stable=True).indices
+            chosen = order[:k].sort().values
+        out[t, : len(chosen)] = slots[t, chosen].int()
+    return out
+
+
+def sparse_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of each query token ``[T, Hq, D]`` over only its selected flat ``slots [T, K]`` (-1 = none).
+
+    GQA as in ``paged_attention``. A row with no selected slot returns zeros.
+    """
+    num_blocks, block_size, hkv, d = k_cache.shape
+    flat_k = k_cache.reshape(-1, hkv, d)
+    flat_v = v_cache.reshape(-1, hkv, d)
+    idx = slots.long().clamp(min=0)
+    keys, values = flat_k[idx], flat_v[idx]  # [T, K, Hkv, D]
+    valid = slots >= 0
+    out = _sdpa(query.unsqueeze(2), keys, values, valid[:, None, None, :], scale).squeeze(2)
+    return torch.where(valid.any(1)[:, None, None], out, torch.zeros_like(out))
