@@ -28,9 +28,7 @@ if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-__all__ = ["triton", "tl", "next_pow2", "interpreting", "check_device", "find_seq", "load_kv", "QUANT_NONE"]
-
-QUANT_NONE = 0
+__all__ = ["triton", "tl", "next_pow2", "interpreting", "check_device", "find_seq", "find_token_seq", "load_kv"]
 
 
 def interpreting() -> bool:
@@ -166,3 +164,17 @@ def load_kv(
         v_lo = tl.where(is_fp[:, None], fv_lo, cv_lo * vs_lo + vz_lo)
         v_hi = tl.where(is_fp[:, None], fv_hi, cv_hi * vs_hi + vz_hi)
     return k_lo, k_hi, v_lo, v_hi
+
+
+@triton.jit
+def find_token_seq(qsl_ptr, num_seqs, tok):
+    """Sequence owning packed query token ``tok``: the largest ``s`` with ``qsl[s] <= tok`` (binary search)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(qsl_ptr + mid) <= tok:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1

@@ -1,0 +1,179 @@
+"""Sparse attention over selected cache slots (output of ``kernels.topk``), 16-bit or quantized KV.
+
+Each query token attends only to its ``K`` selected flat slots ``block_id * block_size + offset``
+(``-1`` = padding). Causality, null blocks and the forced set are already encoded in the selection, so
+the kernel is a plain online-softmax over gathered rows. GQA: one program owns one token x one KV head
+and all ``Hq / Hkv`` query heads of the group, so each gathered key row is read once per group. With
+quantized KV (``kernels.kv_quant.QuantKVCache``) rows are dequantized in registers, and blocks flagged
+16-bit (sinks, anchors, residual window) are read from the 16-bit pool in the same pass.
+
+Split-K: decode of a single sequence has only ``Hkv`` programs; ``num_splits`` cuts the ``K`` selected
+slots into segments reduced by ``paged_attention._reduce_kernel``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kernels._triton import check_device, dot_precision, interpreting, load_kv, next_pow2, tl, triton
+from kernels.kv_quant import QuantKVCache
+from kernels.paged_attention import LOG2E, KVSource, _num_sms, _reduce_kernel, plain_source
+
+logger = logging.getLogger(__name__)
+
+
+@triton.jit
+def _sparse_attn_kernel(
+    q_ptr,
+    o_ptr,
+    part_o_ptr,
+    part_ml_ptr,
+    slots_ptr,
+    k_ptr,
+    v_ptr,
+    fpk_ptr,
+    fpv_ptr,
+    fp_index_ptr,
+    ks_ptr,
+    kz_ptr,
+    vs_ptr,
+    vz_ptr,
+    num_selected,
+    qk_scale,
+    stride_st,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    QUANT: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < GROUP
+    head = kv_head * GROUP + rows
+    offs = tl.arange(0, HALF)
+    HD2: tl.constexpr = HEAD_DIM // 2
+    dmask = offs < HD2
+    qm = row_ok[:, None] & dmask[None, :]
+    q_row = tok * stride_qt + head * stride_qh
+    q_lo = tl.load(q_ptr + q_row[:, None] + offs[None, :], mask=qm, other=0.0)
+    q_hi = tl.load(q_ptr + q_row[:, None] + HD2 + offs[None, :], mask=qm, other=0.0)
+
+    seg = tl.cdiv(tl.cdiv(num_selected, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * seg
+    hi = tl.minimum(lo + seg, num_selected)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc_lo = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
+    acc_hi = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)
+        slots = tl.load(slots_ptr + tok * stride_st + j, mask=j < hi, other=-1)
+        ok = slots >= 0
+        k_lo, k_hi, v_lo, v_hi = load_kv(
+            tl.maximum(slots, 0), ok, kv_head, k_ptr, v_ptr, fpk_ptr, fpv_ptr, fp_index_ptr, ks_ptr, kz_ptr, vs_ptr,
+            vz_ptr, NUM_KV_HEADS, HEAD_DIM, HALF, BLOCK_SIZE, GROUP_SIZE, QUANT,
+        )
+        s = tl.dot(q_lo, tl.trans(k_lo.to(q_lo.dtype)), input_precision=DOT_PREC)
+        s += tl.dot(q_hi, tl.trans(k_hi.to(q_hi.dtype)), input_precision=DOT_PREC)
+        s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        pv = p.to(q_lo.dtype)
+        acc_lo = acc_lo * alpha[:, None] + tl.dot(pv, v_lo.to(q_lo.dtype), input_precision=DOT_PREC)
+        acc_hi = acc_hi * alpha[:, None] + tl.dot(pv, v_hi.to(q_lo.dtype), input_precision=DOT_PREC)
+        m_i = m_new
+
+    om = row_ok[:, None] & dmask[None, :]
+    if NUM_SPLITS == 1:
+        inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)  # a row with nothing selected returns zeros
+        o_row = tok * stride_ot + head * stride_oh
+        tl.store(o_ptr + o_row[:, None] + offs[None, :], (acc_lo * inv[:, None]).to(o_ptr.dtype.element_ty), mask=om)
+        tl.store(o_ptr + o_row[:, None] + HD2 + offs[None, :], (acc_hi * inv[:, None]).to(o_ptr.dtype.element_ty), mask=om)
+    else:
+        pr = (tok * NUM_Q_HEADS + head) * NUM_SPLITS + split
+        tl.store(part_o_ptr + pr[:, None] * HEAD_DIM + offs[None, :], acc_lo, mask=om)
+        tl.store(part_o_ptr + pr[:, None] * HEAD_DIM + HD2 + offs[None, :], acc_hi, mask=om)
+        tl.store(part_ml_ptr + pr * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + pr * 2 + 1, l_i, mask=row_ok)
+
+
+def _launch(query: torch.Tensor, kv: KVSource, slots: torch.Tensor, scale: float, num_splits: int | None) -> torch.Tensor:
+    check_device(query, kv.k, slots)
+    num_tokens, hq, d = query.shape
+    if d != kv.head_dim or hq % kv.num_kv_heads:
+        raise ValueError(f"query [{num_tokens}, {hq}, {d}] does not match cache heads {kv.num_kv_heads} x {kv.head_dim}")
+    group = hq // kv.num_kv_heads
+    out = torch.empty_like(query)
+    if num_tokens == 0:
+        return out
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    if slots.stride(-1) != 1:
+        slots = slots.contiguous()
+    num_selected = int(slots.shape[1])
+    if num_splits is None:
+        num_splits = 1
+        if not interpreting() and query.is_cuda:
+            programs = num_tokens * kv.num_kv_heads
+            sms = _num_sms(query.device)
+            if programs < sms:
+                num_splits = max(1, min(-(-2 * sms // programs), num_selected // 256, 32))
+    if num_splits > 1:
+        part_o = torch.empty(num_tokens, hq, num_splits, d, dtype=torch.float32, device=query.device)
+        part_ml = torch.empty(num_tokens, hq, num_splits, 2, dtype=torch.float32, device=query.device)
+    else:
+        part_o = part_ml = out
+    _sparse_attn_kernel[(num_tokens, kv.num_kv_heads, num_splits)](
+        query, out, part_o, part_ml, slots, *kv.pointers(), num_selected, scale * LOG2E, slots.stride(0),
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        NUM_Q_HEADS=hq, NUM_KV_HEADS=kv.num_kv_heads, GROUP=group, BLOCK_M=max(16, next_pow2(group)), HEAD_DIM=d,
+        HALF=next_pow2(d // 2), BLOCK_SIZE=kv.block_size, BLOCK_N=64 if not interpreting() else 32,
+        NUM_SPLITS=num_splits, QUANT=kv.quant, GROUP_SIZE=kv.group_size, DOT_PREC=dot_precision(query.dtype),
+    )  # fmt: skip
+    if num_splits > 1:
+        _reduce_kernel[(num_tokens, hq)](
+            part_o, part_ml, out, out.stride(0), out.stride(1),
+            NUM_Q_HEADS=hq, HEAD_DIM=d, D_PAD=next_pow2(d), NUM_SPLITS=num_splits, SPLITS_PAD=next_pow2(num_splits),
+        )  # fmt: skip
+    return out
+
+
+def sparse_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of ``query [T, Hq, D]`` over its selected ``slots [T, K]`` of 16-bit paged caches.
+
+    Same semantics as ``reference.sparse_attention``.
+    """
+    return _launch(query, plain_source(k_cache, v_cache), slots, scale, num_splits)
+
+
+def sparse_attention_quant(
+    query: torch.Tensor, cache: QuantKVCache, slots: torch.Tensor, scale: float, num_splits: int | None = None
+) -> torch.Tensor:
+    """``sparse_attention`` over a quantized cache (codes dequantized in registers, 16-bit blocks as is)."""
+    return _launch(query, cache.source(), slots, scale, num_splits)
