@@ -137,15 +137,26 @@ def indexer_scores(
     query_start_loc: torch.Tensor,
     idx_k_scale: torch.Tensor | None = None,
     num_cols: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scores ``[T, N]`` fp32 for every packed query token; same semantics as ``reference.indexer_scores``.
 
-    Materializes all ``T x N`` scores: use ``indexer_topk`` for long prefills.
+    Materializes all ``T x N`` scores: use ``indexer_topk`` for long prefills. ``out`` (optional ``[T, N]``
+    fp32) receives the result.
     """
     check_device(q, idx_k_cache, block_tables)
     n = num_cols if num_cols is not None else int(block_tables.shape[1]) * int(idx_k_cache.shape[1])
-    out = torch.empty(q.shape[0], n, dtype=torch.float32, device=q.device)
+    _check_cols(n, block_tables, int(idx_k_cache.shape[1]))
+    if out is None:
+        out = torch.empty(q.shape[0], n, dtype=torch.float32, device=q.device)
     return launch_indexer(q, weights, idx_k_cache, block_tables, seq_lens, query_start_loc, out, 0, idx_k_scale)
+
+
+def _check_cols(num_cols: int, block_tables: torch.Tensor, block_size: int) -> None:
+    # Kernels index the block table with position // block_size: columns past the table would read
+    # out of bounds.
+    if num_cols > int(block_tables.shape[1]) * block_size:
+        raise ValueError(f"num_cols {num_cols} exceeds block table width x block size")
 
 
 def rows_per_chunk(num_cols: int, memory_budget_bytes: int) -> int:
@@ -166,6 +177,7 @@ def indexer_topk(
     idx_k_scale: torch.Tensor | None = None,
     num_cols: int | None = None,
     memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Indexer scores then top-k per query token, in row chunks so scores never exceed the memory budget.
 
@@ -175,8 +187,10 @@ def indexer_topk(
     check_device(q, idx_k_cache, block_tables)
     block_size = int(idx_k_cache.shape[1])
     n = num_cols if num_cols is not None else int(block_tables.shape[1]) * block_size
+    _check_cols(n, block_tables, block_size)
     num_tokens = int(q.shape[0])
-    out = torch.empty(num_tokens, k, dtype=torch.int32, device=q.device)
+    if out is None:
+        out = torch.empty(num_tokens, k, dtype=torch.int32, device=q.device)
     chunk = min(num_tokens, rows_per_chunk(n, memory_budget_bytes))
     if num_tokens == 0:
         return out

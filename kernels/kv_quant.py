@@ -300,6 +300,9 @@ def paged_attention_quant(
     query_start_loc: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``paged_attention`` over a quantized cache: codes are dequantized in registers, 16-bit blocks read as is."""
-    return launch_paged_attention(query, cache.source(), block_tables, seq_lens, query_start_loc, scale, num_splits)
+    return launch_paged_attention(
+        query, cache.source(), block_tables, seq_lens, query_start_loc, scale, num_splits, out
+    )

@@ -276,6 +276,7 @@ def launch_paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run the paged-attention kernel over any ``KVSource`` (16-bit or quantized). Returns ``[T, Hq, D]``."""
     check_device(query, kv.k, block_tables)
@@ -285,7 +286,7 @@ def launch_paged_attention(
     if hq % kv.num_kv_heads:
         raise ValueError(f"{hq} query heads not a multiple of {kv.num_kv_heads} KV heads")
     group = hq // kv.num_kv_heads
-    out = torch.empty_like(query)
+    out = torch.empty_like(query) if out is None else out
     num_seqs = int(seq_lens.shape[0])
     if num_tokens == 0:
         return out
@@ -334,14 +335,16 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries ``[T, Hq, D]`` over paged caches; returns ``[T, Hq, D]``.
 
     Drop-in for ``kernels.reference.paged_attention``. ``num_splits`` forces the split-KV path (``None``
-    picks it from shapes: only when tokens x KV heads cannot fill the GPU).
+    picks it from shapes: only when tokens x KV heads cannot fill the GPU). ``out`` (optional, like
+    ``query``) receives the result.
     """
     return launch_paged_attention(
-        query, plain_source(k_cache, v_cache), block_tables, seq_lens, query_start_loc, scale, num_splits
+        query, plain_source(k_cache, v_cache), block_tables, seq_lens, query_start_loc, scale, num_splits, out
     )
 
 

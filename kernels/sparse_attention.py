@@ -116,13 +116,20 @@ def _sparse_attn_kernel(
         tl.store(part_ml_ptr + pr * 2 + 1, l_i, mask=row_ok)
 
 
-def _launch(query: torch.Tensor, kv: KVSource, slots: torch.Tensor, scale: float, num_splits: int | None) -> torch.Tensor:
+def _launch(
+    query: torch.Tensor,
+    kv: KVSource,
+    slots: torch.Tensor,
+    scale: float,
+    num_splits: int | None,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
     check_device(query, kv.k, slots)
     num_tokens, hq, d = query.shape
     if d != kv.head_dim or hq % kv.num_kv_heads:
         raise ValueError(f"query [{num_tokens}, {hq}, {d}] does not match cache heads {kv.num_kv_heads} x {kv.head_dim}")
     group = hq // kv.num_kv_heads
-    out = torch.empty_like(query)
+    out = torch.empty_like(query) if out is None else out
     if num_tokens == 0:
         return out
     if query.stride(-1) != 1:
@@ -164,16 +171,22 @@ def sparse_attention(
     slots: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``query [T, Hq, D]`` over its selected ``slots [T, K]`` of 16-bit paged caches.
 
-    Same semantics as ``reference.sparse_attention``.
+    Same semantics as ``reference.sparse_attention``; ``out`` (optional, like ``query``) receives the result.
     """
-    return _launch(query, plain_source(k_cache, v_cache), slots, scale, num_splits)
+    return _launch(query, plain_source(k_cache, v_cache), slots, scale, num_splits, out)
 
 
 def sparse_attention_quant(
-    query: torch.Tensor, cache: QuantKVCache, slots: torch.Tensor, scale: float, num_splits: int | None = None
+    query: torch.Tensor,
+    cache: QuantKVCache,
+    slots: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``sparse_attention`` over a quantized cache (codes dequantized in registers, 16-bit blocks as is)."""
-    return _launch(query, cache.source(), slots, scale, num_splits)
+    return _launch(query, cache.source(), slots, scale, num_splits, out)

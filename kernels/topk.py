@@ -11,10 +11,11 @@ For every query token (row of ``scores [T, N]``) the kernel selects, among the *
 Output: ``[T, k]`` int32 slots ``block_id * block_size + offset`` in ascending position order, -1 padded.
 
 Algorithm: one program per row, exact radix select without sorting. Each score becomes a 33-bit
-order-preserving integer key (invisible = 0, forced = 2^32 + 1 above every float), a radix
-search over 9 counting passes (4 bits each, 16 candidate digits counted at once) finds the k-th largest key ``tau``, and a final in-order pass emits
-``key > tau`` plus the first ``k - count(key > tau)`` ties, using prefix sums for output positions. Memory
-is O(k) per row whatever N is; rows with <= k visible positions skip the search.
+order-preserving integer key (invisible = 0, forced = 2^32 + 1 above every float), a radix search
+over 9 counting passes (4 bits each, all 16 digits counted at once) finds the k-th largest key ``tau``,
+and a final in-order pass emits ``key > tau`` plus the first ``k - count(key > tau)`` ties, using prefix
+sums for output positions. Memory is O(k) per row whatever N is; rows with <= k visible positions skip
+the search.
 """
 
 from __future__ import annotations
@@ -150,6 +151,9 @@ def launch_topk(
     rows, num_cols = scores.shape
     if rows == 0:
         return out
+    if num_cols > int(block_tables.shape[1]) * block_size:
+        # The kernel reads block_tables[s, position // block_size]: keep it inside the table.
+        raise ValueError(f"{num_cols} score columns exceed block table width x block size")
     if forced_mask is not None:
         forced = forced_mask.to(torch.uint8) if forced_mask.dtype != torch.uint8 else forced_mask
         forced_stride = forced.stride(0)
@@ -177,10 +181,15 @@ def topk_select(
     block_size: int,
     window: int = 0,
     forced_mask: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Top-``k`` slots per query row with the forced set; same semantics as ``reference.topk_select``."""
+    """Top-``k`` slots per query row with the forced set; same semantics as ``reference.topk_select``.
+
+    ``out`` (optional ``[T, k]`` int32) receives the result; every element is written.
+    """
     check_device(scores, block_tables)
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
-    out = torch.empty(scores.shape[0], k, dtype=torch.int32, device=scores.device)
+    if out is None:
+        out = torch.empty(scores.shape[0], k, dtype=torch.int32, device=scores.device)
     return launch_topk(scores, out, k, block_tables, seq_lens, query_start_loc, block_size, window, forced_mask)
