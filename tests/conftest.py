@@ -1,0 +1,27 @@
+"""Shared fixtures: tiny seeded models saved once per test session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_models import build_model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Llama with grouped-query attention (4 query heads, 2 KV heads), 512 positions."""
+    return build_model(tmp_path_factory.mktemp("models") / "llama", "llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen2 (attention biases on q/k/v), 512 positions."""
+    return build_model(tmp_path_factory.mktemp("models") / "qwen2", "qwen2", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_long(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Llama with 4,096 positions for long-prompt scheduling tests."""
+    return build_model(tmp_path_factory.mktemp("models") / "llama_long", "llama", seed=2, max_pos=4096)
