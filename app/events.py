@@ -28,6 +28,7 @@ class TokenDelta:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    tokens: tuple[str, ...] | None = None  # token strings, filled by the router when logprobs are asked
 
 
 @dataclass(frozen=True)

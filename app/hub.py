@@ -13,7 +13,12 @@ from typing import Any
 from ray import serve
 
 
-@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0.05}, max_ongoing_requests=1000)
+@serve.deployment(
+    num_replicas=1,
+    ray_actor_options={"num_cpus": 0.05},
+    max_ongoing_requests=1000,
+    logging_config={"enable_access_log": False},  # pushes every second would drown the log
+)
 class StatsHub:
     def __init__(self, ttl_s: float = 15.0) -> None:
         self.ttl_s = ttl_s

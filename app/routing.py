@@ -88,6 +88,26 @@ def pick_version(versions: Sequence[VersionSpec], u: float) -> VersionSpec:
     return live[-1]  # float round-off at the top edge
 
 
+def version_for_bucket(
+    bucket: BucketSpec, versions: Sequence[VersionSpec], chosen: VersionSpec, u: float
+) -> VersionSpec:
+    """Keep ``chosen`` if ``bucket`` serves it; otherwise redo the weighted draw (same ``u``)
+    among the versions the bucket does serve (a canary deployed on one bucket only).
+
+    >>> b = BucketSpec("long", 8192, 300.0, versions=("v1",))
+    >>> vs = (VersionSpec("v1", "m", 1.0), VersionSpec("v2", "m", 1.0))
+    >>> version_for_bucket(b, vs, vs[1], 0.9).name
+    'v1'
+    """
+    if bucket.versions is None or chosen.name in bucket.versions:
+        return chosen
+    served = [v for v in versions if v.name in bucket.versions]
+    if not any(v.weight > 0 for v in served):
+        # Every version this bucket serves is at weight 0: still serve rather than refuse.
+        return served[0]
+    return pick_version(served, u)
+
+
 def session_draw(session_id: str) -> float:
     """A stable uniform draw for a session, so one conversation stays on one model version."""
     digest = hashlib.sha256(session_id.encode()).digest()

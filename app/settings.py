@@ -87,6 +87,8 @@ class PoolArgs(_Strict):
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     cache_policy: dict[str, Any] = Field(default_factory=dict)
+    # Model versions served by this bucket (None: all). Lets a canary run on one bucket only.
+    versions: list[str] | None = None
     num_replicas: int = Field(1, ge=1)
     autoscaling: AutoscalingArgs | None = None
     max_ongoing_requests: int = Field(64, gt=0)
@@ -147,6 +149,17 @@ class AppArgs(_Strict):
             raise ValueError("at least one version needs a weight above 0")
         return versions
 
+    @model_validator(mode="after")
+    def _pool_versions(self) -> "AppArgs":
+        known = {v.name for v in self.versions}
+        for p in self.pools:
+            unknown = sorted(set(p.versions or ()) - known)
+            if unknown:
+                raise ValueError(f"pool {p.name!r} names unknown versions {unknown}; versions are {sorted(known)}")
+            if p.versions is not None and not p.versions:
+                raise ValueError(f"pool {p.name!r} serves no version")
+        return self
+
 
 # ---- inside the application: frozen dataclasses -------------------------------------------------
 
@@ -156,6 +169,7 @@ class BucketSpec:
     name: str
     max_prompt_tokens: int
     timeout_s: float
+    versions: tuple[str, ...] | None = None  # None: every version has a deployment for this bucket
 
 
 @dataclass(frozen=True)
@@ -177,6 +191,7 @@ class PoolSpec:
     engine_kwargs: tuple[tuple[str, Any], ...]
     cache_policy: tuple[tuple[str, Any], ...]
     stats_push_interval_s: float = 1.0
+    worker_num_cpus: float = 0.1
 
     @property
     def deployment_name(self) -> str:
@@ -200,3 +215,12 @@ def pool_deployment_name(bucket: str, version: str) -> str:
 
 def env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+@dataclass(frozen=True)
+class IngressSpec:
+    auth: str  # "enabled" | "disabled"
+    served_model_name: str
+    versions: tuple[str, ...]
+    pool_deployments: tuple[str, ...]
+    stats_push_interval_s: float = 1.0

@@ -1,0 +1,314 @@
+"""HTTP ingress: auth, pydantic validation, OpenAI-compatible endpoints, SSE framing, probes and
+metrics. Stateless; every request goes to a Router replica through a streaming handle.
+
+(No ``from __future__ import annotations`` here: FastAPI must see real types on the methods that
+``serve.ingress`` rewrites, or ``request: Request`` turns into a query parameter.)
+"""
+
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+
+from app import metrics as m
+from app.auth import resolve_auth
+from app.errors import APIError, from_validation_error
+from app.events import ErrorEvent, RouteInfo, TokenDelta
+from app.replica import push_forever, replica_tag
+from app.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChoiceLogprobs,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    RouteInfoModel,
+    Usage,
+    new_request_id,
+)
+from app.settings import IngressSpec
+from app.sse import DONE, sse_event
+
+logger = logging.getLogger("sinkserve.ingress")
+
+api = FastAPI(title="sinkserve", description="OpenAI-compatible long-context inference")
+
+
+@api.exception_handler(APIError)
+async def _api_error(_: Request, e: APIError) -> JSONResponse:
+    return e.response()
+
+
+def _route_headers(info: RouteInfo) -> dict[str, str]:
+    return {"x-sinkserve-pool": info.pool, "x-sinkserve-version": info.version, "x-sinkserve-request-id": info.request_id}
+
+
+class _Accumulator:
+    """Collects a stream into one response and times it (TTFT / ITL / end-to-end)."""
+
+    def __init__(self, t0: float) -> None:
+        self.t0 = t0
+        self.last: float | None = None
+        self.text: list[str] = []
+        self.tokens: list[str] = []
+        self.logprobs: list[float] = []
+        self.finish_reason: str | None = None
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.ttft: float | None = None
+        self.itl: list[float] = []
+
+    def add(self, d: TokenDelta) -> None:
+        now = time.perf_counter()
+        if d.token_ids:
+            if self.ttft is None:
+                self.ttft = now - self.t0
+            elif self.last is not None:
+                # A delta may carry several tokens; spread the gap so ITL stays per token.
+                gap = (now - self.last) / len(d.token_ids)
+                self.itl.extend([gap] * len(d.token_ids))
+            self.last = now
+        self.text.append(d.text)
+        if d.logprobs is not None:
+            self.logprobs.extend(d.logprobs)
+            self.tokens.extend(d.tokens or [""] * len(d.logprobs))
+        self.prompt_tokens = d.prompt_tokens
+        self.completion_tokens = d.completion_tokens
+        if d.finished:
+            self.finish_reason = d.finish_reason
+
+    def usage(self) -> Usage:
+        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+                     total_tokens=self.prompt_tokens + self.completion_tokens)
+
+
+@serve.ingress(api)
+class Ingress:
+    async def __init__(self, spec: IngressSpec, router: Any, hub: Any = None) -> None:
+        self.spec = spec
+        self.auth = resolve_auth(spec.auth)  # raises (replica fails to start) when no keys are set
+        self.router = router
+        self.hub = hub
+        self.replica = replica_tag()
+        self.metrics = m.RequestMetrics()
+        self._push = None
+        if hub is not None:
+            self._push = asyncio.get_running_loop().create_task(
+                push_forever(hub, f"ingress/{self.replica}", self._entry, spec.stats_push_interval_s)
+            )
+
+    def _entry(self) -> dict[str, Any]:
+        return {"kind": "ingress", "replica": self.replica, "data": self.metrics.snapshot()}
+
+    # ---- probes and metrics (no auth: load balancers and scrapers) ------------------------------
+
+    @api.get("/healthz")
+    async def healthz(self) -> dict[str, str]:
+        return {"status": "alive"}
+
+    @api.get("/readyz")
+    async def readyz(self) -> JSONResponse:
+        try:
+            snap = await self.hub.snapshot.remote() if self.hub is not None else {}
+        except Exception as e:  # hub not up yet: not ready
+            return JSONResponse({"ready": False, "error": str(e)}, status_code=503)
+        pools = m.ready_pools(snap, self.spec.pool_deployments)
+        ok = all(pools.values())
+        return JSONResponse({"ready": ok, "pools": pools}, status_code=200 if ok else 503)
+
+    @api.get("/metrics")
+    async def metrics(self) -> Response:
+        snap: dict[str, Any] = {}
+        if self.hub is not None:
+            await self.hub.report.remote(f"ingress/{self.replica}", self._entry())
+            snap = await self.hub.snapshot.remote()
+        return Response(m.render(snap), media_type=m.CONTENT_TYPE)
+
+    @api.get("/v1/models")
+    async def models(self, request: Request) -> ModelList:
+        self._authorize(request)
+        ids = [self.spec.served_model_name] + [f"{self.spec.served_model_name}@{v}" for v in self.spec.versions]
+        return ModelList(data=[ModelCard(id=i) for i in ids])
+
+    # ---- OpenAI endpoints -----------------------------------------------------------------------
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, CompletionRequest)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, ChatCompletionRequest)
+
+    # ---- Python callers (Ray handles) -----------------------------------------------------------
+
+    async def generate(
+        self, request: CompletionRequest | ChatCompletionRequest, request_id: str | None = None
+    ) -> AsyncIterator[RouteInfo | TokenDelta | ErrorEvent]:
+        """Stream events for a handle caller (inside the cluster, so no bearer token): ``RouteInfo``,
+        then ``TokenDelta``s, or one ``ErrorEvent``. See docs/handle_example.py."""
+        pinned = self._pinned_version(request)
+        gen = self.router.options(stream=True).route.remote(request, None, request_id, pinned)
+        async for ev in gen:
+            yield ev
+
+    # ---- internals ------------------------------------------------------------------------------
+
+    def _authorize(self, request: Request) -> str | None:
+        try:
+            return self.auth.check(request.headers.get("authorization"))
+        except PermissionError as e:
+            self.metrics.count("none", 401)
+            raise APIError(401, str(e), None, "authentication_error", headers={"WWW-Authenticate": "Bearer"})
+
+    def _pinned_version(self, body: CompletionRequest | ChatCompletionRequest) -> str | None:
+        """``model`` may be absent, the served name, or ``name@version`` to pin a version."""
+        if body.model is None or body.model == self.spec.served_model_name:
+            return None
+        name, sep, version = body.model.partition("@")
+        if sep and name == self.spec.served_model_name and version in self.spec.versions:
+            return version
+        raise APIError(404, f"model {body.model!r} does not exist; see GET /v1/models", "model", "model_not_found")
+
+    async def _serve(self, request: Request, cls: type) -> Response:
+        t0 = time.perf_counter()
+        key = self._authorize(request)
+        try:
+            raw = await request.body()
+            body = cls.model_validate_json(raw)
+        except ValidationError as e:
+            self.metrics.count("none", 400)
+            raise from_validation_error(e)
+        try:
+            pinned = self._pinned_version(body)
+        except APIError as e:
+            self.metrics.count("none", e.status)
+            raise
+        chat = isinstance(body, ChatCompletionRequest)
+        request_id = new_request_id("chatcmpl" if chat else "cmpl")
+        gen = self.router.options(stream=True).route.remote(body, key, request_id, pinned)
+        try:
+            first = await gen.__anext__()
+        except StopAsyncIteration:
+            self.metrics.count("none", 500)
+            raise APIError(500, "empty response from router", type="server_error")
+        if isinstance(first, ErrorEvent):
+            self.metrics.count("none", first.status)
+            raise APIError.from_event(first)
+        assert isinstance(first, RouteInfo)
+        if body.stream:
+            return StreamingResponse(
+                self._sse(gen, first, body, chat, t0),
+                media_type="text/event-stream",
+                headers={**_route_headers(first), "Cache-Control": "no-cache"},
+            )
+        return await self._unary(gen, first, body, chat, t0)
+
+    def _record(self, pool: str, status: int, acc: _Accumulator) -> None:
+        self.metrics.count(pool, status)
+        if acc.ttft is not None:
+            self.metrics.ttft[pool].observe(acc.ttft)
+        for gap in acc.itl:
+            self.metrics.itl[pool].observe(gap)
+        self.metrics.e2e[pool].observe(time.perf_counter() - acc.t0)
+
+    async def _unary(self, gen: Any, info: RouteInfo, body: Any, chat: bool, t0: float) -> Response:
+        acc = _Accumulator(t0)
+        try:
+            async for ev in gen:
+                if isinstance(ev, ErrorEvent):
+                    self.metrics.count(info.pool, ev.status)
+                    raise APIError.from_event(ev)
+                acc.add(ev)
+        except asyncio.CancelledError:
+            self.metrics.count(info.pool, 499)  # client went away; Serve cancels the router call too
+            raise
+        self._record(info.pool, 200, acc)
+        route = RouteInfoModel(pool=info.pool, version=info.version, deployment=info.deployment,
+                               prompt_tokens=info.prompt_tokens)
+        text = "".join(acc.text)
+        model = body.model or self.spec.served_model_name
+        if chat:
+            lp = None
+            if body.wants_logprobs():
+                lp = ChatChoiceLogprobs(content=[ChatLogprob(token=t, logprob=v) for t, v in zip(acc.tokens, acc.logprobs)])
+            resp: Any = ChatCompletionResponse(
+                id=info.request_id, model=model, usage=acc.usage(), sinkserve=route,
+                choices=[ChatChoice(message=AssistantMessage(content=text), logprobs=lp, finish_reason=acc.finish_reason)],
+            )
+        else:
+            lp = CompletionLogprobs(tokens=acc.tokens, token_logprobs=acc.logprobs) if body.wants_logprobs() else None
+            resp = CompletionResponse(
+                id=info.request_id, model=model, usage=acc.usage(), sinkserve=route,
+                choices=[CompletionChoice(text=text, logprobs=lp, finish_reason=acc.finish_reason)],
+            )
+        return JSONResponse(json.loads(resp.model_dump_json()), headers=_route_headers(info))
+
+    async def _sse(self, gen: Any, info: RouteInfo, body: Any, chat: bool, t0: float) -> AsyncIterator[bytes]:
+        acc = _Accumulator(t0)
+        model = body.model or self.spec.served_model_name
+        route = RouteInfoModel(pool=info.pool, version=info.version, deployment=info.deployment,
+                               prompt_tokens=info.prompt_tokens)
+        status = 200
+        finished = False
+        try:
+            if chat:
+                yield sse_event(ChatCompletionChunk(id=info.request_id, model=model, sinkserve=route,
+                                                    choices=[ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))]))
+            async for ev in gen:
+                if isinstance(ev, ErrorEvent):
+                    # Headers are gone already; the error travels as a final SSE event.
+                    status = ev.status
+                    yield sse_event(APIError.from_event(ev).body())
+                    break
+                acc.add(ev)
+                usage = acc.usage() if ev.finished else None
+                n = len(ev.logprobs) if ev.logprobs is not None else 0
+                if chat:
+                    lp = None
+                    if body.wants_logprobs() and ev.logprobs is not None:
+                        lp = ChatChoiceLogprobs(content=[ChatLogprob(token=t, logprob=v) for t, v in
+                                                         zip(acc.tokens[-n:] if n else [], ev.logprobs)])
+                    chunk: Any = ChatCompletionChunk(
+                        id=info.request_id, model=model, usage=usage,
+                        choices=[ChatChunkChoice(delta=ChatDelta(content=ev.text), logprobs=lp,
+                                                 finish_reason=ev.finish_reason if ev.finished else None)],
+                    )
+                else:
+                    lp = None
+                    if body.wants_logprobs() and ev.logprobs is not None:
+                        lp = CompletionLogprobs(tokens=acc.tokens[-n:] if n else [], token_logprobs=list(ev.logprobs))
+                    chunk = CompletionResponse(
+                        id=info.request_id, model=model, usage=usage,
+                        sinkserve=route if ev.finished else None,
+                        choices=[CompletionChoice(text=ev.text, logprobs=lp,
+                                                  finish_reason=ev.finish_reason if ev.finished else None)],
+                    )
+                yield sse_event(chunk)
+                if ev.finished:
+                    finished = True
+                    break
+            yield DONE
+        except (asyncio.CancelledError, GeneratorExit):
+            status = 499  # client disconnected mid-stream
+            raise
+        finally:
+            if not finished:
+                gen.cancel()  # abort in the engine now, not when the stream would have ended
+            self._record(info.pool, status, acc)

@@ -1,0 +1,106 @@
+"""One Serve application per test session (Ray with num_cpus=2), real HTTP on 127.0.0.1.
+
+Topology under test: ingress x1, router x1, hub, pools ``short`` (v1 + a weight-0 canary v2, TP=1)
+and ``long`` (v1 only, TP set by SINKSERVE_TEST_LONG_TP, default 2) on a tiny random Llama.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+API_KEY = "test-key-123"
+SHORT_MAX, LONG_MAX = 48, 400
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    from tests.serve.tiny_model import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+def app_args(model: str, long_tp: int) -> dict:
+    engine = {"num_kv_blocks": 96, "max_model_len": 512, "max_num_seqs": 8, "max_num_batched_tokens": 256}
+    return {
+        "model": model,
+        "served_model_name": "tiny",
+        "ingress": {"num_replicas": 1, "num_cpus": 0.05},
+        "router": {"num_replicas": 1, "num_cpus": 0.05, "rate_limit_rps": 2.0, "rate_limit_burst": 200},
+        "versions": [{"name": "v1", "weight": 1.0}, {"name": "v2", "weight": 0.0}],
+        "pools": [
+            {"name": "short", "max_prompt_tokens": SHORT_MAX, "timeout_s": 60, "num_cpus": 0.05, **engine,
+             "cache_policy": {"eviction_policy": "none"}},
+            {"name": "long", "max_prompt_tokens": LONG_MAX, "timeout_s": 120, "num_cpus": 0.05, **engine,
+             "versions": ["v1"], "tensor_parallel_size": long_tp, "worker_num_cpus": 0.05},
+        ],
+        "stats_push_interval_s": 0.25,
+    }
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model):
+    """Start Ray + Serve, deploy, record /readyz while models load, yield the base URL."""
+    import ray
+    from ray import serve
+
+    from app.builder import build_app
+
+    os.environ["SINKSERVE_API_KEYS"] = API_KEY
+    os.environ["PYTHONPATH"] = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=bool(os.environ.get("SINKSERVE_TEST_LOGS")))
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    base = f"http://127.0.0.1:{port}"
+    long_tp = int(os.environ.get("SINKSERVE_TEST_LONG_TP", "2"))
+    app = build_app(app_args(tiny_model, long_tp))
+
+    import threading
+
+    readyz_seen: list[int] = []
+    stop = threading.Event()
+
+    def poll():
+        while not stop.is_set():
+            try:
+                readyz_seen.append(httpx.get(base + "/readyz", timeout=2).status_code)
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+
+    t = threading.Thread(target=poll, daemon=True)
+    t.start()
+    t0 = time.time()
+    serve.run(app, name="sinkserve", route_prefix="/")
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        r = httpx.get(base + "/readyz", timeout=5)
+        if r.status_code == 200:
+            break
+        time.sleep(0.25)
+    else:
+        raise RuntimeError(f"not ready after deploy: {r.text}")
+    stop.set()
+    t.join()
+    info = {"base": base, "readyz_seen": readyz_seen, "startup_s": time.time() - t0, "long_tp": long_tp}
+    yield info
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture()
+def client(server):
+    with httpx.Client(base_url=server["base"], headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
+        yield c
