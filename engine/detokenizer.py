@@ -29,7 +29,7 @@ class IncrementalDetokenizer:
         """Account for the newest tokens; returns the text that may be released now."""
         prefix = self._decode(output_ids[self.prefix_offset : self.read_offset])
         full = self._decode(output_ids[self.prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+        if len(full) > len(prefix) and (finished or not full.endswith("\ufffd")):
             self.text += full[len(prefix) :]
             self.prefix_offset, self.read_offset = self.read_offset, len(output_ids)
         if self.stop:
