@@ -28,6 +28,34 @@ if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+
+def _interpret_preimported_stdlib() -> None:
+    """Make Triton's own ``@jit`` library functions (``tl.zeros``, ``tl.cumsum``, ...) interpretable.
+
+    Triton wraps a function for compile or for interpret when it is *decorated*. If something imported
+    Triton before ``TRITON_INTERPRET=1`` was set (transformers does, through torch), ``triton.language``'s
+    helpers are compile-mode ``JITFunction``s and an interpreted kernel calling them fails with "Cannot
+    call @triton.jit'd outside of the scope of a kernel". Re-wrap them for the interpreter.
+    """
+    import sys
+    import types
+
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    for name, module in list(sys.modules.items()):
+        if not (name == "triton.language" or name.startswith("triton.language.")):
+            continue
+        if not isinstance(module, types.ModuleType):
+            continue
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, JITFunction):
+                setattr(module, attr, InterpretedFunction(value.fn))
+
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") and isinstance(tl.zeros, triton.runtime.jit.JITFunction):
+    _interpret_preimported_stdlib()
+
 __all__ = ["triton", "tl", "next_pow2", "interpreting", "check_device", "find_seq", "find_token_seq", "load_kv"]
 
 

@@ -300,7 +300,7 @@ def launch_paged_attention(
     block_m = max(16, next_pow2(group)) if decode_only else max(64 if not interpreting() else 32, next_pow2(group))
     block_q = max(1, block_m // group)
     block_n = 64 if not interpreting() else 32
-    half = next_pow2(d // 2)
+    half = max(16, next_pow2(d // 2))  # tl.dot needs K >= 16; padded channels are masked
     max_kv_len = int(block_tables.shape[1]) * kv.block_size
     if num_splits is None:
         num_splits = choose_num_splits(num_tokens, kv.num_kv_heads, max_kv_len, query.device)

@@ -153,7 +153,7 @@ def _launch(
         query, out, part_o, part_ml, slots, *kv.pointers(), num_selected, scale * LOG2E, slots.stride(0),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         NUM_Q_HEADS=hq, NUM_KV_HEADS=kv.num_kv_heads, GROUP=group, BLOCK_M=max(16, next_pow2(group)), HEAD_DIM=d,
-        HALF=next_pow2(d // 2), BLOCK_SIZE=kv.block_size, BLOCK_N=64 if not interpreting() else 32,
+        HALF=max(16, next_pow2(d // 2)), BLOCK_SIZE=kv.block_size, BLOCK_N=64 if not interpreting() else 32,
         NUM_SPLITS=num_splits, QUANT=kv.quant, GROUP_SIZE=kv.group_size, DOT_PREC=dot_precision(query.dtype),
     )  # fmt: skip
     if num_splits > 1:
