@@ -56,7 +56,10 @@ def _interpret_preimported_stdlib() -> None:
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") and isinstance(tl.zeros, triton.runtime.jit.JITFunction):
     _interpret_preimported_stdlib()
 
-__all__ = ["triton", "tl", "next_pow2", "interpreting", "check_device", "find_seq", "find_token_seq", "load_kv"]
+__all__ = [
+    "triton", "tl", "next_pow2", "interpreting", "check_device", "dot_precision", "find_seq", "find_token_seq",
+    "load_kv", "mma", "cast_out",
+]
 
 
 def interpreting() -> bool:
@@ -206,3 +209,31 @@ def find_token_seq(qsl_ptr, num_seqs, tok):
         else:
             hi = mid
     return lo - 1
+
+
+@triton.jit
+def mma(a, b, DT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """``a @ b`` with fp32 accumulation, operands in ``DT`` (tensor cores for 16-bit).
+
+    ``UPCAST`` (set under the interpreter) computes in fp32 instead: the interpreter stores bf16 as raw
+    uint16 and would multiply the bit patterns.
+    """
+    if UPCAST:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(a.to(DT), b.to(DT), input_precision=DOT_PREC)
+    return out
+
+
+@triton.jit
+def cast_out(x, DT: tl.constexpr, EMULATE_RTNE: tl.constexpr):
+    """Cast fp32 ``x`` to ``DT`` rounding to nearest even.
+
+    GPUs round fp32 -> bf16 to nearest even; the interpreter truncates, so under it (``EMULATE_RTNE``)
+    round the bit pattern first (add 0x7FFF plus the lowest kept bit, then truncate).
+    """
+    if EMULATE_RTNE and DT == tl.bfloat16:
+        bits = x.to(tl.float32).to(tl.int32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(DT)

@@ -22,7 +22,7 @@ import logging
 
 import torch
 
-from kernels._triton import check_device, dot_precision, find_token_seq, next_pow2, tl, triton
+from kernels._triton import check_device, dot_precision, find_token_seq, interpreting, mma, next_pow2, tl, triton
 from kernels.topk import launch_topk
 
 logger = logging.getLogger(__name__)
@@ -56,6 +56,7 @@ def _indexer_kernel(
     BLOCK_N: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     """One program = one query token x one tile of ``BLOCK_N`` logical positions."""
     row = tl.program_id(0)
@@ -85,9 +86,9 @@ def _indexer_kernel(
         # int8 keys: dequantize with the per-token scale, then dot in fp32.
         ks = tl.load(ks_ptr + slots, mask=visible, other=0.0).to(tl.float32)
         kf = k.to(tl.float32) * ks[:, None]
-        logits = tl.dot(q.to(tl.float32), tl.trans(kf), input_precision=DOT_PREC)
+        logits = mma(q, tl.trans(kf), tl.float32, DOT_PREC, INTERP)
     else:
-        logits = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)
+        logits = mma(q, tl.trans(k), q.dtype, DOT_PREC, INTERP)
     score = tl.sum(tl.maximum(logits, 0.0) * w[:, None], 0)  # [BLOCK_N]: heads reduced in registers
     score = tl.where(visible, score, float("-inf"))
     tl.store(out_ptr + row.to(tl.int64) * stride_out + pos, score, mask=in_cols)
@@ -124,6 +125,7 @@ def launch_indexer(
         token_offset, num_cols, q.stride(0), q.stride(1), weights.stride(0), out.stride(0),
         NUM_HEADS=hi, H_PAD=max(16, next_pow2(hi)), IDX_DIM=di, D_PAD=max(16, next_pow2(di)),
         BLOCK_SIZE=block_size, BLOCK_N=block_n, HAS_SCALE=idx_k_scale is not None, DOT_PREC=prec,
+        INTERP=interpreting(),
     )  # fmt: skip
     return out
 

@@ -29,7 +29,18 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._triton import check_device, dot_precision, find_seq, interpreting, load_kv, next_pow2, tl, triton
+from kernels._triton import (
+    cast_out,
+    check_device,
+    dot_precision,
+    find_seq,
+    interpreting,
+    load_kv,
+    mma,
+    next_pow2,
+    tl,
+    triton,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +137,7 @@ def _paged_attn_kernel(
     QUANT: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -178,8 +190,8 @@ def _paged_attn_kernel(
                 slots, kv_ok, kv_head, k_ptr, v_ptr, fpk_ptr, fpv_ptr, fp_index_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
                 NUM_KV_HEADS, HEAD_DIM, HALF, BLOCK_SIZE, GROUP_SIZE, QUANT,
             )
-            s = tl.dot(q_lo, tl.trans(k_lo.to(q_lo.dtype)), input_precision=DOT_PREC)
-            s += tl.dot(q_hi, tl.trans(k_hi.to(q_hi.dtype)), input_precision=DOT_PREC)
+            s = mma(q_lo, tl.trans(k_lo), q_lo.dtype, DOT_PREC, INTERP)
+            s += mma(q_hi, tl.trans(k_hi), q_lo.dtype, DOT_PREC, INTERP)
             s = s * qk_scale  # log2 domain: qk_scale = scale * log2(e)
             ok = kv_ok[None, :] & (pos[None, :] <= q_pos[:, None])
             s = tl.where(ok, s, float("-inf"))
@@ -189,20 +201,18 @@ def _paged_attn_kernel(
             p = tl.exp2(s - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
-            pv = p.to(q_lo.dtype)
-            acc_lo = acc_lo * alpha[:, None] + tl.dot(pv, v_lo.to(q_lo.dtype), input_precision=DOT_PREC)
-            acc_hi = acc_hi * alpha[:, None] + tl.dot(pv, v_hi.to(q_lo.dtype), input_precision=DOT_PREC)
+            acc_lo = acc_lo * alpha[:, None] + mma(p, v_lo, q_lo.dtype, DOT_PREC, INTERP)
+            acc_hi = acc_hi * alpha[:, None] + mma(p, v_hi, q_lo.dtype, DOT_PREC, INTERP)
             m_i = m_new
 
         if NUM_SPLITS == 1:
             # A query with no visible key (its whole past evicted) gets 0 rather than NaN.
-            inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
+            inv = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)
             o_row = tok * stride_ot + head * stride_oh
             om = row_ok[:, None] & dmask[None, :]
-            tl.store(o_ptr + o_row[:, None] + offs[None, :], (acc_lo * inv[:, None]).to(o_ptr.dtype.element_ty), mask=om)
-            tl.store(
-                o_ptr + o_row[:, None] + HD2 + offs[None, :], (acc_hi * inv[:, None]).to(o_ptr.dtype.element_ty), mask=om
-            )
+            odt = o_ptr.dtype.element_ty
+            tl.store(o_ptr + o_row[:, None] + offs[None, :], cast_out(acc_lo * inv[:, None], odt, INTERP), mask=om)
+            tl.store(o_ptr + o_row[:, None] + HD2 + offs[None, :], cast_out(acc_hi * inv[:, None], odt, INTERP), mask=om)
         else:
             # Partials: [T, Hq, NUM_SPLITS, D] unnormalized accumulators and [T, Hq, NUM_SPLITS, 2] (m, l).
             pr = (tok * NUM_Q_HEADS + head) * NUM_SPLITS + split
@@ -225,6 +235,7 @@ def _reduce_kernel(
     D_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -242,8 +253,8 @@ def _reduce_kernel(
     w = tl.exp2(m - m_max)  # segments that saw no key have m = -inf -> weight 0
     den = tl.sum(w * l, 0)
     num = tl.sum(w[:, None] * acc, 0)
-    out = tl.where(den > 0, num / den, 0.0)
-    tl.store(o_ptr + tok * stride_ot + head * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    out = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 0.0)
+    tl.store(o_ptr + tok * stride_ot + head * stride_oh + d, cast_out(out, o_ptr.dtype.element_ty, INTERP), mask=d < HEAD_DIM)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -316,12 +327,13 @@ def launch_paged_attention(
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         NUM_Q_HEADS=hq, NUM_KV_HEADS=kv.num_kv_heads, GROUP=group, HEAD_DIM=d, HALF=half,
         BLOCK_SIZE=kv.block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        QUANT=kv.quant, GROUP_SIZE=kv.group_size, DOT_PREC=dot_precision(query.dtype),
+        QUANT=kv.quant, GROUP_SIZE=kv.group_size, DOT_PREC=dot_precision(query.dtype), INTERP=interpreting(),
     )  # fmt: skip
     if num_splits > 1:
         _reduce_kernel[(num_tokens, hq)](
             part_o, part_ml, out, out.stride(0), out.stride(1),
             NUM_Q_HEADS=hq, HEAD_DIM=d, D_PAD=next_pow2(d), NUM_SPLITS=num_splits, SPLITS_PAD=next_pow2(num_splits),
+            INTERP=interpreting(),
         )  # fmt: skip
     return out
 
@@ -363,6 +375,7 @@ def _write_kv_kernel(
     HEAD_DIM: tl.constexpr,
     H_PAD: tl.constexpr,
     D_PAD: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
@@ -373,8 +386,8 @@ def _write_kv_kernel(
         k = tl.load(key_ptr + tok * stride_kt + h[:, None] * stride_kh + d[None, :], mask=m)
         v = tl.load(value_ptr + tok * stride_vt + h[:, None] * stride_vh + d[None, :], mask=m)
         dst = slot * NUM_KV_HEADS * HEAD_DIM + h[:, None] * HEAD_DIM + d[None, :]
-        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=m)
-        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=m)
+        tl.store(k_cache_ptr + dst, cast_out(k, k_cache_ptr.dtype.element_ty, INTERP), mask=m)
+        tl.store(v_cache_ptr + dst, cast_out(v, v_cache_ptr.dtype.element_ty, INTERP), mask=m)
 
 
 def write_kv(
@@ -400,5 +413,5 @@ def write_kv(
     _, _, hkv, d = k_cache.shape
     _write_kv_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        NUM_KV_HEADS=hkv, HEAD_DIM=d, H_PAD=next_pow2(hkv), D_PAD=next_pow2(d),
+        NUM_KV_HEADS=hkv, HEAD_DIM=d, H_PAD=next_pow2(hkv), D_PAD=next_pow2(d), INTERP=interpreting(),
     )  # fmt: skip

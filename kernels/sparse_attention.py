@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from kernels._triton import check_device, dot_precision, interpreting, load_kv, next_pow2, tl, triton
+from kernels._triton import cast_out, check_device, dot_precision, interpreting, load_kv, mma, next_pow2, tl, triton
 from kernels.kv_quant import QuantKVCache
 from kernels.paged_attention import LOG2E, KVSource, _num_sms, _reduce_kernel, plain_source
 
@@ -59,6 +59,7 @@ def _sparse_attn_kernel(
     QUANT: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -89,25 +90,25 @@ def _sparse_attn_kernel(
             tl.maximum(slots, 0), ok, kv_head, k_ptr, v_ptr, fpk_ptr, fpv_ptr, fp_index_ptr, ks_ptr, kz_ptr, vs_ptr,
             vz_ptr, NUM_KV_HEADS, HEAD_DIM, HALF, BLOCK_SIZE, GROUP_SIZE, QUANT,
         )
-        s = tl.dot(q_lo, tl.trans(k_lo.to(q_lo.dtype)), input_precision=DOT_PREC)
-        s += tl.dot(q_hi, tl.trans(k_hi.to(q_hi.dtype)), input_precision=DOT_PREC)
+        s = mma(q_lo, tl.trans(k_lo), q_lo.dtype, DOT_PREC, INTERP)
+        s += mma(q_hi, tl.trans(k_hi), q_lo.dtype, DOT_PREC, INTERP)
         s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        pv = p.to(q_lo.dtype)
-        acc_lo = acc_lo * alpha[:, None] + tl.dot(pv, v_lo.to(q_lo.dtype), input_precision=DOT_PREC)
-        acc_hi = acc_hi * alpha[:, None] + tl.dot(pv, v_hi.to(q_lo.dtype), input_precision=DOT_PREC)
+        acc_lo = acc_lo * alpha[:, None] + mma(p, v_lo, q_lo.dtype, DOT_PREC, INTERP)
+        acc_hi = acc_hi * alpha[:, None] + mma(p, v_hi, q_lo.dtype, DOT_PREC, INTERP)
         m_i = m_new
 
     om = row_ok[:, None] & dmask[None, :]
     if NUM_SPLITS == 1:
-        inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)  # a row with nothing selected returns zeros
+        inv = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)  # a row with nothing selected returns zeros
         o_row = tok * stride_ot + head * stride_oh
-        tl.store(o_ptr + o_row[:, None] + offs[None, :], (acc_lo * inv[:, None]).to(o_ptr.dtype.element_ty), mask=om)
-        tl.store(o_ptr + o_row[:, None] + HD2 + offs[None, :], (acc_hi * inv[:, None]).to(o_ptr.dtype.element_ty), mask=om)
+        odt = o_ptr.dtype.element_ty
+        tl.store(o_ptr + o_row[:, None] + offs[None, :], cast_out(acc_lo * inv[:, None], odt, INTERP), mask=om)
+        tl.store(o_ptr + o_row[:, None] + HD2 + offs[None, :], cast_out(acc_hi * inv[:, None], odt, INTERP), mask=om)
     else:
         pr = (tok * NUM_Q_HEADS + head) * NUM_SPLITS + split
         tl.store(part_o_ptr + pr[:, None] * HEAD_DIM + offs[None, :], acc_lo, mask=om)
@@ -155,11 +156,13 @@ def _launch(
         NUM_Q_HEADS=hq, NUM_KV_HEADS=kv.num_kv_heads, GROUP=group, BLOCK_M=max(16, next_pow2(group)), HEAD_DIM=d,
         HALF=max(16, next_pow2(d // 2)), BLOCK_SIZE=kv.block_size, BLOCK_N=64 if not interpreting() else 32,
         NUM_SPLITS=num_splits, QUANT=kv.quant, GROUP_SIZE=kv.group_size, DOT_PREC=dot_precision(query.dtype),
+        INTERP=interpreting(),
     )  # fmt: skip
     if num_splits > 1:
         _reduce_kernel[(num_tokens, hq)](
             part_o, part_ml, out, out.stride(0), out.stride(1),
             NUM_Q_HEADS=hq, HEAD_DIM=d, D_PAD=next_pow2(d), NUM_SPLITS=num_splits, SPLITS_PAD=next_pow2(num_splits),
+            INTERP=interpreting(),
         )  # fmt: skip
     return out
 

@@ -23,3 +23,14 @@ import pytest  # noqa: E402
 def device() -> torch.device:
     """Where kernel inputs live: CPU under the interpreter, CUDA otherwise."""
     return torch.device("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda")
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Report the largest relative error per kernel and dtype seen in this run."""
+    from tests.kernels.kernel_cases import MAX_ERRORS
+
+    if not MAX_ERRORS:
+        return
+    terminalreporter.section("kernel max relative error (vs torch reference)")
+    for (kernel, dtype), err in sorted(MAX_ERRORS.items()):
+        terminalreporter.write_line(f"{kernel:<32} {dtype:<9} {err:.2e}")
