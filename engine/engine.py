@@ -69,6 +69,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._detoks: dict[str, IncrementalDetokenizer] = {}
         self._generators: dict[str, torch.Generator | None] = {}
+        self._pending_prompt_lps: dict[str, list[float]] = {}
         self._rng = torch.Generator().manual_seed(config.seed)
         self.eviction_log: deque[retention.EvictionRecord] = deque(maxlen=4096)
         self.counters = {
@@ -258,21 +259,51 @@ class LLMEngine:
             inp.block_tables.append(list(table))
             inp.seq_lens.append(start + n)
             inp.query_start_loc.append(inp.query_start_loc[-1] + n)
+            first_row = inp.query_start_loc[-2]
+            for p in self._scored_prompt_positions(seq, n):
+                inp.logits_indices.append(first_row + p - start)
             if item.samples:
                 inp.logits_indices.append(inp.query_start_loc[-1] - 1)
         return inp
 
+    @staticmethod
+    def _scored_prompt_positions(seq: Sequence, n: int) -> range:
+        """Positions in this chunk whose logits score the next prompt token (``prompt_logprobs``)."""
+        if not seq.params.prompt_logprobs:
+            return range(0)
+        start = max(seq.num_computed_tokens, seq.num_prompt_logprobs)
+        return range(start, min(seq.num_computed_tokens + n, seq.num_prompt_tokens - 1))
+
     def _process(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
-        sampled = [item.seq for item in sched.scheduled if item.samples]
+        sampled: list[Sequence] = []
+        sample_rows: list[int] = []
+        outputs: list[RequestOutput] = []
+        row = 0
+        for item in sched.scheduled:
+            seq = item.seq
+            scored = self._scored_prompt_positions(seq, item.num_tokens)
+            if len(scored):
+                targets = torch.tensor(seq.token_ids[scored.start + 1 : scored.stop + 1])
+                lps = torch.log_softmax(logits[row : row + len(scored)], dim=-1).gather(1, targets[:, None])[:, 0]
+                seq.num_prompt_logprobs = scored.stop
+                row += len(scored)
+                if not item.samples:
+                    outputs.append(self._output(seq, [], None, finished=False, prompt_logprobs=lps.tolist()))
+                else:
+                    self._pending_prompt_lps[seq.request_id] = lps.tolist()
+            if item.samples:
+                sampled.append(seq)
+                sample_rows.append(row)
+                row += 1
+        logits = logits[sample_rows]
         for item in sched.scheduled:
             item.seq.num_computed_tokens += item.num_tokens
             self.block_manager.commit_full_blocks(item.seq)
             if item.seq.num_output_tokens == 0 and item.samples:
                 self.counters["prompt_tokens_total"] += item.seq.num_prompt_tokens
         if not sampled:
-            return []
+            return outputs
         tokens, logprobs = sample(logits, [s.params for s in sampled], [self._generators[s.request_id] for s in sampled])
-        outputs = []
         for seq, tok, lp in zip(sampled, tokens, logprobs):
             seq.token_ids.append(tok)
             seq.output_logprobs.append(lp)
@@ -288,7 +319,10 @@ class LLMEngine:
                 reason = "stop"
             if reason is not None:
                 self.scheduler.finish(seq, reason)
-            outputs.append(self._output(seq, [tok], lp, finished=reason is not None, text=text))
+            outputs.append(
+                self._output(seq, [tok], lp, finished=reason is not None, text=text,
+                             prompt_logprobs=self._pending_prompt_lps.pop(seq.request_id, None))
+            )
         return outputs
 
     def _protect_generated(self, seq: Sequence, position: int) -> None:
@@ -308,7 +342,15 @@ class LLMEngine:
             return "length"
         return None
 
-    def _output(self, seq: Sequence, toks: list[int], lp: float | None, finished: bool, text: str = "") -> RequestOutput:
+    def _output(
+        self,
+        seq: Sequence,
+        toks: list[int],
+        lp: float | None,
+        finished: bool,
+        text: str = "",
+        prompt_logprobs: list[float] | None = None,
+    ) -> RequestOutput:
         if finished:
             self._detoks.pop(seq.request_id, None)
             self._generators.pop(seq.request_id, None)
@@ -323,6 +365,7 @@ class LLMEngine:
             prompt_tokens=seq.num_prompt_tokens,
             completion_tokens=seq.num_output_tokens,
             cached_tokens=seq.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
         )
 
     # ------------------------------------------------------------------ offline / inspection
@@ -349,6 +392,7 @@ class LLMEngine:
                 r.token_ids.extend(out.token_ids)
                 r.text += out.text
                 r.logprobs.extend(out.logprobs or [])
+                r.prompt_logprobs.extend(out.prompt_logprobs or [])
                 if out.finished:
                     r.finish_reason = out.finish_reason
                     if bar:

@@ -18,6 +18,7 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    prompt_logprobs: list[float] | None = None  # delta: log p(prompt[i] | prompt[:i]) for new i >= 1
 
 
 @dataclass
@@ -30,3 +31,4 @@ class CompletionResult:
     text: str
     finish_reason: str | None
     logprobs: list[float] = field(default_factory=list)
+    prompt_logprobs: list[float] = field(default_factory=list)

@@ -24,6 +24,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: bool = False
     ignore_eos: bool = False
+    # Teacher-forced scoring: stream the log-probability of every prompt token given its prefix.
+    prompt_logprobs: bool = False
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ``InvalidRequestError`` naming the field of the first invalid value."""

@@ -167,3 +167,23 @@ def test_stops_and_logprobs(tiny_llama: Path) -> None:
     assert by_text.finish_reason == "stop"
     assert by_text.text == full.text[: full.text.index(stop_text)]
     engine.check_integrity()
+
+
+def test_prompt_logprobs_score_the_prompt_like_transformers(tiny_llama: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt = rand_prompt(150, 9)
+    engine = make(tiny_llama, max_num_batched_tokens=32)  # several chunks, each streamed
+    chunks = []
+    engine.add_request("p", prompt, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=True))
+    while engine.has_unfinished():
+        chunks += [o.prompt_logprobs for o in engine.step() if o.prompt_logprobs]
+    got = torch.tensor([lp for c in chunks for lp in c])
+    assert len(chunks) >= 150 // 32
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, :-1]
+    want = torch.log_softmax(logits, -1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() < 1e-4
