@@ -1,0 +1,1 @@
+"""Evaluation helpers (synthetic long-memory documents, ...)."""

@@ -1,0 +1,412 @@
+"""Synthetic long-memory documents: a fact near the start, filler, a question at the end.
+
+Each document is a prompt that ends with an answer prefix copied from the fact sentence, e.g.::
+
+    The pass key is 48213. Remember it. 48213 is the pass key.
+    <filler ...>
+
+    Question: What is the pass key?
+    Answer: The pass key is
+
+and the expected completion is `` 48213`` (see :func:`check_answer`: greedy-decode a few tokens and
+compare the first word, stripped of punctuation, with :attr:`LongMemDoc.answer`).
+
+The generator is deterministic given ``seed``. Document length is controlled in tokens through a
+``length_fn`` (text -> number of tokens) or a ``tokenizer`` (a Hugging Face tokenizer; its own
+special tokens, e.g. an automatically added BOS, are counted). Templates and filler sources come in
+two disjoint sets: ``TRAIN_TEMPLATES``/``TRAIN_FILLERS`` are used to make training data,
+``HELDOUT_TEMPLATES``/``HELDOUT_FILLERS`` are kept out of training for evaluation.
+
+``LongMemDoc.fact_span`` is the character span of the fact sentence inside ``prompt`` (mark it as an
+anchor), ``LongMemDoc.answer_span`` the span of the answer string inside the fact.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import string
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "Template",
+    "LongMemDoc",
+    "TRAIN_TEMPLATES",
+    "HELDOUT_TEMPLATES",
+    "TRAIN_FILLERS",
+    "HELDOUT_FILLERS",
+    "FILLERS",
+    "TextFiller",
+    "make_document",
+    "check_answer",
+    "register_filler",
+    "get_template",
+]
+
+# --------------------------------------------------------------------------------------------------
+# value pools (shared by train and held-out templates; the *wording* is what is held out)
+
+NAMES = (
+    "Alice", "Bob", "Carol", "David", "Emma", "Frank", "Grace", "Henry", "Irene", "Jack",
+    "Karen", "Louis", "Maria", "Nathan", "Olivia", "Peter", "Quentin", "Rachel", "Samuel", "Tina",
+    "Victor", "Wendy", "Xavier", "Yvonne", "Zoe", "Oscar", "Laura", "Martin", "Nina", "Paul",
+    "Hannah", "Igor", "Julia", "Kevin", "Lena", "Marco", "Sofia", "Tom", "Ursula", "Walter",
+)
+CITIES = (
+    "Paris", "London", "Berlin", "Madrid", "Rome", "Lisbon", "Vienna", "Prague", "Warsaw", "Dublin",
+    "Oslo", "Stockholm", "Helsinki", "Athens", "Cairo", "Nairobi", "Lagos", "Tokyo", "Seoul", "Beijing",
+    "Delhi", "Mumbai", "Bangkok", "Jakarta", "Manila", "Sydney", "Melbourne", "Toronto", "Chicago",
+    "Boston", "Denver", "Seattle", "Houston", "Lima", "Bogota", "Santiago", "Caracas", "Havana",
+    "Istanbul", "Moscow", "Kyiv", "Budapest", "Zurich", "Geneva", "Brussels", "Amsterdam", "Munich",
+    "Hamburg", "Milan", "Naples", "Venice", "Florence", "Porto", "Seville", "Valencia", "Marseille",
+)
+# word pools for the compositional training template ("the <adj> <noun> is <value>")
+_TRAIN_ADJ = (
+    "secret", "hidden", "special", "magic", "private", "lucky", "daily", "final", "main", "first",
+    "current", "default", "primary", "backup", "temporary", "old", "new", "red", "blue", "green",
+)
+_TRAIN_NOUN = (
+    "number", "key", "token", "password", "value", "pin", "id", "ticket", "label", "tag",
+    "counter", "index", "seed", "port", "badge", "locker", "room", "box", "file", "order",
+)
+
+
+def _rand_key(rng: random.Random) -> str:
+    return str(rng.randint(10000, 99999))
+
+
+def _rand_num(rng: random.Random) -> str:
+    return str(rng.randint(100, 9999))
+
+
+# --------------------------------------------------------------------------------------------------
+# templates
+
+
+@dataclass(frozen=True)
+class Template:
+    """One document template.
+
+    ``fact``, ``question`` and ``prefix`` are ``str.format`` patterns over the slots produced by
+    ``slots(rng)``; ``slots`` must contain ``answer``. ``prefix`` is the answer prefix that ends the
+    prompt; the expected completion is ``" " + answer``.
+    """
+
+    name: str
+    kind: str  # "passkey" or "fact"
+    fact: str
+    question: str
+    prefix: str
+    slots: Callable[[random.Random], dict] = field(compare=False, repr=False)
+    intro: str = ""
+
+    def fill(self, rng: random.Random) -> dict:
+        s = dict(self.slots(rng))
+        s.setdefault("answer", s.get("key") or s.get("num") or s.get("city"))
+        return {
+            "intro": self.intro.format(**s),
+            "fact": self.fact.format(**s),
+            "question": self.question.format(**s),
+            "prefix": self.prefix.format(**s),
+            "answer": s["answer"],
+        }
+
+
+def _passkey_slots(rng):
+    k = _rand_key(rng)
+    return {"key": k, "answer": k}
+
+
+def _name_num_slots(rng):
+    n = _rand_num(rng)
+    return {"name": rng.choice(NAMES), "num": n, "answer": n}
+
+
+def _name_city_slots(rng):
+    c = rng.choice(CITIES)
+    return {"name": rng.choice(NAMES), "city": c, "answer": c}
+
+
+def _phrase_slots(rng):
+    k = _rand_key(rng) if rng.random() < 0.6 else _rand_num(rng)
+    adj, noun = rng.choice(_TRAIN_ADJ), rng.choice(_TRAIN_NOUN)
+    return {"adj": adj, "noun": noun, "Adj": adj.capitalize(), "key": k, "answer": k}
+
+
+TRAIN_TEMPLATES: tuple[Template, ...] = (
+    Template("passkey_basic", "passkey",
+             "The pass key is {key}. Remember it. {key} is the pass key.",
+             "What is the pass key?", "The pass key is", _passkey_slots,
+             intro="There is important information hidden in this text. Find it and memorize it."),
+    Template("passkey_secret", "passkey",
+             "Important: the secret number is {key}.",
+             "What is the secret number?", "The secret number is", _passkey_slots),
+    Template("passkey_phrase", "passkey",
+             "Note that the {adj} {noun} is {key}.",
+             "What is the {adj} {noun}?", "The {adj} {noun} is", _phrase_slots),
+    Template("passkey_phrase_cap", "passkey",
+             "{Adj} {noun}: {key}.",
+             "Which {adj} {noun} was mentioned?", "{Adj} {noun}:", _phrase_slots),
+    Template("fact_favourite_number", "fact",
+             "{name}'s favourite number is {num}.",
+             "What is {name}'s favourite number?", "{name}'s favourite number is", _name_num_slots),
+    Template("fact_phone_number", "fact",
+             "The phone extension of {name} is {num}.",
+             "What is the phone extension of {name}?", "The phone extension of {name} is", _name_num_slots),
+    Template("fact_lives_in", "fact",
+             "{name} lives in {city}.",
+             "Where does {name} live?", "{name} lives in", _name_city_slots),
+    Template("fact_born_in", "fact",
+             "{name} was born in the city of {city}.",
+             "In which city was {name} born?", "{name} was born in the city of", _name_city_slots),
+)
+
+HELDOUT_TEMPLATES: tuple[Template, ...] = (
+    Template("heldout_access_code", "passkey",
+             "Keep this in mind: the access code is {key}.",
+             "Which access code was given at the start?", "The access code is", _passkey_slots),
+    Template("heldout_vault", "passkey",
+             "The vault combination reads {key}.",
+             "How does the vault combination read?", "The vault combination reads", _passkey_slots),
+    Template("heldout_assigned_number", "fact",
+             "The number assigned to {name} is {num}.",
+             "Which number was assigned to {name}?", "The number assigned to {name} is", _name_num_slots),
+    Template("heldout_moved_to", "fact",
+             "Last year {name} moved to {city}.",
+             "Where did {name} move to last year?", "Last year {name} moved to", _name_city_slots),
+)
+
+_ALL_TEMPLATES = {t.name: t for t in TRAIN_TEMPLATES + HELDOUT_TEMPLATES}
+
+
+def get_template(name: str) -> Template:
+    return _ALL_TEMPLATES[name]
+
+
+# --------------------------------------------------------------------------------------------------
+# filler sources: callables (rng, n_chars) -> text of at least about n_chars characters
+
+FillerFn = Callable[[random.Random, int], str]
+
+_HAYSTACK = (
+    "The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.",
+    "There and back again.", "The river flows to the sea.", "Birds sing in the morning.",
+    "The mountains are tall and quiet.", "Clouds drift slowly across the valley.",
+)
+
+
+def _haystack_filler(rng: random.Random, n_chars: int) -> str:
+    out, size = [], 0
+    while size < n_chars:
+        s = rng.choice(_HAYSTACK)
+        out.append(s)
+        size += len(s) + 1
+    return " ".join(out)
+
+
+_BABBLE_SUBJ = ("The parser", "A function", "The module", "Each thread", "The server", "A client",
+                "The buffer", "This method", "The cache", "A request", "The queue", "Every worker")
+_BABBLE_VERB = ("reads", "returns", "writes", "updates", "checks", "sorts", "stores", "sends",
+                "closes", "opens", "copies", "encodes")
+_BABBLE_OBJ = ("the list of items", "a new object", "the next line", "the current state",
+               "all pending data", "the header", "a small table", "the result", "an empty string",
+               "the last value", "the first record", "each element")
+_BABBLE_TAIL = ("", " before it exits", " when it is called", " if the flag is set", " in order",
+                " without blocking", " after a timeout", " for every entry")
+
+
+def _babble_filler(rng: random.Random, n_chars: int) -> str:
+    out, size = [], 0
+    while size < n_chars:
+        s = (f"{rng.choice(_BABBLE_SUBJ)} {rng.choice(_BABBLE_VERB)} {rng.choice(_BABBLE_OBJ)}"
+             f"{rng.choice(_BABBLE_TAIL)}.")
+        out.append(s)
+        size += len(s) + 1
+    return " ".join(out)
+
+
+class TextFiller:
+    """Filler cut from a body of text (random windows, starting at a word boundary)."""
+
+    def __init__(self, texts: Sequence[str] | str):
+        if isinstance(texts, str):
+            texts = [texts]
+        self.text = "\n\n".join(t for t in texts if t.strip())
+        if not self.text:
+            raise ValueError("TextFiller needs some text")
+
+    def __call__(self, rng: random.Random, n_chars: int) -> str:
+        text = self.text
+        while len(text) < n_chars + 1:
+            text = text + "\n\n" + self.text
+        start = rng.randint(0, max(0, len(text) - n_chars - 1))
+        # move to a word boundary
+        sp = text.find(" ", start)
+        if 0 <= sp < start + 40:
+            start = sp + 1
+        return text[start:start + n_chars]
+
+
+def _licenses_filler() -> FillerFn:
+    """Debian's /usr/share/common-licenses (package base-files): licence prose, never trained on."""
+    root = Path("/usr/share/common-licenses")
+    texts = []
+    if root.is_dir():
+        for p in sorted(root.iterdir()):
+            if p.is_file() and not p.is_symlink():
+                try:
+                    texts.append(p.read_text(encoding="utf-8", errors="replace"))
+                except OSError:
+                    pass
+    if not texts:
+        logger.warning("no licence texts in %s; 'licenses' filler falls back to 'haystack'", root)
+        return _haystack_filler
+    return TextFiller(texts)
+
+
+_LAZY: dict[str, Callable[[], FillerFn]] = {"licenses": _licenses_filler}
+FILLERS: dict[str, FillerFn] = {"haystack": _haystack_filler, "babble": _babble_filler}
+
+# "corpus" is registered by training/ (windows of the training text); see register_filler.
+TRAIN_FILLERS: tuple[str, ...] = ("babble", "corpus")
+HELDOUT_FILLERS: tuple[str, ...] = ("licenses", "haystack")
+
+
+def register_filler(name: str, fn: FillerFn) -> None:
+    FILLERS[name] = fn
+
+
+def _get_filler(filler: str | FillerFn) -> FillerFn:
+    if callable(filler):
+        return filler
+    if filler not in FILLERS and filler in _LAZY:
+        FILLERS[filler] = _LAZY[filler]()
+    if filler not in FILLERS:
+        raise KeyError(f"unknown filler {filler!r}; known: {sorted(set(FILLERS) | set(_LAZY))}")
+    return FILLERS[filler]
+
+
+# --------------------------------------------------------------------------------------------------
+# documents
+
+
+@dataclass
+class LongMemDoc:
+    prompt: str  # ends with the answer prefix (no trailing space)
+    answer: str  # expected completion, without the leading space
+    fact_span: tuple[int, int]  # character span of the fact sentence inside prompt
+    answer_span: tuple[int, int]  # character span of the answer inside prompt (inside fact_span)
+    template: str
+    kind: str
+    n_tokens: int | None  # length of prompt per length_fn (None when no length was requested)
+    seed: int
+
+    @property
+    def completion(self) -> str:
+        """Text to append to ``prompt`` for a training document."""
+        return " " + self.answer + "."
+
+    @property
+    def text(self) -> str:
+        return self.prompt + self.completion
+
+
+def _default_length_fn(text: str) -> int:
+    return len(text.split())
+
+
+def _length_fn_from_tokenizer(tokenizer) -> Callable[[str], int]:
+    def fn(text: str) -> int:
+        return len(tokenizer(text)["input_ids"])
+
+    return fn
+
+
+def _assemble(parts: dict, filler_words: list[str], depth: float) -> tuple[str, tuple[int, int], tuple[int, int]]:
+    k = int(round(len(filler_words) * depth))
+    before = " ".join(filler_words[:k])
+    after = " ".join(filler_words[k:])
+    head = parts["intro"] + "\n" if parts["intro"] else ""
+    if before:
+        head += before + "\n"
+    fact_start = len(head)
+    text = head + parts["fact"]
+    fact_end = len(text)
+    if after:
+        text += "\n" + after
+    text += "\n\nQuestion: " + parts["question"] + "\nAnswer: " + parts["prefix"]
+    a = parts["fact"].find(parts["answer"])
+    answer_span = (fact_start + a, fact_start + a + len(parts["answer"]))
+    return text, (fact_start, fact_end), answer_span
+
+
+def make_document(
+    template: Template | str,
+    seed: int,
+    n_tokens: int | None = None,
+    *,
+    tokenizer=None,
+    length_fn: Callable[[str], int] | None = None,
+    filler: str | FillerFn = "haystack",
+    depth: float = 0.0,
+    filler_words: int | None = None,
+) -> LongMemDoc:
+    """Make one document.
+
+    template: a :class:`Template` or its name.
+    seed: makes the document deterministic (values, filler).
+    n_tokens: target prompt length per ``length_fn`` (or ``tokenizer``); the result is the longest
+        document not longer than ``n_tokens`` (filler is cut at word boundaries, so it may be a few
+        tokens shorter). Without ``n_tokens``, ``filler_words`` words of filler are used (default 50).
+    depth: where the fact sits inside the filler, 0.0 = before all filler (near the start),
+        1.0 = right before the question.
+    """
+    if isinstance(template, str):
+        template = get_template(template)
+    if length_fn is None:
+        length_fn = _length_fn_from_tokenizer(tokenizer) if tokenizer is not None else _default_length_fn
+    rng = random.Random(f"longmem:{template.name}:{seed}")
+    parts = template.fill(rng)
+    fill_fn = _get_filler(filler)
+    frng = random.Random(f"filler:{seed}")
+
+    if n_tokens is None:
+        nw = 50 if filler_words is None else filler_words
+        words = fill_fn(frng, 8 * nw + 64).split()[:nw]
+        prompt, fspan, aspan = _assemble(parts, words, depth)
+        return LongMemDoc(prompt, parts["answer"], fspan, aspan, template.name, template.kind, None, seed)
+
+    base_len = length_fn(_assemble(parts, [], depth)[0])
+    if base_len > n_tokens:
+        raise ValueError(f"n_tokens={n_tokens} is shorter than the bare document ({base_len} tokens)")
+    # draw enough filler, then binary-search the number of words
+    n_chars = max(64, (n_tokens - base_len) * 6 + 64)
+    words = fill_fn(frng, n_chars).split()
+    while length_fn(_assemble(parts, words, depth)[0]) < n_tokens and len(words) < 64 * n_tokens:
+        n_chars *= 2
+        words = fill_fn(frng, n_chars).split()
+    lo, hi = 0, len(words)  # invariant: lo fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if length_fn(_assemble(parts, words[:mid], depth)[0]) <= n_tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    prompt, fspan, aspan = _assemble(parts, words[:lo], depth)
+    return LongMemDoc(prompt, parts["answer"], fspan, aspan, template.name, template.kind,
+                      length_fn(prompt), seed)
+
+
+_PUNCT = string.punctuation
+
+
+def check_answer(generated: str, answer: str) -> bool:
+    """Exact match: the first word of the greedy continuation, stripped of punctuation, equals answer."""
+    words = generated.strip().split()
+    if not words:
+        return False
+    return words[0].strip(_PUNCT) == answer

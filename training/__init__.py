@@ -1,0 +1,1 @@
+"""Training of the embedded reference model (assets/reference-model/)."""

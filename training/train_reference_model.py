@@ -1,0 +1,256 @@
+"""Train the embedded reference model (a small Llama with GQA) on this CPU and write it as an HF directory.
+
+    python -m training.train_reference_model --out assets/reference-model --minutes 65 \
+        --work /tmp/sinkserve-train
+
+The run is sized by wall time: the LR schedule (linear warmup + cosine) and the sequence-length
+curriculum (256 -> 512 -> 1024 tokens) are functions of elapsed/total time, so the run ends on time
+whatever the machine's load. A checkpoint is written to --work every --ckpt-minutes; the final model
+goes to --out. Every sequence starts with BOS. About --mem-frac of the sequences start with a
+synthetic long-memory document (evals.longmem, TRAIN_TEMPLATES/TRAIN_FILLERS only) followed by EOS
+and corpus text; the rest is corpus text (Python stdlib sources and docs, see training.corpus).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from evals import longmem
+from training.corpus import load_corpus
+from training.tokenizer import DEFAULT_SYSTEM, render_chat, to_hf, train_tokenizer
+
+logger = logging.getLogger("train_reference_model")
+
+MODEL_SHAPE = dict(
+    hidden_size=128,
+    intermediate_size=448,
+    num_hidden_layers=6,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
+# (fraction of wall time at which the phase starts, seq_len, batch size); tokens/step stay ~2048
+CURRICULUM = [(0.0, 256, 8), (0.25, 512, 4), (0.5, 1024, 2)]
+
+
+def build_tokenizer(train_docs: list[str], vocab_size: int, seed: int):
+    rng = random.Random(seed)
+    mem_texts = []
+    for i in range(3000):
+        t = rng.choice(longmem.TRAIN_TEMPLATES)
+        mem_texts.append(longmem.make_document(t, seed=i, filler="babble", filler_words=30).text)
+    tok = train_tokenizer(train_docs + mem_texts, vocab_size=vocab_size)
+    return to_hf(tok, model_max_length=MODEL_SHAPE["max_position_embeddings"])
+
+
+class Sampler:
+    """Makes training sequences: [BOS] + (long-memory doc + EOS)? + corpus stream, cut to seq_len."""
+
+    def __init__(self, hf_tok, train_docs: list[str], mem_frac: float, chat_frac: float, seed: int):
+        self.tok = hf_tok
+        self.bos, self.eos = hf_tok.bos_token_id, hf_tok.eos_token_id
+        self.mem_frac, self.chat_frac = mem_frac, chat_frac
+        self.rng = random.Random(seed)
+        t0 = time.time()
+        enc = hf_tok(train_docs, add_special_tokens=False)["input_ids"]
+        stream = []
+        for ids in enc:
+            stream.extend(ids)
+            stream.append(self.eos)
+        self.stream = np.asarray(stream, dtype=np.int64)
+        logger.info("corpus stream: %d tokens (%.1fs)", len(self.stream), time.time() - t0)
+        longmem.register_filler("corpus", longmem.TextFiller(train_docs))
+        self.doc_seed = seed * 1_000_003
+        self.n_mem = 0
+
+    def _length(self, text: str) -> int:
+        return len(self.tok(text)["input_ids"])
+
+    def _mem_doc_ids(self, max_len: int) -> list[int]:
+        rng = self.rng
+        tmpl = rng.choice(longmem.TRAIN_TEMPLATES)
+        filler = "corpus" if rng.random() < 0.6 else "babble"
+        depth = 0.0 if rng.random() < 0.7 else rng.random()
+        chat = rng.random() < self.chat_frac
+        budget = max_len - 2 - (40 if chat else 0)
+        n = rng.randint(min(48, budget), budget)
+        self.doc_seed += 1
+        try:
+            doc = longmem.make_document(tmpl, seed=self.doc_seed, n_tokens=n, length_fn=self._length,
+                                        filler=filler, depth=depth)
+        except ValueError:
+            doc = longmem.make_document(tmpl, seed=self.doc_seed, filler=filler, filler_words=5)
+        if chat:
+            q = doc.prompt.rfind("\nAnswer: ")
+            msgs = [{"role": "system", "content": DEFAULT_SYSTEM},
+                    {"role": "user", "content": doc.prompt[:q]},
+                    {"role": "assistant", "content": doc.prompt[q + len("\nAnswer: "):] + doc.completion}]
+            text = render_chat(msgs)
+        else:
+            text = doc.text
+        self.n_mem += 1
+        return self.tok(text, add_special_tokens=False)["input_ids"] + [self.eos]
+
+    def sequence(self, seq_len: int) -> list[int]:
+        ids = [self.bos]
+        if self.rng.random() < self.mem_frac:
+            ids += self._mem_doc_ids(seq_len)
+        need = seq_len - len(ids)
+        if need > 0:
+            start = self.rng.randint(0, len(self.stream) - need - 1)
+            ids += self.stream[start:start + need].tolist()
+        return ids[:seq_len]
+
+    def batch(self, bsz: int, seq_len: int) -> torch.Tensor:
+        return torch.tensor([self.sequence(seq_len) for _ in range(bsz)], dtype=torch.long)
+
+
+def lr_at(frac: float, peak: float, warmup_frac: float, min_ratio: float = 0.1) -> float:
+    if frac < warmup_frac:
+        return peak * frac / warmup_frac
+    p = min(1.0, (frac - warmup_frac) / max(1e-9, 1 - warmup_frac))
+    return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+def phase_at(frac: float):
+    cur = CURRICULUM[0]
+    for ph in CURRICULUM:
+        if frac >= ph[0]:
+            cur = ph
+    return cur
+
+
+def save_model(model, hf_tok, out: Path, meta: dict):
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp, safe_serialization=True)
+    hf_tok.save_pretrained(tmp)
+    _embed_chat_template(tmp, hf_tok.chat_template)
+    (tmp / "training_meta.json").write_text(json.dumps(meta, indent=2))
+    for p in tmp.iterdir():
+        shutil.move(str(p), out / p.name)
+    tmp.rmdir()
+
+
+def _embed_chat_template(d: Path, template: str):
+    """Keep the chat template inside tokenizer_config.json (as well as chat_template.jinja)."""
+    cfg_path = d / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = template
+    cfg["add_bos_token"] = True
+    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="assets/reference-model")
+    ap.add_argument("--work", default="/tmp/sinkserve-train")
+    ap.add_argument("--minutes", type=float, default=65.0)
+    ap.add_argument("--ckpt-minutes", type=float, default=5.0)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--warmup-frac", type=float, default=0.03)
+    ap.add_argument("--mem-frac", type=float, default=0.5)
+    ap.add_argument("--chat-frac", type=float, default=0.1)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--bf16", action="store_true",
+                    help="bf16 autocast (measured ~25x SLOWER than fp32 here: slow CPU backward)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+    work, out = Path(args.work), Path(args.out)
+    work.mkdir(parents=True, exist_ok=True)
+
+    t_start = time.time()
+    train_docs = load_corpus("train")
+    hf_tok = build_tokenizer(train_docs, args.vocab, args.seed)
+    logger.info("tokenizer ready (%.0fs)", time.time() - t_start)
+    sampler = Sampler(hf_tok, train_docs, args.mem_frac, args.chat_frac, args.seed)
+
+    cfg = LlamaConfig(
+        vocab_size=len(hf_tok),
+        bos_token_id=hf_tok.bos_token_id,
+        eos_token_id=hf_tok.eos_token_id,
+        pad_token_id=hf_tok.pad_token_id,
+        attn_implementation="sdpa",
+        **MODEL_SHAPE,
+    )
+    model = LlamaForCausalLM(cfg)
+    model.generation_config.bos_token_id = hf_tok.bos_token_id
+    model.generation_config.eos_token_id = [hf_tok.eos_token_id, hf_tok.convert_tokens_to_ids("<|im_end|>")]
+    model.generation_config.pad_token_id = hf_tok.pad_token_id
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info("model: %.2fM parameters", n_params / 1e6)
+
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+
+    budget = args.minutes * 60.0
+    t0 = time.time()
+    last_ckpt = t0
+    tokens = step = 0
+    ema = None
+    meta = {}
+    model.train()
+    while True:
+        elapsed = time.time() - t0
+        frac = elapsed / budget
+        if frac >= 1.0:
+            break
+        _, seq_len, bsz = phase_at(frac)
+        lr = lr_at(frac, args.lr, args.warmup_frac)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        x = sampler.batch(bsz, seq_len)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        tokens += x.numel()
+        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+        if step % 10 == 0:
+            el = time.time() - t0
+            logger.info("step %d  frac %.3f  L %d  lr %.2e  loss %.3f (ema %.3f)  tokens %.2fM  %.0f tok/s",
+                        step, frac, seq_len, lr, loss.item(), ema, tokens / 1e6, tokens / el)
+        meta = dict(params=n_params, steps=step, tokens=tokens, train_seconds=round(time.time() - t0, 1),
+                    final_loss_ema=round(ema, 4), lr=args.lr, mem_frac=args.mem_frac,
+                    chat_frac=args.chat_frac, curriculum=CURRICULUM, seed=args.seed, vocab=len(hf_tok),
+                    bf16_autocast=args.bf16, mem_docs=sampler.n_mem, shape=MODEL_SHAPE)
+        if time.time() - last_ckpt > args.ckpt_minutes * 60:
+            save_model(model, hf_tok, work / "checkpoint", meta)
+            last_ckpt = time.time()
+            logger.info("checkpoint written to %s", work / "checkpoint")
+    meta["total_seconds_including_data"] = round(time.time() - t_start, 1)
+    save_model(model, hf_tok, out, meta)
+    save_model(model, hf_tok, work / "checkpoint", meta)
+    logger.info("done: %d steps, %.2fM tokens, %.0fs; model in %s", step, tokens / 1e6, time.time() - t0, out)
+
+
+if __name__ == "__main__":
+    main()
