@@ -230,10 +230,11 @@ def cast_out(x, DT: tl.constexpr, EMULATE_RTNE: tl.constexpr):
     """Cast fp32 ``x`` to ``DT`` rounding to nearest even.
 
     GPUs round fp32 -> bf16 to nearest even; the interpreter truncates, so under it (``EMULATE_RTNE``)
-    round the bit pattern first (add 0x7FFF plus the lowest kept bit, then truncate).
+    round the bit pattern first (add 0x7FFF plus the lowest kept bit) and clear the dropped bits, so the
+    interpreter's conversion only sees exactly representable values (it mishandles fp32 subnormals).
     """
     if EMULATE_RTNE and DT == tl.bfloat16:
         bits = x.to(tl.float32).to(tl.int32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
         x = bits.to(tl.float32, bitcast=True)
     return x.to(DT)
