@@ -8,7 +8,9 @@ Topology (one Serve application)::
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 from typing import Any
 
 from ray import serve
@@ -34,6 +36,26 @@ logger = logging.getLogger("sinkserve.builder")
 
 _ENGINE_KEYS = ("dtype", "max_model_len", "num_kv_blocks", "block_size", "max_num_seqs",
                 "max_num_batched_tokens", "enable_prefix_caching", "attention_backend")
+
+
+def model_max_len(model_dir: str) -> int | None:
+    """``max_position_embeddings`` from the model's config.json, if it can be read."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return cfg.get("max_position_embeddings")
+
+
+def clamp_pool(pool: PoolArgs, model_len: int | None) -> PoolArgs:
+    """A bucket cannot accept prompts its engine would refuse: cap ``max_prompt_tokens`` at the
+    engine's ``max_model_len`` (the pool's own, else the model's) less one token for the output."""
+    limit = pool.max_model_len or model_len
+    if limit is None or pool.max_prompt_tokens < limit:
+        return pool
+    logger.warning("pool %s: max_prompt_tokens %d capped to %d (max_model_len %d)", pool.name,
+                   pool.max_prompt_tokens, limit - 1, limit)
+    return pool.model_copy(update={"max_prompt_tokens": limit - 1})
 
 
 def cluster_gpus() -> float:
@@ -93,8 +115,10 @@ def build_app(args: AppArgs) -> Application:
         VersionSpec(v.name, resolve_model_path(v.model or args.model), v.weight) for v in args.versions
     )
     hub = StatsHub.options(name="StatsHub").bind()
+    model_len = min((n for n in (model_max_len(v.model) for v in versions) if n), default=None)
+    pool_args = [clamp_pool(p, model_len) for p in args.pools]
     pools: dict[str, Application] = {}
-    for pool in args.pools:
+    for pool in pool_args:
         device = resolve_device(pool, gpus)
         for v in versions:
             if pool.versions is not None and v.name not in pool.versions:
@@ -117,7 +141,7 @@ def build_app(args: AppArgs) -> Application:
     router_spec = RouterSpec(
         buckets=tuple(
             BucketSpec(p.name, p.max_prompt_tokens, p.timeout_s, tuple(p.versions) if p.versions is not None else None)
-            for p in args.pools
+            for p in pool_args
         ),
         versions=versions,
         tokenizer_path=versions[0].model,

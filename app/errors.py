@@ -37,13 +37,16 @@ class APIError(Exception):
 
 def field_path(loc: tuple[Any, ...]) -> str:
     """``('messages', 0, 'role')`` -> ``messages.0.role``; drops pydantic's union-member tags."""
-    parts = [str(p) for p in loc if not (isinstance(p, str) and (p in _TYPE_TAGS or "[" in p or "(" in p))]
+    parts = [str(p) for p in loc if not (isinstance(p, str) and (p in _TYPE_TAGS or any(c in p for c in "[(-")))]
     return ".".join(parts) or "body"
 
 
 def from_validation_error(e: ValidationError) -> APIError:
     errs = e.errors(include_url=False)
-    first = errs[0]
+    # For a union (``str | TokenRange``) pydantic reports one error per member; the type mismatches
+    # are noise, the member that matched the shape but failed a check is the useful one.
+    specific = [x for x in errs if not str(x.get("type", "")).endswith(("_type", "model_attributes_type"))]
+    first = (specific or errs)[0]
     param = field_path(tuple(first.get("loc", ())))
     msg = "; ".join(f"{field_path(tuple(x.get('loc', ())))}: {x.get('msg')}" for x in errs[:5])
     return APIError(400, msg, param)

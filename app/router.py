@@ -43,11 +43,35 @@ def sampling_from(request: CompletionRequest | ChatCompletionRequest) -> tuple[t
     )
 
 
-def anchors_from(request: CompletionRequest | ChatCompletionRequest) -> tuple[object, ...]:
-    """In the engine's format: text spans as ``{"text": ...}``, token ranges as ``(start, end)``."""
-    if not request.sinkserve:
+def anchors_from(
+    request: CompletionRequest | ChatCompletionRequest, tokenizer: Any, text: str | None
+) -> tuple[tuple[int, int], ...]:
+    """Anchors as token ranges ``(start, end)`` of the prompt the router tokenized.
+
+    The router tokenizes once and hands the pool token ids, so text anchors are located here: the
+    first occurrence of the span in the prompt text (the rendered chat for chat requests), widened
+    to the tokens that overlap it.
+    """
+    if not request.sinkserve or not request.sinkserve.anchors:
         return ()
-    return tuple((a.start, a.end) if isinstance(a, TokenRange) else {"text": a} for a in request.sinkserve.anchors)
+    out: list[tuple[int, int]] = []
+    offsets = None
+    for i, a in enumerate(request.sinkserve.anchors):
+        if isinstance(a, TokenRange):
+            out.append((a.start, a.end))
+            continue
+        if text is None:
+            raise RoutingError(400, f"sinkserve.anchors.{i}", "text anchors need a text prompt (not token ids)")
+        at = text.find(a)
+        if at < 0:
+            raise RoutingError(400, f"sinkserve.anchors.{i}", "anchor text does not occur in the prompt")
+        if offsets is None:
+            offsets = tokenizer(text, return_offsets_mapping=True, add_special_tokens=not isinstance(
+                request, ChatCompletionRequest))["offset_mapping"]
+        end = at + len(a)
+        toks = [t for t, (s, e) in enumerate(offsets) if e > s and s < end and e > at]
+        out.append((toks[0], toks[-1] + 1))
+    return tuple(out)
 
 
 class Router:
@@ -77,20 +101,25 @@ class Router:
             return match[0]
         return pick_version(self.spec.versions, u)
 
-    def _tokenize(self, request: CompletionRequest | ChatCompletionRequest, version: VersionSpec) -> list[int]:
+    def _tokenize(
+        self, request: CompletionRequest | ChatCompletionRequest, version: VersionSpec
+    ) -> tuple[list[int], str | None]:
+        """Token ids of the prompt (and its text, when there is one, for anchors)."""
         tok = self.tokenizers[version.model]
+        text: str | None = None
         if isinstance(request, ChatCompletionRequest):
             text = render_chat(tok, [m.model_dump() for m in request.messages])
             ids = tok(text, add_special_tokens=False)["input_ids"]
         elif isinstance(request.prompt, str):
             if not request.prompt:
                 raise RoutingError(400, "prompt", "prompt is empty")
-            ids = tok(request.prompt)["input_ids"]
+            text = request.prompt
+            ids = tok(text)["input_ids"]
         else:
             ids = list(request.prompt)
         if not ids:
             raise RoutingError(400, "prompt" if isinstance(request, CompletionRequest) else "messages", "prompt is empty")
-        return ids
+        return ids, text
 
     async def route(
         self,
@@ -105,16 +134,17 @@ class Router:
             self.limiter.check(api_key, time.monotonic())
             u = self._draw(request)
             version = self._version(pinned_version, u)
-            ids = self._tokenize(request, version)
+            ids, text = self._tokenize(request, version)
             forced = request.sinkserve.pool if request.sinkserve else None
             bucket = pick_bucket(len(ids), self.spec.buckets, forced=forced)
             if pinned_version is not None and bucket.versions is not None and pinned_version not in bucket.versions:
                 raise RoutingError(404, "model", f"version {pinned_version!r} is not served by pool {bucket.name!r}")
             other = version_for_bucket(bucket, self.spec.versions, version, u)
             if other.model != version.model:
-                ids = self._tokenize(request, other)
+                ids, text = self._tokenize(request, other)
                 bucket = pick_bucket(len(ids), self.spec.buckets, forced=forced)
             version = other
+            anchors = anchors_from(request, self.tokenizers[version.model], text)
         except RoutingError as e:
             yield ErrorEvent(e.status, e.message, field=e.field, retry_after=e.retry_after,
                              type="rate_limit_exceeded" if e.status == 429 else "invalid_request_error")
@@ -122,7 +152,7 @@ class Router:
         name = pool_deployment_name(bucket.name, version.name)
         tok = self.tokenizers[version.model]
         want_tokens = request.wants_logprobs()
-        preq = PoolRequest(request_id, tuple(ids), sampling_from(request), anchors_from(request), bucket.timeout_s)
+        preq = PoolRequest(request_id, tuple(ids), sampling_from(request), anchors, bucket.timeout_s)
         stream = self.pools[name].options(stream=True).generate.remote(preq)
         deadline = time.monotonic() + bucket.timeout_s
         started = done = False

@@ -41,6 +41,14 @@ def build_engine(spec: PoolSpec):
     return AsyncLLMEngine(config)
 
 
+def http_field(engine_field: str) -> str:
+    """Engine field names -> request paths: ``anchors[2]`` is ``sinkserve.anchors.2`` over HTTP."""
+    if engine_field.startswith("anchors"):
+        rest = engine_field[len("anchors"):].replace("[", ".").replace("]", "")
+        return "sinkserve.anchors" + rest
+    return engine_field
+
+
 class LLMServer:
     """Serve deployment body (decorated in :mod:`app.builder` with per-pool options)."""
 
@@ -88,7 +96,7 @@ class LLMServer:
                     completion_tokens=out.completion_tokens,
                 )
         except InvalidRequestError as e:
-            yield ErrorEvent(400, str(e), field=e.field)
+            yield ErrorEvent(400, str(e), field=http_field(e.field))
         except RequestAbortedError as e:
             yield ErrorEvent(499, f"request aborted: {e}", type="aborted")
         except EngineDeadError as e:

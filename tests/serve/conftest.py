@@ -16,6 +16,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "test-key-123"
+LIMITED_KEY = "test-key-limited"  # used only by the rate-limit test
 SHORT_MAX, LONG_MAX = 48, 400
 
 
@@ -23,6 +24,14 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def tp_available() -> bool:
+    try:
+        import engine.worker  # noqa: F401 - the lead's tensor-parallel worker
+    except ImportError:
+        return False
+    return True
 
 
 @pytest.fixture(scope="session")
@@ -38,7 +47,7 @@ def app_args(model: str, long_tp: int) -> dict:
         "model": model,
         "served_model_name": "tiny",
         "ingress": {"num_replicas": 1, "num_cpus": 0.05},
-        "router": {"num_replicas": 1, "num_cpus": 0.05, "rate_limit_rps": 2.0, "rate_limit_burst": 200},
+        "router": {"num_replicas": 1, "num_cpus": 0.05, "rate_limit_rps": 5.0, "rate_limit_burst": 40},
         "versions": [{"name": "v1", "weight": 1.0}, {"name": "v2", "weight": 0.0}],
         "pools": [
             {"name": "short", "max_prompt_tokens": SHORT_MAX, "timeout_s": 60, "num_cpus": 0.05, **engine,
@@ -58,13 +67,13 @@ def server(tiny_model):
 
     from app.builder import build_app
 
-    os.environ["SINKSERVE_API_KEYS"] = API_KEY
+    os.environ["SINKSERVE_API_KEYS"] = f"{API_KEY},{LIMITED_KEY}"
     os.environ["PYTHONPATH"] = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=bool(os.environ.get("SINKSERVE_TEST_LOGS")))
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     base = f"http://127.0.0.1:{port}"
-    long_tp = int(os.environ.get("SINKSERVE_TEST_LONG_TP", "2"))
+    long_tp = int(os.environ.get("SINKSERVE_TEST_LONG_TP", "2" if tp_available() else "1"))
     app = build_app(app_args(tiny_model, long_tp))
 
     import threading
@@ -94,7 +103,8 @@ def server(tiny_model):
         raise RuntimeError(f"not ready after deploy: {r.text}")
     stop.set()
     t.join()
-    info = {"base": base, "readyz_seen": readyz_seen, "startup_s": time.time() - t0, "long_tp": long_tp}
+    info = {"base": base, "readyz_seen": readyz_seen, "startup_s": time.time() - t0, "long_tp": long_tp,
+            "args": app_args(tiny_model, long_tp)}
     yield info
     serve.shutdown()
     ray.shutdown()

@@ -1,0 +1,87 @@
+"""``sinkserve serve CONFIG``: start the Serve application from a Serve config file.
+
+One command still gives a secured server: when no key source is set (``SINKSERVE_API_KEYS`` /
+``SINKSERVE_API_KEYS_FILE``) and the config does not say ``auth: disabled``, a key file is created
+(``~/.sinkserve/api_keys``, mode 0600) on first use and its key printed. Then this runs the stock
+``serve run`` on the (possibly overridden) config, so ``serve run CONFIG`` and this command deploy
+exactly the same thing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from app.auth import DEFAULT_KEY_FILE, KEYS_ENV, KEYS_FILE_ENV, ensure_key_file
+from app.settings import PROJECT_ROOT
+
+logger = logging.getLogger("sinkserve.cli")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("serve", help="run the Ray Serve application from a Serve config file")
+    p.add_argument("config", nargs="?", default="serve_configs/prod.yaml", help="Serve config YAML")
+    p.add_argument("--model", help="model directory for every application (overrides args.model)")
+    p.add_argument("--host", help="HTTP host (overrides http_options.host)")
+    p.add_argument("--port", type=int, help="HTTP port (overrides http_options.port)")
+    p.add_argument("--key-file", type=Path, default=DEFAULT_KEY_FILE, help="API key file to create/use")
+    p.add_argument("--dry-run", action="store_true", help="print the effective config and exit")
+    p.set_defaults(run=run)
+
+
+def effective_config(path: Path, model: str | None, host: str | None, port: int | None) -> dict:
+    cfg = yaml.safe_load(path.read_text())
+    if not isinstance(cfg, dict) or not cfg.get("applications"):
+        raise SystemExit(f"{path}: not a Serve config (no 'applications:' list)")
+    http = cfg.setdefault("http_options", {})
+    if host:
+        http["host"] = host
+    if port:
+        http["port"] = port
+    for app in cfg["applications"]:
+        if model:
+            app.setdefault("args", {})["model"] = str(Path(model).expanduser().resolve())
+    return cfg
+
+
+def needs_keys(cfg: dict) -> bool:
+    return any((a.get("args") or {}).get("auth", "enabled") != "disabled" for a in cfg["applications"])
+
+
+def run(args: argparse.Namespace) -> int:
+    path = Path(args.config)
+    if not path.is_file():
+        print(f"sinkserve serve: no such config file: {path}", file=sys.stderr)
+        return 2
+    cfg = effective_config(path, args.model, args.host, args.port)
+    env = dict(os.environ)
+    if needs_keys(cfg) and not (env.get(KEYS_ENV) or env.get(KEYS_FILE_ENV)):
+        key, created = ensure_key_file(args.key_file)
+        env[KEYS_FILE_ENV] = str(args.key_file)
+        print(f"{'Created' if created else 'Using'} API key file {args.key_file}")
+        print(f"API key: {key}")
+        print(f'  curl -H "Authorization: Bearer {key}" http://{cfg["http_options"].get("host", "127.0.0.1")}:'
+              f'{cfg["http_options"].get("port", 8000)}/v1/models')
+    # Workers must import app/ and engine/ whatever their working directory.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH", "")) if p)
+    if args.dry_run:
+        print(yaml.safe_dump(cfg, sort_keys=False))
+        return 0
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="sinkserve-", delete=False) as f:
+        yaml.safe_dump(cfg, f, sort_keys=False)
+    serve_bin = Path(sys.executable).with_name("serve")
+    cmd = [str(serve_bin) if serve_bin.exists() else "serve", "run", f.name]
+    logger.info("running: %s", " ".join(cmd))
+    try:
+        return subprocess.call(cmd, env=env, cwd=PROJECT_ROOT)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        os.unlink(f.name)

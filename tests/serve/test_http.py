@@ -1,0 +1,284 @@
+"""The application over real HTTP on 127.0.0.1 (one deployment per session, see conftest)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.serve.conftest import API_KEY, LIMITED_KEY, LONG_MAX, SHORT_MAX
+
+pytestmark = pytest.mark.serve
+
+
+def sse_events(text: str) -> list:
+    lines = [ln[len("data: "):] for ln in text.split("\n\n") if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]", lines[-3:]
+    return [json.loads(x) for x in lines[:-1]]
+
+
+def test_readyz_false_before_models_load(server):
+    seen = [s for s in server["readyz_seen"] if s in (200, 503)]
+    assert seen and seen[0] == 503, server["readyz_seen"][:5]
+    assert httpx.get(server["base"] + "/readyz").json()["ready"] is True
+
+
+def test_healthz(server):
+    assert httpx.get(server["base"] + "/healthz").json() == {"status": "alive"}
+
+
+def test_completion_unary(client):
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": "hello world", "max_tokens": 5,
+                                             "temperature": 0, "logprobs": 1, "sinkserve": {"ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["choices"][0]["finish_reason"] == "length"
+    u = body["usage"]
+    assert u["completion_tokens"] == 5 and u["total_tokens"] == u["prompt_tokens"] + 5
+    lp = body["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == 5
+    assert r.headers["x-sinkserve-pool"] == "short" and body["sinkserve"]["pool"] == "short"
+
+
+def test_completion_stream(client):
+    r = client.post("/v1/completions", json={"prompt": "hello world", "max_tokens": 6, "stream": True,
+                                             "sinkserve": {"ignore_eos": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r.text)
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert events[-1]["usage"]["completion_tokens"] == 6
+    assert all("usage" not in e for e in events[:-1])
+
+
+def test_chat_unary_and_stream(client):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    r = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 4, "temperature": 0,
+                                                  "sinkserve": {"ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["choices"][0]["message"]["role"] == "assistant"
+    assert body["usage"]["completion_tokens"] == 4
+    r2 = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 4, "temperature": 0,
+                                                   "stream": True, "sinkserve": {"ignore_eos": True}})
+    events = sse_events(r2.text)
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == body["choices"][0]["message"]["content"]
+    assert events[-1]["usage"] == body["usage"]
+
+
+def test_openai_client(server):
+    import openai
+
+    oc = openai.OpenAI(base_url=server["base"] + "/v1", api_key=API_KEY, max_retries=0)
+    assert "tiny" in [m.id for m in oc.models.list().data]
+    c = oc.completions.create(model="tiny", prompt="hello", max_tokens=3, temperature=0,
+                              extra_body={"sinkserve": {"ignore_eos": True}})
+    assert c.usage.completion_tokens == 3
+    chat = oc.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                      extra_body={"sinkserve": {"ignore_eos": True}})
+    assert chat.choices[0].finish_reason == "length"
+    chunks = list(oc.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                             max_tokens=3, stream=True, extra_body={"sinkserve": {"ignore_eos": True}}))
+    assert chunks[-1].usage.completion_tokens == 3
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server["base"] + "/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.BadRequestError):
+        oc.completions.create(model="tiny", prompt="x", temperature=7)
+
+
+def test_auth_required(server):
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": API_KEY}):
+        r = httpx.post(server["base"] + "/v1/completions", json={"prompt": "hi"}, headers=headers)
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        assert r.json()["error"]["type"] == "authentication_error"
+
+
+@pytest.mark.parametrize(
+    "payload, param",
+    [
+        ({"prompt": "hi", "temperature": 5}, "temperature"),
+        ({"prompt": "hi", "top_p": 0}, "top_p"),
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 3}, "prompt"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": "hi", "sinkserve": {"anchors": [{"start": 5, "end": 2}]}}, "sinkserve.anchors.0.end"),
+        ({"prompt": "hi", "sinkserve": {"anchors": ["not in the prompt"]}}, "sinkserve.anchors.0"),
+        ({"prompt": "hi there", "sinkserve": {"anchors": [{"start": 0, "end": 99}]}}, "sinkserve.anchors.0"),
+        ({"prompt": [1, 2], "sinkserve": {"anchors": ["x"]}}, "sinkserve.anchors.0"),
+        ({"prompt": "hi", "model": "gpt-4"}, "model"),
+    ],
+)
+def test_bad_requests_name_the_field(client, payload, param):
+    r = client.post("/v1/completions", json=payload)
+    assert r.status_code in (400, 404, 422), r.text
+    assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_bad_chat_request(client):
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.role"
+    r = client.post("/v1/completions", content=b"{not json")
+    assert r.status_code == 400
+
+
+def test_prompt_too_long_gives_numbers(client):
+    r = client.post("/v1/completions", json={"prompt": [5] * (LONG_MAX + 7), "max_tokens": 1})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "prompt" and str(LONG_MAX + 7) in err["message"] and str(LONG_MAX) in err["message"]
+
+
+@pytest.mark.parametrize("n, pool", [(1, "short"), (SHORT_MAX, "short"), (SHORT_MAX + 1, "long"), (LONG_MAX, "long")])
+def test_routes_by_length(client, n, pool):
+    r = client.post("/v1/completions", json={"prompt": [7] * n, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-sinkserve-pool"] == pool and r.json()["usage"]["prompt_tokens"] == n
+
+
+def test_tp2_matches_tp1_greedy(client, server):
+    if server["long_tp"] != 2:
+        pytest.skip("engine.worker (tensor-parallel worker) not available")
+    outs = {}
+    for pool in ("short", "long"):
+        r = client.post("/v1/completions", json={"prompt": "The quick brown fox", "max_tokens": 24, "temperature": 0,
+                                                 "logprobs": 1, "sinkserve": {"pool": pool, "ignore_eos": True}})
+        assert r.status_code == 200 and r.headers["x-sinkserve-pool"] == pool
+        outs[pool] = r.json()["choices"][0]
+    assert outs["short"]["logprobs"]["tokens"] == outs["long"]["logprobs"]["tokens"]
+    assert outs["short"]["text"] == outs["long"]["text"]
+
+
+def _pool_stats(name: str) -> dict:
+    from ray import serve
+
+    return serve.get_deployment_handle(name, app_name="sinkserve").stats.remote().result()
+
+
+def test_disconnect_frees_blocks(server):
+    base = _pool_stats("pool-short-v1")
+    assert base["running"] == 0
+    with httpx.Client(base_url=server["base"], headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30) as c:
+        with c.stream("POST", "/v1/completions", json={"prompt": "hello", "max_tokens": 400, "stream": True,
+                                                       "sinkserve": {"ignore_eos": True}}) as r:
+            got = 0
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    got += 1
+                if got >= 3:
+                    break
+            during = _pool_stats("pool-short-v1")
+            assert during["running"] == 1 and during["blocks_used"] > base["blocks_used"]
+        # leaving the block closes the connection mid-stream
+    deadline = time.time() + 15
+    while time.time() < deadline:
+        s = _pool_stats("pool-short-v1")
+        if s["running"] == 0 and s["blocks_used"] == base["blocks_used"]:
+            break
+        time.sleep(0.1)
+    assert s["running"] == 0 and s["blocks_used"] == base["blocks_used"], s
+    assert s["generation_tokens_total"] - base["generation_tokens_total"] < 400  # aborted, not finished
+
+
+def _metrics(server) -> dict:
+    text = httpx.get(server["base"] + "/metrics").text
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def test_metrics(server, client):
+    client.post("/v1/completions", json={"prompt": "metrics please", "max_tokens": 3, "stream": True})
+    time.sleep(1.0)  # replicas push every 0.25 s
+    fams = _metrics(server)
+    for name in ("requests", "time_to_first_token_seconds", "inter_token_latency_seconds",
+                 "e2e_request_latency_seconds", "prompt_tokens", "generation_tokens", "requests_running",
+                 "requests_waiting", "kv_blocks_used", "kv_blocks_free", "kv_blocks_pinned",
+                 "prefix_cache_hit_tokens", "tokens_evicted", "tokens_protected", "cache_policy_version",
+                 "perplexity_proxy_mean_nll", "replica_ready"):
+        assert "sinkserve_" + name in fams, name
+    pools = {s.labels["pool"] for s in fams["sinkserve_kv_blocks_free"].samples}
+    assert pools == {"short", "long"}
+    assert {s.labels["version"] for s in fams["sinkserve_replica_ready"].samples} == {"v1", "v2"}
+    ok = [s for s in fams["sinkserve_requests"].samples if s.labels.get("status") == "200"]
+    assert ok and sum(s.value for s in ok) >= 1
+    assert any(s.value > 0 for s in fams["sinkserve_time_to_first_token_seconds"].samples
+               if s.name.endswith("_count"))
+
+
+def test_canary_weight_zero_gets_nothing(client):
+    before = _pool_stats("pool-short-v2")["prompt_tokens_total"]
+    versions = set()
+    for i in range(12):
+        r = client.post("/v1/completions", json={"prompt": f"canary {i}", "max_tokens": 1,
+                                                 "sinkserve": {"session_id": f"s{i}"}})
+        versions.add(r.headers["x-sinkserve-version"])
+    assert versions == {"v1"}
+    assert _pool_stats("pool-short-v2")["prompt_tokens_total"] == before
+    # v2 is deployed and live: pinning it by name reaches it.
+    r = client.post("/v1/completions", json={"model": "tiny@v2", "prompt": "pinned", "max_tokens": 1})
+    assert r.status_code == 200 and r.headers["x-sinkserve-version"] == "v2"
+
+
+def test_rate_limit_429(server):
+    async def burst():
+        async with httpx.AsyncClient(base_url=server["base"], headers={"Authorization": f"Bearer {LIMITED_KEY}"},
+                                     timeout=60) as c:
+            import asyncio
+
+            return await asyncio.gather(*[c.post("/v1/completions", json={"prompt": [3], "max_tokens": 1})
+                                          for _ in range(60)])
+
+    import asyncio
+
+    rs = asyncio.run(burst())
+    limited = [r for r in rs if r.status_code == 429]
+    assert limited and all(int(r.headers["retry-after"]) >= 1 for r in limited)
+    assert {r.status_code for r in rs} <= {200, 429}
+
+
+def test_handle_call_streams(server):
+    from ray import serve
+
+    from app.events import RouteInfo, TokenDelta
+    from app.schemas import CompletionRequest
+
+    handle = serve.get_app_handle("sinkserve")
+    req = CompletionRequest(prompt="hello from a handle", max_tokens=4, temperature=0,
+                            sinkserve={"ignore_eos": True})
+    events = list(handle.options(stream=True).generate.remote(req))
+    assert isinstance(events[0], RouteInfo) and events[0].pool == "short"
+    deltas = [e for e in events[1:] if isinstance(e, TokenDelta)]
+    assert len(deltas) >= 2 and deltas[-1].finished and deltas[-1].completion_tokens == 4
+
+
+def test_reconfigure_swaps_policy_live(server):
+    """Serve calls ``reconfigure`` with a deployment's new ``user_config`` (a Serve config update of
+    ``deployments[].user_config``); here we call it through the handle the same way."""
+    from ray import serve
+
+    h = serve.get_deployment_handle("pool-short-v1", app_name="sinkserve")
+    before = h.info.remote().result()
+    old_cfg = {"cache_policy": server["args"]["pools"][0]["cache_policy"]}
+    h.reconfigure.remote({"cache_policy": {"eviction_policy": "sliding_window", "window": 64}}).result()
+    after = h.info.remote().result()
+    assert after["policy_version"] != before["policy_version"]
+    assert after["policy_generation"] == before["policy_generation"] + 1
+    assert after["policy"]["eviction_policy"] == "sliding_window" and after["policy"]["window"] == 64
+    assert _pool_stats("pool-short-v1")["policy_version"] == after["policy_version"]  # the engine's own view
+    time.sleep(1.0)
+    versions = {s.labels["policy_version"] for s in _metrics(server)["sinkserve_cache_policy_version"].samples
+                if s.labels["pool"] == "short" and s.labels["version"] == "v1"}
+    assert versions == {after["policy_version"]}
+    # Requests still work under the new policy.
+    with httpx.Client(base_url=server["base"], headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
+        assert c.post("/v1/completions", json={"prompt": "after swap", "max_tokens": 2}).status_code == 200
+    # Rollback: re-apply the previous config -> the previous version string comes back.
+    h.reconfigure.remote(old_cfg).result()
+    rolled = h.info.remote().result()
+    assert rolled["policy_version"] == before["policy_version"]
+    assert rolled["policy_generation"] == before["policy_generation"] + 2
+    # A bad policy is refused with the field named and leaves the live policy alone.
+    with pytest.raises(Exception, match="window"):
+        h.reconfigure.remote({"cache_policy": {"eviction_policy": "sliding_window", "window": 0}}).result()
+    assert h.info.remote().result()["policy_version"] == before["policy_version"]
