@@ -77,3 +77,14 @@ def test_greedy_tokens_and_logits_match_transformers(family: str, staggered: boo
         assert (got_t - want).abs().max().item() < 1e-4
     stats = engine.stats()
     assert stats["blocks_used"] == 0 and stats["running"] == 0
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen3"])
+def test_other_supported_families_match(family: str, tmp_path: Path) -> None:
+    from tests.tiny_models import build_model
+
+    model_dir = build_model(tmp_path / family, family, seed=3)
+    batch = prompts(seed=7)[:4]
+    ref_tokens, _ = reference(model_dir, batch)
+    tokens, _, _ = run_engine(model_dir, batch, staggered=False)
+    assert tokens == ref_tokens

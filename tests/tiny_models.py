@@ -11,7 +11,17 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 VOCAB = 256
 
@@ -45,19 +55,22 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def build_model(path: Path, family: str = "llama", seed: int = 0, layers: int = 2, max_pos: int = 512) -> Path:
-    """Save a tiny seeded model of ``family`` (``llama`` with GQA, ``qwen2`` with attention biases)."""
+    """Save a tiny seeded model of ``family``: ``llama``/``mistral`` (GQA), ``qwen2`` (q/k/v biases), ``qwen3`` (q/k norms)."""
     torch.manual_seed(seed)
     common = dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
         bos_token_id=VOCAB - 4, eos_token_id=VOCAB - 3, tie_word_embeddings=False,
     )
-    if family == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    elif family == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common))
-    else:
-        raise ValueError(family)
+    families = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    }
+    config_cls, model_cls = families[family]
+    extra = {"sliding_window": None} if family == "mistral" else {}
+    model = model_cls(config_cls(**common, **extra))
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
