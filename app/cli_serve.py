@@ -12,9 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import yaml
@@ -74,14 +72,15 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(yaml.safe_dump(cfg, sort_keys=False))
         return 0
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="sinkserve-", delete=False) as f:
-        yaml.safe_dump(cfg, f, sort_keys=False)
+    # The effective config is kept (not a temp file) so an operator can see what was deployed.
+    out = args.key_file.parent / "effective-config.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    out.write_text(yaml.safe_dump(cfg, sort_keys=False))
     serve_bin = Path(sys.executable).with_name("serve")
-    cmd = [str(serve_bin) if serve_bin.exists() else "serve", "run", f.name]
+    cmd = [str(serve_bin) if serve_bin.exists() else "serve", "run", str(out)]
     logger.info("running: %s", " ".join(cmd))
-    try:
-        return subprocess.call(cmd, env=env, cwd=PROJECT_ROOT)
-    except KeyboardInterrupt:
-        return 130
-    finally:
-        os.unlink(f.name)
+    sys.stdout.flush()
+    os.chdir(PROJECT_ROOT)
+    # exec, not a child process: Ctrl-C / SIGTERM reach `serve run` directly, which drains and stops.
+    os.execve(cmd[0], cmd, env)
+    return 0  # not reached
