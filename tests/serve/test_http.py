@@ -282,3 +282,17 @@ def test_reconfigure_swaps_policy_live(server):
     with pytest.raises(Exception, match="window"):
         h.reconfigure.remote({"cache_policy": {"eviction_policy": "sliding_window", "window": 0}}).result()
     assert h.info.remote().result()["policy_version"] == before["policy_version"]
+
+
+def test_documented_handle_example_runs(server, capsys):
+    """docs/handle_example.py works as written against the running app."""
+    import importlib.util
+
+    from tests.serve.conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("handle_example", REPO / "docs" / "handle_example.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    text = mod.stream_completion("hello from the docs", max_tokens=3)
+    out = capsys.readouterr().out
+    assert "[pool=short version=v1" in out and "completion_tokens=" in out and text in out

@@ -62,3 +62,49 @@ def test_render_parses_and_labels():
     assert any(s.name == "sinkserve_time_to_first_token_seconds_count" and s.value == 1
                for s in fams["sinkserve_time_to_first_token_seconds"].samples)
     assert ready_pools(snap, ["pool-short-v1", "pool-long-v1"]) == {"pool-short-v1": True, "pool-long-v1": False}
+
+
+def test_builder_refuses_to_build_without_keys(monkeypatch):
+    from app.builder import build_app, clamp_pool
+    from app.settings import PoolArgs
+
+    monkeypatch.delenv("SINKSERVE_API_KEYS", raising=False)
+    monkeypatch.delenv("SINKSERVE_API_KEYS_FILE", raising=False)
+    with pytest.raises(AuthConfigError, match="auth: disabled"):
+        build_app({"model": "/nonexistent"})
+    p = PoolArgs(name="long", max_prompt_tokens=32768)
+    assert clamp_pool(p, 2048).max_prompt_tokens == 2047
+    assert clamp_pool(p, None).max_prompt_tokens == 32768
+    assert clamp_pool(PoolArgs(name="s", max_prompt_tokens=100, max_model_len=64), 2048).max_prompt_tokens == 63
+
+
+def test_prod_and_local_configs_validate():
+    import yaml
+
+    from app.settings import AppArgs
+    from tests.serve.conftest import REPO
+
+    for name in ("prod.yaml", "local.yaml"):
+        cfg = yaml.safe_load((REPO / "serve_configs" / name).read_text())
+        (app,) = cfg["applications"]
+        assert app["import_path"] == "app.builder:build_app"
+        args = AppArgs.model_validate(app["args"])
+        assert args.auth == "enabled"
+    prod = AppArgs.model_validate(yaml.safe_load((REPO / "serve_configs" / "prod.yaml").read_text())["applications"][0]["args"])
+    assert [p.name for p in prod.pools] == ["short", "long"]
+    assert all(p.tensor_parallel_size == 2 and p.autoscaling for p in prod.pools)
+    assert prod.ingress.num_replicas == 2 and prod.router.num_replicas == 2
+
+
+def test_pool_options_place_tp_workers():
+    from app.builder import pool_options
+    from app.settings import PoolArgs
+
+    p = PoolArgs(name="s", max_prompt_tokens=10, tensor_parallel_size=2, num_cpus=0.1, worker_num_cpus=0.2,
+                 autoscaling={"min_replicas": 1, "max_replicas": 3})
+    cpu = pool_options(p, "cpu")
+    assert cpu["placement_group_bundles"] == [{"CPU": 0.1}, {"CPU": 0.2}, {"CPU": 0.2}]
+    assert cpu["placement_group_strategy"] == "STRICT_PACK" and "num_replicas" not in cpu
+    assert cpu["autoscaling_config"]["max_replicas"] == 3
+    gpu = pool_options(p, "cuda")
+    assert gpu["placement_group_bundles"][1:] == [{"CPU": 0.2, "GPU": 1.0}] * 2

@@ -1,0 +1,180 @@
+"""Serving overhead: TTFT and ITL through HTTP (ingress -> router -> pool) versus the same engine
+in-process, at 1 and 8 concurrent streams. Writes docs/serving_benchmark.md.
+
+    .venv/bin/python bench/serving.py                      # tiny random Llama (fast, CPU)
+    .venv/bin/python bench/serving.py --model assets/reference-model
+
+The HTTP side runs the real application (Ray Serve, num_cpus=2, auth on) on 127.0.0.1 with one
+replica per deployment; the in-process side drives ``AsyncLLMEngine`` with the same EngineConfig.
+Overhead = p50(HTTP) - p50(in-process) per metric and concurrency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+ENGINE = {"num_kv_blocks": 256, "max_model_len": 1024, "max_num_seqs": 16, "max_num_batched_tokens": 512}
+KEY = "bench-key"
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+async def run_inprocess(model: str, prompts: list[str], conc: int, max_tokens: int) -> tuple[list[float], list[float]]:
+    from engine.config import EngineConfig
+    from engine.engine import AsyncLLMEngine
+    from engine.sampling_params import SamplingParams
+
+    eng = AsyncLLMEngine(EngineConfig(model=model, **ENGINE))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    ttft, itl = [], []
+
+    async def one(p: str) -> None:
+        t0 = time.perf_counter()
+        last = None
+        async for out in eng.generate(p, params):
+            now = time.perf_counter()
+            if not out.token_ids:
+                continue
+            if last is None:
+                ttft.append(now - t0)
+            else:
+                itl.append((now - last) / len(out.token_ids))
+            last = now
+
+    await one(prompts[0])  # warm-up
+    ttft.clear(), itl.clear()
+    for i in range(0, len(prompts), conc):
+        await asyncio.gather(*[one(p) for p in prompts[i : i + conc]])
+    await eng.shutdown()
+    return ttft, itl
+
+
+async def run_http(base: str, prompts: list[str], conc: int, max_tokens: int) -> tuple[list[float], list[float]]:
+    import httpx
+
+    ttft, itl = [], []
+    async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as c:
+
+        async def one(p: str) -> None:
+            body = {"prompt": p, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+                    "sinkserve": {"ignore_eos": True}}
+            t0 = time.perf_counter()
+            last = None
+            async with c.stream("POST", "/v1/completions", json=body) as r:
+                r.raise_for_status()
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    now = time.perf_counter()
+                    if not json.loads(line[6:])["choices"][0]["text"] and last is None:
+                        continue
+                    if last is None:
+                        ttft.append(now - t0)
+                    else:
+                        itl.append(now - last)
+                    last = now
+
+        await one(prompts[0])
+        ttft.clear(), itl.clear()
+        for i in range(0, len(prompts), conc):
+            await asyncio.gather(*[one(p) for p in prompts[i : i + conc]])
+    return ttft, itl
+
+
+def start_app(model: str) -> str:
+    import ray
+    from ray import serve
+
+    from app.builder import build_app
+
+    os.environ["SINKSERVE_API_KEYS"] = KEY
+    os.environ["PYTHONPATH"] = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
+    args = {
+        "model": model, "ingress": {"num_replicas": 1}, "router": {"num_replicas": 1},
+        "pools": [{"name": "short", "max_prompt_tokens": 900, "num_cpus": 0.5, **ENGINE}],
+    }
+    serve.run(build_app(args), name="sinkserve", route_prefix="/", logging_config={"enable_access_log": False})
+    import httpx
+
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(240):
+        if httpx.get(base + "/readyz").status_code == 200:
+            break
+        time.sleep(0.25)
+    return base
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="model directory (default: a tiny random Llama)")
+    ap.add_argument("--requests", type=int, default=16, help="requests per concurrency level")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--out", type=Path, default=REPO / "docs" / "serving_benchmark.md")
+    args = ap.parse_args()
+    model = args.model
+    if model is None:
+        from tests.serve.tiny_model import make_tiny_model
+
+        model = str(make_tiny_model(Path(tempfile.mkdtemp()) / "tiny"))
+    prompts = [f"Request {i}: the quick brown fox jumps over the lazy dog. " * 3 for i in range(args.requests)]
+    results = {}
+    for conc in (1, 8):
+        results[("in-process", conc)] = asyncio.run(run_inprocess(model, prompts, conc, args.max_tokens))
+    base = start_app(model)
+    for conc in (1, 8):
+        results[("http", conc)] = asyncio.run(run_http(base, prompts, conc, args.max_tokens))
+    from ray import serve
+
+    serve.shutdown()
+
+    rows = []
+    for conc in (1, 8):
+        ip_t, ip_i = results[("in-process", conc)]
+        h_t, h_i = results[("http", conc)]
+        rows.append((conc, pct(ip_t, .5), pct(h_t, .5), pct(h_t, .9), pct(ip_i, .5), pct(h_i, .5), pct(h_i, .9)))
+    ms = lambda x: f"{x * 1000:.1f}"  # noqa: E731
+    lines = [
+        "# Serving overhead benchmark",
+        "",
+        f"`bench/serving.py` on {platform.machine()} ({os.cpu_count()} CPUs, shared with other jobs), model "
+        f"`{Path(model).name if args.model else 'tiny random Llama (2 layers, hidden 64)'}`, "
+        f"{args.requests} streamed requests per level, {args.max_tokens} tokens each, greedy, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
+        "",
+        "HTTP = client -> Serve proxy -> Ingress -> Router -> pool (LLMServer) -> engine, SSE back; "
+        "in-process = `AsyncLLMEngine.generate` in the benchmark process. All times in ms.",
+        "",
+        "| streams | TTFT p50 in-proc | TTFT p50 HTTP | TTFT p90 HTTP | **TTFT p50 overhead** | ITL p50 in-proc | ITL p50 HTTP | ITL p90 HTTP | **ITL p50 overhead** |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for conc, it, ht, ht9, ii, hi, hi9 in rows:
+        lines.append(f"| {conc} | {ms(it)} | {ms(ht)} | {ms(ht9)} | **{ms(ht - it)}** | {ms(ii)} | {ms(hi)} | {ms(hi9)} | **{ms(hi - ii)}** |")
+    lines += ["", "Target: p50 overhead at most 30 ms."]
+    args.out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
