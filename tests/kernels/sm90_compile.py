@@ -1,0 +1,105 @@
+"""Compile every Triton kernel for an sm_90 (H100/H200) target without a GPU.
+
+The interpreter checks numerics but not what only the compiler sees (types, ``tl.dot`` shape rules,
+shared-memory use). Triton ships ``ptxas``, so the full compile to a cubin runs on a CPU-only machine.
+
+    python -m tests.kernels.sm90_compile          # a representative subset (~1 min)
+    python -m tests.kernels.sm90_compile --all    # every dtype / quant / split variant (~6 min)
+
+Must run in a fresh process with ``TRITON_INTERPRET=0`` (kernels decorated for compilation), which is why
+``test_compile_sm90.py`` launches it as a subprocess.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+import time
+
+os.environ["TRITON_INTERPRET"] = "0"
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kernels import indexer as ix  # noqa: E402
+from kernels import kv_quant as kq  # noqa: E402
+from kernels import paged_attention as pa  # noqa: E402
+from kernels import sparse_attention as sa  # noqa: E402
+from kernels import topk as tk  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def compile_sm90(fn, types, consts):
+    names = inspect.signature(fn.fn).parameters
+    sig = {}
+    for n in names:
+        if n in consts: sig[n] = "constexpr"
+        elif n in types: sig[n] = types[n]
+        elif n.endswith("_ptr"): raise KeyError(n)
+        else: sig[n] = "i32"
+    t = time.time()
+    k = triton.compile(ASTSource(fn, sig, consts), target=TARGET)
+    return time.time() - t, k.metadata.shared
+
+def quant_ptrs(dt, quant):
+    if quant == 0:
+        return dict(k_ptr=f"*{dt}", v_ptr=f"*{dt}", fpk_ptr=f"*{dt}", fpv_ptr=f"*{dt}", fp_index_ptr=f"*{dt}",
+                    ks_ptr=f"*{dt}", kz_ptr=f"*{dt}", vs_ptr=f"*{dt}", vz_ptr=f"*{dt}")
+    return dict(k_ptr="*u8", v_ptr="*u8", fpk_ptr=f"*{dt}", fpv_ptr=f"*{dt}", fp_index_ptr="*i32",
+                ks_ptr="*fp16", kz_ptr="*fp16", vs_ptr="*fp16", vz_ptr="*fp16")
+
+results = []
+# The default subset covers every kernel and every load_kv mode at least once.
+SUBSET = None if "--all" in sys.argv else {
+    "paged bf16 q0 s4", "sparse bf16 q4 s1", "reduce", "quantize int4", "indexer scale=True", "topk forced=True",
+    "write_kv",
+}
+def run(name, fn, types, consts):
+    try:
+        if SUBSET is not None and name not in SUBSET:
+            return
+        dt, shared = compile_sm90(fn, types, consts)
+        results.append((name, "ok", f"{dt:.1f}s shared={shared}B"))
+    except Exception as e:
+        results.append((name, "FAIL", repr(e)[:600]))
+    print(*results[-1], flush=True)
+
+for dt in ["bf16", "fp32"]:
+  for quant in ([0, 8, 4] if dt == "bf16" else [0]):
+    for splits in [1, 4]:
+        types = dict(q_ptr=f"*{dt}", o_ptr=f"*{dt}", part_o_ptr="*fp32", part_ml_ptr="*fp32",
+                     block_tables_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32", qk_scale="fp32", **quant_ptrs(dt, quant))
+        consts = dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, GROUP=4, HEAD_DIM=128, HALF=64, BLOCK_SIZE=16, BLOCK_Q=4,
+                      BLOCK_M=16, BLOCK_N=64, NUM_SPLITS=splits, QUANT=quant, GROUP_SIZE=32,
+                      DOT_PREC="ieee" if dt == "fp32" else "tf32", INTERP=False)
+        run(f"paged {dt} q{quant} s{splits}", pa._paged_attn_kernel, types, consts)
+        types_s = dict(q_ptr=f"*{dt}", o_ptr=f"*{dt}", part_o_ptr="*fp32", part_ml_ptr="*fp32", slots_ptr="*i32",
+                       qk_scale="fp32", **quant_ptrs(dt, quant))
+        consts_s = dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, GROUP=4, BLOCK_M=16, HEAD_DIM=128, HALF=64, BLOCK_SIZE=16,
+                        BLOCK_N=64, NUM_SPLITS=splits, QUANT=quant, GROUP_SIZE=32,
+                        DOT_PREC="ieee" if dt == "fp32" else "tf32", INTERP=False)
+        run(f"sparse {dt} q{quant} s{splits}", sa._sparse_attn_kernel, types_s, consts_s)
+run("reduce", pa._reduce_kernel, dict(part_o_ptr="*fp32", part_ml_ptr="*fp32", o_ptr="*bf16"),
+    dict(NUM_Q_HEADS=32, HEAD_DIM=128, D_PAD=128, NUM_SPLITS=4, SPLITS_PAD=4, INTERP=False))
+for bits in (8, 4):
+    run(f"quantize int{bits}", kq._quantize_kernel, dict(src_k_ptr="*bf16", src_v_ptr="*bf16", src_row_ptr="*i64",
+        dst_block_ptr="*i64", k_codes_ptr="*u8", v_codes_ptr="*u8", ks_ptr="*fp16", kz_ptr="*fp16", vs_ptr="*fp16",
+        vz_ptr="*fp16"), dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, GROUP_SIZE=32, NGH=2, BITS=bits))
+for has_scale, kt in ((False, "bf16"), (True, "i8")):
+    run(f"indexer scale={has_scale}", ix._indexer_kernel, dict(q_ptr="*bf16", w_ptr="*fp32", k_ptr=f"*{kt}",
+        ks_ptr="*fp32", out_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32"),
+        dict(NUM_HEADS=16, H_PAD=16, IDX_DIM=64, D_PAD=64, BLOCK_SIZE=16, BLOCK_N=64, HAS_SCALE=has_scale,
+             DOT_PREC="ieee" if has_scale else "tf32", INTERP=False))
+for forced in (False, True):
+    run(f"topk forced={forced}", tk._topk_kernel, dict(scores_ptr="*fp32", out_ptr="*i32", block_tables_ptr="*i32",
+        seq_lens_ptr="*i32", qsl_ptr="*i32", forced_ptr="*u8" if forced else "*fp32"),
+        dict(BLOCK_SIZE=16, BLOCK_N=1024, BLOCK_K=1024, HAS_FORCED=forced))
+run("write_kv", pa._write_kv_kernel, dict(key_ptr="*fp32", value_ptr="*fp32", k_cache_ptr="*bf16", v_cache_ptr="*bf16",
+    slot_ptr="*i64"), dict(NUM_KV_HEADS=8, HEAD_DIM=128, H_PAD=8, D_PAD=128, INTERP=False))
+failed = [r[0] for r in results if r[1] == "FAIL"]
+print(f"compiled {len(results) - len(failed)}/{len(results)} kernels for sm_90; failed: {failed}")
+sys.exit(1 if failed else 0)
