@@ -107,3 +107,17 @@ def test_indexer_topk_chunks_rows_within_budget(device: torch.device) -> None:
     scores = reference.indexer_scores(q, w, keys, b.block_tables, b.seq_lens, b.query_start_loc)
     ref = reference.topk_select(scores, 10, b.block_tables, b.seq_lens, b.query_start_loc, BS, 4, forced)
     assert torch.equal(got, ref)
+
+
+def test_topk_2048_over_long_rows(device: torch.device) -> None:
+    """k = 2,048 (the serving value) over rows longer than k: the radix search actually runs."""
+    b = make_batch([1, 1], [2300, 2100], 2, 1, 64, BS, device=device, seed=8)
+    g = torch.Generator().manual_seed(8)
+    scores = torch.randn(2, b.block_tables.shape[1] * BS, generator=g).to(device)
+    forced = torch.zeros(2, scores.shape[1], dtype=torch.bool, device=device)
+    forced[:, :4] = True
+    out = torch.full((2, 2048), -7, dtype=torch.int32, device=device)
+    got = topk_select(scores, 2048, b.block_tables, b.seq_lens, b.query_start_loc, BS, 64, forced, out=out)
+    ref = reference.topk_select(scores, 2048, b.block_tables, b.seq_lens, b.query_start_loc, BS, 64, forced)
+    assert torch.equal(got, ref)
+    assert (got >= 0).sum().item() == 2 * 2048

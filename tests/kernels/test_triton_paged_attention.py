@@ -86,3 +86,12 @@ def test_registry_resolves_triton_backend() -> None:
     backend = get_backend("triton")
     assert backend.name == "triton"
     assert backend.paged_attention is paged_attention and backend.write_kv is write_kv
+
+
+def test_head_dim_not_power_of_two(device: torch.device) -> None:
+    # D = 96 (e.g. Phi-style heads): half tiles of 48 channels padded to 64 and masked.
+    b = make_batch([1, 3], [30, 20], 4, 2, 96, 16, torch.float32, device=device, seed=6)
+    got = paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc, 0.1,
+                          out=poisoned_like(b.query))  # fmt: skip
+    ref = reference.paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc, 0.1)
+    check("paged_attention", got, ref, torch.float32)
