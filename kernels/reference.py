@@ -47,23 +47,28 @@ def gather_kv(
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gather each sequence's cached keys/values into ``[S, L, Hkv, D]`` with a ``[S, L]`` validity mask.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gather each sequence's cached keys/values, skipping null blocks.
 
-    ``L`` covers the longest sequence rounded up to whole blocks; positions past ``seq_lens[s]`` and
-    positions in null blocks are invalid.
+    Returns ``keys, values [S, L, Hkv, D]``, a validity mask ``[S, L]`` and the logical position of each
+    gathered key ``[S, L]``. Only non-null blocks are gathered, so a long stream whose table is mostly
+    null costs what its kept blocks cost, not what its whole history would.
     """
     block_size = k_cache.shape[1]
-    max_len = int(seq_lens.max())
-    num_table_blocks = -(-max_len // block_size)
+    num_table_blocks = -(-int(seq_lens.max()) // block_size)
     table = block_tables[:, :num_table_blocks].long()
-    keys = k_cache[table].flatten(1, 2)
-    values = v_cache[table].flatten(1, 2)
-    positions = torch.arange(num_table_blocks * block_size, device=k_cache.device)
-    valid = (positions[None, :] < seq_lens[:, None].long()) & (table != NULL_BLOCK).repeat_interleave(
-        block_size, dim=1
-    )
-    return keys, values, valid
+    live = table != NULL_BLOCK
+    # Stable sort moves each row's live blocks to the front, in logical order.
+    order = torch.argsort((~live).to(torch.int8), dim=1, stable=True)
+    width = max(int(live.sum(dim=1).max()), 1)
+    order = order[:, :width]
+    compact = table.gather(1, order)
+    keys = k_cache[compact].flatten(1, 2)
+    values = v_cache[compact].flatten(1, 2)
+    offsets = torch.arange(block_size, device=k_cache.device)
+    positions = (order[:, :, None] * block_size + offsets).flatten(1)
+    valid = (positions < seq_lens[:, None].long()) & (compact != NULL_BLOCK).repeat_interleave(block_size, dim=1)
+    return keys, values, valid, positions
 
 
 def paged_attention(
@@ -87,9 +92,10 @@ def paged_attention(
 
     decode = [i for i in range(num_seqs) if q_lens[i] == 1]
     if decode:
-        # Single-token queries batch into one call: padding only along the key axis.
+        # Single-token queries batch into one call: padding only along the key axis, and every valid
+        # key precedes the query, so no causal mask is needed.
         idx = torch.tensor(decode, dtype=torch.long, device=query.device)
-        keys, values, valid = gather_kv(k_cache, v_cache, block_tables[idx], seq_lens[idx])
+        keys, values, valid, _ = gather_kv(k_cache, v_cache, block_tables[idx], seq_lens[idx])
         tok = query_start_loc[idx].long()
         q = query[tok].unsqueeze(2)  # [B, Hq, 1, D]
         o = _sdpa(q, keys, values, valid[:, None, None, :], scale)
@@ -98,10 +104,9 @@ def paged_attention(
         n = q_lens[i]
         if n <= 1:
             continue
-        keys, values, valid = gather_kv(k_cache, v_cache, block_tables[i : i + 1], seq_lens[i : i + 1])
+        keys, values, valid, k_pos = gather_kv(k_cache, v_cache, block_tables[i : i + 1], seq_lens[i : i + 1])
         q_pos = torch.arange(lens[i] - n, lens[i], device=query.device)
-        k_pos = torch.arange(keys.shape[1], device=query.device)
-        mask = valid[:, None, :] & (k_pos[None, None, :] <= q_pos[None, :, None])
+        mask = valid[:, None, :] & (k_pos[:, None, :] <= q_pos[None, :, None])
         q = query[starts[i] : starts[i + 1]].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         o = _sdpa(q, keys, values, mask[:, None, :, :], scale)
         out[starts[i] : starts[i + 1]] = o[0].transpose(0, 1)

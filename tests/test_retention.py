@@ -63,10 +63,10 @@ def test_protection_cap_refuses_request(tiny_llama: Path) -> None:
 
 
 def test_stream_past_context_pins_sinks_and_keeps_memory_flat(tiny_llama: Path) -> None:
-    # tiny_llama has 512 positions; stream 2.5x that with a 32-token window.
+    # tiny_llama has 512 positions; stream 1.75x that with a 32-token window.
     engine = streaming_engine(tiny_llama, window=32, protected_positions=(0, 1, 2, 3))
     prompt = rand_prompt(300, 3)
-    engine.add_request("s", prompt, SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True),
+    engine.add_request("s", prompt, SamplingParams(max_tokens=600, temperature=0.0, ignore_eos=True),
                        anchors=[(100, 104)])
     used = []
     tokens = 0
@@ -75,7 +75,7 @@ def test_stream_past_context_pins_sinks_and_keeps_memory_flat(tiny_llama: Path) 
             tokens += len(out.token_ids)
         used.append(engine.stats()["blocks_used"])
         engine.check_integrity()
-    assert tokens == 1000
+    assert tokens == 600
     steady = used[len(used) // 4 : -1]  # the last step finished the request and freed everything
     assert max(steady) - min(steady) <= 1, "blocks in use must stay flat once the window is full"
     assert max(steady) <= 1 + 1 + (32 + 8) // 4 + 2  # sink block, anchor block, window + chunk
