@@ -71,7 +71,7 @@ def resolve_device(pool: PoolArgs, gpus: float) -> str:
     return "cuda" if gpus > 0 else "cpu"
 
 
-def pool_options(pool: PoolArgs, device: str) -> dict[str, Any]:
+def pool_options(pool: PoolArgs, device: str, low_latency: bool = False) -> dict[str, Any]:
     """Serve deployment options for one pool.
 
     TP > 1: the replica gets a STRICT_PACK placement group, bundle 0 for the replica actor (it runs
@@ -89,17 +89,31 @@ def pool_options(pool: PoolArgs, device: str) -> dict[str, Any]:
     }
     worker = {"CPU": pool.worker_num_cpus, **({"GPU": 1.0} if device == "cuda" else {})}
     if pool.tensor_parallel_size > 1:
-        opts["ray_actor_options"] = {"num_cpus": pool.num_cpus}
+        opts["ray_actor_options"] = actor_options(pool.num_cpus, low_latency)
         opts["placement_group_bundles"] = [{"CPU": pool.num_cpus}] + [worker] * pool.tensor_parallel_size
         opts["placement_group_strategy"] = "STRICT_PACK"
     else:
-        opts["ray_actor_options"] = {"num_cpus": pool.num_cpus, **({"num_gpus": 1.0} if device == "cuda" else {})}
+        opts["ray_actor_options"] = actor_options(pool.num_cpus, low_latency,
+                                                  **({"num_gpus": 1.0} if device == "cuda" else {}))
     if pool.autoscaling is not None:
         opts["autoscaling_config"] = pool.autoscaling.to_serve()
         opts["num_replicas"] = None  # autoscaling decides
     else:
         opts["num_replicas"] = pool.num_replicas
     return {k: v for k, v in opts.items() if v is not None}
+
+
+LOW_LATENCY_ENV = {
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+}
+
+
+def actor_options(num_cpus: float, low_latency: bool, **extra: Any) -> dict[str, Any]:
+    opts: dict[str, Any] = {"num_cpus": num_cpus, **extra}
+    if low_latency:
+        opts["runtime_env"] = {"env_vars": dict(LOW_LATENCY_ENV)}
+    return opts
 
 
 def build_app(args: AppArgs) -> Application:
@@ -134,7 +148,7 @@ def build_app(args: AppArgs) -> Application:
                 stats_push_interval_s=args.stats_push_interval_s,
                 worker_num_cpus=pool.worker_num_cpus,
             )
-            dep = serve.deployment(LLMServer).options(name=spec.deployment_name, **pool_options(pool, device))
+            dep = serve.deployment(LLMServer).options(name=spec.deployment_name, **pool_options(pool, device, args.low_latency))
             pools[spec.deployment_name] = dep.bind(spec, hub)
             logger.info("pool %s: model %s, tp=%d on %s, weight %g", spec.deployment_name, v.model,
                         pool.tensor_parallel_size, device, v.weight)
@@ -152,7 +166,7 @@ def build_app(args: AppArgs) -> Application:
     router = serve.deployment(Router).options(
         name="Router",
         num_replicas=args.router.num_replicas,
-        ray_actor_options={"num_cpus": args.router.num_cpus},
+        ray_actor_options=actor_options(args.router.num_cpus, args.low_latency),
         max_ongoing_requests=1000,  # routers only await pools; queue caps live on the pools
     ).bind(router_spec, pools)
     ingress_spec = IngressSpec(
@@ -165,6 +179,6 @@ def build_app(args: AppArgs) -> Application:
     return serve.deployment(Ingress).options(
         name="Ingress",
         num_replicas=args.ingress.num_replicas,
-        ray_actor_options={"num_cpus": args.ingress.num_cpus},
+        ray_actor_options=actor_options(args.ingress.num_cpus, args.low_latency),
         max_ongoing_requests=1000,
     ).bind(ingress_spec, router, hub)

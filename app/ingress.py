@@ -19,6 +19,7 @@ from ray import serve
 
 from app import metrics as m
 from app.auth import resolve_auth
+from app.coalesce import coalesced
 from app.errors import APIError, from_validation_error
 from app.events import ErrorEvent, RouteInfo, TokenDelta
 from app.replica import push_forever, replica_tag
@@ -231,7 +232,7 @@ class Ingress:
     async def _unary(self, gen: Any, info: RouteInfo, body: Any, chat: bool, t0: float) -> Response:
         acc = _Accumulator(t0)
         try:
-            async for ev in gen:
+            async for ev in coalesced(gen):
                 if isinstance(ev, ErrorEvent):
                     self.metrics.count(info.pool, ev.status)
                     raise APIError.from_event(ev)
@@ -271,7 +272,7 @@ class Ingress:
             if chat:
                 yield sse_event(ChatCompletionChunk(id=info.request_id, model=model, sinkserve=route,
                                                     choices=[ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))]))
-            async for ev in gen:
+            async for ev in coalesced(gen):
                 if isinstance(ev, ErrorEvent):
                     # Headers are gone already; the error travels as a final SSE event.
                     status = ev.status

@@ -13,6 +13,7 @@ import time
 from dataclasses import replace
 from typing import Any, AsyncIterator
 
+from app.coalesce import coalesced
 from app.events import ErrorEvent, PoolRequest, RouteInfo, TokenDelta
 from app.routing import RateLimiter, RoutingError, pick_bucket, pick_version, session_draw, version_for_bucket
 from app.schemas import ChatCompletionRequest, CompletionRequest, TokenRange, new_request_id
@@ -154,13 +155,14 @@ class Router:
         want_tokens = request.wants_logprobs()
         preq = PoolRequest(request_id, tuple(ids), sampling_from(request), anchors, bucket.timeout_s)
         stream = self.pools[name].options(stream=True).generate.remote(preq)
+        source = coalesced(stream)
         deadline = time.monotonic() + bucket.timeout_s
         started = done = False
         try:
             while True:
                 remaining = deadline - time.monotonic()
                 try:
-                    ev = await asyncio.wait_for(stream.__anext__(), timeout=max(remaining, 0.001))
+                    ev = await asyncio.wait_for(source.__anext__(), timeout=max(remaining, 0.001))
                 except StopAsyncIteration:
                     done = True
                     return

@@ -8,6 +8,7 @@ import logging
 from dataclasses import asdict
 from typing import Any, AsyncIterator
 
+from app.coalesce import coalesced
 from app.events import ErrorEvent, PoolRequest, TokenDelta
 from app.replica import push_forever, replica_tag
 from app.settings import PoolSpec
@@ -74,27 +75,13 @@ class LLMServer:
     # ---- data path ------------------------------------------------------------------------------
 
     async def generate(self, req: PoolRequest) -> AsyncIterator[TokenDelta | ErrorEvent]:
-        """Stream token deltas. Cancelling this stream (client gone, timeout) aborts the request in
-        the engine, which frees its blocks at once."""
+        """Stream token deltas (coalesced when the caller falls behind). Cancelling this stream
+        (client gone, timeout) aborts the request in the engine, which frees its blocks at once."""
         from engine.errors import EngineDeadError, InvalidRequestError, RequestAbortedError
-        from engine.sampling_params import SamplingParams
 
         try:
-            params = SamplingParams(**dict(req.sampling))
-            params.validate()
-            gen = self.engine.generate(
-                list(req.prompt_token_ids), params, request_id=req.request_id, anchors=list(req.anchors) or None
-            )
-            async for out in gen:
-                yield TokenDelta(
-                    text=out.text,
-                    token_ids=tuple(out.token_ids),
-                    logprobs=tuple(out.logprobs) if out.logprobs is not None else None,
-                    finished=out.finished,
-                    finish_reason=out.finish_reason,
-                    prompt_tokens=out.prompt_tokens,
-                    completion_tokens=out.completion_tokens,
-                )
+            async for delta in coalesced(self._deltas(req)):
+                yield delta
         except InvalidRequestError as e:
             yield ErrorEvent(400, str(e), field=http_field(e.field))
         except RequestAbortedError as e:
@@ -103,6 +90,25 @@ class LLMServer:
             yield ErrorEvent(503, f"engine unavailable: {e}", type="server_error", retry_after=5)
         except (TypeError, ValueError) as e:  # a sampling value the engine's dataclass refused
             yield ErrorEvent(400, str(e), field="sampling")
+
+    async def _deltas(self, req: PoolRequest) -> AsyncIterator[TokenDelta]:
+        from engine.sampling_params import SamplingParams
+
+        params = SamplingParams(**dict(req.sampling))
+        params.validate()
+        gen = self.engine.generate(
+            list(req.prompt_token_ids), params, request_id=req.request_id, anchors=list(req.anchors) or None
+        )
+        async for out in gen:
+            yield TokenDelta(
+                text=out.text,
+                token_ids=tuple(out.token_ids),
+                logprobs=tuple(out.logprobs) if out.logprobs is not None else None,
+                finished=out.finished,
+                finish_reason=out.finish_reason,
+                prompt_tokens=out.prompt_tokens,
+                completion_tokens=out.completion_tokens,
+            )
 
     # ---- control path ---------------------------------------------------------------------------
 

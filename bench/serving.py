@@ -76,18 +76,21 @@ async def run_http(base: str, prompts: list[str], conc: int, max_tokens: int) ->
                     "sinkserve": {"ignore_eos": True}}
             t0 = time.perf_counter()
             last = None
+            seen = 0
             async with c.stream("POST", "/v1/completions", json=body) as r:
                 r.raise_for_status()
                 async for line in r.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
+                    # Every completion chunk carries >= 1 token (a partial UTF-8 token can have
+                    # empty text), so the first chunk is the first token.
                     now = time.perf_counter()
-                    if not json.loads(line[6:])["choices"][0]["text"] and last is None:
-                        continue
+                    n = max(1, json.loads(line[6:]).get("usage", {}).get("completion_tokens", 0) - seen)
                     if last is None:
                         ttft.append(now - t0)
                     else:
-                        itl.append(now - last)
+                        itl.extend([(now - last) / n] * n)
+                    seen += n
                     last = now
 
         await one(prompts[0])
@@ -113,6 +116,7 @@ def start_app(model: str) -> str:
     args = {
         "model": model, "ingress": {"num_replicas": 1}, "router": {"num_replicas": 1},
         "pools": [{"name": "short", "max_prompt_tokens": 900, "num_cpus": 0.5, **ENGINE}],
+        "stats_push_interval_s": 2.0,
     }
     serve.run(build_app(args), name="sinkserve", route_prefix="/", logging_config={"enable_access_log": False})
     import httpx

@@ -108,3 +108,61 @@ def test_pool_options_place_tp_workers():
     assert cpu["autoscaling_config"]["max_replicas"] == 3
     gpu = pool_options(p, "cuda")
     assert gpu["placement_group_bundles"][1:] == [{"CPU": 0.2, "GPU": 1.0}] * 2
+
+
+async def test_coalesced_merges_only_what_piled_up():
+    import asyncio
+
+    from app.coalesce import coalesced
+    from app.events import TokenDelta
+
+    def d(i, fin=False):
+        return TokenDelta(str(i), (i,), (-0.5,), fin, "length" if fin else None, 2, i)
+
+    async def fast():
+        for i in range(1, 6):
+            yield d(i, fin=i == 5)
+
+    got = []
+    async for ev in coalesced(fast()):
+        got.append(ev)
+        await asyncio.sleep(0.01)  # slow consumer: what arrives meanwhile is merged
+    assert "".join(e.text for e in got) == "12345"
+    assert sum(len(e.token_ids) for e in got) == 5 and len(got) < 5
+    assert got[-1].finished and got[-1].completion_tokens == 5 and len(got[-1].logprobs) == len(got[-1].token_ids)
+
+    async def slow():
+        for i in range(1, 4):
+            await asyncio.sleep(0.01)
+            yield d(i, fin=i == 3)
+
+    assert [e.text for e in [x async for x in coalesced(slow())]] == ["1", "2", "3"]  # fast consumer: no merge
+
+    closed = asyncio.Event()
+
+    async def endless():
+        try:
+            i = 0
+            while True:
+                i += 1
+                yield d(i)
+                await asyncio.sleep(0.001)
+        finally:
+            closed.set()
+
+    agen = coalesced(endless())
+    await agen.__anext__()
+    await agen.aclose()
+    await asyncio.wait_for(closed.wait(), 1)  # closing the consumer closes the source (engine abort)
+
+
+async def test_coalesced_propagates_errors():
+    from app.coalesce import coalesced
+
+    async def bad():
+        raise ValueError("boom")
+        yield  # pragma: no cover
+
+    with pytest.raises(ValueError, match="boom"):
+        async for _ in coalesced(bad()):
+            pass
