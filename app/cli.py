@@ -9,7 +9,7 @@ import importlib
 import logging
 import sys
 
-SUBCOMMANDS = ("app.cli_serve", "app.cli_generate")
+SUBCOMMANDS = ("app.cli_serve", "app.cli_generate", "evals.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

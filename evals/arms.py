@@ -1,0 +1,105 @@
+"""The retention policies the long-context evals compare ("arms"), and how an eval builds its engine.
+
+Arms (``window`` and the prefill ``chunk`` are eval settings)::
+
+    dense                no eviction; only inputs that fit the trained context
+    window_only          sliding window, nothing protected              (protection "without")
+    sinks_window         sliding window + sink positions 0..3 pinned
+    sinks_window_anchor  sinks_window + the fact sentence as an anchor  (protection "with", needle)
+
+Retention is block granular: a pinned sink position keeps its whole block (``block_size`` tokens), and a
+prefill chunk of ``chunk`` tokens runs before the next eviction, so each token sees between ``window``
+and ``window + chunk + block_size`` recent tokens (plus the protected blocks).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine import CachePolicy, EngineConfig, LLMEngine
+from engine.config import DEFAULT_MODEL
+from evals import compact_attention
+
+logger = logging.getLogger(__name__)
+
+SINK_POSITIONS = (0, 1, 2, 3)
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One policy under test."""
+
+    name: str
+    label: str
+    sinks: bool
+    anchor: bool
+    evicts: bool = True
+
+    def policy(self, window: int) -> CachePolicy:
+        if not self.evicts:
+            return CachePolicy(eviction_policy="none")
+        return CachePolicy(
+            eviction_policy="sliding_window",
+            window=window,
+            protected_positions=SINK_POSITIONS if self.sinks else (),
+            protected_token_roles=("sink",),
+            max_stream_tokens=1 << 22,
+        )
+
+
+DENSE = Arm("dense", "dense (trained context)", sinks=False, anchor=False, evicts=False)
+WINDOW_ONLY = Arm("window_only", "window only", sinks=False, anchor=False)
+SINKS_WINDOW = Arm("sinks_window", "sinks + window", sinks=True, anchor=False)
+SINKS_WINDOW_ANCHOR = Arm("sinks_window_anchor", "sinks + window + anchor", sinks=True, anchor=True)
+
+
+def setup_torch(threads: int) -> None:
+    """Pin torch to ``threads`` intra-op threads.
+
+    Why: on this shared 2-core machine the default (one thread per core) thrashes against the other
+    jobs; a 2K-token stream took 40 s with 2 threads and 3 s with 1 (measured).
+    """
+    torch.set_num_threads(max(1, threads))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def default_model() -> str:
+    return DEFAULT_MODEL
+
+
+def trained_context(model: str | Path) -> int:
+    """``max_position_embeddings`` of the model: the context it was trained on."""
+    from engine.model_runner import read_model_shape
+
+    return read_model_shape(str(model)).max_position_embeddings
+
+
+def make_engine(model: str | Path, policy: CachePolicy, chunk: int, num_kv_blocks: int, max_num_seqs: int = 64) -> LLMEngine:
+    """An engine for one arm.
+
+    Prefix caching is off so every request is computed from its own tokens under the arm's policy; the
+    attention backend on CPU is ``torch_compact`` (the reference math over kept blocks only, linear time).
+    """
+    backend = "auto" if torch.cuda.is_available() else compact_attention.register()
+    config = EngineConfig(
+        model=str(model),
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=num_kv_blocks,
+        max_num_batched_tokens=chunk,
+        max_num_seqs=max_num_seqs,
+        enable_prefix_caching=False,
+        attention_backend=backend,
+        cache_policy=policy,
+    )
+    return LLMEngine(config)
+
+
+def blocks_for_stream(window: int, chunk: int, protected_blocks: int = 2) -> int:
+    """KV blocks one streaming sequence can hold at once: window + chunk + partial blocks + protected ones."""
+    return -(-(window + chunk) // BLOCK_SIZE) + 2 + protected_blocks

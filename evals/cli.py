@@ -1,0 +1,141 @@
+"""``sinkserve eval long-ppl|needle``: the long-context retention evals from the command line.
+
+    sinkserve eval long-ppl [--quick] [--with] [--without] [--out docs/evals]
+    sinkserve eval needle   [--quick] [--with] [--without] [--workers 2] [--out docs/evals]
+
+Each writes ``<out>/<name>.{md,json,png}`` and prints the table. ``--with`` / ``--without`` run only the
+protected arm (sinks [+ anchor]) / the unprotected arm (window only) on the same inputs; both together
+are the A/B run and print the difference. Without either flag every arm runs (the A/B table is included).
+Defaults follow the model's trained context ``ctx``: window ``ctx/2``, prefill chunk ``window/4``;
+``--quick`` shrinks everything for a smoke run (window ``ctx/8``, short streams, 4 documents).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from pathlib import Path
+
+from evals import arms as A
+from evals.report import EvalResult, markdown_table, write_report
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_OUT = "docs/evals"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``eval`` with its ``long-ppl`` and ``needle`` subcommands (the ``app.cli`` protocol)."""
+    parser = subparsers.add_parser("eval", help="long-context retention evals (perplexity, needle retrieval)")
+    sub = parser.add_subparsers(dest="eval_name", required=True)
+    for name, help_ in (("long-ppl", "perplexity over a held-out stream 16x the trained context"),
+                        ("needle", "fact at the start, question at the end, L = 1x .. 16x the trained context")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("--model", default=A.default_model(), help="model directory (default: the reference model)")
+        p.add_argument("--out", default=DEFAULT_OUT, help="folder for the table (md + json) and the plot (png)")
+        p.add_argument("--quick", action="store_true", help="small fast smoke run")
+        p.add_argument("--window", type=int, help="sliding window in tokens (default ctx/2; quick ctx/8)")
+        p.add_argument("--chunk", type=int, help="prefill chunk = max_num_batched_tokens (default window/4)")
+        p.add_argument("--with", dest="with_protection", action="store_true", help="run the protected arm")
+        p.add_argument("--without", dest="without_protection", action="store_true", help="run the unprotected arm")
+        p.add_argument("--threads", type=int, default=1, help="torch threads per process (1: see evals.arms)")
+        if name == "long-ppl":
+            p.add_argument("--tokens", type=int, help="stream length (default 16x ctx; quick 2x)")
+            p.add_argument("--text", default="corpus", choices=("corpus", "licenses"), help="held-out text source")
+            p.add_argument("--smooth", type=int, help="moving-average width of the plot (default ctx/2)")
+        else:
+            p.add_argument("--docs", type=int, help="documents per point (default 50; quick 4)")
+            p.add_argument("--lengths", help="comma-separated multiples of ctx (default 1,2,4,8,16; quick 1,2)")
+            p.add_argument("--workers", type=int, default=1, help="processes running (arm, length) points")
+    parser.set_defaults(run=run)
+    return parser
+
+
+def _settings(args: argparse.Namespace, ctx: int) -> tuple[int, int]:
+    window = args.window or (max(32, ctx // 8) if args.quick else ctx // 2)
+    chunk = args.chunk or max(1, window // 4)
+    return window, chunk
+
+
+def _arm_filter(args: argparse.Namespace, protected: str, unprotected: str, every: tuple[str, ...]) -> tuple[tuple[str, ...], str]:
+    """Arms to run and the result-name suffix for the ``--with`` / ``--without`` flags."""
+    picked = [n for n, on in ((protected, args.with_protection), (unprotected, args.without_protection)) if on]
+    if not picked:
+        return every, ""
+    suffix = "_ab" if len(picked) == 2 else ("_with" if args.with_protection else "_without")
+    return tuple(n for n in every if n in picked), suffix
+
+
+def _long_ppl(args: argparse.Namespace, ctx: int) -> EvalResult:
+    from evals.long_ppl import PplConfig, run_long_ppl
+
+    window, chunk = _settings(args, ctx)
+    every = PplConfig.__dataclass_fields__["arms"].default
+    arms, suffix = _arm_filter(args, A.SINKS_WINDOW.name, A.WINDOW_ONLY.name, every)
+    cfg = PplConfig(
+        model=args.model, n_tokens=args.tokens or (2 if args.quick else 16) * ctx, window=window, chunk=chunk,
+        text=args.text, arms=arms, smooth=args.smooth or max(16, ctx // (8 if args.quick else 2)),
+    )
+    result = run_long_ppl(cfg)
+    result.name += suffix
+    return result
+
+
+def _needle(args: argparse.Namespace, ctx: int) -> EvalResult:
+    from evals.needle import ALL_ARMS, NeedleConfig, run_needle
+
+    window, chunk = _settings(args, ctx)
+    arms, suffix = _arm_filter(args, A.SINKS_WINDOW_ANCHOR.name, A.WINDOW_ONLY.name, tuple(a.name for a in ALL_ARMS))
+    lengths = args.lengths or ("1,2" if args.quick else "1,2,4,8,16")
+    cfg = NeedleConfig(
+        model=args.model, lengths=tuple(float(x) for x in lengths.split(",")), docs=args.docs or (4 if args.quick else 50),
+        window=window, chunk=chunk, arms=arms,
+    )
+    result = run_needle(cfg, workers=args.workers)
+    result.name += suffix
+    return result
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the chosen eval, write its files, print the table(s). Returns the exit code."""
+    A.setup_torch(args.threads)
+    t0 = time.perf_counter()
+    ctx = A.trained_context(args.model)
+    result = _long_ppl(args, ctx) if args.eval_name == "long-ppl" else _needle(args, ctx)
+    result.meta["command"] = "sinkserve eval " + args.eval_name + _flags(args)
+    paths = write_report(result, Path(args.out))
+    print(markdown_table(result.columns, result.rows))
+    if result.ab_rows:
+        print("\nwith / without protection (same inputs):")
+        print(markdown_table(result.ab_columns, result.ab_rows))
+    for note in result.notes:
+        print("-", note)
+    print(f"wrote {', '.join(str(p) for p in paths.values())} in {time.perf_counter() - t0:.0f}s")
+    return 0
+
+
+def _flags(args: argparse.Namespace) -> str:
+    """The options that were set, for the record in the report."""
+    skip = {"run", "command", "eval_name"}
+    out = []
+    for key, value in sorted(vars(args).items()):
+        if key in skip or value in (None, False):
+            continue
+        flag = {"with_protection": "--with", "without_protection": "--without"}.get(key, "--" + key.replace("_", "-"))
+        out.append(flag if value is True else f"{flag} {value}")
+    return (" " + " ".join(out)) if out else ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m evals.cli long-ppl ...`` works without the ``sinkserve`` entry point too."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="sinkserve")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_parser(sub)
+    args = parser.parse_args(["eval", *(argv if argv is not None else __import__("sys").argv[1:])])
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,203 @@
+"""First-last consistency: a fact near the start, filler to ``L`` tokens, the question at the end.
+
+Documents come from :mod:`evals.longmem` with the held-out templates and fillers only. The fact is put
+about ``lead_tokens`` tokens in (past the sink block, so pinning the sinks cannot keep it by accident:
+retention is block granular and the sinks' block holds ``block_size`` tokens). Every arm answers the
+*same* documents at every length (document ``i`` has seed ``seed + i`` at each ``L``), greedy, and an
+answer counts when its first word equals the fact's value (:func:`evals.longmem.check_answer`).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from tqdm import tqdm
+
+from engine import SamplingParams
+from evals import arms as A
+from evals import longmem
+from evals.report import EvalResult, Panel, Series
+
+logger = logging.getLogger(__name__)
+
+ALL_ARMS = (A.DENSE, A.WINDOW_ONLY, A.SINKS_WINDOW, A.SINKS_WINDOW_ANCHOR)
+WITH, WITHOUT = A.SINKS_WINDOW_ANCHOR, A.WINDOW_ONLY  # the protection A/B pair
+
+
+@dataclass(frozen=True)
+class NeedleConfig:
+    model: str
+    lengths: tuple[float, ...]  # multiples of the trained context
+    docs: int
+    window: int
+    chunk: int
+    arms: tuple[str, ...] = tuple(a.name for a in ALL_ARMS)
+    max_new_tokens: int = 6
+    lead_tokens: int = 48
+    seed: int = 7_000_000  # far from the seeds training used for its long-memory documents
+    max_num_seqs: int = 8
+
+
+@dataclass
+class Doc:
+    index: int
+    doc: longmem.LongMemDoc
+    n_tokens: int
+    fact_last_token: int  # index of the fact's last token in the tokenized prompt
+
+    @property
+    def fact_text(self) -> str:
+        s, e = self.doc.fact_span
+        return self.doc.prompt[s:e]
+
+
+def chance(doc: longmem.LongMemDoc) -> float:
+    """Probability of a uniform guess from the template's value pool."""
+    if not doc.answer.isdigit():
+        return 1.0 / len(longmem.CITIES)
+    return 1.0 / (90_000 if doc.kind == "passkey" else 9_900)
+
+
+def build_docs(tokenizer: Any, cfg: NeedleConfig, n_tokens: int) -> list[Doc]:
+    """``cfg.docs`` held-out documents of at most ``n_tokens`` tokens (BOS included)."""
+    out = []
+    depth = min(0.5, cfg.lead_tokens / n_tokens)
+    for i in range(cfg.docs):
+        template = longmem.HELDOUT_TEMPLATES[i % len(longmem.HELDOUT_TEMPLATES)]
+        filler = longmem.HELDOUT_FILLERS[(i // len(longmem.HELDOUT_TEMPLATES)) % len(longmem.HELDOUT_FILLERS)]
+        doc = longmem.make_document(template, cfg.seed + i, n_tokens, tokenizer=tokenizer, filler=filler, depth=depth)
+        enc = tokenizer(doc.prompt, return_offsets_mapping=True)
+        fact_end = doc.fact_span[1]
+        last = max(t for t, (s, e) in enumerate(enc["offset_mapping"]) if e > s and s < fact_end)
+        out.append(Doc(i, doc, len(enc["input_ids"]), last))
+    return out
+
+
+def run_arm(cfg: NeedleConfig, arm: A.Arm, docs: list[Doc], length_label: str, progress: bool = True) -> tuple[list[str], float]:
+    """Greedy answers of one arm to ``docs`` (all queued at once; the engine batches decodes)."""
+    longest = max(d.n_tokens for d in docs) + cfg.max_new_tokens
+    per_seq = A.blocks_for_stream(cfg.window, cfg.chunk) if arm.evicts else -(-longest // A.BLOCK_SIZE) + 1
+    engine = A.make_engine(cfg.model, arm.policy(cfg.window), cfg.chunk, cfg.max_num_seqs * per_seq + 1, cfg.max_num_seqs)
+    params = SamplingParams(max_tokens=cfg.max_new_tokens, temperature=0.0)
+    for d in docs:
+        anchors = [{"text": d.fact_text}] if arm.anchor else None
+        engine.add_request(str(d.index), d.doc.prompt, params, anchors=anchors)
+    texts = {str(d.index): "" for d in docs}
+    t0 = time.perf_counter()
+    with tqdm(total=len(docs), desc=f"needle {arm.name} L={length_label}", unit="doc", leave=False,
+              disable=not progress) as bar:
+        while engine.has_unfinished():
+            for out in engine.step():
+                texts[out.request_id] += out.text
+                if out.finished:
+                    bar.update(1)
+    wall = time.perf_counter() - t0
+    engine.shutdown()
+    return [texts[str(d.index)] for d in docs], wall
+
+
+def _run_point(job: tuple[NeedleConfig, str, float, list[Doc], bool]) -> dict[str, Any]:
+    """One (arm, length) point; runs in a worker process when ``workers > 1``."""
+    cfg, arm_name, mult, docs, progress = job
+    arm = next(a for a in ALL_ARMS if a.name == arm_name)
+    texts, wall = run_arm(cfg, arm, docs, f"{mult:g}x", progress)
+    ok = [longmem.check_answer(t, d.doc.answer) for t, d in zip(texts, docs)]
+    logger.info("needle %s L=%gx: %d/%d (%.1fs)", arm.name, mult, sum(ok), len(docs), wall)
+    return {"arm": arm.name, "mult": mult, "texts": texts, "ok": ok, "wall": wall}
+
+
+def run_needle(cfg: NeedleConfig, workers: int = 1) -> EvalResult:
+    """Answer the same documents under every arm at every length; returns the result (not yet written).
+
+    Points (arm, length) are independent; ``workers > 1`` runs them in forked processes, longest first.
+    """
+    from transformers import AutoTokenizer
+
+    t0 = time.perf_counter()
+    ctx = A.trained_context(cfg.model)
+    tok = AutoTokenizer.from_pretrained(cfg.model)
+    arms = [a for a in ALL_ARMS if a.name in cfg.arms]
+    docs_at: dict[float, list[Doc]] = {}
+    for mult in tqdm(cfg.lengths, desc="needle documents", unit="length", leave=False):
+        # prompt + answer fit in L (and, for the dense arm, in the trained context)
+        docs_at[mult] = build_docs(tok, cfg, int(round(mult * ctx)) - cfg.max_new_tokens)
+    jobs = [(cfg, a.name, m, docs_at[m], workers <= 1) for m in cfg.lengths for a in arms
+            if a.evicts or int(round(m * ctx)) <= ctx]  # dense only where L fits the trained context
+    jobs.sort(key=lambda j: -j[2])
+    if workers > 1:
+        with mp.get_context("fork").Pool(workers) as pool:
+            results = list(tqdm(pool.imap_unordered(_run_point, jobs), total=len(jobs), desc="needle points"))
+    else:
+        results = [_run_point(j) for j in tqdm(jobs, desc="needle points")]
+    order = {a.name: i for i, a in enumerate(ALL_ARMS)}
+    results.sort(key=lambda r: (r["mult"], order[r["arm"]]))
+    rows: list[dict[str, Any]] = []
+    per_doc: list[dict[str, Any]] = []
+    correct: dict[tuple[str, int], list[bool]] = {}
+    reach = cfg.window + cfg.chunk + A.BLOCK_SIZE  # the oldest a token can be and still be in the window
+    for r in results:
+        docs, length, ok = docs_at[r["mult"]], int(round(r["mult"] * ctx)), r["ok"]
+        evicts = r["arm"] != A.DENSE.name
+        out_of_window = sum(1 for d in docs if d.n_tokens - 1 - d.fact_last_token > reach) / len(docs)
+        correct[(r["arm"], length)] = ok
+        rows.append({
+            "arm": r["arm"], "L": length, "x_context": r["mult"], "docs": len(docs), "correct": sum(ok),
+            "retrieval": sum(ok) / len(docs), "chance": sum(chance(d.doc) for d in docs) / len(docs),
+            "fact_out_of_window": out_of_window if evicts else 0.0, "wall_s": round(r["wall"], 1),
+        })
+        per_doc += [{"arm": r["arm"], "L": length, "doc": d.index, "template": d.doc.template, "answer": d.doc.answer,
+                     "generated": t[:40], "correct": o} for d, t, o in zip(docs, r["texts"], ok)]
+    return summarize(cfg, ctx, rows, correct, per_doc, time.perf_counter() - t0, workers)
+
+
+def summarize(cfg: NeedleConfig, ctx: int, rows: list[dict[str, Any]], correct: dict[tuple[str, int], list[bool]],
+              per_doc: list[dict[str, Any]], total_wall: float, workers: int = 1) -> EvalResult:
+    lengths = sorted({r["L"] for r in rows})
+    ab_rows = []
+    for length in lengths:
+        w, wo = correct.get((WITH.name, length)), correct.get((WITHOUT.name, length))
+        if w is None or wo is None:
+            continue
+        ab_rows.append({
+            "L": length, "with (sinks + window + anchor)": sum(w) / len(w), "without (window only)": sum(wo) / len(wo),
+            "difference": (sum(w) - sum(wo)) / len(w), "only with correct": sum(a and not b for a, b in zip(w, wo)),
+            "only without correct": sum(b and not a for a, b in zip(w, wo)),
+        })
+    notes = []
+    rate = {(r["arm"], r["L"]): r["retrieval"] for r in rows}
+    longest = max(lengths) if lengths else 0
+    dense_rows = [r for r in rows if r["arm"] == A.DENSE.name]
+    dense = dense_rows[-1]["retrieval"] if dense_rows else None  # the longest L that fits the trained context
+    anchored = rate.get((WITH.name, longest))
+    if dense is not None and anchored is not None:
+        rel = anchored / dense if dense else float("nan")
+        notes.append(f"target anchored retrieval at {longest / ctx:g}x >= 90% of dense inside the trained context: "
+                     f"{anchored:.2f} vs {dense:.2f} = {rel:.0%} -> {'MET' if dense and rel >= 0.9 else 'MISSED'}")
+    chance_at = {r["L"]: r["chance"] for r in rows}
+    for name in (WITHOUT.name, A.SINKS_WINDOW.name):
+        got = [(L, rate[(name, L)]) for L in lengths if (name, L) in rate]
+        if got:
+            worst = max(r for _, r in got)
+            notes.append(f"{name}: retrieval {', '.join(f'{r:.2f}@{L}' for L, r in got)}; chance ~{max(chance_at.values()):.3f}; "
+                         f"{'at chance (<= 2 docs above 0)' if worst * cfg.docs <= 2 else 'above chance'}")
+    panels = [Panel(
+        title=f"retrieval vs document length (W={cfg.window}, chunk {cfg.chunk}, {cfg.docs} docs per point)",
+        xlabel="document length L (tokens)", ylabel="retrieval rate", logx=True,
+        series=[Series(name, [float(L) for L in lengths if (name, L) in rate], [rate[(name, L)] for L in lengths if (name, L) in rate],
+                       "o" if name == "dense" else "-o") for name in cfg.arms if any((name, L) in rate for L in lengths)],
+        hlines=[(max(chance_at.values()) if chance_at else 0.0, "chance")],
+    )]
+    meta = {
+        "model": cfg.model, "trained_context": ctx, "lengths": lengths, "docs_per_point": cfg.docs,
+        "templates": [t.name for t in longmem.HELDOUT_TEMPLATES], "fillers": list(longmem.HELDOUT_FILLERS),
+        "fact_at_token": f"~{cfg.lead_tokens}", "window": cfg.window, "prefill_chunk": cfg.chunk,
+        "block_size": A.BLOCK_SIZE, "sinks": list(A.SINK_POSITIONS), "max_new_tokens": cfg.max_new_tokens,
+        "wall_s_total": round(total_wall, 1), "workers": workers,
+    }
+    columns = list(rows[0]) if rows else []
+    return EvalResult("needle", "Needle retrieval: fact at the start, question at L", columns, rows, meta, notes,
+                      list(ab_rows[0]) if ab_rows else [], ab_rows, panels, {"per_doc": per_doc})

@@ -1,0 +1,99 @@
+"""Long-context evals: plumbing on a tiny random model (outputs are garbage; files, rows and arms are not).
+
+The real runs (16x the trained context, 50 documents per point) are minutes long and stay out of CI:
+``sinkserve eval long-ppl`` / ``sinkserve eval needle``, results in docs/evals/.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.cli import build_parser
+from evals.compact_attention import paged_attention as compact_paged_attention
+from evals.long_ppl import dense_windows
+from kernels import reference
+
+
+def test_compact_attention_matches_reference_with_null_blocks() -> None:
+    torch.manual_seed(0)
+    blocks, bs, hkv, hq, d = 12, 4, 2, 4, 8
+    k_cache, v_cache = torch.randn(blocks, bs, hkv, d), torch.randn(blocks, bs, hkv, d)
+    # seq 0: prefill chunk of 5 over a table with evicted (null) blocks; seq 1: one decode token.
+    tables = torch.tensor([[3, 0, 0, 5, 7, 9], [2, 0, 4, 0, 0, 0]], dtype=torch.int32)
+    seq_lens = torch.tensor([23, 11], dtype=torch.int32)
+    qsl = torch.tensor([0, 5, 6], dtype=torch.int32)
+    query = torch.randn(6, hq, d)
+    want = reference.paged_attention(query, k_cache, v_cache, tables, seq_lens, qsl, 0.3)
+    got = compact_paged_attention(query, k_cache, v_cache, tables, seq_lens, qsl, 0.3)
+    assert (got - want).abs().max().item() < 1e-5
+
+
+def test_dense_windows_score_every_target_once() -> None:
+    for n, ctx, stride in [(10, 4, 2), (100, 16, 8), (5, 8, 4)]:
+        targets = [t for _, lo, hi in dense_windows(n, ctx, stride) for t in range(lo, hi)]
+        assert targets == list(range(1, n))
+        for s, lo, hi in dense_windows(n, ctx, stride)[1:]:
+            assert hi - s + 1 == ctx  # BOS + ids[s:hi] fills the context exactly
+
+
+def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    args = build_parser().parse_args(argv)
+    assert args.run(args) == 0
+    return capsys.readouterr().out
+
+
+def load(out: Path, name: str) -> dict:
+    for ext in ("md", "json", "png"):
+        assert (out / f"{name}.{ext}").stat().st_size > 0, f"{name}.{ext} missing"
+    assert (out / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+    return json.loads((out / f"{name}.json").read_text())
+
+
+def test_long_ppl_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    printed = run_cli(["eval", "long-ppl", "--quick", "--model", str(tiny_llama), "--out", str(tmp_path),
+                       "--text", "licenses", "--tokens", "600", "--window", "64", "--chunk", "16"], capsys)
+    blob = load(tmp_path, "long_ppl")
+    assert [r["arm"] for r in blob["rows"]] == ["dense", "recompute", "recompute_bos", "sinks_window", "window_only"]
+    for col in ("ppl", "ppl_q1", "ppl_q4", "drift_q4/q1", "ppl/recompute", "blocks_min", "blocks_max", "wall_s"):
+        assert col in blob["columns"]
+    assert all(r["tokens"] == 599 and r["ppl"] > 0 for r in blob["rows"])
+    recompute = next(r for r in blob["rows"] if r["arm"] == "recompute")
+    assert recompute["ppl/recompute"] == pytest.approx(1.0)
+    sinks = next(r for r in blob["rows"] if r["arm"] == "sinks_window")
+    assert sinks["blocks_max"] - sinks["blocks_min"] <= 1  # flat memory once the window is full
+    assert set(blob["extra"]["blocks_trace"]) == {"sinks_window", "window_only"}
+    assert [r["span"] for r in blob["ab_rows"]][:2] == ["whole stream", "quarter 1"]
+    assert "with / without protection" in printed and "| sinks_window |" in printed
+    assert "long_ppl.png" in (tmp_path / "long_ppl.md").read_text()
+
+
+def test_needle_ab_reports_both_arms(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    printed = run_cli(["eval", "needle", "--quick", "--with", "--without", "--model", str(tiny_llama),
+                       "--out", str(tmp_path), "--docs", "2", "--lengths", "0.5,1", "--window", "64", "--chunk", "16"],
+                      capsys)
+    blob = load(tmp_path, "needle_ab")
+    assert {(r["arm"], r["L"]) for r in blob["rows"]} == {
+        (arm, L) for arm in ("window_only", "sinks_window_anchor") for L in (256, 512)
+    }
+    assert blob["columns"][:6] == ["arm", "L", "x_context", "docs", "correct", "retrieval"]
+    assert [r["L"] for r in blob["ab_rows"]] == [256, 512]
+    for row in blob["ab_rows"]:
+        assert set(row) >= {"with (sinks + window + anchor)", "without (window only)", "difference"}
+    assert len(blob["extra"]["per_doc"]) == 2 * 2 * 2
+    assert "with / without protection" in printed
+
+
+def test_needle_quick_all_arms(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_cli(["eval", "needle", "--quick", "--model", str(tiny_llama), "--out", str(tmp_path), "--docs", "2",
+             "--lengths", "0.5,2", "--window", "64", "--chunk", "16"], capsys)
+    blob = load(tmp_path, "needle")
+    got = [(r["arm"], r["L"]) for r in blob["rows"]]
+    # dense runs only where L fits the trained context (512); every streaming arm runs at every L
+    assert got == [("dense", 256), ("window_only", 256), ("sinks_window", 256), ("sinks_window_anchor", 256),
+                   ("window_only", 1024), ("sinks_window", 1024), ("sinks_window_anchor", 1024)]
+    assert all(r["fact_out_of_window"] == 1.0 for r in blob["rows"] if r["arm"] != "dense" and r["L"] == 1024)
+    assert blob["meta"]["docs_per_point"] == 2 and blob["ab_rows"]
