@@ -23,6 +23,7 @@ shapes only (no device sync), so the call stays CUDA-graph friendly.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -258,9 +259,15 @@ def _reduce_kernel(
 
 
 def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (1 off CUDA); cached, it is asked on every launch."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
     return 1
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def choose_num_splits(num_tokens: int, num_kv_heads: int, max_kv_len: int, device: torch.device) -> int:
