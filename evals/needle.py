@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 ALL_ARMS = (A.DENSE, A.WINDOW_ONLY, A.SINKS_WINDOW, A.SINKS_WINDOW_ANCHOR)
 WITH, WITHOUT = A.SINKS_WINDOW_ANCHOR, A.WINDOW_ONLY  # the protection A/B pair
+STYLES = {"dense": "D", "window_only": "--s", "sinks_window": ":^", "sinks_window_anchor": "-o"}  # overlaps stay visible
 
 
 @dataclass(frozen=True)
@@ -188,8 +189,8 @@ def summarize(cfg: NeedleConfig, ctx: int, rows: list[dict[str, Any]], correct: 
         title=f"retrieval vs document length (W={cfg.window}, chunk {cfg.chunk}, {cfg.docs} docs per point)",
         xlabel="document length L (tokens)", ylabel="retrieval rate", logx=True,
         series=[Series(name, [float(L) for L in lengths if (name, L) in rate], [rate[(name, L)] for L in lengths if (name, L) in rate],
-                       "o" if name == "dense" else "-o") for name in cfg.arms if any((name, L) in rate for L in lengths)],
-        hlines=[(max(chance_at.values()) if chance_at else 0.0, "chance")],
+                       STYLES.get(name, "-o")) for name in cfg.arms if any((name, L) in rate for L in lengths)],
+        hlines=[(max(chance_at.values()) if chance_at else 0.0, "chance")], ylim=(-0.03, 1.03),
     )]
     meta = {
         "model": cfg.model, "trained_context": ctx, "lengths": lengths, "docs_per_point": cfg.docs,

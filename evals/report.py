@@ -39,6 +39,7 @@ class Panel:
     logx: bool = False
     logy: bool = False
     hlines: list[tuple[float, str]] = field(default_factory=list)  # (y, label) reference lines
+    ylim: tuple[float, float] | None = None
 
 
 @dataclass
@@ -105,6 +106,8 @@ def plot(result: EvalResult, path: Path) -> None:
             ax.set_xscale("log", base=2)
         if panel.logy:
             ax.set_yscale("log")
+        if panel.ylim is not None:
+            ax.set_ylim(*panel.ylim)
         ax.set_title(panel.title)
         ax.set_xlabel(panel.xlabel)
         ax.set_ylabel(panel.ylabel)
