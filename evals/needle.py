@@ -9,6 +9,7 @@ answer counts when its first word equals the fact's value (:func:`evals.longmem.
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing as mp
 import time
@@ -63,11 +64,11 @@ def chance(doc: longmem.LongMemDoc) -> float:
     return 1.0 / (90_000 if doc.kind == "passkey" else 9_900)
 
 
-def build_docs(tokenizer: Any, cfg: NeedleConfig, n_tokens: int) -> list[Doc]:
-    """``cfg.docs`` held-out documents of at most ``n_tokens`` tokens (BOS included)."""
+def build_docs(tokenizer: Any, cfg: NeedleConfig, n_tokens: int, indices: range | None = None) -> list[Doc]:
+    """Held-out documents ``indices`` (default all ``cfg.docs``) of at most ``n_tokens`` tokens (BOS included)."""
     out = []
     depth = min(0.5, cfg.lead_tokens / n_tokens)
-    for i in range(cfg.docs):
+    for i in indices if indices is not None else range(cfg.docs):
         template = longmem.HELDOUT_TEMPLATES[i % len(longmem.HELDOUT_TEMPLATES)]
         filler = longmem.HELDOUT_FILLERS[(i // len(longmem.HELDOUT_TEMPLATES)) % len(longmem.HELDOUT_FILLERS)]
         doc = longmem.make_document(template, cfg.seed + i, n_tokens, tokenizer=tokenizer, filler=filler, depth=depth)
@@ -101,6 +102,18 @@ def run_arm(cfg: NeedleConfig, arm: A.Arm, docs: list[Doc], length_label: str, p
     return [texts[str(d.index)] for d in docs], wall
 
 
+@functools.lru_cache(maxsize=4)
+def _tokenizer(model: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
+def _build_docs_job(job: tuple[NeedleConfig, int, range]) -> list[Doc]:
+    cfg, n_tokens, indices = job
+    return build_docs(_tokenizer(cfg.model), cfg, n_tokens, indices)
+
+
 def _run_point(job: tuple[NeedleConfig, str, float, list[Doc], bool]) -> dict[str, Any]:
     """One (arm, length) point; runs in a worker process when ``workers > 1``."""
     cfg, arm_name, mult, docs, progress = job
@@ -116,24 +129,29 @@ def run_needle(cfg: NeedleConfig, workers: int = 1) -> EvalResult:
 
     Points (arm, length) are independent; ``workers > 1`` runs them in forked processes, longest first.
     """
-    from transformers import AutoTokenizer
-
     t0 = time.perf_counter()
     ctx = A.trained_context(cfg.model)
-    tok = AutoTokenizer.from_pretrained(cfg.model)
     arms = [a for a in ALL_ARMS if a.name in cfg.arms]
-    docs_at: dict[float, list[Doc]] = {}
-    for mult in tqdm(cfg.lengths, desc="needle documents", unit="length", leave=False):
-        # prompt + answer fit in L (and, for the dense arm, in the trained context)
-        docs_at[mult] = build_docs(tok, cfg, int(round(mult * ctx)) - cfg.max_new_tokens)
-    jobs = [(cfg, a.name, m, docs_at[m], workers <= 1) for m in cfg.lengths for a in arms
-            if a.evicts or int(round(m * ctx)) <= ctx]  # dense only where L fits the trained context
-    jobs.sort(key=lambda j: -j[2])
-    if workers > 1:
-        with mp.get_context("fork").Pool(workers) as pool:
-            results = list(tqdm(pool.imap_unordered(_run_point, jobs), total=len(jobs), desc="needle points"))
-    else:
-        results = [_run_point(j) for j in tqdm(jobs, desc="needle points")]
+    # prompt + answer fit in L (and, for the dense arm, in the trained context)
+    per_job = 4  # documents per build job: spreads the slow 16x tokenization over the workers
+    doc_jobs = [(cfg, int(round(m * ctx)) - cfg.max_new_tokens, range(i, min(cfg.docs, i + per_job)))
+                for m in cfg.lengths for i in range(0, cfg.docs, per_job)]
+    pool = mp.get_context("fork").Pool(workers) if workers > 1 else None
+    try:
+        mapper = pool.imap if pool is not None else map
+        built = list(tqdm(mapper(_build_docs_job, doc_jobs), total=len(doc_jobs), desc="needle documents", leave=False))
+        docs_at: dict[float, list[Doc]] = {m: [] for m in cfg.lengths}
+        for (_, n_tokens, _), docs in zip(doc_jobs, built):
+            docs_at[next(m for m in cfg.lengths if int(round(m * ctx)) - cfg.max_new_tokens == n_tokens)] += docs
+        jobs = [(cfg, a.name, m, docs_at[m], pool is None) for m in cfg.lengths for a in arms
+                if a.evicts or int(round(m * ctx)) <= ctx]  # dense only where L fits the trained context
+        jobs.sort(key=lambda j: -j[2])  # longest first: the pool ends evenly
+        mapper = pool.imap_unordered if pool is not None else map
+        results = list(tqdm(mapper(_run_point, jobs), total=len(jobs), desc="needle points"))
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
     order = {a.name: i for i, a in enumerate(ALL_ARMS)}
     results.sort(key=lambda r: (r["mult"], order[r["arm"]]))
     rows: list[dict[str, Any]] = []
