@@ -92,7 +92,13 @@ def _needle(args: argparse.Namespace, ctx: int) -> EvalResult:
         model=args.model, lengths=tuple(float(x) for x in lengths.split(",")), docs=args.docs or (4 if args.quick else 50),
         window=window, chunk=chunk, arms=arms,
     )
-    result = run_needle(cfg, workers=args.workers)
+
+    def write_partial(partial: EvalResult) -> None:
+        partial.name += suffix
+        partial.meta["command"] = "sinkserve eval needle" + _flags(args)
+        write_report(partial, Path(args.out))
+
+    result = run_needle(cfg, workers=args.workers, on_point=write_partial)
     result.name += suffix
     return result
 

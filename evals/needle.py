@@ -14,7 +14,7 @@ import logging
 import multiprocessing as mp
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from tqdm import tqdm
 
@@ -124,10 +124,13 @@ def _run_point(job: tuple[NeedleConfig, str, float, list[Doc], bool]) -> dict[st
     return {"arm": arm.name, "mult": mult, "texts": texts, "ok": ok, "wall": wall}
 
 
-def run_needle(cfg: NeedleConfig, workers: int = 1) -> EvalResult:
+def run_needle(cfg: NeedleConfig, workers: int = 1,
+               on_point: Callable[[EvalResult], None] | None = None) -> EvalResult:
     """Answer the same documents under every arm at every length; returns the result (not yet written).
 
-    Points (arm, length) are independent; ``workers > 1`` runs them in forked processes, longest first.
+    Points (arm, length) are independent; ``workers > 1`` runs them in forked processes. ``on_point``
+    receives the partial result after each point (the CLI rewrites the report, so a run cut short by a
+    deadline still leaves its finished points on disk, marked PARTIAL).
     """
     t0 = time.perf_counter()
     ctx = A.trained_context(cfg.model)
@@ -145,15 +148,34 @@ def run_needle(cfg: NeedleConfig, workers: int = 1) -> EvalResult:
             docs_at[next(m for m in cfg.lengths if int(round(m * ctx)) - cfg.max_new_tokens == n_tokens)] += docs
         jobs = [(cfg, a.name, m, docs_at[m], pool is None) for m in cfg.lengths for a in arms
                 if a.evicts or int(round(m * ctx)) <= ctx]  # dense only where L fits the trained context
-        jobs.sort(key=lambda j: -j[2])  # longest first: the pool ends evenly
+        jobs.sort(key=lambda j: (_length_priority(cfg.lengths, j[2]), PRIORITY.index(j[1])))
         mapper = pool.imap_unordered if pool is not None else map
-        results = list(tqdm(mapper(_run_point, jobs), total=len(jobs), desc="needle points"))
+        results: list[dict[str, Any]] = []
+        for r in tqdm(mapper(_run_point, jobs), total=len(jobs), desc="needle points"):
+            results.append(r)
+            if on_point is not None and len(results) < len(jobs):
+                on_point(_collect(cfg, ctx, docs_at, results, time.perf_counter() - t0, workers, len(jobs)))
     finally:
         if pool is not None:
             pool.close()
             pool.join()
+    return _collect(cfg, ctx, docs_at, results, time.perf_counter() - t0, workers, len(jobs))
+
+
+# Points run in this order, so a run cut short still has the comparisons that matter: the A/B at the
+# longest length, then everything inside the trained context, then the rest.
+PRIORITY = (WITH.name, WITHOUT.name, A.DENSE.name, A.SINKS_WINDOW.name)
+
+
+def _length_priority(lengths: tuple[float, ...], mult: float) -> int:
+    order = [max(lengths), min(lengths)] + sorted(set(lengths) - {max(lengths), min(lengths)}, reverse=True)
+    return order.index(mult)
+
+
+def _collect(cfg: NeedleConfig, ctx: int, docs_at: dict[float, list[Doc]], results: list[dict[str, Any]],
+             wall: float, workers: int, planned: int) -> EvalResult:
     order = {a.name: i for i, a in enumerate(ALL_ARMS)}
-    results.sort(key=lambda r: (r["mult"], order[r["arm"]]))
+    results = sorted(results, key=lambda r: (r["mult"], order[r["arm"]]))
     rows: list[dict[str, Any]] = []
     per_doc: list[dict[str, Any]] = []
     correct: dict[tuple[str, int], list[bool]] = {}
@@ -170,7 +192,11 @@ def run_needle(cfg: NeedleConfig, workers: int = 1) -> EvalResult:
         })
         per_doc += [{"arm": r["arm"], "L": length, "doc": d.index, "template": d.doc.template, "answer": d.doc.answer,
                      "generated": t[:40], "correct": o} for d, t, o in zip(docs, r["texts"], ok)]
-    return summarize(cfg, ctx, rows, correct, per_doc, time.perf_counter() - t0, workers)
+    result = summarize(cfg, ctx, rows, correct, per_doc, wall, workers)
+    result.meta["points_done"] = f"{len(results)}/{planned}"
+    if len(results) < planned:
+        result.notes.insert(0, f"PARTIAL: {len(results)} of {planned} points finished when this was written")
+    return result
 
 
 def summarize(cfg: NeedleConfig, ctx: int, rows: list[dict[str, Any]], correct: dict[tuple[str, int], list[bool]],
