@@ -42,21 +42,31 @@ def dist_env(rank: int, world_size: int, port: int, device: str) -> dict[str, st
 
 
 class TPWorkerActor:
-    """Holds one rank's ``engine.worker.ModelWorker``."""
+    """One tensor-parallel rank: joins the process group, loads its shard of the model (DeepSpeed
+    AutoTP inside ``engine.model_runner.ModelRunner`` when ``world_size > 1``) and its KV cache
+    slice (``num_kv_heads / world_size`` heads), then runs every step it is sent."""
 
     def __init__(self, config: Any, num_kv_blocks: int, rank: int, world_size: int, env: dict[str, str]) -> None:
         os.environ.update(env)
-        from engine.worker import ModelWorker
-
+        self.config = config
+        self.num_kv_blocks = num_kv_blocks
         self.rank = rank
-        self.worker = ModelWorker(config, rank, world_size, num_kv_blocks)
+        self.world_size = world_size
+        self.runner: Any = None
 
     def load(self) -> bool:
-        self.worker.load()
+        import deepspeed
+
+        from engine.model_runner import ModelRunner
+
+        backend = "nccl" if self.config.device.startswith("cuda") else "gloo"
+        # Env rendezvous (RANK/WORLD_SIZE/MASTER_*), never MPI discovery.
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+        self.runner = ModelRunner(self.config, self.num_kv_blocks, self.rank, self.world_size)
         return True
 
     def execute(self, inp: Any) -> Any:
-        out = self.worker.execute(inp)
+        out = self.runner.execute(inp)  # every rank runs the forward (all-reduces inside)
         return out if self.rank == 0 else None
 
     def ping(self) -> int:

@@ -26,12 +26,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def tp_available() -> bool:
-    try:
-        import engine.worker  # noqa: F401 - the lead's tensor-parallel worker
-    except ImportError:
-        return False
-    return True
+def prebuild_deepspeed_shm_op() -> None:
+    """DeepSpeed JIT-compiles its CPU shared-memory all-reduce on first use (minutes on 2 CPUs).
+    Build it once here, in one process, so the TP workers find it cached instead of both ranks
+    compiling inside the deployment's start-up window."""
+    import glob
+    import subprocess
+    import sys
+
+    ext_dir = os.environ.get("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/torch_extensions"))
+    if glob.glob(os.path.join(ext_dir, "*", "deepspeed_shm_comm", "deepspeed_shm_comm*.so")):
+        return
+    subprocess.run([sys.executable, "-c", "from deepspeed.comm.torch import build_shm_op; build_shm_op()"],
+                   env={**os.environ, "DS_ACCELERATOR": "cpu"}, check=True, timeout=900)
 
 
 @pytest.fixture(scope="session")
@@ -73,7 +80,9 @@ def server(tiny_model):
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     base = f"http://127.0.0.1:{port}"
-    long_tp = int(os.environ.get("SINKSERVE_TEST_LONG_TP", "2" if tp_available() else "1"))
+    long_tp = int(os.environ.get("SINKSERVE_TEST_LONG_TP", "2"))
+    if long_tp > 1:
+        prebuild_deepspeed_shm_op()
     app = build_app(app_args(tiny_model, long_tp))
 
     import threading
