@@ -80,6 +80,19 @@ def trained_context(model: str | Path) -> int:
     return read_model_shape(str(model)).max_position_embeddings
 
 
+def model_fingerprint(model: str | Path) -> str:
+    """First 16 hex digits of the sha256 of the weights, so a result names the exact model it measured."""
+    import hashlib
+
+    h = hashlib.sha256()
+    files = sorted(Path(model).glob("*.safetensors")) or sorted(Path(model).glob("*.bin"))
+    for f in files:
+        with f.open("rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()[:16] if files else "unknown"
+
+
 def make_engine(model: str | Path, policy: CachePolicy, chunk: int, num_kv_blocks: int, max_num_seqs: int = 64) -> LLMEngine:
     """An engine for one arm.
 

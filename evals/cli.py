@@ -110,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
     ctx = A.trained_context(args.model)
     result = _long_ppl(args, ctx) if args.eval_name == "long-ppl" else _needle(args, ctx)
     result.meta["command"] = "sinkserve eval " + args.eval_name + _flags(args)
+    result.meta["model_sha256"] = A.model_fingerprint(args.model)
     paths = write_report(result, Path(args.out))
     print(markdown_table(result.columns, result.rows))
     if result.ab_rows:
