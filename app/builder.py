@@ -181,4 +181,4 @@ def build_app(args: AppArgs) -> Application:
         num_replicas=args.ingress.num_replicas,
         ray_actor_options=actor_options(args.ingress.num_cpus, args.low_latency),
         max_ongoing_requests=1000,
-    ).bind(ingress_spec, router, hub)
+    ).bind(ingress_spec, router, pools, hub)

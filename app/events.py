@@ -49,3 +49,11 @@ class PoolRequest:
     sampling: tuple[tuple[str, object], ...]
     anchors: tuple[object, ...] = ()
     timeout_s: float | None = None
+
+
+@dataclass(frozen=True)
+class RoutePlan:
+    """The router's decision: where the request goes and what the pool receives."""
+
+    info: RouteInfo
+    request: PoolRequest

@@ -19,7 +19,6 @@ from ray import serve
 
 from app import metrics as m
 from app.auth import resolve_auth
-from app.coalesce import coalesced
 from app.errors import APIError, from_validation_error
 from app.events import ErrorEvent, RouteInfo, TokenDelta
 from app.replica import push_forever, replica_tag
@@ -45,6 +44,7 @@ from app.schemas import (
 )
 from app.settings import IngressSpec
 from app.sse import DONE, sse_event
+from app.streaming import stream_plan
 
 logger = logging.getLogger("sinkserve.ingress")
 
@@ -101,10 +101,11 @@ class _Accumulator:
 
 @serve.ingress(api)
 class Ingress:
-    async def __init__(self, spec: IngressSpec, router: Any, hub: Any = None) -> None:
+    async def __init__(self, spec: IngressSpec, router: Any, pools: dict[str, Any], hub: Any = None) -> None:
         self.spec = spec
         self.auth = resolve_auth(spec.auth)  # raises (replica fails to start) when no keys are set
         self.router = router
+        self.pools = pools  # deployment name -> handle; tokens stream pool -> ingress in one hop
         self.hub = hub
         self.replica = replica_tag()
         self.metrics = m.RequestMetrics()
@@ -165,8 +166,11 @@ class Ingress:
         """Stream events for a handle caller (inside the cluster, so no bearer token): ``RouteInfo``,
         then ``TokenDelta``s, or one ``ErrorEvent``. See docs/handle_example.py."""
         pinned = self._pinned_version(request)
-        gen = self.router.options(stream=True).route.remote(request, None, request_id, pinned)
-        async for ev in gen:
+        plan = await self.router.plan.remote(request, None, request_id, pinned)
+        if isinstance(plan, ErrorEvent):
+            yield plan
+            return
+        async for ev in stream_plan(self.pools[plan.info.deployment], plan):
             yield ev
 
     # ---- internals ------------------------------------------------------------------------------
@@ -203,14 +207,20 @@ class Ingress:
             raise
         chat = isinstance(body, ChatCompletionRequest)
         request_id = new_request_id("chatcmpl" if chat else "cmpl")
-        gen = self.router.options(stream=True).route.remote(body, key, request_id, pinned)
+        # The router decides (unary call); tokens then stream straight from the pool to here,
+        # one streaming hop instead of two (see docs/serving.md, "Request path").
+        plan = await self.router.plan.remote(body, key, request_id, pinned)
+        if isinstance(plan, ErrorEvent):
+            self.metrics.count("none", plan.status)
+            raise APIError.from_event(plan)
+        gen = stream_plan(self.pools[plan.info.deployment], plan)
         try:
             first = await gen.__anext__()
         except StopAsyncIteration:
-            self.metrics.count("none", 500)
-            raise APIError(500, "empty response from router", type="server_error")
+            self.metrics.count(plan.info.pool, 500)
+            raise APIError(500, "empty response from pool", type="server_error")
         if isinstance(first, ErrorEvent):
-            self.metrics.count("none", first.status)
+            self.metrics.count(plan.info.pool, first.status)
             raise APIError.from_event(first)
         assert isinstance(first, RouteInfo)
         if body.stream:
@@ -232,7 +242,7 @@ class Ingress:
     async def _unary(self, gen: Any, info: RouteInfo, body: Any, chat: bool, t0: float) -> Response:
         acc = _Accumulator(t0)
         try:
-            async for ev in coalesced(gen):
+            async for ev in gen:
                 if isinstance(ev, ErrorEvent):
                     self.metrics.count(info.pool, ev.status)
                     raise APIError.from_event(ev)
@@ -272,7 +282,7 @@ class Ingress:
             if chat:
                 yield sse_event(ChatCompletionChunk(id=info.request_id, model=model, sinkserve=route,
                                                     choices=[ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))]))
-            async for ev in coalesced(gen):
+            async for ev in gen:
                 if isinstance(ev, ErrorEvent):
                     # Headers are gone already; the error travels as a final SSE event.
                     status = ev.status
@@ -311,5 +321,5 @@ class Ingress:
             raise
         finally:
             if not finished:
-                gen.cancel()  # abort in the engine now, not when the stream would have ended
+                await gen.aclose()  # cancels the pool call: abort in the engine now
             self._record(info.pool, status, acc)

@@ -6,17 +6,15 @@ The decisions themselves are pure functions in :mod:`app.routing`; this module i
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
 import time
-from dataclasses import replace
 from typing import Any, AsyncIterator
 
-from app.coalesce import coalesced
-from app.events import ErrorEvent, PoolRequest, RouteInfo, TokenDelta
+from app.events import ErrorEvent, PoolRequest, RouteInfo, RoutePlan, TokenDelta
 from app.routing import RateLimiter, RoutingError, pick_bucket, pick_version, session_draw, version_for_bucket
 from app.schemas import ChatCompletionRequest, CompletionRequest, TokenRange, new_request_id
+from app.streaming import stream_plan
 from app.settings import RouterSpec, VersionSpec, pool_deployment_name
 
 logger = logging.getLogger("sinkserve.router")
@@ -122,14 +120,14 @@ class Router:
             raise RoutingError(400, "prompt" if isinstance(request, CompletionRequest) else "messages", "prompt is empty")
         return ids, text
 
-    async def route(
+    async def plan(
         self,
         request: CompletionRequest | ChatCompletionRequest,
         api_key: str | None = None,
         request_id: str | None = None,
         pinned_version: str | None = None,
-    ) -> AsyncIterator[RouteInfo | TokenDelta | ErrorEvent]:
-        """Stream ``RouteInfo``, then ``TokenDelta``s; or one ``ErrorEvent``."""
+    ) -> RoutePlan | ErrorEvent:
+        """Decide (rate, version, tokenize once, bucket, anchors) without streaming anything."""
         request_id = request_id or new_request_id("req")
         try:
             self.limiter.check(api_key, time.monotonic())
@@ -147,50 +145,24 @@ class Router:
             version = other
             anchors = anchors_from(request, self.tokenizers[version.model], text)
         except RoutingError as e:
-            yield ErrorEvent(e.status, e.message, field=e.field, retry_after=e.retry_after,
-                             type="rate_limit_exceeded" if e.status == 429 else "invalid_request_error")
-            return
+            return ErrorEvent(e.status, e.message, field=e.field, retry_after=e.retry_after,
+                              type="rate_limit_exceeded" if e.status == 429 else "invalid_request_error")
         name = pool_deployment_name(bucket.name, version.name)
-        tok = self.tokenizers[version.model]
-        want_tokens = request.wants_logprobs()
         preq = PoolRequest(request_id, tuple(ids), sampling_from(request), anchors, bucket.timeout_s)
-        stream = self.pools[name].options(stream=True).generate.remote(preq)
-        source = coalesced(stream)
-        deadline = time.monotonic() + bucket.timeout_s
-        started = done = False
-        try:
-            while True:
-                remaining = deadline - time.monotonic()
-                try:
-                    ev = await asyncio.wait_for(source.__anext__(), timeout=max(remaining, 0.001))
-                except StopAsyncIteration:
-                    done = True
-                    return
-                if not started:
-                    started = True
-                    if not isinstance(ev, ErrorEvent):
-                        yield RouteInfo(request_id, bucket.name, version.name, name, len(ids))
-                if isinstance(ev, TokenDelta) and want_tokens and ev.token_ids:
-                    ev = replace(ev, tokens=tuple(tok.convert_ids_to_tokens(list(ev.token_ids))))
-                yield ev
-                if isinstance(ev, ErrorEvent) or (isinstance(ev, TokenDelta) and ev.finished):
-                    done = True
-                    return
-        except asyncio.TimeoutError:
-            logger.info("request %s timed out after %.1fs in pool %s", request_id, bucket.timeout_s, name)
-            yield ErrorEvent(408, f"request timed out after {bucket.timeout_s:g}s in pool {bucket.name!r}",
-                             type="timeout")
-        except Exception as e:
-            from ray.serve.exceptions import BackPressureError
+        return RoutePlan(RouteInfo(request_id, bucket.name, version.name, name, len(ids)), preq)
 
-            if isinstance(e, BackPressureError):
-                yield ErrorEvent(503, f"pool {bucket.name!r} is at capacity; retry later", retry_after=1,
-                                 type="overloaded")
-                return
-            logger.exception("request %s failed in pool %s", request_id, name)
-            yield ErrorEvent(500, f"internal error in pool {bucket.name!r}: {type(e).__name__}", type="server_error")
-        finally:
-            if not done:
-                # Timeout, client gone or error: cancel the pool call, which aborts the request in
-                # the engine and frees its blocks at once.
-                stream.cancel()
+    async def route(
+        self,
+        request: CompletionRequest | ChatCompletionRequest,
+        api_key: str | None = None,
+        request_id: str | None = None,
+        pinned_version: str | None = None,
+    ) -> AsyncIterator[RouteInfo | TokenDelta | ErrorEvent]:
+        """For handle callers entering at the router: ``plan`` then stream from the pool.
+        Yields ``RouteInfo``, then ``TokenDelta``s; or one ``ErrorEvent``."""
+        plan = await self.plan(request, api_key, request_id, pinned_version)
+        if isinstance(plan, ErrorEvent):
+            yield plan
+            return
+        async for ev in stream_plan(self.pools[plan.info.deployment], plan):
+            yield ev

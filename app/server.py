@@ -99,6 +99,7 @@ class LLMServer:
         gen = self.engine.generate(
             list(req.prompt_token_ids), params, request_id=req.request_id, anchors=list(req.anchors) or None
         )
+        tok = self.engine.tokenizer
         async for out in gen:
             yield TokenDelta(
                 text=out.text,
@@ -108,6 +109,8 @@ class LLMServer:
                 finish_reason=out.finish_reason,
                 prompt_tokens=out.prompt_tokens,
                 completion_tokens=out.completion_tokens,
+                # Token strings for OpenAI logprobs, only when asked (the engine has the tokenizer).
+                tokens=tuple(tok.convert_ids_to_tokens(list(out.token_ids))) if params.logprobs else None,
             )
 
     # ---- control path ---------------------------------------------------------------------------
