@@ -63,8 +63,10 @@ def gather_kv(
     width = max(int(live.sum(dim=1).max()), 1)
     order = order[:, :width]
     compact = table.gather(1, order)
-    keys = k_cache[compact].flatten(1, 2)
-    values = v_cache[compact].flatten(1, 2)
+    # index_select on a [num_blocks, block_size * Hkv * D] view: ~2x faster than advanced indexing on CPU.
+    flat = compact.flatten()
+    keys = k_cache.flatten(1).index_select(0, flat).view(compact.shape[0], width * block_size, *k_cache.shape[2:])
+    values = v_cache.flatten(1).index_select(0, flat).view(compact.shape[0], width * block_size, *v_cache.shape[2:])
     offsets = torch.arange(block_size, device=k_cache.device)
     positions = (order[:, :, None] * block_size + offsets).flatten(1)
     valid = (positions < seq_lens[:, None].long()) & (compact != NULL_BLOCK).repeat_interleave(block_size, dim=1)
@@ -97,9 +99,14 @@ def paged_attention(
         idx = torch.tensor(decode, dtype=torch.long, device=query.device)
         keys, values, valid, _ = gather_kv(k_cache, v_cache, block_tables[idx], seq_lens[idx])
         tok = query_start_loc[idx].long()
-        q = query[tok].unsqueeze(2)  # [B, Hq, 1, D]
-        o = _sdpa(q, keys, values, valid[:, None, None, :], scale)
-        out[tok] = o.squeeze(2)
+        # Fold each KV head's query heads into the query-row axis: [B, Hkv, Hq/Hkv, D]. With one query token
+        # per sequence that is exact (no causal mask), and SDPA then reads K/V once per KV head instead of
+        # expanding them Hq/Hkv times (enable_gqa) from a strided transpose.
+        q = query[tok].unflatten(1, (keys.shape[2], -1))
+        k = keys.transpose(1, 2).to(q.dtype)
+        v = values.transpose(1, 2).to(q.dtype)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :], scale=scale)
+        out[tok] = o.flatten(1, 2)
     for i in range(num_seqs):
         n = q_lens[i]
         if n <= 1:
