@@ -166,7 +166,7 @@ def main() -> int:
         f"{args.requests} streamed requests per level, {args.max_tokens} tokens each, greedy, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
         "",
-        "HTTP = client -> Serve proxy -> Ingress -> Router -> pool (LLMServer) -> engine, SSE back; "
+        "HTTP = client -> Serve proxy -> Ingress (asks the Router for a plan: tokenize, bucket) -> pool (LLMServer) -> engine, tokens streamed pool -> Ingress -> SSE; "
         "in-process = `AsyncLLMEngine.generate` in the benchmark process. All times in ms.",
         "",
         "| streams | TTFT p50 in-proc | TTFT p50 HTTP | TTFT p90 HTTP | **TTFT p50 overhead** | ITL p50 in-proc | ITL p50 HTTP | ITL p90 HTTP | **ITL p50 overhead** |",
