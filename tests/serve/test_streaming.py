@@ -1,0 +1,99 @@
+"""stream_plan against a fake pool handle: timeout -> 408, queue full -> 503, cancel on early exit."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from app.events import ErrorEvent, PoolRequest, RouteInfo, RoutePlan, TokenDelta
+from app.streaming import stream_plan
+
+
+class FakeStream:
+    def __init__(self, items, delay=0.0, error=None):
+        self.items, self.delay, self.error, self.cancelled = list(items), delay, error, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.error is not None:
+            raise self.error
+        await asyncio.sleep(self.delay)
+        if not self.items:
+            raise StopAsyncIteration
+        return self.items.pop(0)
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class FakePool:
+    """Mimics ``handle.options(stream=True).generate.remote(req)``."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def options(self, **_):
+        return self
+
+    @property
+    def generate(self):
+        return self
+
+    def remote(self, _req):
+        return self.stream
+
+
+def plan(timeout_s=5.0):
+    info = RouteInfo("r1", "short", "v1", "pool-short-v1", 3)
+    return RoutePlan(info, PoolRequest("r1", (1, 2, 3), (), (), timeout_s))
+
+
+def delta(i, fin=False):
+    return TokenDelta(str(i), (i,), None, fin, "length" if fin else None, 3, i)
+
+
+async def collect(gen, n=None):
+    out = []
+    async for ev in gen:
+        out.append(ev)
+        if n is not None and len(out) >= n:
+            break
+    return out
+
+
+async def test_streams_route_info_then_deltas():
+    s = FakeStream([delta(1), delta(2, fin=True)])
+    evs = await collect(stream_plan(FakePool(s), plan()))
+    assert isinstance(evs[0], RouteInfo) and evs[-1].finished and not s.cancelled
+
+
+async def test_timeout_is_408_and_cancels_the_pool_call():
+    s = FakeStream([delta(i) for i in range(1, 100)], delay=0.05)
+    evs = await collect(stream_plan(FakePool(s), plan(timeout_s=0.2)))
+    assert isinstance(evs[-1], ErrorEvent) and evs[-1].status == 408 and "0.2s" in evs[-1].message
+    assert s.cancelled
+
+
+async def test_queue_full_is_503_with_retry_after():
+    from ray.serve.exceptions import BackPressureError
+
+    s = FakeStream([], error=BackPressureError(num_queued_requests=5, max_queued_requests=5))
+    (ev,) = await collect(stream_plan(FakePool(s), plan()))
+    assert ev.status == 503 and ev.retry_after == 1
+
+
+async def test_early_exit_cancels_the_pool_call():
+    s = FakeStream([delta(i) for i in range(1, 100)], delay=0.001)
+    gen = stream_plan(FakePool(s), plan())
+    await collect(gen, n=3)
+    await gen.aclose()  # what a disconnecting client does to the ingress's generator
+    assert s.cancelled
+
+
+async def test_pool_error_event_passes_through():
+    s = FakeStream([ErrorEvent(400, "prompt too long", field="prompt")])
+    (ev,) = await collect(stream_plan(FakePool(s), plan()))
+    assert ev.status == 400 and ev.field == "prompt" and not s.cancelled
