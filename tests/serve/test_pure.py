@@ -166,3 +166,21 @@ async def test_coalesced_propagates_errors():
     with pytest.raises(ValueError, match="boom"):
         async for _ in coalesced(bad()):
             pass
+
+
+async def test_check_health_fails_when_engine_loop_died():
+    from engine.errors import EngineDeadError
+
+    from app.server import LLMServer, http_field
+
+    class DeadEngine:
+        def check_health(self):
+            raise EngineDeadError("engine loop died: RuntimeError('boom')")
+
+    server = object.__new__(LLMServer)  # no model load: only the health path is under test
+    server.engine = DeadEngine()
+    with pytest.raises(EngineDeadError):
+        await server.check_health()
+    assert http_field("anchors[2]") == "sinkserve.anchors.2"
+    assert http_field("anchors[0].text") == "sinkserve.anchors.0.text"
+    assert http_field("temperature") == "temperature"
