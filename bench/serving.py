@@ -17,7 +17,6 @@ import json
 import os
 import platform
 import socket
-import statistics
 import sys
 import tempfile
 import time

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
-
 from app.events import ErrorEvent, PoolRequest, RouteInfo, RoutePlan, TokenDelta
 from app.streaming import stream_plan
 
