@@ -16,6 +16,7 @@ from app.events import TokenDelta
 
 T = TypeVar("T")
 _END = object()
+_TIMEOUT = object()
 
 
 def merge_deltas(a: TokenDelta, b: TokenDelta) -> TokenDelta:
@@ -32,13 +33,17 @@ def merge_deltas(a: TokenDelta, b: TokenDelta) -> TokenDelta:
     return replace(b, text=a.text + b.text, token_ids=a.token_ids + b.token_ids, logprobs=lp, tokens=toks)
 
 
-async def coalesced(source: AsyncIterator[T]) -> AsyncIterator[T]:
+async def coalesced(source: AsyncIterator[T], timeout_s: float | None = None) -> AsyncIterator[T]:
     """Yield from ``source``, merging consecutive unfinished ``TokenDelta``s that are already waiting.
 
     ``source`` is pumped by a task; closing or cancelling this generator cancels that task, which
-    closes ``source`` (so an abort still reaches the engine at once).
+    closes ``source`` (so an abort still reaches the engine at once). With ``timeout_s``, the whole
+    stream must end in time or ``asyncio.TimeoutError`` is raised: one timer per stream, not a
+    ``wait_for`` task per token.
     """
     queue: asyncio.Queue = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    timer = loop.call_later(timeout_s, queue.put_nowait, _TIMEOUT) if timeout_s is not None else None
 
     async def pump() -> None:
         try:
@@ -50,7 +55,7 @@ async def coalesced(source: AsyncIterator[T]) -> AsyncIterator[T]:
         except BaseException as e:  # hand the error to the consumer
             queue.put_nowait(e)
 
-    task = asyncio.get_running_loop().create_task(pump())
+    task = loop.create_task(pump())
     try:
         while True:
             item = await queue.get()
@@ -63,12 +68,16 @@ async def coalesced(source: AsyncIterator[T]) -> AsyncIterator[T]:
                 item = merge_deltas(item, queue.get_nowait())
             if item is _END:
                 return
+            if item is _TIMEOUT:
+                raise asyncio.TimeoutError(f"stream did not finish within {timeout_s}s")
             if isinstance(item, BaseException):
                 raise item
             yield item
             if isinstance(item, TokenDelta) and item.finished:
                 return
     finally:
+        if timer is not None:
+            timer.cancel()
         if not task.done():
             task.cancel()
             try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
+from contextlib import aclosing
 from typing import Any, AsyncIterator
 
 from app.coalesce import coalesced
@@ -24,25 +24,20 @@ async def stream_plan(pool: Any, plan: RoutePlan) -> AsyncIterator[RouteInfo | T
     info, preq = plan.info, plan.request
     timeout_s = preq.timeout_s or 3600.0
     stream = pool.options(stream=True).generate.remote(preq)
-    source = coalesced(stream)
-    deadline = time.monotonic() + timeout_s
     started = done = False
     try:
-        while True:
-            remaining = deadline - time.monotonic()
-            try:
-                ev = await asyncio.wait_for(source.__anext__(), timeout=max(remaining, 0.001))
-            except StopAsyncIteration:
-                done = True
-                return
-            if not started:
-                started = True
-                if not isinstance(ev, ErrorEvent):
-                    yield info
-            yield ev
-            if isinstance(ev, ErrorEvent) or (isinstance(ev, TokenDelta) and ev.finished):
-                done = True
-                return
+        # aclosing: returning early still closes the coalescer at once (its timer and pump task).
+        async with aclosing(coalesced(stream, timeout_s)) as source:
+            async for ev in source:
+                if not started:
+                    started = True
+                    if not isinstance(ev, ErrorEvent):
+                        yield info
+                yield ev
+                if isinstance(ev, ErrorEvent) or (isinstance(ev, TokenDelta) and ev.finished):
+                    done = True
+                    return
+            done = True
     except asyncio.TimeoutError:
         logger.info("request %s timed out after %.1fs in %s", info.request_id, timeout_s, info.deployment)
         yield ErrorEvent(408, f"request timed out after {timeout_s:g}s in pool {info.pool!r}", type="timeout")
