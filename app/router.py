@@ -16,6 +16,7 @@ from app.routing import RateLimiter, RoutingError, pick_bucket, pick_version, se
 from app.schemas import ChatCompletionRequest, CompletionRequest, TokenRange, new_request_id
 from app.streaming import stream_plan
 from app.settings import RouterSpec, VersionSpec, pool_deployment_name
+from engine.retention import text_anchor_span
 
 logger = logging.getLogger("sinkserve.router")
 
@@ -61,15 +62,13 @@ def anchors_from(
             continue
         if text is None:
             raise RoutingError(400, f"sinkserve.anchors.{i}", "text anchors need a text prompt (not token ids)")
-        at = text.find(a)
-        if at < 0:
-            raise RoutingError(400, f"sinkserve.anchors.{i}", "anchor text does not occur in the prompt")
         if offsets is None:
             offsets = tokenizer(text, return_offsets_mapping=True, add_special_tokens=not isinstance(
                 request, ChatCompletionRequest))["offset_mapping"]
-        end = at + len(a)
-        toks = [t for t, (s, e) in enumerate(offsets) if e > s and s < end and e > at]
-        out.append((toks[0], toks[-1] + 1))
+        span = text_anchor_span(text, a, offsets)
+        if span is None:
+            raise RoutingError(400, f"sinkserve.anchors.{i}", "anchor text does not occur in the prompt")
+        out.append(span)
     return tuple(out)
 
 

@@ -173,14 +173,12 @@ class LLMEngine:
             if isinstance(a, dict) and "text" in a:
                 if not isinstance(prompt, str):
                     raise InvalidRequestError(f"anchors[{i}]", "text anchors need a text prompt")
-                at = prompt.find(a["text"]) if a["text"] else -1
-                if at < 0:
-                    raise InvalidRequestError(f"anchors[{i}].text", "anchor text does not occur in the prompt")
                 if offsets is None:
                     offsets = self.tokenizer(prompt, return_offsets_mapping=True)["offset_mapping"]
-                end_char = at + len(a["text"])
-                toks = [t for t, (s, e) in enumerate(offsets) if e > s and s < end_char and e > at]
-                spans.append((toks[0], toks[-1] + 1))
+                span = retention.text_anchor_span(prompt, a["text"], offsets)
+                if span is None:
+                    raise InvalidRequestError(f"anchors[{i}].text", "anchor text does not occur in the prompt")
+                spans.append(span)
                 continue
             start, end = (a["start"], a["end"]) if isinstance(a, dict) else a
             if not (isinstance(start, int) and isinstance(end, int) and 0 <= start < end <= len(ids)):

@@ -71,6 +71,25 @@ def resolve_protected_positions(
     return sorted(out)
 
 
+def text_anchor_span(
+    prompt: str, anchor: str, offsets: Sequence[tuple[int, int]]
+) -> tuple[int, int] | None:
+    """Token range ``[start, end)`` covering the first occurrence of ``anchor`` in ``prompt``.
+
+    ``offsets`` is the tokenizer's character offset mapping of ``prompt``; every token overlapping the
+    text is included. None if the text does not occur (or is empty).
+
+    >>> text_anchor_span("ab key=42 cd", "key=42", [(0, 0), (0, 2), (2, 6), (6, 9), (9, 12)])
+    (2, 4)
+    """
+    at = prompt.find(anchor) if anchor else -1
+    if at < 0:
+        return None
+    end = at + len(anchor)
+    toks = [t for t, (s, e) in enumerate(offsets) if e > s and s < end and e > at]
+    return (toks[0], toks[-1] + 1) if toks else None
+
+
 def blocks_of(positions: Iterable[int], block_size: int) -> set[int]:
     """Logical block indices holding ``positions``."""
     return {p // block_size for p in positions}

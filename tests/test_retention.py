@@ -114,3 +114,26 @@ def test_positions_match_recompute_reference(tiny_llama: Path, protected: tuple[
     assert got.shape == ref.shape
     assert (got - ref).abs().max().item() < 1e-4
     assert engine.stats()["tokens_evicted"] > 0
+
+
+def test_text_anchor_becomes_protected_token_span(tiny_llama: Path) -> None:
+    engine = streaming_engine(tiny_llama, window=16)
+    prompt = "filler " * 10 + "The pass key is 48213." + " more" * 20
+    rid = engine.add_request(None, prompt, SamplingParams(max_tokens=1), anchors=[{"text": "pass key is 48213"}])
+    seq = engine._pending_adds[-1]
+    assert seq.request_id == rid
+    ids = engine.tokenizer(prompt).input_ids
+    start = prompt.index("pass key")
+    # the byte-level test tokenizer has one token per byte, after BOS
+    assert [p for p in seq.protected_positions if p > 3] == list(range(start + 1, start + 1 + len("pass key is 48213")))
+    assert len(ids) == len(prompt) + 1
+    with pytest.raises(Exception, match=r"anchors\[0\]\.text: anchor text does not occur"):
+        engine.add_request(None, prompt, SamplingParams(), anchors=[{"text": "absent"}])
+
+
+def test_docstring_examples() -> None:
+    import doctest
+
+    import engine.retention
+
+    assert doctest.testmod(engine.retention).failed == 0
