@@ -187,6 +187,15 @@ def render_card(f: dict) -> str:
       "that really forms attention sinks and really retrieves facts. It is a test model, not a useful "
       "assistant: its language domain is Python standard-library code and documentation.")
     a("")
+    acc_1000 = min(r["passkey@1000"]["accuracy"], r["fact@1000"]["accuracy"])
+    sinks_ok = sum(v >= 0.3 for v in sink[1:]) > (len(sink) - 1) / 2
+    if acc_1000 < 0.8 or not sinks_ok:
+        a("**Status: this checkpoint does not meet its targets yet** (retrieval at 1,000 tokens "
+          f"{acc_1000 * 100:.0f}% vs 80%; sink mass on position 0 >= 0.3 in "
+          f"{sum(v >= 0.3 for v in sink[1:])} of {len(sink) - 1} layers past the first). It loads, tokenizes, "
+          "and generates Python-like text, so it serves as the default model for "
+          "plumbing; sink and retrieval measurements need a longer training run (see *What would reach the targets*).")
+        a("")
     a("All figures below are produced by `python -m training.model_card --model assets/reference-model` "
       "and are also in `eval_results.json`.")
     a("")
@@ -217,8 +226,9 @@ def render_card(f: dict) -> str:
           f"({tr.get('mem_docs')} documents; {int(tr.get('chat_frac', 0) * 100)}% of them in the chat format), the rest is corpus text; "
           "every sequence starts with BOS")
         a("- float32 on CPU: bf16 autocast (`--bf16`) was tried and was more than 10x slower per step on this "
-          "machine's CPU (slow bf16 backward), so it is off by default")
-    a("- reproduce: `nice -n 10 python -m training.train_reference_model --out assets/reference-model --minutes 74` "
+          "machine's CPU (slow bf16 backward), so it is off by default; one torch thread under `nice -n 10` "
+          "(on the shared 2-core machine one thread measured 3-5x faster than two)")
+    a("- reproduce: `nice -n 10 python -m training.train_reference_model --out assets/reference-model --minutes 70` "
       "(1 CPU-hour budget; figures vary with machine load since the run is sized by wall time)")
     a("")
     a("### Data sources and licences")
@@ -283,6 +293,21 @@ def render_card(f: dict) -> str:
     a(f"- sink mass on position 0 >= 0.3 in most layers past the first: "
       f"{'met' if n_sink > (len(sink) - 1) / 2 else 'NOT met'} ({n_sink} of {len(sink) - 1} layers)")
     a("")
+    if acc1000 < 0.8 or n_sink <= (len(sink) - 1) / 2:
+        a("### What would reach the targets")
+        a("")
+        a(f"This run trained on {tr.get('tokens', 0) / 1e6:.1f}M tokens ({tr.get('steps')} steps) at "
+          f"~{tr.get('tokens', 0) / max(1.0, tr.get('train_seconds', 1)):.0f} tokens/s: one torch thread under "
+          "`nice -n 10` on a 2-core machine shared with other engineers' test runs. At that budget the copy "
+          "(induction) circuit that retrieval needs and the BOS attention sink had not formed yet: the model "
+          "continues the answer prefix with a generic number (e.g. ` 1000.`) or phrase, never the fact's value "
+          "(see `retrieval_examples` in `eval_results.json`). "
+          "Both are known to appear abruptly once training goes further; the recipe is unchanged, only the "
+          "token budget is short. What would reach them: the same script with more tokens — `--minutes` "
+          "several times larger on an idle machine (2 threads un-niced measured ~3x the throughput), or "
+          "`--device cuda --bf16` on a GPU, where the 70-minute budget is tens to hundreds of millions of tokens; "
+          "a larger share of short long-memory documents early (`--mem-frac`) speeds up the copy circuit.")
+        a("")
     a("### Samples (temperature 0.7, top-k 40)")
     a("")
     for s in f["samples"]:
@@ -312,13 +337,18 @@ def main(argv=None):
     ap.add_argument("--docs", type=int, default=100, help="documents per (task, length)")
     ap.add_argument("--ppl-windows", type=int, default=48, help="1,024-token equivalents per perplexity length")
     ap.add_argument("--sink-windows", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-card", action="store_true", help="only write/print the figures")
+    ap.add_argument("--render-only", action="store_true",
+                    help="re-render README.md from an existing eval_results.json (no evaluation)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     torch.set_num_threads(args.threads)
-    figures = compute(args.model, args.docs, args.ppl_windows, args.sink_windows)
     d = Path(args.model)
+    if args.render_only:
+        (d / "README.md").write_text(render_card(json.loads((d / "eval_results.json").read_text())))
+        return
+    figures = compute(args.model, args.docs, args.ppl_windows, args.sink_windows)
     if not args.no_card:
         (d / "eval_results.json").write_text(json.dumps(figures, indent=2) + "\n")
         (d / "README.md").write_text(render_card(figures))
