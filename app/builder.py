@@ -49,11 +49,18 @@ def model_max_len(model_dir: str) -> int | None:
 
 def clamp_pool(pool: PoolArgs, model_len: int | None) -> PoolArgs:
     """A bucket cannot accept prompts its engine would refuse: cap ``max_prompt_tokens`` at the
-    engine's ``max_model_len`` (the pool's own, else the model's) less one token for the output."""
-    limit = pool.max_model_len or model_len
+    engine's limit less one token for the output. That limit is ``max_model_len`` (the pool's own,
+    else the model's), or ``max_stream_tokens`` for a sliding-window pool, which streams far past it."""
+    from engine.cache_policy import CachePolicy
+
+    policy = pool.cache_policy
+    if policy.get("eviction_policy") == "sliding_window":
+        limit: int | None = int(policy.get("max_stream_tokens", CachePolicy.max_stream_tokens))
+    else:
+        limit = pool.max_model_len or model_len
     if limit is None or pool.max_prompt_tokens < limit:
         return pool
-    logger.warning("pool %s: max_prompt_tokens %d capped to %d (max_model_len %d)", pool.name,
+    logger.warning("pool %s: max_prompt_tokens %d capped to %d (engine limit %d)", pool.name,
                    pool.max_prompt_tokens, limit - 1, limit)
     return pool.model_copy(update={"max_prompt_tokens": limit - 1})
 

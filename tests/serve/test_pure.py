@@ -76,6 +76,12 @@ def test_builder_refuses_to_build_without_keys(monkeypatch):
     assert clamp_pool(p, 2048).max_prompt_tokens == 2047
     assert clamp_pool(p, None).max_prompt_tokens == 32768
     assert clamp_pool(PoolArgs(name="s", max_prompt_tokens=100, max_model_len=64), 2048).max_prompt_tokens == 63
+    # a sliding-window pool streams past max_model_len, up to its policy's max_stream_tokens
+    streaming = PoolArgs(name="l", max_prompt_tokens=32768,
+                         cache_policy={"eviction_policy": "sliding_window", "window": 512})
+    assert clamp_pool(streaming, 1024).max_prompt_tokens == 32768
+    capped = streaming.model_copy(update={"cache_policy": {**streaming.cache_policy, "max_stream_tokens": 4096}})
+    assert clamp_pool(capped, 1024).max_prompt_tokens == 4095
 
 
 def test_prod_and_local_configs_validate():
