@@ -23,7 +23,6 @@ import torch
 
 from engine import CachePolicy, EngineConfig, LLMEngine
 from engine.config import DEFAULT_MODEL
-from evals import compact_attention
 
 logger = logging.getLogger(__name__)
 
@@ -97,9 +96,10 @@ def make_engine(model: str | Path, policy: CachePolicy, chunk: int, num_kv_block
     """An engine for one arm.
 
     Prefix caching is off so every request is computed from its own tokens under the arm's policy; the
-    attention backend on CPU is ``torch_compact`` (the reference math over kept blocks only, linear time).
+    attention backend is the default (the torch reference on CPU gathers kept blocks only, so a long stream
+    costs its window, not its history).
     """
-    backend = "auto" if torch.cuda.is_available() else compact_attention.register()
+    backend = "auto"
     config = EngineConfig(
         model=str(model),
         block_size=BLOCK_SIZE,

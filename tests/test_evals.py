@@ -10,26 +10,9 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from app.cli import build_parser
-from evals.compact_attention import paged_attention as compact_paged_attention
 from evals.long_ppl import dense_windows
-from kernels import reference
-
-
-def test_compact_attention_matches_reference_with_null_blocks() -> None:
-    torch.manual_seed(0)
-    blocks, bs, hkv, hq, d = 12, 4, 2, 4, 8
-    k_cache, v_cache = torch.randn(blocks, bs, hkv, d), torch.randn(blocks, bs, hkv, d)
-    # seq 0: prefill chunk of 5 over a table with evicted (null) blocks; seq 1: one decode token.
-    tables = torch.tensor([[3, 0, 0, 5, 7, 9], [2, 0, 4, 0, 0, 0]], dtype=torch.int32)
-    seq_lens = torch.tensor([23, 11], dtype=torch.int32)
-    qsl = torch.tensor([0, 5, 6], dtype=torch.int32)
-    query = torch.randn(6, hq, d)
-    want = reference.paged_attention(query, k_cache, v_cache, tables, seq_lens, qsl, 0.3)
-    got = compact_paged_attention(query, k_cache, v_cache, tables, seq_lens, qsl, 0.3)
-    assert (got - want).abs().max().item() < 1e-5
 
 
 def test_dense_windows_score_every_target_once() -> None:
