@@ -92,6 +92,35 @@ def sink_mass(model_dir: str, wins: list[list[int]]) -> dict:
 
 
 @torch.no_grad()
+def copy_gain(model, stream: list[int], bos: int, vocab: int, n: int = 16, span: int = 40,
+              gaps=(100, 400, 800), seed: int = 0) -> dict:
+    """In-context copying, the circuit retrieval rests on: mean NLL (nats/token) of a span the
+    first time and the second time it appears, ``gap`` tokens later, in held-out text
+    (``[BOS] S gap S``), plus the same for spans of random tokens (which only the earlier copy can
+    predict). A model without an induction circuit scores the two occurrences alike.
+    """
+    import random
+
+    rng = random.Random(seed)
+    out = {}
+    for kind in ("text", "random"):
+        for gap in gaps:
+            first = second = 0.0
+            for _ in range(n):
+                a = rng.randint(0, len(stream) - span - gap - 1)
+                s = (stream[a:a + span] if kind == "text"
+                     else [rng.randrange(3, vocab) for _ in range(span)])
+                g = stream[a + span:a + span + gap] if kind == "text" else stream[a:a + gap]
+                x = torch.tensor([[bos] + s + g + s])
+                lp = torch.log_softmax(model(input_ids=x).logits[0, :-1].float(), -1)
+                nll = -lp.gather(-1, x[0, 1:, None])[:, 0]
+                first += nll[1:span].mean().item()
+                second += nll[-(span - 1):].mean().item()
+            out[f"{kind}@{gap}"] = {"first": round(first / n, 3), "second": round(second / n, 3)}
+    return out
+
+
+@torch.no_grad()
 def greedy(model, tok, prompt: str, max_new_tokens: int = 8) -> str:
     x = torch.tensor([tok(prompt)["input_ids"]])
     out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
@@ -166,6 +195,8 @@ def compute(model_dir: str, n_docs: int, ppl_windows: int, sink_windows: int) ->
         logger.info("ppl@%d = %.3f", n, figures["perplexity"][str(n)]["ppl"])
     figures["sink_mass_pos0"] = sink_mass(model_dir, windows(stream, tok.bos_token_id, 1024, sink_windows))
     logger.info("sink mass per layer: %s", figures["sink_mass_pos0"]["per_layer"])
+    figures["copy_gain"] = copy_gain(model, stream, tok.bos_token_id, cfg.vocab_size)
+    logger.info("copy (first -> second occurrence, nats/token): %s", figures["copy_gain"])
     figures["retrieval"], figures["retrieval_examples"] = retrieval(model, tok, n_docs=n_docs)
     figures["samples"] = samples(model, tok)
     figures["eval_seconds"] = round(time.time() - t0, 1)
@@ -222,14 +253,19 @@ def render_card(f: dict) -> str:
         a(f"- AdamW (betas 0.9/0.95, weight decay 0.1), peak LR {tr.get('lr')}, linear warmup + cosine decay to 10%, "
           "gradient clipping 1.0; the schedule is a function of elapsed wall time so the run ends on time")
         a(f"- sequence-length curriculum (fraction of wall time, length, batch): {tr.get('curriculum')}; batch x length = 2,048 tokens per step")
-        a(f"- {int(tr.get('mem_frac', 0) * 100)}% of the sequences start with a synthetic long-memory document "
-          f"({tr.get('mem_docs')} documents; {int(tr.get('chat_frac', 0) * 100)}% of them in the chat format), the rest is corpus text; "
-          "every sequence starts with BOS")
-        a("- float32 on CPU: bf16 autocast (`--bf16`) was tried and was more than 10x slower per step on this "
-          "machine's CPU (slow bf16 backward), so it is off by default; one torch thread under `nice -n 10` "
-          "(on the shared 2-core machine one thread measured 3-5x faster than two)")
-    a("- reproduce: `nice -n 10 python -m training.train_reference_model --out assets/reference-model --minutes 70` "
-      "(1 CPU-hour budget; figures vary with machine load since the run is sized by wall time)")
+        copy = tr.get("copy_frac", 0.0)
+        a(f"- sequence mix: {copy * 100:.0f}% recurring-span sequences (corpus text in which spans of 16-128 "
+          f"tokens recur after a gap; {tr.get('random_span_frac', 0) * 100:.0f}% of those spans are random "
+          "tokens, which only the earlier copy predicts: they teach in-context copying), "
+          f"{tr.get('mem_frac', 0) * 100:.0f}% start with a synthetic long-memory document "
+          f"({tr.get('mem_docs')} documents; {tr.get('chat_frac', 0) * 100:.0f}% of them in the chat format), "
+          "the rest is corpus text; every sequence starts with BOS")
+        a(f"- float32 on CPU, {tr.get('threads', 1)} torch thread(s)"
+          + (", `torch.compile`" if tr.get("compile") else "")
+          + ": bf16 autocast (`--bf16`) measured ~7x slower per step than float32 on this machine's CPU "
+          "(its bf16 matrix products are slow in this torch build), so it is off by default")
+    cmd = tr.get("command") or "python -m training.train_reference_model --out assets/reference-model"
+    a(f"- reproduce: `{cmd}` (the run is sized by wall time, so figures vary with the machine's speed and load)")
     a("")
     a("### Data sources and licences")
     a("")
@@ -267,6 +303,19 @@ def render_card(f: dict) -> str:
     for i, row in enumerate(f["sink_mass_pos0"]["per_layer_head"]):
         a(f"- layer {i}: " + ", ".join(f"{v:.2f}" for v in row))
     a("")
+    if "copy_gain" in f:
+        a("### In-context copying (the circuit retrieval needs)")
+        a("")
+        a("Mean NLL in nats/token of a 40-token span at its first and its second occurrence, `gap` tokens "
+          "apart, in held-out text and for random tokens (16 samples each). Without a copy (induction) "
+          "circuit the two are alike; with one the second occurrence is far cheaper.")
+        a("")
+        a("| span | gap | first | second |")
+        a("| --- | --- | --- | --- |")
+        for k, v in f["copy_gain"].items():
+            kind, gap = k.split("@")
+            a(f"| {kind} | {gap} | {v['first']:.2f} | {v['second']:.2f} |")
+        a("")
     a("### Retrieval (held-out templates and fillers, greedy decoding, exact match)")
     a("")
     a("A fact (a pass key, or a name with a number or a city) at the start of the document, filler "
@@ -296,17 +345,19 @@ def render_card(f: dict) -> str:
     if acc1000 < 0.8 or n_sink <= (len(sink) - 1) / 2:
         a("### What would reach the targets")
         a("")
+        cg = f.get("copy_gain", {}).get("random@100")
+        copies = bool(cg) and cg["second"] < cg["first"] - 1.0
         a(f"This run trained on {tr.get('tokens', 0) / 1e6:.1f}M tokens ({tr.get('steps')} steps) at "
-          f"~{tr.get('tokens', 0) / max(1.0, tr.get('train_seconds', 1)):.0f} tokens/s: one torch thread under "
-          "`nice -n 10` on a 2-core machine shared with other engineers' test runs. At that budget the copy "
-          "(induction) circuit that retrieval needs and the BOS attention sink had not formed yet: the model "
-          "continues the answer prefix with a generic number (e.g. ` 1000.`) or phrase, never the fact's value "
-          "(see `retrieval_examples` in `eval_results.json`). "
-          "Both are known to appear abruptly once training goes further; the recipe is unchanged, only the "
-          "token budget is short. What would reach them: the same script with more tokens — `--minutes` "
-          "several times larger on an idle machine (2 threads un-niced measured ~3x the throughput), or "
-          "`--device cuda --bf16` on a GPU, where the 70-minute budget is tens to hundreds of millions of tokens; "
-          "a larger share of short long-memory documents early (`--mem-frac`) speeds up the copy circuit.")
+          f"~{tr.get('tokens', 0) / max(1.0, tr.get('train_seconds', 1)):.0f} tokens/s on a 2-core CPU. "
+          + ("The in-context copy circuit has formed (see *In-context copying*), " if copies else
+             "At that budget the in-context copy (induction) circuit that retrieval needs had not formed "
+             "(see *In-context copying*), ")
+          + ("and the BOS sink is weak: small models trained briefly spread attention rather than parking it "
+             "on position 0; both are known to strengthen with more training. "
+             if n_sink <= (len(sink) - 1) / 2 else "")
+          + "What would reach the targets: the same script with more tokens — `--minutes` several times larger, "
+          "or `--device cuda` on a GPU (tens to hundreds of millions of tokens in the same wall time); see "
+          "`retrieval_examples` in `eval_results.json` for what the model answers now.")
         a("")
     a("### Samples (temperature 0.7, top-k 40)")
     a("")

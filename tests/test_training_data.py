@@ -1,0 +1,64 @@
+"""Training sequences for the reference model: every sequence starts with BOS, has the asked length,
+and recurring-span sequences really repeat their spans (the data that teaches in-context copying)."""
+
+from pathlib import Path
+
+import pytest
+
+from tests.test_reference_model import MODEL_DIR
+
+DOCS = [
+    "def add(a, b):\n    return a + b\n" * 20,
+    "The quick brown fox jumps over the lazy dog. " * 40,
+    "class Queue:\n    \"\"\"A first-in first-out queue.\"\"\"\n" * 20,
+]
+
+
+@pytest.fixture(scope="module")
+def sampler_factory():
+    from transformers import AutoTokenizer
+
+    from training.train_reference_model import Sampler
+
+    tok = AutoTokenizer.from_pretrained(MODEL_DIR)
+
+    def make(**kw):
+        return Sampler(tok, DOCS, chat_frac=0.0, seed=7, **kw)
+
+    return make
+
+
+def _has_recurring_span(ids: list[int], n: int = 16) -> bool:
+    seen = {}
+    for i in range(len(ids) - n + 1):
+        key = tuple(ids[i:i + n])
+        if key in seen and i - seen[key] >= n:
+            return True
+        seen.setdefault(key, i)
+    return False
+
+
+def test_every_sequence_starts_with_bos_and_has_the_length(sampler_factory):
+    s = sampler_factory(mem_frac=0.4, copy_frac=0.3)
+    for _ in range(30):
+        ids = s.sequence(128)
+        assert len(ids) == 128
+        assert ids[0] == s.bos
+        assert s.bos not in ids[1:]
+    assert s.n_mem > 0 and s.n_copy > 0
+
+
+def test_random_spans_recur(sampler_factory):
+    # random tokens never repeat 16-grams by chance; the recurring-span sequence must repeat them
+    s = sampler_factory(mem_frac=0.0, copy_frac=1.0, random_span_frac=1.0)
+    ids = s.sequence(512)
+    assert _has_recurring_span(ids[1:])
+    first_span = ids[1:17]
+    assert any(ids[i:i + 16] == first_span for i in range(17, len(ids) - 15))
+
+
+def test_no_copy_data_when_disabled(sampler_factory):
+    s = sampler_factory(mem_frac=0.0, copy_frac=0.0)
+    for _ in range(10):
+        s.sequence(64)
+    assert s.n_copy == 0 and s.n_mem == 0
