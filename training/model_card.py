@@ -203,6 +203,39 @@ def compute(model_dir: str, n_docs: int, ppl_windows: int, sink_windows: int) ->
     return figures
 
 
+def _stages(tr: dict) -> list[dict]:
+    """Training stages, first to last (a stage run with ``--init`` records the one before it)."""
+    out = []
+    while tr:
+        out.append(tr)
+        tr = tr.get("previous_stage") or {}
+    return out[::-1]
+
+
+def _render_stage(a, tr: dict) -> None:
+    a(f"- {tr.get('steps')} optimizer steps, {tr.get('tokens', 0) / 1e6:.2f}M tokens, "
+      f"{tr.get('train_seconds', 0) / 60:.1f} min of training wall time "
+      f"({tr.get('total_seconds_including_data', 0) / 60:.1f} min including data preparation), "
+      f"final training loss (EMA) {tr.get('final_loss_ema')}")
+    a(f"- AdamW (betas 0.9/0.95, weight decay 0.1), peak LR {tr.get('lr')}, linear warmup + cosine decay to 10%, "
+      "gradient clipping 1.0; the schedule is a function of elapsed wall time so the run ends on time")
+    a(f"- sequence-length curriculum (fraction of wall time, length, batch): {tr.get('curriculum')}; "
+      "batch x length = 2,048 tokens per step")
+    copy = tr.get("copy_frac", 0.0)
+    a(f"- sequence mix: {copy * 100:.0f}% recurring-span sequences (corpus text in which spans of 16-128 "
+      f"tokens recur after a gap; {tr.get('random_span_frac', 0) * 100:.0f}% of those spans are random "
+      "tokens, which only the earlier copy predicts: they teach in-context copying), "
+      f"{tr.get('mem_frac', 0) * 100:.0f}% start with a synthetic long-memory document "
+      f"({tr.get('mem_docs')} documents; {tr.get('chat_frac', 0) * 100:.0f}% of them in the chat format), "
+      "the rest is corpus text; every sequence starts with BOS")
+    a(f"- float32 on CPU, {tr.get('threads', 1)} torch thread(s)"
+      + (", `torch.compile`" if tr.get("compile") else "")
+      + ": bf16 autocast (`--bf16`) measured ~7x slower per step than float32 on this machine's CPU "
+      "(its bf16 matrix products are slow in this torch build), so it is off by default")
+    cmd = tr.get("command") or "python -m training.train_reference_model --out assets/reference-model"
+    a(f"- command: `{cmd}`")
+
+
 def render_card(f: dict) -> str:
     tr = f.get("training", {})
     c = f["config"]
@@ -245,27 +278,20 @@ def render_card(f: dict) -> str:
     a("")
     a("## Training")
     a("")
-    if tr:
-        a(f"- {tr.get('steps')} optimizer steps, {tr.get('tokens', 0) / 1e6:.2f}M tokens, "
-          f"{tr.get('train_seconds', 0) / 60:.1f} min of training wall time "
-          f"({tr.get('total_seconds_including_data', 0) / 60:.1f} min including corpus and tokenizer), "
-          f"final training loss (EMA) {tr.get('final_loss_ema')}")
-        a(f"- AdamW (betas 0.9/0.95, weight decay 0.1), peak LR {tr.get('lr')}, linear warmup + cosine decay to 10%, "
-          "gradient clipping 1.0; the schedule is a function of elapsed wall time so the run ends on time")
-        a(f"- sequence-length curriculum (fraction of wall time, length, batch): {tr.get('curriculum')}; batch x length = 2,048 tokens per step")
-        copy = tr.get("copy_frac", 0.0)
-        a(f"- sequence mix: {copy * 100:.0f}% recurring-span sequences (corpus text in which spans of 16-128 "
-          f"tokens recur after a gap; {tr.get('random_span_frac', 0) * 100:.0f}% of those spans are random "
-          "tokens, which only the earlier copy predicts: they teach in-context copying), "
-          f"{tr.get('mem_frac', 0) * 100:.0f}% start with a synthetic long-memory document "
-          f"({tr.get('mem_docs')} documents; {tr.get('chat_frac', 0) * 100:.0f}% of them in the chat format), "
-          "the rest is corpus text; every sequence starts with BOS")
-        a(f"- float32 on CPU, {tr.get('threads', 1)} torch thread(s)"
-          + (", `torch.compile`" if tr.get("compile") else "")
-          + ": bf16 autocast (`--bf16`) measured ~7x slower per step than float32 on this machine's CPU "
-          "(its bf16 matrix products are slow in this torch build), so it is off by default")
-    cmd = tr.get("command") or "python -m training.train_reference_model --out assets/reference-model"
-    a(f"- reproduce: `{cmd}` (the run is sized by wall time, so figures vary with the machine's speed and load)")
+    stages = _stages(tr)
+    if len(stages) > 1:
+        tot_tokens = sum(st.get("tokens", 0) for st in stages)
+        tot_min = sum(st.get("total_seconds_including_data", st.get("train_seconds", 0)) for st in stages) / 60
+        a(f"Two stages, {tot_tokens / 1e6:.2f}M tokens and {tot_min:.0f} min in all (stage 2 continues "
+          "stage 1's weights with `--init`, its own schedule and a mix richer in long-memory documents).")
+        a("")
+    for i, st in enumerate(stages, 1):
+        if len(stages) > 1:
+            a(f"Stage {i}:")
+            a("")
+        _render_stage(a, st)
+        a("")
+    a("The run is sized by wall time, so figures vary with the machine's speed and load.")
     a("")
     a("### Data sources and licences")
     a("")
@@ -347,8 +373,11 @@ def render_card(f: dict) -> str:
         a("")
         cg = f.get("copy_gain", {}).get("random@100")
         copies = bool(cg) and cg["second"] < cg["first"] - 1.0
-        a(f"This run trained on {tr.get('tokens', 0) / 1e6:.1f}M tokens ({tr.get('steps')} steps) at "
-          f"~{tr.get('tokens', 0) / max(1.0, tr.get('train_seconds', 1)):.0f} tokens/s on a 2-core CPU. "
+        sts = _stages(tr)
+        tok_all = sum(st.get("tokens", 0) for st in sts)
+        sec_all = sum(st.get("train_seconds", 0) for st in sts)
+        a(f"This model trained on {tok_all / 1e6:.1f}M tokens ({sum(st.get('steps', 0) for st in sts)} steps) at "
+          f"~{tok_all / max(1.0, sec_all):.0f} tokens/s on a 2-core CPU. "
           + ("The in-context copy circuit has formed (see *In-context copying*), " if copies else
              "At that budget the in-context copy (induction) circuit that retrieval needs had not formed "
              "(see *In-context copying*), ")
