@@ -169,6 +169,7 @@ def build_app(args: AppArgs) -> Application:
         rate_limit_rps=args.router.rate_limit_rps,
         rate_limit_burst=args.router.rate_limit_burst,
         router_replicas=args.router.num_replicas,
+        grpc_handles=args.grpc_handles,
     )
     router = serve.deployment(Router).options(
         name="Router",
@@ -182,6 +183,7 @@ def build_app(args: AppArgs) -> Application:
         versions=tuple(v.name for v in versions),
         pool_deployments=tuple(pools),
         stats_push_interval_s=args.stats_push_interval_s,
+        grpc_handles=args.grpc_handles,
     )
     return serve.deployment(Ingress).options(
         name="Ingress",

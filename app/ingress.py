@@ -21,7 +21,7 @@ from app import metrics as m
 from app.auth import resolve_auth
 from app.errors import APIError, from_validation_error
 from app.events import ErrorEvent, RouteInfo, TokenDelta
-from app.replica import push_forever, replica_tag
+from app.replica import data_path_handle, push_forever, replica_tag
 from app.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -104,8 +104,9 @@ class Ingress:
     async def __init__(self, spec: IngressSpec, router: Any, pools: dict[str, Any], hub: Any = None) -> None:
         self.spec = spec
         self.auth = resolve_auth(spec.auth)  # raises (replica fails to start) when no keys are set
-        self.router = router
-        self.pools = pools  # deployment name -> handle; tokens stream pool -> ingress in one hop
+        self.router = data_path_handle(router, spec.grpc_handles)
+        # deployment name -> handle; tokens stream pool -> ingress in one hop
+        self.pools = {name: data_path_handle(h, spec.grpc_handles) for name, h in pools.items()}
         self.hub = hub
         self.replica = replica_tag()
         self.metrics = m.RequestMetrics()

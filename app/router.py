@@ -12,6 +12,7 @@ import time
 from typing import Any, AsyncIterator
 
 from app.events import ErrorEvent, PoolRequest, RouteInfo, RoutePlan, TokenDelta
+from app.replica import data_path_handle
 from app.routing import RateLimiter, RoutingError, pick_bucket, pick_version, session_draw, version_for_bucket
 from app.schemas import ChatCompletionRequest, CompletionRequest, TokenRange, new_request_id
 from app.streaming import stream_plan
@@ -79,7 +80,7 @@ class Router:
         from transformers import AutoTokenizer  # light compared with the model; loaded once
 
         self.spec = spec
-        self.pools = pools  # deployment name -> DeploymentHandle
+        self.pools = {name: data_path_handle(h, spec.grpc_handles) for name, h in pools.items()}
         self.tokenizers = {}
         for v in spec.versions:
             if v.model not in self.tokenizers:

@@ -130,6 +130,9 @@ class AppArgs(_Strict):
     # "throughput optimized" knobs): removes two cross-thread hops per deployment on the request
     # path. Safe here because every deployment is async and the engine steps in its own thread.
     low_latency: bool = True
+    # Request-path handle calls (ingress -> router, ingress/router -> pools) over the replicas'
+    # gRPC servers instead of Ray object refs (see app.replica.data_path_handle).
+    grpc_handles: bool = True
 
     @field_validator("pools")
     @classmethod
@@ -210,6 +213,7 @@ class RouterSpec:
     rate_limit_rps: float | None = None
     rate_limit_burst: int = 20
     router_replicas: int = 1
+    grpc_handles: bool = False
     extra: dict = field(default_factory=dict, compare=False)
 
 
@@ -228,3 +232,4 @@ class IngressSpec:
     versions: tuple[str, ...]
     pool_deployments: tuple[str, ...]
     stats_push_interval_s: float = 1.0
+    grpc_handles: bool = False

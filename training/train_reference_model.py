@@ -69,7 +69,7 @@ class Sampler:
     """Makes training sequences: [BOS] + (long-memory doc + EOS)? + corpus stream, cut to seq_len."""
 
     def __init__(self, hf_tok, train_docs: list[str], mem_frac: float, chat_frac: float, seed: int,
-                 copy_frac: float = 0.0, random_span_frac: float = 0.5):
+                 copy_frac: float = 0.0, random_span_frac: float = 0.5, copy_max_gap_frac: float = 0.5):
         self.tok = hf_tok
         self.bos, self.eos = hf_tok.bos_token_id, hf_tok.eos_token_id
         self.mem_frac, self.chat_frac, self.copy_frac = mem_frac, chat_frac, copy_frac
@@ -88,6 +88,7 @@ class Sampler:
         self.n_copy = 0
         self.vocab = len(hf_tok)
         self.random_span_frac = random_span_frac
+        self.copy_max_gap_frac = copy_max_gap_frac
 
     def _length(self, text: str) -> int:
         return len(self.tok(text)["input_ids"])
@@ -136,7 +137,10 @@ class Sampler:
                 span = [self.rng.randrange(3, self.vocab) for _ in range(n)]
             else:
                 span = self._window(n)
-            gap = self._window(self.rng.randint(0, max(1, seq_len // 2 - len(span))))
+            # The gap bounds how far back the copy must reach: with 0.5 (stage 1-2) nothing trains
+            # reaches past ~seq_len/2, which is why copying stopped near 400 tokens.
+            max_gap = int(seq_len * self.copy_max_gap_frac) - len(span)
+            gap = self._window(self.rng.randint(0, max(1, max_gap)))
             ids += span + gap + span
         self.n_copy += 1
         return ids
@@ -214,6 +218,8 @@ def main(argv=None):
                     help="share of sequences made of corpus spans that recur (teaches copying)")
     ap.add_argument("--random-span-frac", type=float, default=0.5,
                     help="share of the recurring spans that are random tokens rather than corpus text")
+    ap.add_argument("--copy-max-gap-frac", type=float, default=0.5,
+                    help="longest gap between a span and its copy, as a fraction of the sequence length")
     ap.add_argument("--curriculum", type=json.loads, default=CURRICULUM,
                     help="JSON list of [start fraction, seq_len, batch], e.g. '[[0, 256, 8]]'")
     ap.add_argument("--init", help="continue training this model directory (its tokenizer and weights) "
@@ -249,7 +255,7 @@ def main(argv=None):
         hf_tok = build_tokenizer(train_docs, args.vocab, args.seed)
     logger.info("tokenizer ready (%.0fs)", time.time() - t_start)
     sampler = Sampler(hf_tok, train_docs, args.mem_frac, args.chat_frac, args.seed, copy_frac=args.copy_frac,
-                      random_span_frac=args.random_span_frac)
+                      random_span_frac=args.random_span_frac, copy_max_gap_frac=args.copy_max_gap_frac)
 
     shape = dict(MODEL_SHAPE, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads)
     cfg = LlamaConfig(
@@ -315,7 +321,7 @@ def main(argv=None):
                     params=n_params, steps=step, tokens=tokens, train_seconds=round(time.time() - t0, 1),
                     final_loss_ema=round(ema, 4), lr=args.lr, mem_frac=args.mem_frac,
                     chat_frac=args.chat_frac, copy_frac=args.copy_frac, random_span_frac=args.random_span_frac,
-                    copy_seqs=sampler.n_copy, threads=args.threads, compile=args.compile, curriculum=args.curriculum, seed=args.seed, vocab=len(hf_tok),
+                    copy_max_gap_frac=args.copy_max_gap_frac, copy_seqs=sampler.n_copy, threads=args.threads, compile=args.compile, curriculum=args.curriculum, seed=args.seed, vocab=len(hf_tok),
                     bf16_autocast=args.bf16, init=args.init, previous_stage=previous, mem_docs=sampler.n_mem, shape=shape)
         if time.time() - last_ckpt > args.ckpt_minutes * 60:
             save_model(model, hf_tok, work / "checkpoint", meta)

@@ -190,3 +190,19 @@ async def test_check_health_fails_when_engine_loop_died():
     assert http_field("anchors[2]") == "sinkserve.anchors.2"
     assert http_field("anchors[0].text") == "sinkserve.anchors.0.text"
     assert http_field("temperature") == "temperature"
+
+
+def test_data_path_handles_go_over_grpc_only_when_enabled():
+    from app.replica import data_path_handle
+
+    class FakeHandle:
+        def __init__(self, opts=None):
+            self.opts = opts or {}
+
+        def options(self, **kw):
+            return FakeHandle({**self.opts, **kw})
+
+    h = FakeHandle()
+    assert data_path_handle(h, True).opts == {"_by_reference": False}
+    assert data_path_handle(h, False) is h
+    assert AppArgs().grpc_handles is True and AppArgs(grpc_handles=False).grpc_handles is False
