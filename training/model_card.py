@@ -93,7 +93,7 @@ def sink_mass(model_dir: str, wins: list[list[int]]) -> dict:
 
 @torch.no_grad()
 def copy_gain(model, stream: list[int], bos: int, vocab: int, n: int = 16, span: int = 40,
-              gaps=(100, 400, 800), seed: int = 0) -> dict:
+              gaps=(100, 400, 800, 930), seed: int = 0) -> dict:
     """In-context copying, the circuit retrieval rests on: mean NLL (nats/token) of a span the
     first time and the second time it appears, ``gap`` tokens later, in held-out text
     (``[BOS] S gap S``), plus the same for spans of random tokens (which only the earlier copy can
@@ -212,8 +212,7 @@ def _copy_reach(f: dict) -> str:
     if not fails or not works:
         return ""
     return (f" but copies only across gaps up to ~{works[-1]} tokens, not {fails[0]}: the long distances had the "
-            "least training (1,024-token sequences come last in each stage's curriculum), and retrieval falls "
-            "with distance the same way")
+            "least training, and retrieval falls with distance the same way")
 
 
 def _stages(tr: dict) -> list[dict]:
@@ -236,7 +235,8 @@ def _render_stage(a, tr: dict) -> None:
       "batch x length = 2,048 tokens per step")
     copy = tr.get("copy_frac", 0.0)
     a(f"- sequence mix: {copy * 100:.0f}% recurring-span sequences (corpus text in which spans of 16-128 "
-      f"tokens recur after a gap; {tr.get('random_span_frac', 0) * 100:.0f}% of those spans are random "
+      f"tokens recur after a gap of up to {tr.get('copy_max_gap_frac', 0.5) * 100:.0f}% of the sequence length; "
+      f"{tr.get('random_span_frac', 0) * 100:.0f}% of those spans are random "
       "tokens, which only the earlier copy predicts: they teach in-context copying), "
       f"{tr.get('mem_frac', 0) * 100:.0f}% start with a synthetic long-memory document "
       f"({tr.get('mem_docs')} documents; {tr.get('chat_frac', 0) * 100:.0f}% of them in the chat format), "
