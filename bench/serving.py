@@ -160,7 +160,8 @@ def main() -> int:
     lines = [
         "# Serving overhead benchmark",
         "",
-        f"`bench/serving.py` on {platform.machine()} ({os.cpu_count()} CPUs, shared with other jobs), model "
+        f"`bench/serving.py` on {platform.machine()} ({os.cpu_count()} CPUs, load average "
+        f"{os.getloadavg()[0]:.1f} at the end of the run), model "
         f"`{Path(model).name if args.model else 'tiny random Llama (2 layers, hidden 64)'}`, "
         f"{args.requests} streamed requests per level, {args.max_tokens} tokens each, greedy, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
