@@ -62,3 +62,20 @@ def test_no_copy_data_when_disabled(sampler_factory):
     for _ in range(10):
         s.sequence(64)
     assert s.n_copy == 0 and s.n_mem == 0
+
+
+def _first_copy_distance(ids: list[int], n: int = 16) -> int | None:
+    """Start-to-start distance between the first span (right after BOS) and its copy, if the copy fits."""
+    head = ids[1:1 + n]
+    return next((i - 1 for i in range(1 + n, len(ids) - n + 1) if ids[i:i + n] == head), None)
+
+
+def test_copy_gap_reaches_the_configured_fraction(sampler_factory):
+    # 0.5 (stages 1-2) keeps every copy within half the sequence; 0.95 puts copies far back too
+    dists = {}
+    for frac in (0.5, 0.95):
+        s = sampler_factory(mem_frac=0.0, copy_frac=1.0, random_span_frac=1.0, copy_max_gap_frac=frac)
+        found = [_first_copy_distance(s.sequence(512)) for _ in range(60)]
+        dists[frac] = [d for d in found if d is not None]
+    assert dists[0.5] and max(dists[0.5]) <= 256
+    assert dists[0.95] and max(dists[0.95]) > 300
