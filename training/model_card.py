@@ -295,8 +295,10 @@ def render_card(f: dict) -> str:
     if len(stages) > 1:
         tot_tokens = sum(st.get("tokens", 0) for st in stages)
         tot_min = sum(st.get("total_seconds_including_data", st.get("train_seconds", 0)) for st in stages) / 60
-        a(f"Two stages, {tot_tokens / 1e6:.2f}M tokens and {tot_min:.0f} min in all (stage 2 continues "
-          "stage 1's weights with `--init`, its own schedule and a mix richer in long-memory documents).")
+        words = {2: "Two", 3: "Three", 4: "Four", 5: "Five"}
+        a(f"{words.get(len(stages), str(len(stages)))} stages, {tot_tokens / 1e6:.2f}M tokens and {tot_min:.0f} min "
+          "in all (each later stage continues the previous stage's weights with `--init`, with its own "
+          "schedule and mix).")
         a("")
     for i, st in enumerate(stages, 1):
         if len(stages) > 1:
