@@ -299,6 +299,13 @@ def render_card(f: dict) -> str:
         a(f"{words.get(len(stages), str(len(stages)))} stages, {tot_tokens / 1e6:.2f}M tokens and {tot_min:.0f} min "
           "in all (each later stage continues the previous stage's weights with `--init`, with its own "
           "schedule and mix).")
+        if tot_min > 90:
+            a("")
+            a(f"**Budget:** every stage fits in 90 minutes, but together they took {tot_min:.0f} min, more than "
+              "the 90-minute budget the model issue sets for one training run. The stages after the second "
+              "(see their commands) were added because "
+              "retrieval at 1,000 tokens needed more training at full length (earlier checkpoints' cards are "
+              "in git history).")
         a("")
     for i, st in enumerate(stages, 1):
         if len(stages) > 1:
