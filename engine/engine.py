@@ -295,9 +295,11 @@ class LLMEngine:
                 row += 1
         logits = logits[sample_rows]
         for item in sched.scheduled:
+            # ``samples`` reads num_computed_tokens, so ask before advancing it
+            prefill_done = item.samples and item.seq.num_output_tokens == 0
             item.seq.num_computed_tokens += item.num_tokens
             self.block_manager.commit_full_blocks(item.seq)
-            if item.seq.num_output_tokens == 0 and item.samples:
+            if prefill_done:
                 self.counters["prompt_tokens_total"] += item.seq.num_prompt_tokens
         if not sampled:
             return outputs

@@ -187,3 +187,13 @@ def test_prompt_logprobs_score_the_prompt_like_transformers(tiny_llama: Path) ->
     want = torch.log_softmax(logits, -1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
     assert got.shape == want.shape
     assert (got - want).abs().max().item() < 1e-4
+
+
+def test_token_counters_count_prompts_and_outputs(tiny_llama: Path) -> None:
+    # 40 + 70 prompt tokens, the 70 prefilled in chunks of 32: each prompt counts once, when its
+    # last chunk is computed, and every sampled token counts once.
+    engine = make(tiny_llama, max_num_batched_tokens=32)
+    engine.generate([rand_prompt(40, 5), rand_prompt(70, 6)], GREEDY)
+    stats = engine.stats()
+    assert stats["prompt_tokens_total"] == 110
+    assert stats["generation_tokens_total"] == 2 * GREEDY.max_tokens
