@@ -137,8 +137,8 @@ class Sampler:
                 span = [self.rng.randrange(3, self.vocab) for _ in range(n)]
             else:
                 span = self._window(n)
-            # The gap bounds how far back the copy must reach: with 0.5 (stage 1-2) nothing trains
-            # reaches past ~seq_len/2, which is why copying stopped near 400 tokens.
+            # The gap bounds how far back the copy must reach: with 0.5 (stages 1-2) no copy is ever
+            # more than ~seq_len/2 back, which is why copying stopped near 400 tokens.
             max_gap = int(seq_len * self.copy_max_gap_frac) - len(span)
             gap = self._window(self.rng.randint(0, max(1, max_gap)))
             ids += span + gap + span
