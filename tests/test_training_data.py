@@ -79,3 +79,18 @@ def test_copy_gap_reaches_the_configured_fraction(sampler_factory):
         dists[frac] = [d for d in found if d is not None]
     assert dists[0.5] and max(dists[0.5]) <= 256
     assert dists[0.95] and max(dists[0.95]) > 300
+
+
+def _doc_length(ids: list[int], eos: int) -> int:
+    """Tokens of the long-memory document that opens a memory sequence (it ends at the first EOS)."""
+    return ids.index(eos, 1) - 1
+
+
+def test_mem_min_frac_keeps_memory_documents_long(sampler_factory):
+    # default: lengths uniform from 48 up, so some facts sit close to their question
+    short = sampler_factory(mem_frac=1.0, copy_frac=0.0)
+    lens = [_doc_length(short.sequence(256), short.eos) for _ in range(40)]
+    assert min(lens) < 128
+    long = sampler_factory(mem_frac=1.0, copy_frac=0.0, mem_min_frac=0.8)
+    lens = [_doc_length(long.sequence(256), long.eos) for _ in range(40)]
+    assert min(lens) >= int(0.8 * 254) - 8  # the document maker lands within a few tokens of its target

@@ -69,7 +69,8 @@ class Sampler:
     """Makes training sequences: [BOS] + (long-memory doc + EOS)? + corpus stream, cut to seq_len."""
 
     def __init__(self, hf_tok, train_docs: list[str], mem_frac: float, chat_frac: float, seed: int,
-                 copy_frac: float = 0.0, random_span_frac: float = 0.5, copy_max_gap_frac: float = 0.5):
+                 copy_frac: float = 0.0, random_span_frac: float = 0.5, copy_max_gap_frac: float = 0.5,
+                 mem_min_frac: float = 0.0):
         self.tok = hf_tok
         self.bos, self.eos = hf_tok.bos_token_id, hf_tok.eos_token_id
         self.mem_frac, self.chat_frac, self.copy_frac = mem_frac, chat_frac, copy_frac
@@ -89,6 +90,7 @@ class Sampler:
         self.vocab = len(hf_tok)
         self.random_span_frac = random_span_frac
         self.copy_max_gap_frac = copy_max_gap_frac
+        self.mem_min_frac = mem_min_frac
 
     def _length(self, text: str) -> int:
         return len(self.tok(text)["input_ids"])
@@ -99,8 +101,12 @@ class Sampler:
         filler = "corpus" if rng.random() < 0.6 else "babble"
         depth = 0.0 if rng.random() < 0.7 else rng.random()
         chat = rng.random() < self.chat_frac
-        budget = max_len - 2 - (40 if chat else 0)
-        n = rng.randint(min(48, budget), budget)
+        # make_document lands up to ~6 tokens past its target; the margin keeps the answer (the
+        # document's last tokens, the only ones that test the fact) from being cut off with the sequence
+        budget = max_len - 2 - 8 - (40 if chat else 0)
+        # Uniform lengths put half the documents under seq_len/2, where retrieval is already easy;
+        # mem_min_frac > 0 spends the memory share on facts that must be carried far.
+        n = rng.randint(min(max(48, int(self.mem_min_frac * budget)), budget), budget)
         self.doc_seed += 1
         try:
             doc = longmem.make_document(tmpl, seed=self.doc_seed, n_tokens=n, length_fn=self._length,
@@ -220,6 +226,8 @@ def main(argv=None):
                     help="share of the recurring spans that are random tokens rather than corpus text")
     ap.add_argument("--copy-max-gap-frac", type=float, default=0.5,
                     help="longest gap between a span and its copy, as a fraction of the sequence length")
+    ap.add_argument("--mem-min-frac", type=float, default=0.0,
+                    help="shortest long-memory document, as a fraction of the sequence length")
     ap.add_argument("--curriculum", type=json.loads, default=CURRICULUM,
                     help="JSON list of [start fraction, seq_len, batch], e.g. '[[0, 256, 8]]'")
     ap.add_argument("--init", help="continue training this model directory (its tokenizer and weights) "
@@ -233,6 +241,8 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2,
                     help="torch threads (2 on an idle 2-core machine: 1.3x one; on a busy one use 1)")
     ap.add_argument("--device", default="cpu", help="cpu (default) or e.g. cuda; the model is saved on CPU")
+    ap.add_argument("--weight-decay", type=float, default=0.1,
+                    help="AdamW weight decay on matrices; larger values favour attention sinks (Gu et al. 2024)")
     ap.add_argument("--bf16", action="store_true",
                     help="bf16 autocast (measured ~25x SLOWER than fp32 here: slow CPU backward)")
     args = ap.parse_args(argv)
@@ -255,7 +265,8 @@ def main(argv=None):
         hf_tok = build_tokenizer(train_docs, args.vocab, args.seed)
     logger.info("tokenizer ready (%.0fs)", time.time() - t_start)
     sampler = Sampler(hf_tok, train_docs, args.mem_frac, args.chat_frac, args.seed, copy_frac=args.copy_frac,
-                      random_span_frac=args.random_span_frac, copy_max_gap_frac=args.copy_max_gap_frac)
+                      random_span_frac=args.random_span_frac, copy_max_gap_frac=args.copy_max_gap_frac,
+                      mem_min_frac=args.mem_min_frac)
 
     shape = dict(MODEL_SHAPE, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads)
     cfg = LlamaConfig(
@@ -283,7 +294,8 @@ def main(argv=None):
 
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
 
     budget = args.minutes * 60.0
@@ -321,7 +333,9 @@ def main(argv=None):
                     params=n_params, steps=step, tokens=tokens, train_seconds=round(time.time() - t0, 1),
                     final_loss_ema=round(ema, 4), lr=args.lr, mem_frac=args.mem_frac,
                     chat_frac=args.chat_frac, copy_frac=args.copy_frac, random_span_frac=args.random_span_frac,
-                    copy_max_gap_frac=args.copy_max_gap_frac, copy_seqs=sampler.n_copy, threads=args.threads, compile=args.compile, curriculum=args.curriculum, seed=args.seed, vocab=len(hf_tok),
+                    copy_max_gap_frac=args.copy_max_gap_frac, weight_decay=args.weight_decay,
+                    mem_min_frac=args.mem_min_frac, copy_seqs=sampler.n_copy, threads=args.threads,
+                    compile=args.compile, curriculum=args.curriculum, seed=args.seed, vocab=len(hf_tok),
                     bf16_autocast=args.bf16, init=args.init, previous_stage=previous, mem_docs=sampler.n_mem, shape=shape)
         if time.time() - last_ckpt > args.ckpt_minutes * 60:
             save_model(model, hf_tok, work / "checkpoint", meta)
