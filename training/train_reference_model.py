@@ -14,7 +14,7 @@ time, so the run ends on time whatever the machine's load. A checkpoint is writt
   none by 3-4M tokens, nor a run at 256 tokens per step by 5M (see the model card's *In-context
   copying*, which measures it).
 - --mem-frac: synthetic long-memory documents (evals.longmem, TRAIN_TEMPLATES/TRAIN_FILLERS only)
-  followed by EOS and corpus text;
+  followed by EOS and corpus text; their lengths are uniform from --mem-min-frac of the sequence up;
 - the rest: corpus text (Python stdlib sources and docs, see training.corpus).
 """
 
