@@ -286,6 +286,31 @@ def choose_num_splits(num_tokens: int, num_kv_heads: int, max_kv_len: int, devic
     return max(1, splits)
 
 
+def split_buffers(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-split partial outputs ``[T, H, S, D]`` and (max, sum) ``[T, H, S, 2]`` in float32.
+
+    With one split the kernels write ``out`` directly and never touch these, so ``out`` stands in.
+    """
+    if num_splits <= 1:
+        return out, out
+    t, h, d = out.shape
+    part_o = torch.empty(t, h, num_splits, d, dtype=torch.float32, device=out.device)
+    part_ml = torch.empty(t, h, num_splits, 2, dtype=torch.float32, device=out.device)
+    return part_o, part_ml
+
+
+def reduce_splits(part_o: torch.Tensor, part_ml: torch.Tensor, out: torch.Tensor, num_splits: int) -> None:
+    """Merge the split-KV partials into ``out`` (a no-op with one split)."""
+    if num_splits <= 1:
+        return
+    t, h, d = out.shape
+    _reduce_kernel[(t, h)](
+        part_o, part_ml, out, out.stride(0), out.stride(1),
+        NUM_Q_HEADS=h, HEAD_DIM=d, D_PAD=next_pow2(d), NUM_SPLITS=num_splits, SPLITS_PAD=next_pow2(num_splits),
+        INTERP=interpreting(),
+    )  # fmt: skip
+
+
 def launch_paged_attention(
     query: torch.Tensor,
     kv: KVSource,
@@ -323,11 +348,7 @@ def launch_paged_attention(
     if num_splits is None:
         num_splits = choose_num_splits(num_tokens, kv.num_kv_heads, max_kv_len, query.device)
     grid = (num_tokens // block_q + num_seqs, kv.num_kv_heads, num_splits)
-    if num_splits > 1:
-        part_o = torch.empty(num_tokens, hq, num_splits, d, dtype=torch.float32, device=query.device)
-        part_ml = torch.empty(num_tokens, hq, num_splits, 2, dtype=torch.float32, device=query.device)
-    else:
-        part_o = part_ml = out  # unused
+    part_o, part_ml = split_buffers(out, num_splits)
     _paged_attn_kernel[grid](
         query, out, part_o, part_ml, *kv.pointers(),
         block_tables, block_tables.stride(0), seq_lens, query_start_loc, num_seqs, scale * LOG2E,
@@ -336,12 +357,7 @@ def launch_paged_attention(
         BLOCK_SIZE=kv.block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         QUANT=kv.quant, GROUP_SIZE=kv.group_size, DOT_PREC=dot_precision(query.dtype), INTERP=interpreting(),
     )  # fmt: skip
-    if num_splits > 1:
-        _reduce_kernel[(num_tokens, hq)](
-            part_o, part_ml, out, out.stride(0), out.stride(1),
-            NUM_Q_HEADS=hq, HEAD_DIM=d, D_PAD=next_pow2(d), NUM_SPLITS=num_splits, SPLITS_PAD=next_pow2(num_splits),
-            INTERP=interpreting(),
-        )  # fmt: skip
+    reduce_splits(part_o, part_ml, out, num_splits)
     return out
 
 

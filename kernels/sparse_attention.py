@@ -19,7 +19,7 @@ import torch
 
 from kernels._triton import cast_out, check_device, dot_precision, interpreting, load_kv, mma, next_pow2, tl, triton
 from kernels.kv_quant import QuantKVCache
-from kernels.paged_attention import LOG2E, KVSource, _num_sms, _reduce_kernel, plain_source
+from kernels.paged_attention import LOG2E, KVSource, _num_sms, plain_source, reduce_splits, split_buffers
 
 logger = logging.getLogger(__name__)
 
@@ -145,11 +145,7 @@ def _launch(
             sms = _num_sms(query.device)
             if programs < sms:
                 num_splits = max(1, min(-(-2 * sms // programs), num_selected // 256, 32))
-    if num_splits > 1:
-        part_o = torch.empty(num_tokens, hq, num_splits, d, dtype=torch.float32, device=query.device)
-        part_ml = torch.empty(num_tokens, hq, num_splits, 2, dtype=torch.float32, device=query.device)
-    else:
-        part_o = part_ml = out
+    part_o, part_ml = split_buffers(out, num_splits)
     _sparse_attn_kernel[(num_tokens, kv.num_kv_heads, num_splits)](
         query, out, part_o, part_ml, slots, *kv.pointers(), num_selected, scale * LOG2E, slots.stride(0),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
@@ -158,12 +154,7 @@ def _launch(
         NUM_SPLITS=num_splits, QUANT=kv.quant, GROUP_SIZE=kv.group_size, DOT_PREC=dot_precision(query.dtype),
         INTERP=interpreting(),
     )  # fmt: skip
-    if num_splits > 1:
-        _reduce_kernel[(num_tokens, hq)](
-            part_o, part_ml, out, out.stride(0), out.stride(1),
-            NUM_Q_HEADS=hq, HEAD_DIM=d, D_PAD=next_pow2(d), NUM_SPLITS=num_splits, SPLITS_PAD=next_pow2(num_splits),
-            INTERP=interpreting(),
-        )  # fmt: skip
+    reduce_splits(part_o, part_ml, out, num_splits)
     return out
 
 
