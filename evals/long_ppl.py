@@ -269,7 +269,9 @@ def summarize(cfg: PplConfig, scores: list[ArmScores], ctx: int, n_tokens: int, 
         ratio = ppl(sw.nll) / ppl(target_ref.nll)
         qs, qr = quarters(sw.nll), quarters(target_ref.nll)
         drift = (qs[3] / qs[0]) / (qr[3] / qr[0])
-        also = f"; vs {ref.name} (no BOS) {ppl(sw.nll) / ppl(ref.nll):.3f}" if ref is not None and ref is not target_ref else ""
+        also = ""
+        if ref is not None and ref is not target_ref:
+            also = f"; vs {ref.name} (no BOS) {ppl(sw.nll) / ppl(ref.nll):.3f}"
         notes.append(f"target sinks + window within 10% of dense at the same window ({target_ref.name}, W={cfg.window}): "
                      f"ratio {ratio:.3f} -> {'MET' if abs(ratio - 1) <= 0.10 else 'MISSED'}{also}")
         notes.append(f"target no upward drift (sinks + window q4/q1 relative to {target_ref.name}'s q4/q1, "

@@ -251,7 +251,10 @@ def _render_stage(a, tr: dict) -> None:
     a(f"- command: `{cmd}`")
 
 
-def render_card(f: dict) -> str:
+def render_card(f: dict, history: str = "") -> str:
+    """The model card (README.md) from the figures; ``history`` (markdown, hand-written in the model's
+    ``training_history.md``) records what earlier stages and discarded experiments measured, which the
+    shipped weights' figures cannot show."""
     tr = f.get("training", {})
     c = f["config"]
     sink = f["sink_mass_pos0"]["per_layer"]
@@ -297,8 +300,7 @@ def render_card(f: dict) -> str:
     if len(stages) > 1:
         tot_tokens = sum(st.get("tokens", 0) for st in stages)
         tot_min = sum(st.get("total_seconds_including_data", st.get("train_seconds", 0)) for st in stages) / 60
-        words = {2: "Two", 3: "Three", 4: "Four", 5: "Five", 6: "Six"}
-        a(f"{words.get(len(stages), str(len(stages)))} stages, {tot_tokens / 1e6:.2f}M tokens and {tot_min:.0f} min "
+        a(f"{len(stages)} stages, {tot_tokens / 1e6:.2f}M tokens and {tot_min:.0f} min "
           "in all (each later stage continues the previous stage's weights with `--init`, with its own "
           "schedule and mix).")
         if tot_min > 90:
@@ -409,16 +411,15 @@ def render_card(f: dict) -> str:
              "on position 0; sinks and long-range copying are both known to strengthen with more training "
              "(Gu et al. 2024, *When Attention Sink Emerges in Language Models*, find that sinks emerge only after "
              "effective optimization on sufficient training data; this model saw tens of millions of tokens). "
-             "Heavier weight decay, which that work reports favours sinks, did not help at this budget: a "
-             "12-minute stage from the stage-4 weights with `--weight-decay 0.5` left the sink mass where it was "
-             "(layer 3: 0.175 -> 0.159) and raised perplexity at 1,024 tokens (13.6 -> 14.3 on 8 windows). "
              if n_sink <= (len(sink) - 1) / 2 else "")
-          + "On this CPU, more full-length training now buys retrieval slowly: passkey at 1,000 tokens went "
-          "0% -> 16% -> 33% -> 37% over stages 2-5 (stage 5: 70 min, 12M tokens, long-memory documents of at "
-          "least 60% of the sequence) while perplexity at 1,024 fell 21.6 -> 17.3 -> 16.5 over stages 2, 4, 5. "
           + "What would reach the targets: the same script with more tokens — `--minutes` several times larger, "
           "or `--device cuda` on a GPU (tens to hundreds of millions of tokens in the same wall time); see "
           "`retrieval_examples` in `eval_results.json` for what the model answers now.")
+        a("")
+    if history:
+        a("### Training history and experiments")
+        a("")
+        a(history.strip())
         a("")
     a("### Samples (temperature 0.7, top-k 40)")
     a("")
@@ -457,13 +458,15 @@ def main(argv=None):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     torch.set_num_threads(args.threads)
     d = Path(args.model)
+    hist_path = d / "training_history.md"
+    history = hist_path.read_text() if hist_path.exists() else ""
     if args.render_only:
-        (d / "README.md").write_text(render_card(json.loads((d / "eval_results.json").read_text())))
+        (d / "README.md").write_text(render_card(json.loads((d / "eval_results.json").read_text()), history))
         return
     figures = compute(args.model, args.docs, args.ppl_windows, args.sink_windows)
     if not args.no_card:
         (d / "eval_results.json").write_text(json.dumps(figures, indent=2) + "\n")
-        (d / "README.md").write_text(render_card(figures))
+        (d / "README.md").write_text(render_card(figures, history))
     else:
         print(json.dumps({k: figures[k] for k in ("perplexity", "retrieval")}, indent=1))
     print("params          ", figures["params"])
