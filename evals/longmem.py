@@ -14,8 +14,10 @@ compare the first word, stripped of punctuation, with :attr:`LongMemDoc.answer`)
 The generator is deterministic given ``seed``. Document length is controlled in tokens through a
 ``length_fn`` (text -> number of tokens) or a ``tokenizer`` (a Hugging Face tokenizer; its own
 special tokens, e.g. an automatically added BOS, are counted). Templates and filler sources come in
-two disjoint sets: ``TRAIN_TEMPLATES``/``TRAIN_FILLERS`` are used to make training data,
-``HELDOUT_TEMPLATES``/``HELDOUT_FILLERS`` are kept out of training for evaluation.
+disjoint sets: ``TRAIN_TEMPLATES``/``TRAIN_FILLERS`` are used to make training data,
+``HELDOUT_TEMPLATES``/``HELDOUT_FILLERS`` are kept out of training for evaluation, and
+``VALIDATION_TEMPLATES`` (also never trained on) are for choosing settings such as the RoPE base, so
+that no setting is picked on the held-out figures it is later reported with.
 
 ``LongMemDoc.fact_span`` is the character span of the fact sentence inside ``prompt`` (mark it as an
 anchor), ``LongMemDoc.answer_span`` the span of the answer string inside the fact.
@@ -37,6 +39,7 @@ __all__ = [
     "LongMemDoc",
     "TRAIN_TEMPLATES",
     "HELDOUT_TEMPLATES",
+    "VALIDATION_TEMPLATES",
     "TRAIN_FILLERS",
     "HELDOUT_FILLERS",
     "FILLERS",
@@ -180,7 +183,22 @@ HELDOUT_TEMPLATES: tuple[Template, ...] = (
              "Where did {name} move to last year?", "Last year {name} moved to", _name_city_slots),
 )
 
-_ALL_TEMPLATES = {t.name: t for t in TRAIN_TEMPLATES + HELDOUT_TEMPLATES}
+VALIDATION_TEMPLATES: tuple[Template, ...] = (
+    Template("validation_locker", "passkey",
+             "Write this down: the locker number is {key}.",
+             "What was the locker number?", "The locker number is", _passkey_slots),
+    Template("validation_ticket", "passkey",
+             "Your ticket code reads {key}.",
+             "What did the ticket code read?", "The ticket code reads", _passkey_slots),
+    Template("validation_badge", "fact",
+             "{name} wears badge number {num}.",
+             "Which badge number does {name} wear?", "{name} wears badge number", _name_num_slots),
+    Template("validation_works_in", "fact",
+             "These days {name} works in {city}.",
+             "Where does {name} work these days?", "These days {name} works in", _name_city_slots),
+)
+
+_ALL_TEMPLATES = {t.name: t for t in TRAIN_TEMPLATES + HELDOUT_TEMPLATES + VALIDATION_TEMPLATES}
 
 
 def get_template(name: str) -> Template:

@@ -3,7 +3,8 @@
 import pytest
 
 from evals import longmem
-from evals.longmem import HELDOUT_FILLERS, HELDOUT_TEMPLATES, TRAIN_FILLERS, TRAIN_TEMPLATES, check_answer, make_document
+from evals.longmem import (HELDOUT_FILLERS, HELDOUT_TEMPLATES, TRAIN_FILLERS, TRAIN_TEMPLATES, VALIDATION_TEMPLATES,
+                           check_answer, make_document)
 
 
 def _word_len(text: str) -> int:
@@ -15,7 +16,7 @@ def _char_len(text: str) -> int:  # a stand-in "tokenizer": ~4 characters per to
 
 
 def test_deterministic():
-    for t in TRAIN_TEMPLATES + HELDOUT_TEMPLATES:
+    for t in TRAIN_TEMPLATES + HELDOUT_TEMPLATES + VALIDATION_TEMPLATES:
         a = make_document(t, seed=7, n_tokens=300, length_fn=_char_len)
         b = make_document(t.name, seed=7, n_tokens=300, length_fn=_char_len)
         assert a == b
@@ -25,7 +26,7 @@ def test_deterministic():
 
 @pytest.mark.parametrize("filler", ["haystack", "babble", "licenses"])
 def test_answer_inside_fact_span(filler):
-    for t in TRAIN_TEMPLATES + HELDOUT_TEMPLATES:
+    for t in TRAIN_TEMPLATES + HELDOUT_TEMPLATES + VALIDATION_TEMPLATES:
         for seed in range(5):
             d = make_document(t, seed=seed, n_tokens=200, length_fn=_word_len, filler=filler)
             fs, fe = d.fact_span
@@ -75,6 +76,14 @@ def test_heldout_disjoint_from_train():
     assert not set(TRAIN_FILLERS) & set(HELDOUT_FILLERS)
     kinds = {t.kind for t in HELDOUT_TEMPLATES}
     assert kinds == {"passkey", "fact"} == {t.kind for t in TRAIN_TEMPLATES}
+
+
+def test_validation_templates_share_no_wording_with_train_or_heldout():
+    others = TRAIN_TEMPLATES + HELDOUT_TEMPLATES
+    assert not {t.name for t in VALIDATION_TEMPLATES} & {t.name for t in others}
+    for t in VALIDATION_TEMPLATES:
+        assert all(t.fact != u.fact and t.question != u.question and t.prefix != u.prefix for u in others)
+    assert {t.kind for t in VALIDATION_TEMPLATES} == {"passkey", "fact"}
 
 
 def test_check_answer():

@@ -94,3 +94,23 @@ def test_mem_min_frac_keeps_memory_documents_long(sampler_factory):
     long = sampler_factory(mem_frac=1.0, copy_frac=0.0, mem_min_frac=0.8)
     lens = [_doc_length(long.sequence(256), long.eos) for _ in range(40)]
     assert min(lens) >= int(0.8 * 254) - 8  # the document maker lands within a few tokens of its target
+
+
+def test_init_model_can_be_rebased_to_a_larger_rope_theta():
+    import torch
+    from transformers import AutoConfig
+
+    from training.train_reference_model import load_init_model
+
+    own = AutoConfig.from_pretrained(MODEL_DIR).rope_parameters["rope_theta"]
+    kept = load_init_model(str(MODEL_DIR))
+    rebased = load_init_model(str(MODEL_DIR), rope_theta=own * 10)
+    assert kept.config.rope_parameters["rope_theta"] == own
+    assert rebased.config.rope_parameters["rope_theta"] == own * 10
+    head_dim = kept.config.head_dim
+    for model, theta in ((kept, own), (rebased, own * 10)):
+        want = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        torch.testing.assert_close(model.model.rotary_emb.inv_freq, want)
+    # Only the positions change: every weight is the saved one.
+    for (name, a), (_, b) in zip(kept.state_dict().items(), rebased.state_dict().items()):
+        assert torch.equal(a, b), name

@@ -182,7 +182,8 @@ def compute(model_dir: str, n_docs: int, ppl_windows: int, sink_windows: int) ->
         "disk_bytes_before_card": disk_size(Path(model_dir)),
         "config": {k: getattr(cfg, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                                   "num_attention_heads", "num_key_value_heads",
-                                                  "max_position_embeddings", "vocab_size")},
+                                                  "max_position_embeddings", "vocab_size")}
+                  | {"rope_theta": float((cfg.rope_parameters or {}).get("rope_theta", 10000.0))},
         "heldout_tokens": len(stream),
     }
     meta_path = Path(model_dir) / "training_meta.json"
@@ -285,7 +286,8 @@ def render_card(f: dict, history: str = "") -> str:
     a("")
     a(f"- `LlamaForCausalLM`, {f['params'] / 1e6:.2f}M parameters (tied input/output embeddings), float32 safetensors")
     a(f"- {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, MLP {c['intermediate_size']}, "
-      f"{c['num_attention_heads']} query heads / {c['num_key_value_heads']} KV heads (grouped-query attention), RoPE (theta 10,000)")
+      f"{c['num_attention_heads']} query heads / {c['num_key_value_heads']} KV heads (grouped-query attention), "
+      f"RoPE (theta {c.get('rope_theta', 10000.0):,.0f})")
     a(f"- trained context `max_position_embeddings: {c['max_position_embeddings']}`")
     a(f"- byte-level BPE tokenizer, vocabulary {c['vocab_size']} (digits split one per token), trained with `tokenizers`; "
       "BOS `<s>` is prepended automatically, EOS `</s>`, PAD `<pad>`")

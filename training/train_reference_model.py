@@ -200,6 +200,26 @@ def save_model(model, hf_tok, out: Path, meta: dict):
     tmp.rmdir()
 
 
+def load_init_model(path: str, rope_theta: float | None = None, device: str = "cpu"):
+    """Load a model directory to continue training; ``rope_theta`` re-bases its RoPE first.
+
+    Raising the base ("adjusted base frequency", as Code Llama did for long context) slows every
+    rotary frequency but the first. With 32-dim heads and base 10,000 only 3 of the 16 frequency pairs
+    turn by less than a radian over 1,000 tokens -- the pairs a head can match content on across that
+    distance; base 100,000 gives 6. The weights stay; the next stage adapts them to the new base.
+    """
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    cfg = AutoConfig.from_pretrained(path)
+    if rope_theta is not None:
+        cfg.rope_parameters = dict(cfg.rope_parameters or {"rope_type": "default"}, rope_theta=float(rope_theta))
+    return LlamaForCausalLM.from_pretrained(path, config=cfg, attn_implementation="sdpa").to(device)
+
+
+def _rope_theta(config) -> float:
+    return float((config.rope_parameters or {}).get("rope_theta", MODEL_SHAPE["rope_theta"]))
+
+
 def _embed_chat_template(d: Path, template: str):
     """Keep the chat template inside tokenizer_config.json (as well as chat_template.jinja)."""
     cfg_path = d / "tokenizer_config.json"
@@ -243,6 +263,9 @@ def main(argv=None):
     ap.add_argument("--device", default="cpu", help="cpu (default) or e.g. cuda; the model is saved on CPU")
     ap.add_argument("--weight-decay", type=float, default=0.1,
                     help="AdamW weight decay on matrices; larger values favour attention sinks (Gu et al. 2024)")
+    ap.add_argument("--rope-theta", type=float, default=None,
+                    help=f"RoPE base (default: {MODEL_SHAPE['rope_theta']:g} for a new model, the --init model's own "
+                    "otherwise); a larger base keeps more frequency pairs slow enough to match content far back")
     ap.add_argument("--bf16", action="store_true",
                     help="bf16 autocast (measured ~25x SLOWER than fp32 here: slow CPU backward)")
     args = ap.parse_args(argv)
@@ -269,6 +292,8 @@ def main(argv=None):
                       mem_min_frac=args.mem_min_frac)
 
     shape = dict(MODEL_SHAPE, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads)
+    if args.rope_theta is not None:
+        shape["rope_theta"] = args.rope_theta
     cfg = LlamaConfig(
         vocab_size=len(hf_tok),
         bos_token_id=hf_tok.bos_token_id,
@@ -278,8 +303,9 @@ def main(argv=None):
         **shape,
     )
     if args.init:
-        model = LlamaForCausalLM.from_pretrained(args.init, attn_implementation="sdpa").to(args.device)
+        model = load_init_model(args.init, args.rope_theta, args.device)
         shape = {k: getattr(model.config, k, v) for k, v in MODEL_SHAPE.items()}
+        shape["rope_theta"] = _rope_theta(model.config)
         logger.info("continuing from %s", args.init)
         prev_meta = Path(args.init) / "training_meta.json"
         previous = json.loads(prev_meta.read_text()) if prev_meta.exists() else None
