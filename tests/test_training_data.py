@@ -114,3 +114,24 @@ def test_init_model_can_be_rebased_to_a_larger_rope_theta():
     # Only the positions change: every weight is the saved one.
     for (name, a), (_, b) in zip(kept.state_dict().items(), rebased.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+def test_zero_minute_stage_saves_the_init_model_rebased(tmp_path):
+    """``--minutes 0`` is how a base change ships without training: same weights, new base, a meta record."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from training.train_reference_model import main
+
+    out = tmp_path / "out"
+    main(["--init", str(MODEL_DIR), "--out", str(out), "--work", str(tmp_path / "work"),
+          "--rope-theta", "123456", "--minutes", "0", "--no-compile", "--threads", "1"])
+    config = json.loads((out / "config.json").read_text())
+    assert config["rope_parameters"]["rope_theta"] == 123456.0
+    meta = json.loads((out / "training_meta.json").read_text())
+    assert meta["steps"] == 0 and meta["tokens"] == 0 and meta["shape"]["rope_theta"] == 123456.0
+    assert meta["init"] == str(MODEL_DIR)
+    saved, original = load_file(out / "model.safetensors"), load_file(Path(MODEL_DIR) / "model.safetensors")
+    assert saved.keys() == original.keys()
+    assert all(saved[k].equal(original[k]) for k in saved)

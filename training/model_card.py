@@ -226,6 +226,13 @@ def _stages(tr: dict) -> list[dict]:
 
 
 def _render_stage(a, tr: dict) -> None:
+    if tr.get("steps") == 0:
+        # A --minutes 0 stage: the previous weights saved with a new RoPE base; no optimizer settings apply.
+        theta = (tr.get("shape") or {}).get("rope_theta")
+        a(f"- no training: the previous stage's weights, saved with RoPE base (`rope_theta`) {theta:,.0f}"
+          if theta else "- no training: the previous stage's weights, saved again")
+        a(f"- command: `{tr.get('command')}`")
+        return
     a(f"- {tr.get('steps')} optimizer steps, {tr.get('tokens', 0) / 1e6:.2f}M tokens, "
       f"{tr.get('train_seconds', 0) / 60:.1f} min of training wall time "
       f"({tr.get('total_seconds_including_data', 0) / 60:.1f} min including data preparation), "
@@ -415,7 +422,9 @@ def render_card(f: dict, history: str = "") -> str:
              "effective optimization on sufficient training data; this model saw tens of millions of tokens). "
              if n_sink <= (len(sink) - 1) / 2 else "")
           + "What would reach the targets: the same script with more tokens — `--minutes` several times larger, "
-          "or `--device cuda` on a GPU (tens to hundreds of millions of tokens in the same wall time); see "
+          "or `--device cuda` on a GPU (tens to hundreds of millions of tokens in the same wall time) — and, "
+          "for retrieval with unseen wording, more varied training templates: training on the eight fixed "
+          "templates longer improves them, not the held-out ones (see the training history); see "
           "`retrieval_examples` in `eval_results.json` for what the model answers now.")
         a("")
     if history:

@@ -329,12 +329,23 @@ def main(argv=None):
     last_ckpt = t0
     tokens = step = 0
     ema = None
-    meta = {}
+
+    def run_meta() -> dict:
+        return dict(command="python -m training.train_reference_model " + " ".join(argv if argv is not None else sys.argv[1:]),
+                    params=n_params, steps=step, tokens=tokens, train_seconds=round(time.time() - t0, 1),
+                    final_loss_ema=None if ema is None else round(ema, 4), lr=args.lr, mem_frac=args.mem_frac,
+                    chat_frac=args.chat_frac, copy_frac=args.copy_frac, random_span_frac=args.random_span_frac,
+                    copy_max_gap_frac=args.copy_max_gap_frac, weight_decay=args.weight_decay,
+                    mem_min_frac=args.mem_min_frac, copy_seqs=sampler.n_copy, threads=args.threads,
+                    compile=args.compile, curriculum=args.curriculum, seed=args.seed, vocab=len(hf_tok),
+                    bf16_autocast=args.bf16, init=args.init, previous_stage=previous, mem_docs=sampler.n_mem, shape=shape)
+
     model.train()
     forward = torch.compile(model) if args.compile else model
     while True:
         elapsed = time.time() - t0
-        frac = elapsed / budget
+        # --minutes 0 saves the --init model as it is (e.g. re-based with --rope-theta), with no step.
+        frac = elapsed / budget if budget > 0 else 1.0
         if frac >= 1.0:
             break
         _, seq_len, bsz = phase_at(frac, args.curriculum)
@@ -355,18 +366,12 @@ def main(argv=None):
             el = time.time() - t0
             logger.info("step %d  frac %.3f  L %d  lr %.2e  loss %.3f (ema %.3f)  tokens %.2fM  %.0f tok/s",
                         step, frac, seq_len, lr, loss.item(), ema, tokens / 1e6, tokens / el)
-        meta = dict(command="python -m training.train_reference_model " + " ".join(argv if argv is not None else sys.argv[1:]),
-                    params=n_params, steps=step, tokens=tokens, train_seconds=round(time.time() - t0, 1),
-                    final_loss_ema=round(ema, 4), lr=args.lr, mem_frac=args.mem_frac,
-                    chat_frac=args.chat_frac, copy_frac=args.copy_frac, random_span_frac=args.random_span_frac,
-                    copy_max_gap_frac=args.copy_max_gap_frac, weight_decay=args.weight_decay,
-                    mem_min_frac=args.mem_min_frac, copy_seqs=sampler.n_copy, threads=args.threads,
-                    compile=args.compile, curriculum=args.curriculum, seed=args.seed, vocab=len(hf_tok),
-                    bf16_autocast=args.bf16, init=args.init, previous_stage=previous, mem_docs=sampler.n_mem, shape=shape)
+        meta = run_meta()
         if time.time() - last_ckpt > args.ckpt_minutes * 60:
             save_model(model, hf_tok, work / "checkpoint", meta)
             last_ckpt = time.time()
             logger.info("checkpoint written to %s", work / "checkpoint")
+    meta = run_meta()
     meta["total_seconds_including_data"] = round(time.time() - t_start, 1)
     save_model(model, hf_tok, out, meta)
     save_model(model, hf_tok, work / "checkpoint", meta)
