@@ -80,12 +80,14 @@ def trained_context(model: str | Path) -> int:
 
 
 def model_fingerprint(model: str | Path) -> str:
-    """First 16 hex digits of the sha256 of the weights, so a result names the exact model it measured."""
+    """First 16 hex digits of the sha256 of the weights and ``config.json``, so a result names the exact
+    model it measured (the config counts: the same weights with another RoPE base are another model)."""
     import hashlib
 
     h = hashlib.sha256()
     files = sorted(Path(model).glob("*.safetensors")) or sorted(Path(model).glob("*.bin"))
-    for f in files:
+    config = Path(model) / "config.json"
+    for f in files + ([config] if files and config.exists() else []):
         with f.open("rb") as fh:
             for block in iter(lambda: fh.read(1 << 20), b""):
                 h.update(block)

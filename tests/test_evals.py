@@ -80,3 +80,20 @@ def test_needle_quick_all_arms(tiny_llama: Path, tmp_path: Path, capsys: pytest.
                    ("window_only", 1024), ("sinks_window", 1024), ("sinks_window_anchor", 1024)]
     assert all(r["fact_out_of_window"] == 1.0 for r in blob["rows"] if r["arm"] != "dense" and r["L"] == 1024)
     assert blob["meta"]["docs_per_point"] == 2 and blob["ab_rows"]
+
+
+def test_model_fingerprint_covers_weights_and_config(tmp_path):
+    from evals.arms import model_fingerprint
+
+    def model_dir(name: str, weights: bytes, config: str):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(weights)
+        (d / "config.json").write_text(config)
+        return d
+
+    a = model_dir("a", b"weights", '{"rope_theta": 10000}')
+    assert model_fingerprint(a) == model_fingerprint(model_dir("b", b"weights", '{"rope_theta": 10000}'))
+    assert model_fingerprint(a) != model_fingerprint(model_dir("c", b"weights", '{"rope_theta": 20000}'))
+    assert model_fingerprint(a) != model_fingerprint(model_dir("d", b"other", '{"rope_theta": 10000}'))
+    assert model_fingerprint(tmp_path / "missing") == "unknown"
