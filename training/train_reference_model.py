@@ -206,7 +206,8 @@ def load_init_model(path: str, rope_theta: float | None = None, device: str = "c
     Raising the base ("adjusted base frequency", as Code Llama did for long context) slows every
     rotary frequency but the first. With 32-dim heads and base 10,000 only 3 of the 16 frequency pairs
     turn by less than a radian over 1,000 tokens -- the pairs a head can match content on across that
-    distance; base 100,000 gives 6. The weights stay; the next stage adapts them to the new base.
+    distance; base 20,000 (the shipped model's) gives 4, base 100,000 gives 6. The weights stay unless a
+    later stage trains them (docs/rope_base_sweep.md: adapting them did not help).
     """
     from transformers import AutoConfig, LlamaForCausalLM
 
