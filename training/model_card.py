@@ -137,6 +137,7 @@ def retrieval(model, tok, lengths=RETRIEVAL_LENGTHS, n_docs: int = 100,
         for n in lengths:
             ok = 0
             by_filler = {f: [0, 0] for f in fillers}
+            by_template = {t.name: [0, 0] for t in tmpls}
             for i in tqdm(range(n_docs), desc=f"{kind}@{n}", leave=False):
                 t = tmpls[i % len(tmpls)]
                 f = fillers[(i // len(tmpls)) % len(fillers)]
@@ -146,12 +147,15 @@ def retrieval(model, tok, lengths=RETRIEVAL_LENGTHS, n_docs: int = 100,
                 ok += hit
                 by_filler[f][0] += hit
                 by_filler[f][1] += 1
+                by_template[t.name][0] += hit
+                by_template[t.name][1] += 1
                 if i < 2 and n == lengths[-1]:
                     examples.append({"template": t.name, "filler": f, "tokens": doc.n_tokens,
                                      "question_tail": doc.prompt[-120:], "answer": doc.answer,
                                      "generated": gen})
             results[f"{kind}@{n}"] = {"accuracy": ok / n_docs, "n": n_docs,
-                                      "by_filler": {f: v[0] / max(1, v[1]) for f, v in by_filler.items()}}
+                                      "by_filler": {f: v[0] / max(1, v[1]) for f, v in by_filler.items()},
+                                      "by_template": {k: v[0] / max(1, v[1]) for k, v in by_template.items()}}
             logger.info("%s@%d: %.2f", kind, n, ok / n_docs)
     return results, examples
 
@@ -392,6 +396,11 @@ def render_card(f: dict, history: str = "") -> str:
     a("By filler at 1,000 tokens: " + "; ".join(
         f"{kind}: " + ", ".join(f"{k} {v * 100:.0f}%" for k, v in r[f"{kind}@1000"]["by_filler"].items())
         for kind in ("passkey", "fact")))
+    if "by_template" in r["fact@1000"]:
+        a("")
+        a("By template (256 / 512 / 1,000 tokens): " + "; ".join(
+            f"`{name}` " + " / ".join(f"{r[f'{kind}@{n}']['by_template'][name] * 100:.0f}%" for n in RETRIEVAL_LENGTHS)
+            for kind in ("passkey", "fact") for name in r[f"{kind}@1000"]["by_template"]))
     a("")
     a("### Targets")
     a("")
