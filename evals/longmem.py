@@ -40,6 +40,7 @@ __all__ = [
     "TRAIN_TEMPLATES",
     "HELDOUT_TEMPLATES",
     "VALIDATION_TEMPLATES",
+    "TRAIN_RELATION_TEMPLATES",
     "TRAIN_FILLERS",
     "HELDOUT_FILLERS",
     "FILLERS",
@@ -198,7 +199,28 @@ VALIDATION_TEMPLATES: tuple[Template, ...] = (
              "Where does {name} work these days?", "These days {name} works in", _name_city_slots),
 )
 
-_ALL_TEMPLATES = {t.name: t for t in TRAIN_TEMPLATES + HELDOUT_TEMPLATES + VALIDATION_TEMPLATES}
+# A training-only family of person -> city facts in many wordings. The eight fixed training templates
+# teach their own wording: the model answers them at 95-100% at 1,000 tokens but the held-out city
+# template ("Last year {name} moved to {city}") at 12-32% at any length, completing "moved to" from its
+# language prior ("the ...") instead of copying the city. Many relation phrases and openers make copying
+# whatever follows the repeated phrase the only rule that fits. None of them is a held-out or validation
+# wording (tests/test_longmem.py checks).
+_RELATION_PHRASES = ("grew up in", "studied in", "travelled to", "retired to", "opened a bakery in",
+                     "was married in", "spent the winter in", "bought a house in", "teaches in", "flew to",
+                     "sailed to", "stayed in", "settled in", "was last seen in", "opened an office in",
+                     "went to school in")
+_RELATION_OPENERS = ("", "Years ago ", "Recently ", "Back then ", "Once ", "That summer ")
+
+TRAIN_RELATION_TEMPLATES: tuple[Template, ...] = tuple(
+    Template(f"relation_{i:02d}_{j}", "fact",
+             f"{opener}{{name}} {phrase} {{city}}.",
+             f"Which city goes with {{name}} in the text{'' if not opener else ' (' + opener.strip().lower() + ')'}?",
+             f"{opener}{{name}} {phrase}", _name_city_slots)
+    for i, phrase in enumerate(_RELATION_PHRASES) for j, opener in enumerate(_RELATION_OPENERS)
+)
+
+_ALL_TEMPLATES = {t.name: t for t in TRAIN_TEMPLATES + HELDOUT_TEMPLATES + VALIDATION_TEMPLATES
+                  + TRAIN_RELATION_TEMPLATES}
 
 
 def get_template(name: str) -> Template:

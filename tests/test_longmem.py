@@ -3,7 +3,8 @@
 import pytest
 
 from evals import longmem
-from evals.longmem import (HELDOUT_FILLERS, HELDOUT_TEMPLATES, TRAIN_FILLERS, TRAIN_TEMPLATES, VALIDATION_TEMPLATES,
+from evals.longmem import (HELDOUT_FILLERS, HELDOUT_TEMPLATES, TRAIN_FILLERS, TRAIN_RELATION_TEMPLATES, TRAIN_TEMPLATES,
+                           VALIDATION_TEMPLATES,
                            check_answer, make_document)
 
 
@@ -102,3 +103,16 @@ def test_text_filler_and_registry():
         make_document(TRAIN_TEMPLATES[0], seed=0, n_tokens=120, length_fn=_word_len, filler="nope")
     with pytest.raises(ValueError):
         make_document(TRAIN_TEMPLATES[0], seed=0, n_tokens=3, length_fn=_word_len)
+
+
+def test_relation_templates_avoid_every_evaluation_wording():
+    evaluation = HELDOUT_TEMPLATES + VALIDATION_TEMPLATES
+    assert len({t.name for t in TRAIN_RELATION_TEMPLATES}) == len(TRAIN_RELATION_TEMPLATES) == 96
+    eval_phrases = ("moved to", "works in", "last year", "these days")
+    for t in TRAIN_RELATION_TEMPLATES:
+        assert all(t.fact != u.fact and t.prefix != u.prefix and t.question != u.question for u in evaluation)
+        assert not any(p in t.fact.lower() for p in eval_phrases), t.fact
+    d = make_document(TRAIN_RELATION_TEMPLATES[7], seed=3, n_tokens=300, length_fn=_word_len)
+    fact = d.prompt[d.fact_span[0]:d.fact_span[1]]
+    # the answer prefix repeats the fact up to the city: copying what follows it is the answer
+    assert fact.endswith(d.answer + ".") and d.prompt.rstrip().endswith(fact[:-len(d.answer) - 1].strip())

@@ -135,3 +135,13 @@ def test_zero_minute_stage_saves_the_init_model_rebased(tmp_path):
     saved, original = load_file(out / "model.safetensors"), load_file(Path(MODEL_DIR) / "model.safetensors")
     assert saved.keys() == original.keys()
     assert all(saved[k].equal(original[k]) for k in saved)
+
+
+def test_relation_frac_draws_memory_documents_from_the_relation_family(sampler_factory):
+    def questions(sampler, n=30):
+        texts = [sampler.tok.decode(sampler.sequence(256)) for _ in range(n)]
+        return sum("Which city goes with" in t for t in texts), n
+
+    assert questions(sampler_factory(mem_frac=1.0, copy_frac=0.0))[0] == 0
+    hits, n = questions(sampler_factory(mem_frac=1.0, copy_frac=0.0, relation_frac=1.0))
+    assert hits == n

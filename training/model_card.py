@@ -253,6 +253,8 @@ def _render_stage(a, tr: dict) -> None:
       f"{tr.get('mem_frac', 0) * 100:.0f}% start with a synthetic long-memory document "
       f"({tr.get('mem_docs')} documents"
       + (f" of at least {tr['mem_min_frac'] * 100:.0f}% of the sequence length" if tr.get("mem_min_frac") else "")
+      + (f"; {tr['relation_frac'] * 100:.0f}% of them from the 96 person -> city wordings of "
+         "`TRAIN_RELATION_TEMPLATES`" if tr.get("relation_frac") else "")
       + f"; {tr.get('chat_frac', 0) * 100:.0f}% of them in the chat format), "
       "the rest is corpus text; every sequence starts with BOS")
     a(f"- float32 on CPU, {tr.get('threads', 1)} torch thread(s)"
@@ -339,11 +341,14 @@ def render_card(f: dict, history: str = "") -> str:
       "License Version 2. ~4% of the files (CRC32 of the path) are held out for perplexity.")
     a("- **Python documentation topics** (`pydoc_data.topics`, the language reference text shipped with CPython) — "
       "Python Software Foundation License Version 2 (documentation also under the PSF licence terms).")
-    a("- **Synthetic long-memory documents** from `evals/longmem.py` (`TRAIN_TEMPLATES`; filler `babble` — generated "
+    a("- **Synthetic long-memory documents** from `evals/longmem.py` (`TRAIN_TEMPLATES`, and `TRAIN_RELATION_TEMPLATES` in stages "
+      "run with `--relation-frac`; filler `babble` — generated "
       "sentences — or windows of the training corpus) — generated here, no licence restrictions.")
     a("- Held out of training, used only for evaluation: `HELDOUT_TEMPLATES` and the filler sources `licenses` "
       "(Debian's `/usr/share/common-licenses`, package `base-files`; the texts are the GPL/LGPL/Apache/"
-      "MPL/Artistic/BSD/GFDL/CC0 licences themselves, verbatim copying permitted) and `haystack` (generated sentences).")
+      "MPL/Artistic/BSD/GFDL/CC0 licences themselves, verbatim copying permitted) and `haystack` (generated sentences); "
+      "`VALIDATION_TEMPLATES` are also never trained on and only used to choose settings "
+      "(`training.rope_base_sweep`), never reported here.")
     a("")
     a("## Figures")
     a("")

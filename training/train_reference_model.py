@@ -15,6 +15,7 @@ time, so the run ends on time whatever the machine's load. A checkpoint is writt
   copying*, which measures it).
 - --mem-frac: synthetic long-memory documents (evals.longmem, TRAIN_TEMPLATES/TRAIN_FILLERS only)
   followed by EOS and corpus text; their lengths are uniform from --mem-min-frac of the sequence up;
+  --relation-frac of them use the 96 person -> city wordings of TRAIN_RELATION_TEMPLATES instead;
 - the rest: corpus text (Python stdlib sources and docs, see training.corpus).
 """
 
@@ -70,7 +71,7 @@ class Sampler:
 
     def __init__(self, hf_tok, train_docs: list[str], mem_frac: float, chat_frac: float, seed: int,
                  copy_frac: float = 0.0, random_span_frac: float = 0.5, copy_max_gap_frac: float = 0.5,
-                 mem_min_frac: float = 0.0):
+                 mem_min_frac: float = 0.0, relation_frac: float = 0.0):
         self.tok = hf_tok
         self.bos, self.eos = hf_tok.bos_token_id, hf_tok.eos_token_id
         self.mem_frac, self.chat_frac, self.copy_frac = mem_frac, chat_frac, copy_frac
@@ -91,13 +92,18 @@ class Sampler:
         self.random_span_frac = random_span_frac
         self.copy_max_gap_frac = copy_max_gap_frac
         self.mem_min_frac = mem_min_frac
+        self.relation_frac = relation_frac
 
     def _length(self, text: str) -> int:
         return len(self.tok(text)["input_ids"])
 
     def _mem_doc_ids(self, max_len: int) -> list[int]:
         rng = self.rng
-        tmpl = rng.choice(longmem.TRAIN_TEMPLATES)
+        # Only draw for the relation family when it is on, so runs without it replay the same stream.
+        if self.relation_frac and rng.random() < self.relation_frac:
+            tmpl = rng.choice(longmem.TRAIN_RELATION_TEMPLATES)
+        else:
+            tmpl = rng.choice(longmem.TRAIN_TEMPLATES)
         filler = "corpus" if rng.random() < 0.6 else "babble"
         depth = 0.0 if rng.random() < 0.7 else rng.random()
         chat = rng.random() < self.chat_frac
@@ -249,6 +255,9 @@ def main(argv=None):
                     help="longest gap between a span and its copy, as a fraction of the sequence length")
     ap.add_argument("--mem-min-frac", type=float, default=0.0,
                     help="shortest long-memory document, as a fraction of the sequence length")
+    ap.add_argument("--relation-frac", type=float, default=0.0,
+                    help="share of long-memory documents drawn from TRAIN_RELATION_TEMPLATES (96 person -> city "
+                    "wordings) instead of the eight fixed training templates")
     ap.add_argument("--curriculum", type=json.loads, default=CURRICULUM,
                     help="JSON list of [start fraction, seq_len, batch], e.g. '[[0, 256, 8]]'")
     ap.add_argument("--init", help="continue training this model directory (its tokenizer and weights) "
@@ -290,7 +299,7 @@ def main(argv=None):
     logger.info("tokenizer ready (%.0fs)", time.time() - t_start)
     sampler = Sampler(hf_tok, train_docs, args.mem_frac, args.chat_frac, args.seed, copy_frac=args.copy_frac,
                       random_span_frac=args.random_span_frac, copy_max_gap_frac=args.copy_max_gap_frac,
-                      mem_min_frac=args.mem_min_frac)
+                      mem_min_frac=args.mem_min_frac, relation_frac=args.relation_frac)
 
     shape = dict(MODEL_SHAPE, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads)
     if args.rope_theta is not None:
@@ -337,7 +346,7 @@ def main(argv=None):
                     final_loss_ema=None if ema is None else round(ema, 4), lr=args.lr, mem_frac=args.mem_frac,
                     chat_frac=args.chat_frac, copy_frac=args.copy_frac, random_span_frac=args.random_span_frac,
                     copy_max_gap_frac=args.copy_max_gap_frac, weight_decay=args.weight_decay,
-                    mem_min_frac=args.mem_min_frac, copy_seqs=sampler.n_copy, threads=args.threads,
+                    mem_min_frac=args.mem_min_frac, relation_frac=args.relation_frac, copy_seqs=sampler.n_copy, threads=args.threads,
                     compile=args.compile, curriculum=args.curriculum, seed=args.seed, vocab=len(hf_tok),
                     bf16_autocast=args.bf16, init=args.init, previous_stage=previous, mem_docs=sampler.n_mem, shape=shape)
 
