@@ -286,7 +286,7 @@ def render_card(f: dict, history: str = "") -> str:
     acc_1000 = min(r["passkey@1000"]["accuracy"], r["fact@1000"]["accuracy"])
     sinks_ok = sum(v >= 0.3 for v in sink[1:]) > (len(sink) - 1) / 2
     if acc_1000 < 0.8 or not sinks_ok:
-        a("**Status: this checkpoint does not meet its targets yet** (retrieval at 1,000 tokens "
+        a("**Status: this checkpoint does not meet its targets yet** (retrieval at 1,000 tokens, weaker task, "
           f"{acc_1000 * 100:.0f}% vs 80%; sink mass on position 0 >= 0.3 in "
           f"{sum(v >= 0.3 for v in sink[1:])} of {len(sink) - 1} layers past the first). It loads, tokenizes, "
           "generates Python-like text and serves as the default model; what it retrieves and how far back "
@@ -412,8 +412,9 @@ def render_card(f: dict, history: str = "") -> str:
     acc1000 = min(r["passkey@1000"]["accuracy"], r["fact@1000"]["accuracy"])
     n_sink = sum(v >= 0.3 for v in sink[1:])
     a(f"- retrieval at 1,000 tokens >= 80% on held-out templates: "
-      f"{'met' if acc1000 >= 0.8 else 'NOT met'} (passkey {r['passkey@1000']['accuracy'] * 100:.0f}%, "
-      f"fact {r['fact@1000']['accuracy'] * 100:.0f}%)")
+      f"{'met' if acc1000 >= 0.8 else 'NOT met'} by the weaker task (passkey {r['passkey@1000']['accuracy'] * 100:.0f}%, "
+      f"fact {r['fact@1000']['accuracy'] * 100:.0f}%; "
+      f"{(r['passkey@1000']['accuracy'] + r['fact@1000']['accuracy']) * 50:.0f}% over both)")
     a(f"- sink mass on position 0 >= 0.3 in most layers past the first: "
       f"{'met' if n_sink > (len(sink) - 1) / 2 else 'NOT met'} ({n_sink} of {len(sink) - 1} layers)")
     a("")
