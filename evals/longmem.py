@@ -200,7 +200,7 @@ VALIDATION_TEMPLATES: tuple[Template, ...] = (
 )
 
 # A training-only family of person -> city facts in many wordings. The eight fixed training templates
-# teach their own wording: the model answers them at 95-100% at 1,000 tokens but the held-out city
+# teach their own wording: the stage-6 reference model answered them at 95-100% at 1,000 tokens but the held-out city
 # template ("Last year {name} moved to {city}") at 12-32% at any length, completing "moved to" from its
 # language prior ("the ...") instead of copying the city. Many relation phrases and openers make copying
 # whatever follows the repeated phrase the only rule that fits. None of them is a held-out or validation

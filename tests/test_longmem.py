@@ -4,8 +4,7 @@ import pytest
 
 from evals import longmem
 from evals.longmem import (HELDOUT_FILLERS, HELDOUT_TEMPLATES, TRAIN_FILLERS, TRAIN_RELATION_TEMPLATES, TRAIN_TEMPLATES,
-                           VALIDATION_TEMPLATES,
-                           check_answer, make_document)
+                           VALIDATION_TEMPLATES, check_answer, make_document)
 
 
 def _word_len(text: str) -> int:
