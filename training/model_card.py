@@ -43,12 +43,22 @@ def load(model_dir: str, attn: str = "sdpa"):
     return tok, model
 
 
-def heldout_stream(tok) -> list[int]:
+def docs_stream(tok, docs: list[str]) -> list[int]:
+    """Documents as one token stream, each followed by EOS (as in training)."""
     stream: list[int] = []
-    for ids in tok(load_corpus("heldout"), add_special_tokens=False)["input_ids"]:
+    for ids in tok(docs, add_special_tokens=False)["input_ids"]:
         stream.extend(ids)
         stream.append(tok.eos_token_id)
     return stream
+
+
+def heldout_stream(tok) -> list[int]:
+    return docs_stream(tok, load_corpus("heldout"))
+
+
+def rope_theta(config) -> float:
+    """The RoPE base of a transformers config (``rope_parameters``; 10,000 when absent)."""
+    return float((config.rope_parameters or {}).get("rope_theta", 10000.0))
 
 
 def windows(stream: list[int], bos: int, length: int, n: int) -> list[list[int]]:
@@ -187,7 +197,7 @@ def compute(model_dir: str, n_docs: int, ppl_windows: int, sink_windows: int) ->
         "config": {k: getattr(cfg, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                                   "num_attention_heads", "num_key_value_heads",
                                                   "max_position_embeddings", "vocab_size")}
-                  | {"rope_theta": float((cfg.rope_parameters or {}).get("rope_theta", 10000.0))},
+                  | {"rope_theta": rope_theta(cfg)},
         "heldout_tokens": len(stream),
     }
     meta_path = Path(model_dir) / "training_meta.json"

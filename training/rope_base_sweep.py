@@ -38,11 +38,7 @@ def train_stream(tok, max_docs: int = 400) -> list[int]:
     """
     docs = load_corpus("train")
     longmem.register_filler("corpus", longmem.TextFiller(docs))
-    stream: list[int] = []
-    for ids in tok(docs[:max_docs], add_special_tokens=False)["input_ids"]:
-        stream.extend(ids)
-        stream.append(tok.eos_token_id)
-    return stream
+    return model_card.docs_stream(tok, docs[:max_docs])
 
 
 def score(model_dir: str, theta: float, tok, stream: list[int], n_docs: int, ppl_windows: int) -> dict:

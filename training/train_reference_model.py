@@ -37,6 +37,7 @@ import torch
 
 from evals import longmem
 from training.corpus import load_corpus
+from training.model_card import rope_theta
 from training.tokenizer import DEFAULT_SYSTEM, render_chat, to_hf, train_tokenizer
 
 logger = logging.getLogger("train_reference_model")
@@ -223,10 +224,6 @@ def load_init_model(path: str, rope_theta: float | None = None, device: str = "c
     return LlamaForCausalLM.from_pretrained(path, config=cfg, attn_implementation="sdpa").to(device)
 
 
-def _rope_theta(config) -> float:
-    return float((config.rope_parameters or {}).get("rope_theta", MODEL_SHAPE["rope_theta"]))
-
-
 def _embed_chat_template(d: Path, template: str):
     """Keep the chat template inside tokenizer_config.json (as well as chat_template.jinja)."""
     cfg_path = d / "tokenizer_config.json"
@@ -315,7 +312,7 @@ def main(argv=None):
     if args.init:
         model = load_init_model(args.init, args.rope_theta, args.device)
         shape = {k: getattr(model.config, k, v) for k, v in MODEL_SHAPE.items()}
-        shape["rope_theta"] = _rope_theta(model.config)
+        shape["rope_theta"] = rope_theta(model.config)
         logger.info("continuing from %s", args.init)
         prev_meta = Path(args.init) / "training_meta.json"
         previous = json.loads(prev_meta.read_text()) if prev_meta.exists() else None
