@@ -219,8 +219,33 @@ TRAIN_RELATION_TEMPLATES: tuple[Template, ...] = tuple(
     for i, phrase in enumerate(_RELATION_PHRASES) for j, opener in enumerate(_RELATION_OPENERS)
 )
 
+# The same idea for codes and numbers: stage 7 learned the relation family but lost pass-key retrieval
+# on the held-out wordings (93% -> 77% at 1,000 tokens; it answers "The vault combination reads" with a
+# newline). Many nouns and verbs, none of them an evaluation noun or verb ("access code", "vault
+# combination", "locker number", "ticket code"; "reads" is left out too), so that copying what follows
+# the repeated phrase is again the only rule that fits.
+_CODE_NOUNS = ("door code", "serial number", "room number", "order number", "gate code", "account number",
+               "tracking number", "batch number", "licence number", "lucky number", "pin", "member number",
+               "invoice number", "parcel code", "seat number", "safe code")
+_CODE_VERBS = ("is", "equals", "was set to", "is now", "will be", "shows")
+_CODE_OPENERS = ("", "Note: ", "For the record, ", "Do not forget: ")
+
+
+def _code_slots(rng):
+    k = _rand_key(rng) if rng.random() < 0.7 else _rand_num(rng)
+    return {"key": k, "answer": k}
+
+
+TRAIN_CODE_TEMPLATES: tuple[Template, ...] = tuple(
+    Template(f"code_{i:02d}_{j}", "passkey",
+             f"{opener}{'the' if opener else 'The'} {noun} {verb} {{key}}.",
+             f"What was the {noun} in the text?", f"The {noun} {verb}", _code_slots)
+    for i, noun in enumerate(_CODE_NOUNS) for j, verb in enumerate(_CODE_VERBS)
+    for opener in (_CODE_OPENERS[(i + j) % len(_CODE_OPENERS)],)
+)
+
 _ALL_TEMPLATES = {t.name: t for t in TRAIN_TEMPLATES + HELDOUT_TEMPLATES + VALIDATION_TEMPLATES
-                  + TRAIN_RELATION_TEMPLATES}
+                  + TRAIN_RELATION_TEMPLATES + TRAIN_CODE_TEMPLATES}
 
 
 def get_template(name: str) -> Template:

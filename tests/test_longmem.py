@@ -3,7 +3,8 @@
 import pytest
 
 from evals import longmem
-from evals.longmem import (HELDOUT_FILLERS, HELDOUT_TEMPLATES, TRAIN_FILLERS, TRAIN_RELATION_TEMPLATES, TRAIN_TEMPLATES,
+from evals.longmem import (HELDOUT_FILLERS, HELDOUT_TEMPLATES, TRAIN_FILLERS, TRAIN_CODE_TEMPLATES, TRAIN_RELATION_TEMPLATES,
+                           TRAIN_TEMPLATES,
                            VALIDATION_TEMPLATES, check_answer, make_document)
 
 
@@ -115,3 +116,18 @@ def test_relation_templates_avoid_every_evaluation_wording():
     fact = d.prompt[d.fact_span[0]:d.fact_span[1]]
     # the answer prefix repeats the fact up to the city: copying what follows it is the answer
     assert fact.endswith(d.answer + ".") and d.prompt.rstrip().endswith(fact[:-len(d.answer) - 1].strip())
+
+
+def test_code_templates_avoid_every_evaluation_wording():
+    evaluation = HELDOUT_TEMPLATES + VALIDATION_TEMPLATES
+    assert len({t.name for t in TRAIN_CODE_TEMPLATES}) == len(TRAIN_CODE_TEMPLATES) == 96
+    eval_words = ("access code", "vault", "combination", "locker", "ticket", "reads", "keep this", "write this")
+    for t in TRAIN_CODE_TEMPLATES:
+        assert t.kind == "passkey"
+        assert all(t.fact != u.fact and t.prefix != u.prefix and t.question != u.question for u in evaluation)
+        assert not any(w in (t.fact + t.question).lower() for w in eval_words), t.fact
+    d = make_document(TRAIN_CODE_TEMPLATES[9], seed=3, n_tokens=300, length_fn=_word_len)
+    fact = d.prompt[d.fact_span[0]:d.fact_span[1]]
+    # the answer prefix repeats the fact's phrase up to the code
+    assert fact.endswith(" " + d.answer + ".") and fact.lower().endswith(
+        d.prompt.rstrip().rsplit("Answer: ", 1)[1].lower() + " " + d.answer + ".")

@@ -265,8 +265,16 @@ def _render_stage(a, tr: dict) -> None:
       + (f" of at least {tr['mem_min_frac'] * 100:.0f}% of the sequence length" if tr.get("mem_min_frac") else "")
       + (f"; {tr['relation_frac'] * 100:.0f}% of them from the 96 person -> city wordings of "
          "`TRAIN_RELATION_TEMPLATES`" if tr.get("relation_frac") else "")
+      + (f"; {tr['code_frac'] * 100:.0f}% from the 96 code / number wordings of `TRAIN_CODE_TEMPLATES`"
+         if tr.get("code_frac") else "")
       + f"; {tr.get('chat_frac', 0) * 100:.0f}% of them in the chat format), "
       "the rest is corpus text; every sequence starts with BOS")
+    if tr.get("sink_weight"):
+        ema = tr.get("sink_mass_ema") or []
+        a(f"- auxiliary sink loss (`training.sink_loss`), weight {tr['sink_weight']}: "
+          f"relu({tr.get('sink_target')} - m_l)^2 summed over layers 1-{len(ema) - 1 if ema else '?'}, m_l = attention on "
+          "position 0 averaged over heads and 64 sampled query rows per step; training-batch m_l at the end "
+          f"(EMA): {', '.join(f'{v:.2f}' for v in ema)}")
     a(f"- float32 on CPU, {tr.get('threads', 1)} torch thread(s)"
       + (", `torch.compile`" if tr.get("compile") else "")
       + ": bf16 autocast (`--bf16`) measured ~7x slower per step than float32 on this machine's CPU "
@@ -383,6 +391,17 @@ def render_card(f: dict, history: str = "") -> str:
     for i, row in enumerate(f["sink_mass_pos0"]["per_layer_head"]):
         a(f"- layer {i}: " + ", ".join(f"{v:.2f}" for v in row))
     a("")
+    stages = _stages(tr)
+    sink_stages = [i + 1 for i, st in enumerate(stages) if st.get("sink_weight")]
+    if sink_stages:
+        plain = sum(st.get("tokens", 0) for st in stages[:sink_stages[0] - 1])
+        a(f"How it got there: not by language-model training alone. Stage(s) {', '.join(map(str, sink_stages))} "
+          "added an auxiliary loss that rewards attention on position 0 (`training.sink_loss`, see the stage "
+          f"list); the stages before, {plain / 1e6:.1f}M tokens of plain training, left the sink weak (see the "
+          "training history). The loss sets how much attention each layer parks on the first token, not where the "
+          "rest goes; that the model now depends on its sink is measured downstream, by evicting it "
+          "(`docs/retention.md`, window only).")
+        a("")
     if "copy_gain" in f:
         a("### In-context copying (the circuit retrieval needs)")
         a("")

@@ -15,7 +15,8 @@ time, so the run ends on time whatever the machine's load. A checkpoint is writt
   copying*, which measures it).
 - --mem-frac: synthetic long-memory documents (evals.longmem, TRAIN_TEMPLATES/TRAIN_FILLERS only)
   followed by EOS and corpus text; their lengths are uniform from --mem-min-frac of the sequence up;
-  --relation-frac of them use the 96 person -> city wordings of TRAIN_RELATION_TEMPLATES instead;
+  --relation-frac of them use the 96 person -> city wordings of TRAIN_RELATION_TEMPLATES instead,
+  --code-frac the 96 code / number wordings of TRAIN_CODE_TEMPLATES;
 - the rest: corpus text (Python stdlib sources and docs, see training.corpus).
 """
 
@@ -72,7 +73,7 @@ class Sampler:
 
     def __init__(self, hf_tok, train_docs: list[str], mem_frac: float, chat_frac: float, seed: int,
                  copy_frac: float = 0.0, random_span_frac: float = 0.5, copy_max_gap_frac: float = 0.5,
-                 mem_min_frac: float = 0.0, relation_frac: float = 0.0):
+                 mem_min_frac: float = 0.0, relation_frac: float = 0.0, code_frac: float = 0.0):
         self.tok = hf_tok
         self.bos, self.eos = hf_tok.bos_token_id, hf_tok.eos_token_id
         self.mem_frac, self.chat_frac, self.copy_frac = mem_frac, chat_frac, copy_frac
@@ -94,15 +95,19 @@ class Sampler:
         self.copy_max_gap_frac = copy_max_gap_frac
         self.mem_min_frac = mem_min_frac
         self.relation_frac = relation_frac
+        self.code_frac = code_frac
 
     def _length(self, text: str) -> int:
         return len(self.tok(text)["input_ids"])
 
     def _mem_doc_ids(self, max_len: int) -> list[int]:
         rng = self.rng
-        # Only draw for the relation family when it is on, so runs without it replay the same stream.
-        if self.relation_frac and rng.random() < self.relation_frac:
+        # Only draw for the wording families when one is on, so runs without them replay the same stream.
+        r = rng.random() if self.relation_frac or self.code_frac else 1.0
+        if r < self.relation_frac:
             tmpl = rng.choice(longmem.TRAIN_RELATION_TEMPLATES)
+        elif r < self.relation_frac + self.code_frac:
+            tmpl = rng.choice(longmem.TRAIN_CODE_TEMPLATES)
         else:
             tmpl = rng.choice(longmem.TRAIN_TEMPLATES)
         filler = "corpus" if rng.random() < 0.6 else "babble"
@@ -255,6 +260,13 @@ def main(argv=None):
     ap.add_argument("--relation-frac", type=float, default=0.0,
                     help="share of long-memory documents drawn from TRAIN_RELATION_TEMPLATES (96 person -> city "
                     "wordings) instead of the eight fixed training templates")
+    ap.add_argument("--code-frac", type=float, default=0.0,
+                    help="share of long-memory documents drawn from TRAIN_CODE_TEMPLATES (96 code / number "
+                    "wordings)")
+    ap.add_argument("--sink-weight", type=float, default=0.0,
+                    help="weight of the auxiliary loss that rewards attention mass on position 0 (training.sink_loss)")
+    ap.add_argument("--sink-target", type=float, default=0.4,
+                    help="per-layer mass on position 0 below which the sink loss applies")
     ap.add_argument("--curriculum", type=json.loads, default=CURRICULUM,
                     help="JSON list of [start fraction, seq_len, batch], e.g. '[[0, 256, 8]]'")
     ap.add_argument("--init", help="continue training this model directory (its tokenizer and weights) "
@@ -296,7 +308,7 @@ def main(argv=None):
     logger.info("tokenizer ready (%.0fs)", time.time() - t_start)
     sampler = Sampler(hf_tok, train_docs, args.mem_frac, args.chat_frac, args.seed, copy_frac=args.copy_frac,
                       random_span_frac=args.random_span_frac, copy_max_gap_frac=args.copy_max_gap_frac,
-                      mem_min_frac=args.mem_min_frac, relation_frac=args.relation_frac)
+                      mem_min_frac=args.mem_min_frac, relation_frac=args.relation_frac, code_frac=args.code_frac)
 
     shape = dict(MODEL_SHAPE, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads)
     if args.rope_theta is not None:
@@ -336,6 +348,11 @@ def main(argv=None):
     last_ckpt = t0
     tokens = step = 0
     ema = None
+    sink_ema = None  # per layer, sampled mass on position 0 (only with --sink-weight)
+    if args.sink_weight:
+        from training import sink_loss
+
+        sink_loss.install(model)
 
     def run_meta() -> dict:
         return dict(command="python -m training.train_reference_model " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -343,7 +360,9 @@ def main(argv=None):
                     final_loss_ema=None if ema is None else round(ema, 4), lr=args.lr, mem_frac=args.mem_frac,
                     chat_frac=args.chat_frac, copy_frac=args.copy_frac, random_span_frac=args.random_span_frac,
                     copy_max_gap_frac=args.copy_max_gap_frac, weight_decay=args.weight_decay,
-                    mem_min_frac=args.mem_min_frac, relation_frac=args.relation_frac, copy_seqs=sampler.n_copy, threads=args.threads,
+                    mem_min_frac=args.mem_min_frac, relation_frac=args.relation_frac, code_frac=args.code_frac,
+                    sink_weight=args.sink_weight, sink_target=args.sink_target,
+                    sink_mass_ema=None if sink_ema is None else [round(v, 4) for v in sink_ema], copy_seqs=sampler.n_copy, threads=args.threads,
                     compile=args.compile, curriculum=args.curriculum, seed=args.seed, vocab=len(hf_tok),
                     bf16_autocast=args.bf16, init=args.init, previous_stage=previous, mem_docs=sampler.n_mem, shape=shape)
 
@@ -361,18 +380,24 @@ def main(argv=None):
             g["lr"] = lr
         x = sampler.batch(bsz, seq_len).to(args.device)
         with torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16, enabled=args.bf16):
-            loss = forward(input_ids=x, labels=x).loss
+            loss = lm_loss = forward(input_ids=x, labels=x).loss
+            if args.sink_weight:
+                masses = sink_loss.layer_masses(model)
+                loss = lm_loss + args.sink_weight * sink_loss.sink_penalty(masses, args.sink_target)
+                now = [m.item() for m in masses]
+                sink_ema = now if sink_ema is None else [0.95 * a + 0.05 * b for a, b in zip(sink_ema, now)]
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         step += 1
         tokens += x.numel()
-        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+        ema = lm_loss.item() if ema is None else 0.95 * ema + 0.05 * lm_loss.item()
         if step % 10 == 0:
             el = time.time() - t0
-            logger.info("step %d  frac %.3f  L %d  lr %.2e  loss %.3f (ema %.3f)  tokens %.2fM  %.0f tok/s",
-                        step, frac, seq_len, lr, loss.item(), ema, tokens / 1e6, tokens / el)
+            logger.info("step %d  frac %.3f  L %d  lr %.2e  loss %.3f (ema %.3f)  tokens %.2fM  %.0f tok/s%s",
+                        step, frac, seq_len, lr, lm_loss.item(), ema, tokens / 1e6, tokens / el,
+                        "" if sink_ema is None else "  sink " + " ".join(f"{v:.3f}" for v in sink_ema))
         meta = run_meta()
         if time.time() - last_ckpt > args.ckpt_minutes * 60:
             save_model(model, hf_tok, work / "checkpoint", meta)
