@@ -306,7 +306,8 @@ def render_card(f: dict, history: str = "") -> str:
     if acc_1000 < 0.8 or not sinks_ok:
         a("**Status: this checkpoint does not meet its targets yet** (retrieval at 1,000 tokens, weaker task, "
           f"{acc_1000 * 100:.0f}% vs 80%; sink mass on position 0 >= 0.3 in "
-          f"{sum(v >= 0.3 for v in sink[1:])} of {len(sink) - 1} layers past the first). It loads, tokenizes, "
+          f"{sum(v >= 0.3 for v in sink[1:])} of {len(sink) - 1} layers past the first"
+          f"{', met' if sinks_ok else ''}). It loads, tokenizes, "
           "generates Python-like text and serves as the default model; what it retrieves and how far back "
           "is measured below (see *What would reach the targets*).")
         a("")
@@ -467,8 +468,9 @@ def render_card(f: dict, history: str = "") -> str:
              if n_sink <= (len(sink) - 1) / 2 else "")
           + "What would reach the targets: the same script with more tokens — `--minutes` several times larger, "
           "or `--device cuda` on a GPU (tens to hundreds of millions of tokens in the same wall time) — and, "
-          "for retrieval with unseen wording, more varied training templates: training on the eight fixed "
-          "templates longer improves them, not the held-out ones (see the training history); see "
+          "for retrieval with unseen wording, a training mix that carries over to it: training on the eight "
+          "fixed templates longer improves them, not the held-out ones, and varied wordings helped one "
+          "held-out wording while hurting another (see the training history); see "
           "`retrieval_examples` in `eval_results.json` for what the model answers now.")
         a("")
     if history:
