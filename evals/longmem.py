@@ -223,7 +223,9 @@ TRAIN_RELATION_TEMPLATES: tuple[Template, ...] = tuple(
 # on the held-out wordings (93% -> 77% at 1,000 tokens; it answers "The vault combination reads" with a
 # newline). Many nouns and verbs, none of them an evaluation noun or verb ("access code", "vault
 # combination", "locker number", "ticket code"; "reads" is left out too), so that copying what follows
-# the repeated phrase is again the only rule that fits.
+# the repeated phrase is again the only rule that fits. Measured (the model card's training history): they
+# lifted "the access code is" but the held-out "reads" wording fell to 0%, with 30% or 15% of the
+# memory documents drawn from them; the family is kept for that record and for future mixes.
 _CODE_NOUNS = ("door code", "serial number", "room number", "order number", "gate code", "account number",
                "tracking number", "batch number", "licence number", "lucky number", "pin", "member number",
                "invoice number", "parcel code", "seat number", "safe code")
