@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from evals import longmem
 from training.corpus import load_corpus
+from training.sink_loss import ROWS
 
 logger = logging.getLogger("model_card")
 
@@ -273,7 +274,7 @@ def _render_stage(a, tr: dict) -> None:
         ema = tr.get("sink_mass_ema") or []
         a(f"- auxiliary sink loss (`training.sink_loss`), weight {tr['sink_weight']}: "
           f"relu({tr.get('sink_target')} - m_l)^2 summed over layers 1-{len(ema) - 1 if ema else '?'}, m_l = attention on "
-          "position 0 averaged over heads and 64 sampled query rows per step; training-batch m_l at the end "
+          f"position 0 averaged over heads and {ROWS} sampled query rows per step; training-batch m_l at the end "
           f"(EMA): {', '.join(f'{v:.2f}' for v in ema)}")
     a(f"- float32 on CPU, {tr.get('threads', 1)} torch thread(s)"
       + (", `torch.compile`" if tr.get("compile") else "")

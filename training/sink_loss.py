@@ -9,7 +9,7 @@ dedicated sink token in pre-training. ``--sink-weight`` adds
     weight * sum over layers l >= 1 of  relu(target - m_l) ** 2
 
 where ``m_l`` is layer l's attention probability on key 0, averaged over heads, over the batch and
-over ``rows`` query positions drawn uniformly from 1..T-1 at each step (the model card's sink
+over ``ROWS`` (64) query positions drawn uniformly from 1..T-1 at each step (the model card's sink
 figure samples the same quantity over every query position of held-out text). The model is free to
 choose which heads sink and how (the usual way: a key direction every query matches, plus a small
 BOS value); nothing is added to the architecture, so the result is a plain ``LlamaForCausalLM``.
