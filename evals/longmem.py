@@ -225,7 +225,8 @@ TRAIN_RELATION_TEMPLATES: tuple[Template, ...] = tuple(
 # combination", "locker number", "ticket code"; "reads" is left out too), so that copying what follows
 # the repeated phrase is again the only rule that fits. Measured (the model card's training history): they
 # lifted "the access code is" but the held-out "reads" wording fell to 0%, with 30% or 15% of the
-# memory documents drawn from them; the family is kept for that record and for future mixes.
+# memory documents drawn from them -- and also without them once the sink loss was on (run D), so they
+# are not the only cause; the family is kept for that record and for future mixes.
 _CODE_NOUNS = ("door code", "serial number", "room number", "order number", "gate code", "account number",
                "tracking number", "batch number", "licence number", "lucky number", "pin", "member number",
                "invoice number", "parcel code", "seat number", "safe code")
