@@ -41,6 +41,8 @@ __all__ = [
     "HELDOUT_TEMPLATES",
     "VALIDATION_TEMPLATES",
     "TRAIN_RELATION_TEMPLATES",
+    "TRAIN_CODE_TEMPLATES",
+    "TRAIN_PRIOR_VERB_TEMPLATES",
     "TRAIN_FILLERS",
     "HELDOUT_FILLERS",
     "FILLERS",
@@ -247,8 +249,25 @@ TRAIN_CODE_TEMPLATES: tuple[Template, ...] = tuple(
     for opener in (_CODE_OPENERS[(i + j) % len(_CODE_OPENERS)],)
 )
 
+# Code wordings whose verb the training filler completes otherwise: babble says "The parser returns the
+# result", so after "The gate code returns" the language prior is " the" while the text says a code. The
+# stage-8 model answered the held-out "The vault combination reads" with " the vault combination" (the
+# babble prior of "reads"; the code, " 2", at log-prob -8 to -12): copying lost to a verb's prior. These
+# teach that the repeated phrase wins over the prior, with every babble verb except "reads" (an
+# evaluation verb, so it stays held out).
+_PRIOR_VERBS = ("returns", "writes", "updates", "checks", "sorts", "stores", "sends", "closes", "opens",
+                "copies", "encodes")
+
+TRAIN_PRIOR_VERB_TEMPLATES: tuple[Template, ...] = tuple(
+    Template(f"prior_verb_{i:02d}_{j:02d}", "passkey",
+             f"{opener}{'the' if opener else 'The'} {noun} {verb} {{key}}.",
+             f"What did the {noun} say in the text?", f"The {noun} {verb}", _code_slots)
+    for i, noun in enumerate(_CODE_NOUNS) for j, verb in enumerate(_PRIOR_VERBS)
+    for opener in (_CODE_OPENERS[(i + j) % len(_CODE_OPENERS)],)
+)
+
 _ALL_TEMPLATES = {t.name: t for t in TRAIN_TEMPLATES + HELDOUT_TEMPLATES + VALIDATION_TEMPLATES
-                  + TRAIN_RELATION_TEMPLATES + TRAIN_CODE_TEMPLATES}
+                  + TRAIN_RELATION_TEMPLATES + TRAIN_CODE_TEMPLATES + TRAIN_PRIOR_VERB_TEMPLATES}
 
 
 def get_template(name: str) -> Template:

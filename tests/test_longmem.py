@@ -3,8 +3,8 @@
 import pytest
 
 from evals import longmem
-from evals.longmem import (HELDOUT_FILLERS, HELDOUT_TEMPLATES, TRAIN_FILLERS, TRAIN_CODE_TEMPLATES, TRAIN_RELATION_TEMPLATES,
-                           TRAIN_TEMPLATES,
+from evals.longmem import (HELDOUT_FILLERS, HELDOUT_TEMPLATES, TRAIN_FILLERS, TRAIN_CODE_TEMPLATES,
+                           TRAIN_PRIOR_VERB_TEMPLATES, TRAIN_RELATION_TEMPLATES, TRAIN_TEMPLATES,
                            VALIDATION_TEMPLATES, check_answer, make_document)
 
 
@@ -131,3 +131,20 @@ def test_code_templates_avoid_every_evaluation_wording():
     # the answer prefix repeats the fact's phrase up to the code
     assert fact.endswith(" " + d.answer + ".") and fact.lower().endswith(
         d.prompt.rstrip().rsplit("Answer: ", 1)[1].lower() + " " + d.answer + ".")
+
+
+def test_prior_verb_templates_use_every_filler_verb_but_the_evaluation_one():
+    evaluation = HELDOUT_TEMPLATES + VALIDATION_TEMPLATES
+    assert set(longmem._PRIOR_VERBS) == set(longmem._BABBLE_VERB) - {"reads"}
+    assert len({t.name for t in TRAIN_PRIOR_VERB_TEMPLATES}) == len(TRAIN_PRIOR_VERB_TEMPLATES) == 16 * 11
+    eval_words = ("access code", "vault", "combination", "locker", "ticket", "read", "keep this", "write this")
+    for t in TRAIN_PRIOR_VERB_TEMPLATES:
+        assert t.kind == "passkey"
+        assert all(t.fact != u.fact and t.prefix != u.prefix and t.question != u.question for u in evaluation)
+        assert not any(w in (t.fact + t.question).lower() for w in eval_words), t.fact
+    d = make_document(TRAIN_PRIOR_VERB_TEMPLATES[20], seed=5, n_tokens=300, length_fn=_word_len, filler="babble")
+    fact = d.prompt[d.fact_span[0]:d.fact_span[1]]
+    verb = d.prompt.rstrip().rsplit(" ", 1)[1]
+    # the answer prefix ends in one of the verbs the babble filler follows with an object, not a code
+    assert verb in longmem._PRIOR_VERBS
+    assert fact.endswith(f" {verb} {d.answer}.")

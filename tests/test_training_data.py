@@ -157,3 +157,15 @@ def test_code_frac_draws_memory_documents_from_the_code_family(sampler_factory):
     assert hits == n
     mixed, n = questions(sampler_factory(mem_frac=1.0, copy_frac=0.0, relation_frac=0.5, code_frac=0.5))
     assert 0 < mixed < n
+
+
+def test_prior_verb_frac_draws_memory_documents_from_the_prior_verb_family(sampler_factory):
+    def questions(sampler, n=30):
+        texts = [sampler.tok.decode(sampler.sequence(256)) for _ in range(n)]
+        return sum("say in the text?" in t for t in texts), n
+
+    assert questions(sampler_factory(mem_frac=1.0, copy_frac=0.0, code_frac=1.0))[0] == 0
+    hits, n = questions(sampler_factory(mem_frac=1.0, copy_frac=0.0, prior_verb_frac=1.0))
+    assert hits == n
+    mixed, n = questions(sampler_factory(mem_frac=1.0, copy_frac=0.0, code_frac=0.5, prior_verb_frac=0.5))
+    assert 0 < mixed < n

@@ -268,6 +268,8 @@ def _render_stage(a, tr: dict) -> None:
          "`TRAIN_RELATION_TEMPLATES`" if tr.get("relation_frac") else "")
       + (f"; {tr['code_frac'] * 100:.0f}% from the 96 code / number wordings of `TRAIN_CODE_TEMPLATES`"
          if tr.get("code_frac") else "")
+      + (f"; {tr['prior_verb_frac'] * 100:.0f}% from the {len(longmem.TRAIN_PRIOR_VERB_TEMPLATES)} code wordings "
+         "of `TRAIN_PRIOR_VERB_TEMPLATES` (verbs the filler completes otherwise)" if tr.get("prior_verb_frac") else "")
       + f"; {tr.get('chat_frac', 0) * 100:.0f}% of them in the chat format), "
       "the rest is corpus text; every sequence starts with BOS")
     if tr.get("sink_weight"):

@@ -16,7 +16,8 @@ time, so the run ends on time whatever the machine's load. A checkpoint is writt
 - --mem-frac: synthetic long-memory documents (evals.longmem, TRAIN_TEMPLATES/TRAIN_FILLERS only)
   followed by EOS and corpus text; their lengths are uniform from --mem-min-frac of the sequence up;
   --relation-frac of them use the 96 person -> city wordings of TRAIN_RELATION_TEMPLATES instead,
-  --code-frac the 96 code / number wordings of TRAIN_CODE_TEMPLATES;
+  --code-frac the 96 code / number wordings of TRAIN_CODE_TEMPLATES, --prior-verb-frac the 176 code
+  wordings of TRAIN_PRIOR_VERB_TEMPLATES (verbs the filler completes otherwise);
 - the rest: corpus text (Python stdlib sources and docs, see training.corpus).
 """
 
@@ -73,7 +74,8 @@ class Sampler:
 
     def __init__(self, hf_tok, train_docs: list[str], mem_frac: float, chat_frac: float, seed: int,
                  copy_frac: float = 0.0, random_span_frac: float = 0.5, copy_max_gap_frac: float = 0.5,
-                 mem_min_frac: float = 0.0, relation_frac: float = 0.0, code_frac: float = 0.0):
+                 mem_min_frac: float = 0.0, relation_frac: float = 0.0, code_frac: float = 0.0,
+                 prior_verb_frac: float = 0.0):
         self.tok = hf_tok
         self.bos, self.eos = hf_tok.bos_token_id, hf_tok.eos_token_id
         self.mem_frac, self.chat_frac, self.copy_frac = mem_frac, chat_frac, copy_frac
@@ -96,6 +98,7 @@ class Sampler:
         self.mem_min_frac = mem_min_frac
         self.relation_frac = relation_frac
         self.code_frac = code_frac
+        self.prior_verb_frac = prior_verb_frac
 
     def _length(self, text: str) -> int:
         return len(self.tok(text)["input_ids"])
@@ -103,11 +106,13 @@ class Sampler:
     def _mem_doc_ids(self, max_len: int) -> list[int]:
         rng = self.rng
         # Only draw for the wording families when one is on, so runs without them replay the same stream.
-        r = rng.random() if self.relation_frac or self.code_frac else 1.0
+        r = rng.random() if self.relation_frac or self.code_frac or self.prior_verb_frac else 1.0
         if r < self.relation_frac:
             tmpl = rng.choice(longmem.TRAIN_RELATION_TEMPLATES)
         elif r < self.relation_frac + self.code_frac:
             tmpl = rng.choice(longmem.TRAIN_CODE_TEMPLATES)
+        elif r < self.relation_frac + self.code_frac + self.prior_verb_frac:
+            tmpl = rng.choice(longmem.TRAIN_PRIOR_VERB_TEMPLATES)
         else:
             tmpl = rng.choice(longmem.TRAIN_TEMPLATES)
         filler = "corpus" if rng.random() < 0.6 else "babble"
@@ -263,6 +268,9 @@ def main(argv=None):
     ap.add_argument("--code-frac", type=float, default=0.0,
                     help="share of long-memory documents drawn from TRAIN_CODE_TEMPLATES (96 code / number "
                     "wordings)")
+    ap.add_argument("--prior-verb-frac", type=float, default=0.0,
+                    help="share of long-memory documents drawn from TRAIN_PRIOR_VERB_TEMPLATES (176 code wordings "
+                    "whose verb the training filler completes with other text)")
     ap.add_argument("--sink-weight", type=float, default=0.0,
                     help="weight of the auxiliary loss that rewards attention mass on position 0 (training.sink_loss)")
     ap.add_argument("--sink-target", type=float, default=0.4,
@@ -308,7 +316,8 @@ def main(argv=None):
     logger.info("tokenizer ready (%.0fs)", time.time() - t_start)
     sampler = Sampler(hf_tok, train_docs, args.mem_frac, args.chat_frac, args.seed, copy_frac=args.copy_frac,
                       random_span_frac=args.random_span_frac, copy_max_gap_frac=args.copy_max_gap_frac,
-                      mem_min_frac=args.mem_min_frac, relation_frac=args.relation_frac, code_frac=args.code_frac)
+                      mem_min_frac=args.mem_min_frac, relation_frac=args.relation_frac, code_frac=args.code_frac,
+                      prior_verb_frac=args.prior_verb_frac)
 
     shape = dict(MODEL_SHAPE, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads)
     if args.rope_theta is not None:
@@ -361,7 +370,7 @@ def main(argv=None):
                     chat_frac=args.chat_frac, copy_frac=args.copy_frac, random_span_frac=args.random_span_frac,
                     copy_max_gap_frac=args.copy_max_gap_frac, weight_decay=args.weight_decay,
                     mem_min_frac=args.mem_min_frac, relation_frac=args.relation_frac, code_frac=args.code_frac,
-                    sink_weight=args.sink_weight, sink_target=args.sink_target,
+                    prior_verb_frac=args.prior_verb_frac, sink_weight=args.sink_weight, sink_target=args.sink_target,
                     sink_mass_ema=None if sink_ema is None else [round(v, 4) for v in sink_ema], copy_seqs=sampler.n_copy, threads=args.threads,
                     compile=args.compile, curriculum=args.curriculum, seed=args.seed, vocab=len(hf_tok),
                     bf16_autocast=args.bf16, init=args.init, previous_stage=previous, mem_docs=sampler.n_mem, shape=shape)
