@@ -1,5 +1,6 @@
 """HTTP ingress: auth, pydantic validation, OpenAI-compatible endpoints, SSE framing, probes and
-metrics. Stateless; every request goes to a Router replica through a streaming handle.
+metrics. Stateless; each request is planned by the Router's code (in this process with
+``router.plan_in: ingress``, else by a Router replica) and its tokens stream from the chosen pool.
 
 (No ``from __future__ import annotations`` here: FastAPI must see real types on the methods that
 ``serve.ingress`` rewrites, or ``request: Request`` turns into a query parameter.)
@@ -22,6 +23,7 @@ from app.auth import resolve_auth
 from app.errors import APIError, from_validation_error
 from app.events import ErrorEvent, RouteInfo, TokenDelta
 from app.replica import data_path_handle, push_forever, replica_tag
+from app.router import Router
 from app.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -105,6 +107,8 @@ class Ingress:
         self.spec = spec
         self.auth = resolve_auth(spec.auth)  # raises (replica fails to start) when no keys are set
         self.router = data_path_handle(router, spec.grpc_handles)
+        # The same planning code in-process saves one handle crossing per request (docs/serving.md).
+        self.local_router = Router(spec.local_router, {}) if spec.local_router is not None else None
         # deployment name -> handle; tokens stream pool -> ingress in one hop
         self.pools = {name: data_path_handle(h, spec.grpc_handles) for name, h in pools.items()}
         self.hub = hub
@@ -167,7 +171,7 @@ class Ingress:
         """Stream events for a handle caller (inside the cluster, so no bearer token): ``RouteInfo``,
         then ``TokenDelta``s, or one ``ErrorEvent``. See docs/handle_example.py."""
         pinned = self._pinned_version(request)
-        plan = await self.router.plan.remote(request, None, request_id, pinned)
+        plan = await self._plan(request, None, request_id, pinned)
         if isinstance(plan, ErrorEvent):
             yield plan
             return
@@ -175,6 +179,11 @@ class Ingress:
             yield ev
 
     # ---- internals ------------------------------------------------------------------------------
+
+    async def _plan(self, body: Any, key: str | None, request_id: str | None, pinned: str | None) -> Any:
+        if self.local_router is not None:
+            return await self.local_router.plan(body, key, request_id, pinned)
+        return await self.router.plan.remote(body, key, request_id, pinned)
 
     def _authorize(self, request: Request) -> str | None:
         try:
@@ -208,9 +217,9 @@ class Ingress:
             raise
         chat = isinstance(body, ChatCompletionRequest)
         request_id = new_request_id("chatcmpl" if chat else "cmpl")
-        # The router decides (unary call); tokens then stream straight from the pool to here,
-        # one streaming hop instead of two (see docs/serving.md, "Request path").
-        plan = await self.router.plan.remote(body, key, request_id, pinned)
+        # The Router's code decides (here, or in a Router replica); tokens then stream straight from
+        # the pool to here, one streaming hop instead of two (see docs/serving.md, "Request path").
+        plan = await self._plan(body, key, request_id, pinned)
         if isinstance(plan, ErrorEvent):
             self.metrics.count("none", plan.status)
             raise APIError.from_event(plan)

@@ -103,10 +103,15 @@ class ComponentArgs(_Strict):
 
 
 class RouterArgs(ComponentArgs):
-    # Per API key, per router replica (routers are stateless, so the cluster-wide rate is
-    # roughly rate_limit_rps * num_replicas; documented in docs/serving.md).
+    # Per API key, per replica that plans (Router replicas, or ingress replicas with plan_in "ingress";
+    # they share no state, so the cluster-wide rate is roughly rate_limit_rps * those replicas).
     rate_limit_rps: float | None = Field(None, gt=0)
     rate_limit_burst: int = Field(20, gt=0)
+    # Where HTTP requests are planned (tokenize, bucket, version, rate): "ingress" runs the Router's
+    # code inside each ingress replica; "deployment" asks a Router replica, one more Serve handle call
+    # per request (~5 ms of CPU each here; docs/serving_benchmark.md). The Router deployment serves
+    # handle callers that enter at it either way.
+    plan_in: Literal["deployment", "ingress"] = "ingress"
 
 
 class AppArgs(_Strict):
@@ -233,3 +238,5 @@ class IngressSpec:
     pool_deployments: tuple[str, ...]
     stats_push_interval_s: float = 1.0
     grpc_handles: bool = False
+    # Set when requests are planned inside the ingress (RouterArgs.plan_in == "ingress").
+    local_router: RouterSpec | None = None

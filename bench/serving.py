@@ -1,8 +1,9 @@
-"""Serving overhead: TTFT and ITL through HTTP (ingress -> router -> pool) versus the same engine
-in-process, at 1 and 8 concurrent streams. Writes docs/serving_benchmark.md.
+"""Serving overhead: TTFT and ITL through HTTP (HAProxy -> ingress -> pool) versus the same engine
+in-process, at 1 and 8 concurrent streams. Writes docs/serving_benchmark.md (--out).
 
     .venv/bin/python bench/serving.py                      # tiny random Llama (fast, CPU)
     .venv/bin/python bench/serving.py --model assets/reference-model
+    .venv/bin/python bench/serving.py --proxy serve --plan-in deployment   # the design sketch's path
 
 The HTTP side runs the real application (Ray Serve, num_cpus=2, auth on) on 127.0.0.1 with one
 replica per deployment; the in-process side drives ``AsyncLLMEngine`` with the same EngineConfig.
@@ -99,13 +100,16 @@ async def run_http(base: str, prompts: list[str], conc: int, max_tokens: int) ->
     return ttft, itl
 
 
-def start_app(model: str) -> str:
+def start_app(model: str, proxy: str, plan_in: str) -> str:
     import ray
     from ray import serve
 
     from app.builder import build_app
 
     os.environ["SINKSERVE_API_KEYS"] = KEY
+    if proxy == "haproxy":
+        # Read by Serve at import in every process of the cluster, so it must be set before ray.init.
+        os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
     os.environ["PYTHONPATH"] = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     with socket.socket() as s:
@@ -113,7 +117,7 @@ def start_app(model: str) -> str:
         port = s.getsockname()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
     args = {
-        "model": model, "ingress": {"num_replicas": 1}, "router": {"num_replicas": 1},
+        "model": model, "ingress": {"num_replicas": 1}, "router": {"num_replicas": 1, "plan_in": plan_in},
         "pools": [{"name": "short", "max_prompt_tokens": 900, "num_cpus": 0.5, **ENGINE}],
         "stats_push_interval_s": 2.0,
     }
@@ -134,6 +138,10 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=16, help="requests per concurrency level")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "serving_benchmark.md")
+    ap.add_argument("--proxy", choices=("serve", "haproxy"), default="haproxy",
+                    help="HTTP entry: Serve's Python proxy, or HAProxy in front of the ingress replicas")
+    ap.add_argument("--plan-in", choices=("deployment", "ingress"), default="ingress",
+                    help="where requests are planned: the Router deployment, or inside the ingress")
     args = ap.parse_args()
     model = args.model
     if model is None:
@@ -144,7 +152,7 @@ def main() -> int:
     results = {}
     for conc in (1, 8):
         results[("in-process", conc)] = asyncio.run(run_inprocess(model, prompts, conc, args.max_tokens))
-    base = start_app(model)
+    base = start_app(model, args.proxy, args.plan_in)
     for conc in (1, 8):
         results[("http", conc)] = asyncio.run(run_http(base, prompts, conc, args.max_tokens))
     from ray import serve
@@ -166,7 +174,9 @@ def main() -> int:
         f"{args.requests} streamed requests per level, {args.max_tokens} tokens each, greedy, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
         "",
-        "HTTP = client -> Serve proxy -> Ingress (asks the Router for a plan: tokenize, bucket) -> pool (LLMServer) -> engine, tokens streamed pool -> Ingress -> SSE; "
+        f"HTTP = client -> {'HAProxy' if args.proxy == 'haproxy' else 'Serve proxy'} -> Ingress "
+        f"({'plans in-process' if args.plan_in == 'ingress' else 'asks the Router deployment for a plan'}: "
+        "tokenize, bucket) -> pool (LLMServer) -> engine, tokens streamed pool -> Ingress -> SSE; "
         "in-process = `AsyncLLMEngine.generate` in the benchmark process. All times in ms.",
         "",
         "| streams | TTFT p50 in-proc | TTFT p50 HTTP | TTFT p90 HTTP | **TTFT p50 overhead** | ITL p50 in-proc | ITL p50 HTTP | ITL p90 HTTP | **ITL p50 overhead** |",

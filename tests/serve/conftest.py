@@ -54,7 +54,8 @@ def app_args(model: str, long_tp: int) -> dict:
         "model": model,
         "served_model_name": "tiny",
         "ingress": {"num_replicas": 1, "num_cpus": 0.05},
-        "router": {"num_replicas": 1, "num_cpus": 0.05, "rate_limit_rps": 5.0, "rate_limit_burst": 60},
+        "router": {"num_replicas": 1, "num_cpus": 0.05, "rate_limit_rps": 5.0, "rate_limit_burst": 60,
+                   "plan_in": "ingress"},
         "versions": [{"name": "v1", "weight": 1.0}, {"name": "v2", "weight": 0.0}],
         "pools": [
             {"name": "short", "max_prompt_tokens": SHORT_MAX, "timeout_s": 60, "num_cpus": 0.05, **engine,
@@ -73,9 +74,13 @@ def server(tiny_model):
     from ray import serve
 
     from app.builder import build_app
+    from app.cli_serve import proxy_env
 
     os.environ["SINKSERVE_API_KEYS"] = f"{API_KEY},{LIMITED_KEY}"
     os.environ["PYTHONPATH"] = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    # The HTTP entry `sinkserve serve` uses by default (HAProxy in front of the ingress replicas);
+    # SINKSERVE_TEST_PROXY=serve runs the suite through Serve's own proxy. Read when Ray starts.
+    os.environ.update(proxy_env(os.environ.get("SINKSERVE_TEST_PROXY", "haproxy")))
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=bool(os.environ.get("SINKSERVE_TEST_LOGS")))
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -263,6 +263,28 @@ def test_handle_call_streams(server):
     assert len(deltas) >= 2 and deltas[-1].finished and deltas[-1].completion_tokens == 4
 
 
+def test_router_deployment_plans_like_the_ingress(server, client):
+    """HTTP requests are planned inside the ingress (plan_in: ingress); the Router deployment runs the
+    same code for handle callers that enter at it: same pool, same prompt length, same greedy tokens."""
+    from ray import serve
+
+    from app.events import RouteInfo, TokenDelta
+    from app.schemas import CompletionRequest
+
+    prompt = "the router and the ingress plan alike"
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0,
+                                             "sinkserve": {"ignore_eos": True}})
+    assert r.status_code == 200
+    router = serve.get_deployment_handle("Router", app_name="sinkserve")
+    req = CompletionRequest(prompt=prompt, max_tokens=6, temperature=0, sinkserve={"ignore_eos": True})
+    events = list(router.options(stream=True).route.remote(req))
+    info = events[0]
+    assert isinstance(info, RouteInfo) and info.pool == r.headers["x-sinkserve-pool"] == "short"
+    assert info.prompt_tokens == r.json()["usage"]["prompt_tokens"]
+    text = "".join(e.text for e in events[1:] if isinstance(e, TokenDelta))
+    assert text == r.json()["choices"][0]["text"]
+
+
 def test_reconfigure_swaps_policy_live(server):
     """Serve calls ``reconfigure`` with a deployment's new ``user_config`` (a Serve config update of
     ``deployments[].user_config``); here we call it through the handle the same way."""

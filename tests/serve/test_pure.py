@@ -100,6 +100,9 @@ def test_prod_and_local_configs_validate():
     assert [p.name for p in prod.pools] == ["short", "long"]
     assert all(p.tensor_parallel_size == 2 and p.autoscaling for p in prod.pools)
     assert prod.ingress.num_replicas == 2 and prod.router.num_replicas == 2
+    assert prod.router.plan_in == "ingress"
+    with pytest.raises(ValidationError, match="plan_in"):
+        AppArgs.model_validate({"router": {"plan_in": "proxy"}})
 
 
 def test_pool_options_place_tp_workers():
@@ -206,3 +209,21 @@ def test_data_path_handles_go_over_grpc_only_when_enabled():
     assert data_path_handle(h, True).opts == {"_by_reference": False}
     assert data_path_handle(h, False) is h
     assert AppArgs().grpc_handles is True and AppArgs(grpc_handles=False).grpc_handles is False
+
+
+def test_serve_command_selects_the_http_entry(tmp_path, monkeypatch, capsys):
+    """`sinkserve serve` puts HAProxy in front of the ingress by default; --proxy serve keeps Serve's proxy."""
+    from app.cli import main
+    from tests.serve.conftest import REPO
+
+    monkeypatch.setenv("SINKSERVE_API_KEYS", "k")
+
+    def entry(*extra: str) -> str:
+        assert main(["serve", str(REPO / "serve_configs" / "prod.yaml"), "--dry-run",
+                     "--key-file", str(tmp_path / "keys"), *extra]) == 0
+        return next(line for line in capsys.readouterr().out.splitlines() if line.startswith("HTTP entry:"))
+
+    assert entry() == "HTTP entry: haproxy (RAY_SERVE_ENABLE_HA_PROXY=1)"
+    assert entry("--proxy", "serve") == "HTTP entry: serve (RAY_SERVE_ENABLE_HA_PROXY=0)"
+    with pytest.raises(SystemExit):
+        main(["serve", "--proxy", "nginx"])
