@@ -241,13 +241,20 @@ def _code_slots(rng):
     return {"key": k, "answer": k}
 
 
-TRAIN_CODE_TEMPLATES: tuple[Template, ...] = tuple(
-    Template(f"code_{i:02d}_{j}", "passkey",
-             f"{opener}{'the' if opener else 'The'} {noun} {verb} {{key}}.",
-             f"What was the {noun} in the text?", f"The {noun} {verb}", _code_slots)
-    for i, noun in enumerate(_CODE_NOUNS) for j, verb in enumerate(_CODE_VERBS)
-    for opener in (_CODE_OPENERS[(i + j) % len(_CODE_OPENERS)],)
-)
+def _code_family(name: Callable[[int, int], str], verbs: tuple[str, ...], question: str) -> tuple[Template, ...]:
+    """Every code noun with every verb ("{opener}the {noun} {verb} {key}."), openers in rotation;
+    ``question`` is formatted with the noun."""
+    return tuple(
+        Template(name(i, j), "passkey",
+                 f"{opener}{'the' if opener else 'The'} {noun} {verb} {{key}}.",
+                 question.format(noun=noun), f"The {noun} {verb}", _code_slots)
+        for i, noun in enumerate(_CODE_NOUNS) for j, verb in enumerate(verbs)
+        for opener in (_CODE_OPENERS[(i + j) % len(_CODE_OPENERS)],)
+    )
+
+
+TRAIN_CODE_TEMPLATES: tuple[Template, ...] = _code_family(
+    lambda i, j: f"code_{i:02d}_{j}", _CODE_VERBS, "What was the {noun} in the text?")
 
 # Code wordings whose verb the training filler completes otherwise: babble says "The parser returns the
 # result", so after "The gate code returns" the language prior is " the" while the text says a code. The
@@ -258,13 +265,8 @@ TRAIN_CODE_TEMPLATES: tuple[Template, ...] = tuple(
 _PRIOR_VERBS = ("returns", "writes", "updates", "checks", "sorts", "stores", "sends", "closes", "opens",
                 "copies", "encodes")
 
-TRAIN_PRIOR_VERB_TEMPLATES: tuple[Template, ...] = tuple(
-    Template(f"prior_verb_{i:02d}_{j:02d}", "passkey",
-             f"{opener}{'the' if opener else 'The'} {noun} {verb} {{key}}.",
-             f"What did the {noun} say in the text?", f"The {noun} {verb}", _code_slots)
-    for i, noun in enumerate(_CODE_NOUNS) for j, verb in enumerate(_PRIOR_VERBS)
-    for opener in (_CODE_OPENERS[(i + j) % len(_CODE_OPENERS)],)
-)
+TRAIN_PRIOR_VERB_TEMPLATES: tuple[Template, ...] = _code_family(
+    lambda i, j: f"prior_verb_{i:02d}_{j:02d}", _PRIOR_VERBS, "What did the {noun} say in the text?")
 
 _ALL_TEMPLATES = {t.name: t for t in TRAIN_TEMPLATES + HELDOUT_TEMPLATES + VALIDATION_TEMPLATES
                   + TRAIN_RELATION_TEMPLATES + TRAIN_CODE_TEMPLATES + TRAIN_PRIOR_VERB_TEMPLATES}
