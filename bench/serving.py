@@ -105,11 +105,11 @@ def start_app(model: str, proxy: str, plan_in: str) -> str:
     from ray import serve
 
     from app.builder import build_app
+    from app.cli_serve import proxy_env
 
     os.environ["SINKSERVE_API_KEYS"] = KEY
-    if proxy == "haproxy":
-        # Read by Serve at import in every process of the cluster, so it must be set before ray.init.
-        os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
+    # The same environment `sinkserve serve` sets; Serve reads it when Ray starts, so before ray.init.
+    os.environ.update(proxy_env(proxy))
     os.environ["PYTHONPATH"] = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     with socket.socket() as s:
