@@ -154,6 +154,7 @@ def build_app(args: AppArgs) -> Application:
                 cache_policy=tuple(sorted(pool.cache_policy.items())),
                 stats_push_interval_s=args.stats_push_interval_s,
                 worker_num_cpus=pool.worker_num_cpus,
+                engine_process=pool.engine_process,
             )
             dep = serve.deployment(LLMServer).options(name=spec.deployment_name, **pool_options(pool, device, args.low_latency))
             pools[spec.deployment_name] = dep.bind(spec, hub)

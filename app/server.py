@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from dataclasses import asdict
 from typing import Any, AsyncIterator
 
@@ -24,9 +25,11 @@ def make_cache_policy(d: dict[str, Any]):
 
 
 def build_engine(spec: PoolSpec):
-    """Construct the engine for ``spec`` (imports torch lazily so the module stays light)."""
+    """Construct the engine for ``spec`` (imports torch lazily so the module stays light): in a child
+    process (TP=1 with ``engine_process``), in this process with TP workers (TP>1), or here."""
     from engine.config import EngineConfig
     from engine.engine import AsyncLLMEngine
+    from engine.engine_process import EngineProcess
 
     config = EngineConfig(
         model=spec.model,
@@ -39,6 +42,8 @@ def build_engine(spec: PoolSpec):
         from app.tp_executor import RayTPExecutor
 
         return AsyncLLMEngine(config, executor_factory=RayTPExecutor.factory(spec.worker_num_cpus))
+    if spec.engine_process:
+        return EngineProcess(config)
     return AsyncLLMEngine(config)
 
 
@@ -62,7 +67,7 @@ class LLMServer:
         logger.info("pool %s: loading %s (tp=%d, device=%s)", spec.deployment_name, spec.model,
                     spec.tensor_parallel_size, spec.device)
         self.engine = build_engine(spec)
-        self.policy = self.engine.config.cache_policy if hasattr(self.engine, "config") else make_cache_policy(dict(spec.cache_policy))
+        self.policy = self.engine.config.cache_policy
         self.policy_version = self.policy.version
         self.ready = True
         logger.info("pool %s ready; %s", spec.deployment_name, self.policy.describe())
@@ -144,6 +149,9 @@ class LLMServer:
             "policy_generation": self.policy_generation,
             "policy": asdict(self.policy),
             "tensor_parallel_size": self.spec.tensor_parallel_size,
+            "pid": os.getpid(),
+            # The engine's own process (TP=1 with engine_process), else this replica's.
+            "engine_pid": getattr(self.engine, "pid", os.getpid()),
         }
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:

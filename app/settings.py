@@ -95,6 +95,10 @@ class PoolArgs(_Strict):
     max_queued_requests: int = Field(128, ge=-1)
     num_cpus: float = Field(0.1, ge=0)
     worker_num_cpus: float = Field(0.1, ge=0)
+    # TP=1: step the engine in a child process of the replica, so the replica's serving loop never
+    # waits on the model for the GIL (docs/serving.md, "The engine process"). TP>1 already runs the
+    # model in its worker actors and keeps the engine in the replica.
+    engine_process: bool = True
 
 
 class ComponentArgs(_Strict):
@@ -204,6 +208,7 @@ class PoolSpec:
     cache_policy: tuple[tuple[str, Any], ...]
     stats_push_interval_s: float = 1.0
     worker_num_cpus: float = 0.1
+    engine_process: bool = True
 
     @property
     def deployment_name(self) -> str:

@@ -285,6 +285,22 @@ def test_router_deployment_plans_like_the_ingress(server, client):
     assert text == r.json()["choices"][0]["text"]
 
 
+def test_tp1_pools_step_the_engine_in_a_child_process(server):
+    """TP=1: the engine steps in its own process (the replica's serving loop never waits on it for
+    the GIL); TP=2: the replica keeps the engine and its workers hold the model."""
+    import os
+
+    from ray import serve
+
+    short = serve.get_deployment_handle("pool-short-v1", app_name="sinkserve").info.remote().result()
+    assert short["engine_pid"] != short["pid"]
+    os.kill(short["engine_pid"], 0)  # alive (same machine)
+    with open(f"/proc/{short['engine_pid']}/cmdline", "rb") as f:
+        assert b"engine.engine_process" in f.read()
+    long = serve.get_deployment_handle("pool-long-v1", app_name="sinkserve").info.remote().result()
+    assert (long["engine_pid"] == long["pid"]) == (long["tensor_parallel_size"] > 1)
+
+
 def test_reconfigure_swaps_policy_live(server):
     """Serve calls ``reconfigure`` with a deployment's new ``user_config`` (a Serve config update of
     ``deployments[].user_config``); here we call it through the handle the same way."""

@@ -1,0 +1,292 @@
+"""The engine in its own process: ``EngineProcess`` has ``AsyncLLMEngine``'s interface, while
+``LLMEngine`` (scheduler, KV cache, model) steps in a child process.
+
+Why: in one process the engine's step thread holds the GIL for most of every step (with a small
+model nearly all of it is Python), so the serving loop beside it -- taking requests off the wire,
+streaming tokens out -- waits up to a switch interval each time it wakes. With the engine in a child
+the serving loop never waits for the model and the model never waits for the serving loop; the
+price is one pipe message per step. (vLLM moved its engine core to a separate process for the same
+reason.)
+
+    serving process (asyncio loop)              engine process
+    ------------------------------              --------------
+    generate() --- ("add", id, prompt, ...) -->  receiver thread -> inbox
+    abort()    --- ("abort", id) ------------->      |
+    set_cache_policy() -- ("policy", p) ------>      v
+                                                 main thread: drain inbox, step(),
+    reader (loop.add_reader) <-- ("out", deltas, stats) -- one message per step
+                             <-- ("reject", id, field, message) -- invalid request
+
+The child exits when the pipe closes (the serving process died) and the parent marks the engine dead
+when the child does, so neither outlives the other unnoticed. Start:
+``python -m engine.engine_process <fd>`` with one end of a socket pair; the config is the first
+message, ``("ready", stats)`` or ``("failed", traceback)`` the answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import traceback
+import uuid
+from multiprocessing.connection import Connection
+from typing import Any, AsyncIterator, Iterable, Sequence as Seq
+
+from engine.config import CachePolicy, EngineConfig
+from engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError, RequestAbortedError
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineProcess:
+    """``AsyncLLMEngine``'s interface (``generate``, ``abort``, ``stats``, ``check_health``,
+    ``set_cache_policy``, ``shutdown``, ``tokenizer``, ``config``) over an engine in a child process.
+
+    The constructor blocks until the child has loaded the model (like building the engine
+    in-process would), and raises ``ModelLoadError`` with the child's traceback if it could not.
+    """
+
+    def __init__(self, config: EngineConfig, start_timeout_s: float = 900.0) -> None:
+        self._config = config
+        ours, theirs = socket.socketpair()
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "engine.engine_process", str(theirs.fileno())], pass_fds=[theirs.fileno()]
+        )
+        theirs.close()
+        self._conn = Connection(ours.detach())
+        self._conn.send(config)
+        if not self._conn.poll(start_timeout_s):
+            self._proc.kill()
+            raise ModelLoadError(f"engine process did not load {config.model!r} within {start_timeout_s:.0f}s")
+        try:
+            kind, payload = self._conn.recv()
+        except EOFError:
+            kind, payload = "failed", f"engine process exited with code {self._proc.wait()}"
+        if kind != "ready":
+            self._proc.wait()
+            reason = payload.strip().splitlines()[-1]  # the exception line first, the traceback after
+            raise ModelLoadError(f"engine process could not start: {reason}\n{payload}")
+        self._stats: dict[str, Any] = payload
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._dead: str | None = None
+        self._tokenizer: Any = None
+        self._attach()
+        logger.info("engine process %d ready (%s)", self._proc.pid, config.model)
+
+    # ---- AsyncLLMEngine's interface -------------------------------------------------------------
+
+    @property
+    def config(self) -> EngineConfig:
+        return self._config
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer, loaded here on first use (token strings for logprobs)."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self._config.model, local_files_only=True)
+        return self._tokenizer
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    async def generate(
+        self,
+        prompt: str | Seq[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        anchors: Iterable[Any] | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the deltas of one request; an invalid request raises ``InvalidRequestError``
+        before the first delta, and leaving early aborts it in the engine (its blocks are freed)."""
+        self.check_health()
+        self._attach()
+        request_id = request_id or uuid.uuid4().hex
+        q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queues[request_id] = q
+        finished = False
+        try:
+            self._send(("add", request_id, prompt, params, list(anchors) if anchors else None))
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = isinstance(item, InvalidRequestError)  # never admitted: nothing to abort
+                    raise item
+                if item.finished and item.finish_reason == "abort":
+                    finished = True
+                    raise RequestAbortedError(f"request {request_id} was aborted")
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished and self._dead is None:
+                self._send(("abort", request_id))
+
+    def abort(self, request_id: str) -> None:
+        q = self._queues.get(request_id)
+        if q is not None:
+            q.put_nowait(RequestAbortedError(f"request {request_id} was aborted"))
+        self._send(("abort", request_id))
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's stats as of its last step (or the last request it took while idle)."""
+        return dict(self._stats)
+
+    def check_health(self) -> None:
+        if self._dead is None and self._proc.poll() is not None:
+            self._die(f"engine process exited with code {self._proc.returncode}")
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+
+    def set_cache_policy(self, policy: CachePolicy) -> str:
+        """Validated here (a bad policy raises now), applied by the child before its next step."""
+        policy.validate(self._config.block_size)
+        self._attach()
+        self._send(("policy", policy))
+        # Messages are ordered: every step after this one runs under ``policy``, so say so now.
+        self._stats["policy_version"] = policy.version
+        return policy.version
+
+    async def shutdown(self, drain_timeout: float = 30.0) -> None:
+        """Let running requests finish (up to ``drain_timeout`` seconds), then stop the child."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + drain_timeout
+        while self._queues and self._dead is None and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self._dead is None:
+            self._send(("stop",))
+        try:
+            await asyncio.to_thread(self._proc.wait, 10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+        self._die("engine was shut down")
+
+    # ---- internals ------------------------------------------------------------------------------
+
+    def _attach(self) -> None:
+        # The reader runs on the event loop of whoever uses the engine first (Serve's replica loop),
+        # so stats and deltas are read there; called outside a loop, it waits for the next call.
+        if self._loop is None:
+            try:
+                self._loop = asyncio.get_running_loop()
+            except RuntimeError:
+                return
+            self._loop.add_reader(self._conn.fileno(), self._on_readable)
+
+    def _send(self, msg: tuple) -> None:
+        try:
+            self._conn.send(msg)
+        except OSError as e:
+            self._die(f"engine process unreachable: {e}")
+
+    def _on_readable(self) -> None:
+        try:
+            while self._conn.poll():
+                kind, *rest = self._conn.recv()
+                if kind == "out":
+                    outputs, self._stats = rest
+                    for out in outputs:
+                        q = self._queues.get(out.request_id)
+                        if q is not None:
+                            q.put_nowait(out)
+                elif kind == "reject":
+                    request_id, field, message = rest
+                    q = self._queues.get(request_id)
+                    if q is not None:
+                        q.put_nowait(InvalidRequestError(field, message))
+                elif kind == "dead":
+                    self._die(f"engine loop died: {rest[0]}")
+        except (EOFError, OSError):
+            self._die(f"engine process exited with code {self._proc.wait()}")
+
+    def _die(self, reason: str) -> None:
+        if self._dead is not None:
+            return
+        self._dead = reason
+        logger.error("%s", reason)
+        if self._loop is not None:
+            self._loop.remove_reader(self._conn.fileno())
+        self._conn.close()
+        for q in self._queues.values():
+            q.put_nowait(EngineDeadError(reason))
+
+
+# ---- the child ----------------------------------------------------------------------------------
+
+
+def _receive_forever(conn: Connection, inbox: queue.SimpleQueue) -> None:
+    """Keep the pipe drained while the main thread steps, so a sender never blocks on a full pipe."""
+    try:
+        while True:
+            inbox.put(conn.recv())
+    except (EOFError, OSError):
+        inbox.put(("eof",))
+
+
+def serve_engine(conn: Connection) -> None:
+    """The child's main loop: take what arrived, step, send the deltas; block only when idle."""
+    from engine.engine import LLMEngine
+
+    config = conn.recv()
+    try:
+        engine = LLMEngine(config)
+    except BaseException:  # noqa: BLE001 - the parent shows this traceback as the load error
+        conn.send(("failed", traceback.format_exc()))
+        return
+    conn.send(("ready", engine.stats()))
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_receive_forever, args=(conn, inbox), daemon=True, name="engine-inbox").start()
+    while True:
+        msgs = [inbox.get()] if not engine.has_unfinished() else []
+        while not inbox.empty():
+            msgs.append(inbox.get())
+        for kind, *rest in msgs:
+            if kind == "add":
+                request_id, prompt, params, anchors = rest
+                try:
+                    engine.add_request(request_id, prompt, params, anchors)
+                except InvalidRequestError as e:
+                    conn.send(("reject", request_id, e.field, e.message))
+                except (TypeError, ValueError) as e:
+                    conn.send(("reject", request_id, "sampling", str(e)))
+            elif kind == "abort":
+                engine.abort(rest[0])
+            elif kind == "policy":
+                engine.set_cache_policy(rest[0])
+            elif kind in ("stop", "eof"):
+                engine.shutdown()
+                return
+        try:
+            outputs = engine.step() if engine.has_unfinished() else []
+        except Exception:  # noqa: BLE001 - the parent fails every stream and its health check
+            logger.exception("engine step failed")
+            conn.send(("dead", traceback.format_exc(limit=5)))
+            return
+        conn.send(("out", outputs, engine.stats()))
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine-process %(name)s: %(message)s")
+    conn = Connection(int(sys.argv[1]))
+    try:
+        serve_engine(conn)
+    except (BrokenPipeError, ConnectionResetError):  # the serving process is gone
+        pass
+    os._exit(0)  # no interpreter teardown: nothing left to flush, and torch's can hang
+
+
+if __name__ == "__main__":
+    main()

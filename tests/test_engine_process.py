@@ -1,0 +1,119 @@
+"""EngineProcess: the engine in a child process streams the same tokens as in-process, aborts and
+frees blocks, rejects bad requests with the field named, and fails loudly when the child dies."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.engine_process import EngineProcess
+from engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError
+
+PARAMS = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+
+
+async def wait_for(cond, timeout_s: float = 5.0) -> None:
+    for _ in range(int(timeout_s / 0.02)):
+        if cond():
+            return
+        await asyncio.sleep(0.02)
+    assert cond()
+
+
+async def test_streams_match_offline_generate_and_blocks_return(tiny_llama: Path) -> None:
+    config = EngineConfig(model=str(tiny_llama), num_kv_blocks=128)
+    prompts = ["hello there", "the quick brown fox", "a"]
+    offline = LLMEngine(config).generate(prompts, PARAMS)
+    engine = EngineProcess(config)
+    assert engine.pid != os.getpid() and engine.stats()["blocks_total"] == 127
+
+    async def collect(p: str) -> tuple[list[int], str, str | None, int]:
+        toks, text, reason, deltas = [], "", None, 0
+        async for out in engine.generate(p, PARAMS):
+            toks += out.token_ids
+            text += out.text
+            reason = out.finish_reason
+            deltas += 1
+        return toks, text, reason, deltas
+
+    results = await asyncio.gather(*(collect(p) for p in prompts))
+    for (toks, text, reason, deltas), ref in zip(results, offline):
+        assert toks == ref.token_ids and text == ref.text and reason == "length"
+        assert deltas == 20  # one delta per token: it really streams across the pipe
+    stats = engine.stats()
+    assert stats["blocks_used"] == 0 and stats["requests_finished_total"] == 3
+    assert engine.tokenizer.decode(results[0][0]) == LLMEngine(config).tokenizer.decode(offline[0].token_ids)
+    await engine.shutdown()
+    assert engine._proc.returncode == 0  # noqa: SLF001 - the child left cleanly
+
+
+async def test_leaving_the_stream_aborts_and_frees_blocks(tiny_llama: Path) -> None:
+    engine = EngineProcess(EngineConfig(model=str(tiny_llama), num_kv_blocks=128))
+    seen = 0
+    async for _ in engine.generate("stream that the client abandons", replace(PARAMS, max_tokens=400)):
+        seen += 1
+        if seen == 3:
+            break
+    await wait_for(lambda: engine.stats()["running"] == 0)
+    assert engine.stats()["blocks_used"] == 0
+    # The engine takes new work afterwards.
+    outs = [o async for o in engine.generate("again", replace(PARAMS, max_tokens=4))]
+    assert sum(len(o.token_ids) for o in outs) == 4
+    await engine.shutdown()
+
+
+async def test_invalid_requests_name_the_field_and_leave_the_engine_healthy(tiny_llama: Path) -> None:
+    engine = EngineProcess(EngineConfig(model=str(tiny_llama), num_kv_blocks=64, max_model_len=128))
+    with pytest.raises(InvalidRequestError) as info:
+        async for _ in engine.generate("x", SamplingParams(top_p=2.0)):
+            pass
+    assert info.value.field == "top_p"
+    with pytest.raises(InvalidRequestError) as info:
+        async for _ in engine.generate([5] * 295, PARAMS):
+            pass
+    assert info.value.field == "prompt" and "295 tokens" in str(info.value)
+    engine.check_health()
+    assert engine.stats()["blocks_used"] == 0
+    await engine.shutdown()
+
+
+async def test_cache_policy_swap_reaches_the_child(tiny_llama: Path) -> None:
+    config = EngineConfig(model=str(tiny_llama), num_kv_blocks=128)
+    engine = EngineProcess(config)
+    before = engine.stats()["policy_version"]
+    assert before == config.cache_policy.version
+    new = replace(config.cache_policy, eviction_policy="sliding_window", window=64)
+    version = engine.set_cache_policy(new)
+    assert version == new.version != before
+    async for _ in engine.generate("after the swap", replace(PARAMS, max_tokens=2)):
+        pass
+    assert engine.stats()["policy_version"] == version
+    with pytest.raises(ValueError):  # validated here, before anything is sent
+        engine.set_cache_policy(replace(config.cache_policy, window=0))
+    await engine.shutdown()
+
+
+async def test_a_dead_child_fails_streams_and_the_health_check(tiny_llama: Path) -> None:
+    engine = EngineProcess(EngineConfig(model=str(tiny_llama), num_kv_blocks=128))
+    stream = engine.generate("a long stream", replace(PARAMS, max_tokens=10_000 // 20))
+    await stream.__anext__()
+    os.kill(engine.pid, signal.SIGKILL)
+    with pytest.raises(EngineDeadError):
+        async for _ in stream:
+            pass
+    with pytest.raises(EngineDeadError):
+        engine.check_health()
+    with pytest.raises(EngineDeadError):
+        async for _ in engine.generate("x", PARAMS):
+            pass
+
+
+def test_a_bad_model_fails_the_start_with_the_childs_reason(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"could not start: .*ModelLoadError: model directory .*nowhere' does not exist"):
+        EngineProcess(EngineConfig(model=str(tmp_path / "nowhere")))
