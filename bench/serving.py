@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import AsyncIterator
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -65,6 +66,82 @@ async def run_inprocess(model: str, prompts: list[str], conc: int, max_tokens: i
     return ttft, itl
 
 
+class SSEConnection:
+    """A minimal HTTP/1.1 client for one keep-alive connection: POST, then the chunked SSE body.
+
+    Why not httpx: the client shares the two cores with the server, and httpx spends ~15 ms of CPU per
+    32-token stream here (request building, line iteration) against ~3 ms for this; that CPU is the
+    client's, not serving overhead. ``--client httpx`` measures with httpx for comparison.
+    """
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post(self, path: str, body: dict) -> None:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        data = json.dumps(body).encode()
+        self.writer.write(
+            f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data
+        )
+        assert self.reader is not None
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        if head.split(b" ", 2)[1] != b"200" or b"transfer-encoding: chunked" not in head.lower():
+            raise RuntimeError(f"unexpected response: {head[:200]!r}")
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The body's chunks (each an SSE event here) until the terminating zero-size chunk."""
+        assert self.reader is not None
+        while True:
+            size = int((await self.reader.readline()).strip(), 16)
+            if size == 0:
+                await self.reader.readline()
+                return
+            yield (await self.reader.readexactly(size + 2))[:-2]
+
+
+def chunk_tokens(event: bytes, seen: int) -> int:
+    """Tokens in one SSE completion chunk: 1, or what the final chunk's usage adds up to."""
+    if b'"usage":{' not in event:
+        return 1
+    return max(1, json.loads(event[6:])["usage"]["completion_tokens"] - seen)
+
+
+async def run_http_raw(base: str, prompts: list[str], conc: int, max_tokens: int) -> tuple[list[float], list[float]]:
+    host, port = base.split("//")[1].split(":")
+    conns = [SSEConnection(host, int(port)) for _ in range(conc)]
+    ttft, itl = [], []
+
+    async def one(c: SSEConnection, p: str) -> None:
+        body = {"prompt": p, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+                "sinkserve": {"ignore_eos": True}}
+        t0 = time.perf_counter()
+        last = None
+        seen = 0
+        await c.post("/v1/completions", body)
+        async for event in c.chunks():
+            for line in event.split(b"\n"):
+                if not line.startswith(b"data: {"):
+                    continue
+                now = time.perf_counter()
+                n = chunk_tokens(line, seen)
+                if last is None:
+                    ttft.append(now - t0)
+                else:
+                    itl.extend([(now - last) / n] * n)
+                seen += n
+                last = now
+
+    await one(conns[0], prompts[0])
+    ttft.clear(), itl.clear()
+    for i in range(0, len(prompts), conc):
+        await asyncio.gather(*[one(c, p) for c, p in zip(conns, prompts[i : i + conc])])
+    return ttft, itl
+
+
 async def run_http(base: str, prompts: list[str], conc: int, max_tokens: int) -> tuple[list[float], list[float]]:
     import httpx
 
@@ -100,7 +177,7 @@ async def run_http(base: str, prompts: list[str], conc: int, max_tokens: int) ->
     return ttft, itl
 
 
-def start_app(model: str, proxy: str, plan_in: str) -> str:
+def start_app(model: str, proxy: str = "haproxy", plan_in: str = "ingress", engine_process: bool = True) -> str:
     import ray
     from ray import serve
 
@@ -118,7 +195,7 @@ def start_app(model: str, proxy: str, plan_in: str) -> str:
     serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
     args = {
         "model": model, "ingress": {"num_replicas": 1}, "router": {"num_replicas": 1, "plan_in": plan_in},
-        "pools": [{"name": "short", "max_prompt_tokens": 900, "num_cpus": 0.5, **ENGINE}],
+        "pools": [{"name": "short", "max_prompt_tokens": 900, "num_cpus": 0.5, "engine_process": engine_process, **ENGINE}],
         "stats_push_interval_s": 2.0,
     }
     serve.run(build_app(args), name="sinkserve", route_prefix="/", logging_config={"enable_access_log": False})
@@ -142,6 +219,10 @@ def main() -> int:
                     help="HTTP entry: Serve's Python proxy, or HAProxy in front of the ingress replicas")
     ap.add_argument("--plan-in", choices=("deployment", "ingress"), default="ingress",
                     help="where requests are planned: the Router deployment, or inside the ingress")
+    ap.add_argument("--client", choices=("raw", "httpx"), default="raw",
+                    help="HTTP client: a minimal asyncio one (default), or httpx (~5x its CPU per stream)")
+    ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                    help="pool engine in a child process (the default) or in the replica")
     args = ap.parse_args()
     model = args.model
     if model is None:
@@ -152,9 +233,10 @@ def main() -> int:
     results = {}
     for conc in (1, 8):
         results[("in-process", conc)] = asyncio.run(run_inprocess(model, prompts, conc, args.max_tokens))
-    base = start_app(model, args.proxy, args.plan_in)
+    base = start_app(model, args.proxy, args.plan_in, args.engine_process)
+    client = run_http_raw if args.client == "raw" else run_http
     for conc in (1, 8):
-        results[("http", conc)] = asyncio.run(run_http(base, prompts, conc, args.max_tokens))
+        results[("http", conc)] = asyncio.run(client(base, prompts, conc, args.max_tokens))
     from ray import serve
 
     serve.shutdown()
@@ -176,7 +258,9 @@ def main() -> int:
         "",
         f"HTTP = client -> {'HAProxy' if args.proxy == 'haproxy' else 'Serve proxy'} -> Ingress "
         f"({'plans in-process' if args.plan_in == 'ingress' else 'asks the Router deployment for a plan'}: "
-        "tokenize, bucket) -> pool (LLMServer) -> engine, tokens streamed pool -> Ingress -> SSE; "
+        f"tokenize, bucket) -> pool (LLMServer) -> engine ({'child process' if args.engine_process else 'in the replica'}), "
+        "tokens streamed pool -> Ingress -> SSE; "
+        f"client: {'minimal asyncio HTTP/1.1' if args.client == 'raw' else 'httpx'}; "
         "in-process = `AsyncLLMEngine.generate` in the benchmark process. All times in ms.",
         "",
         "| streams | TTFT p50 in-proc | TTFT p50 HTTP | TTFT p90 HTTP | **TTFT p50 overhead** | ITL p50 in-proc | ITL p50 HTTP | ITL p90 HTTP | **ITL p50 overhead** |",

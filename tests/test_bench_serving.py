@@ -1,0 +1,40 @@
+"""The serving benchmark's minimal HTTP client reads chunked SSE the way the ingress frames it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from bench.serving import KEY, SSEConnection, chunk_tokens
+
+
+async def test_minimal_client_reads_chunked_sse_over_keep_alive() -> None:
+    events = [b'data: {"choices":[{"text":"a"}]}\n\n', b'data: {"choices":[{"text":"bc"}]}\n\n',
+              b'data: {"choices":[{"text":"d"}],"usage":{"completion_tokens":5}}\n\n', b"data: [DONE]\n\n"]
+    seen_requests: list[tuple[bytes, dict]] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for _ in range(2):  # two requests on one connection
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(next(l for l in head.split(b"\r\n") if l.lower().startswith(b"content-length")).split(b":")[1])
+            seen_requests.append((head, json.loads(await reader.readexactly(length))))
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+            for e in events:
+                writer.write(f"{len(e):x}\r\n".encode() + e + b"\r\n")
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    conn = SSEConnection("127.0.0.1", port)
+    for body in ({"prompt": "x"}, {"prompt": "y"}):
+        await conn.post("/v1/completions", body)
+        got = [c async for c in conn.chunks()]
+        assert got == [e for e in events]
+    assert [b for _, b in seen_requests] == [{"prompt": "x"}, {"prompt": "y"}]
+    assert f"Authorization: Bearer {KEY}".encode() in seen_requests[0][0]
+    # One token per chunk, except the final chunk's usage, which tops the count up (5 - 2 seen = 3).
+    assert [chunk_tokens(e.rstrip(), s) for e, s in zip(events[:3], (0, 1, 2))] == [1, 1, 3]
+    server.close()
+    await server.wait_closed()
