@@ -104,7 +104,9 @@ class LLMServer:
         gen = self.engine.generate(
             list(req.prompt_token_ids), params, request_id=req.request_id, anchors=list(req.anchors) or None
         )
-        tok = self.engine.tokenizer
+        # Only requests that want logprobs touch the tokenizer (an engine process loads its copy here
+        # on first use).
+        tok = self.engine.tokenizer if params.logprobs else None
         async for out in gen:
             yield TokenDelta(
                 text=out.text,
@@ -115,7 +117,7 @@ class LLMServer:
                 prompt_tokens=out.prompt_tokens,
                 completion_tokens=out.completion_tokens,
                 # Token strings for OpenAI logprobs, only when asked (the engine has the tokenizer).
-                tokens=tuple(tok.convert_ids_to_tokens(list(out.token_ids))) if params.logprobs else None,
+                tokens=tuple(tok.convert_ids_to_tokens(list(out.token_ids))) if tok is not None else None,
             )
 
     # ---- control path ---------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from engine.errors import (
 )
 from engine.executor import ExecutorFactory, LocalExecutor
 from engine.model_runner import ModelInput, available_memory_bytes, kv_bytes_per_block, read_model_shape
-from engine.outputs import CompletionResult, RequestOutput
+from engine.outputs import CompletionResult, RequestOutput, next_delta
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -496,22 +496,18 @@ class AsyncLLMEngine:
         self._queues[request_id] = queue
         assert self._wakeup is not None
         self._wakeup.set()
-        finished = False
+        done = False  # the engine is through with it (finished or aborted)
         try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.finished and item.finish_reason == "abort":
-                    finished = True
-                    raise RequestAbortedError(f"request {request_id} was aborted")
+            while not done:
+                item = await next_delta(queue, request_id)
+                done = item.finished
                 yield item
-                if item.finished:
-                    finished = True
-                    return
+        except RequestAbortedError:
+            done = True
+            raise
         finally:
             self._queues.pop(request_id, None)
-            if not finished:
+            if not done:
                 self.engine.abort(request_id)
 
     def abort(self, request_id: str) -> None:

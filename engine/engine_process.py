@@ -26,6 +26,7 @@ message, ``("ready", stats)`` or ``("failed", traceback)`` the answer.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import queue
@@ -40,7 +41,7 @@ from typing import Any, AsyncIterator, Iterable, Sequence as Seq
 
 from engine.config import CachePolicy, EngineConfig
 from engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError, RequestAbortedError
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, next_delta
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -115,24 +116,19 @@ class EngineProcess:
         request_id = request_id or uuid.uuid4().hex
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = q
-        finished = False
+        done = False  # the engine is through with it (finished, aborted, never admitted)
         try:
             self._send(("add", request_id, prompt, params, list(anchors) if anchors else None))
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    finished = isinstance(item, InvalidRequestError)  # never admitted: nothing to abort
-                    raise item
-                if item.finished and item.finish_reason == "abort":
-                    finished = True
-                    raise RequestAbortedError(f"request {request_id} was aborted")
+            while not done:
+                item = await next_delta(q, request_id)
+                done = item.finished
                 yield item
-                if item.finished:
-                    finished = True
-                    return
+        except (RequestAbortedError, InvalidRequestError):
+            done = True
+            raise
         finally:
             self._queues.pop(request_id, None)
-            if not finished and self._dead is None:
+            if not done and self._dead is None:
                 self._send(("abort", request_id))
 
     def abort(self, request_id: str) -> None:
@@ -246,6 +242,10 @@ def serve_engine(conn: Connection) -> None:
     except BaseException:  # noqa: BLE001 - the parent shows this traceback as the load error
         conn.send(("failed", traceback.format_exc()))
         return
+    # Everything loaded so far (model, tokenizer, modules) lives as long as the process: move it out
+    # of the collector's reach so the collections that steps trigger stay small.
+    gc.collect()
+    gc.freeze()
     conn.send(("ready", engine.stats()))
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_receive_forever, args=(conn, inbox), daemon=True, name="engine-inbox").start()

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
+
+from engine.errors import RequestAbortedError
 
 
 @dataclass
@@ -32,3 +35,14 @@ class CompletionResult:
     finish_reason: str | None
     logprobs: list[float] = field(default_factory=list)
     prompt_logprobs: list[float] = field(default_factory=list)
+
+
+async def next_delta(queue: asyncio.Queue[RequestOutput | BaseException], request_id: str) -> RequestOutput:
+    """The next delta the engine loop put in a request's queue. Raises what the loop put there
+    instead (engine dead, request refused), or ``RequestAbortedError`` when the engine aborted it."""
+    item = await queue.get()
+    if isinstance(item, BaseException):
+        raise item
+    if item.finished and item.finish_reason == "abort":
+        raise RequestAbortedError(f"request {request_id} was aborted")
+    return item

@@ -14,6 +14,7 @@ import pytest
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.engine_process import EngineProcess
 from engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError
+from tests.engine_streams import collect
 
 PARAMS = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
@@ -32,17 +33,7 @@ async def test_streams_match_offline_generate_and_blocks_return(tiny_llama: Path
     offline = LLMEngine(config).generate(prompts, PARAMS)
     engine = EngineProcess(config)
     assert engine.pid != os.getpid() and engine.stats()["blocks_total"] == 127
-
-    async def collect(p: str) -> tuple[list[int], str, str | None, int]:
-        toks, text, reason, deltas = [], "", None, 0
-        async for out in engine.generate(p, PARAMS):
-            toks += out.token_ids
-            text += out.text
-            reason = out.finish_reason
-            deltas += 1
-        return toks, text, reason, deltas
-
-    results = await asyncio.gather(*(collect(p) for p in prompts))
+    results = await asyncio.gather(*(collect(engine, p, PARAMS) for p in prompts))
     for (toks, text, reason, deltas), ref in zip(results, offline):
         assert toks == ref.token_ids and text == ref.text and reason == "length"
         assert deltas == 20  # one delta per token: it really streams across the pipe
