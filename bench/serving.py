@@ -36,32 +36,55 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-async def run_inprocess(model: str, prompts: list[str], conc: int, max_tokens: int) -> tuple[list[float], list[float]]:
+async def drive(one, prompts: list[str], conc: int, mode: str) -> None:
+    """Run ``one(slot, prompt)`` over ``prompts`` with ``conc`` streams in flight.
+
+    ``burst``: groups of ``conc`` requests start together and the next group starts when the whole
+    group is done (all eight arrive at once: the worst case for time to first token).
+    ``steady``: ``conc`` closed-loop clients, each sending its next request when its last one ends
+    (like vLLM's ``benchmark_serving --max-concurrency``); with output lengths that differ, arrivals
+    spread out and ``conc`` streams stay in flight.
+    """
+    if mode == "burst":
+        for i in range(0, len(prompts), conc):
+            await asyncio.gather(*[one(slot, p) for slot, p in enumerate(prompts[i : i + conc])])
+        return
+    todo = iter(prompts)
+
+    async def client(slot: int) -> None:
+        for p in todo:
+            await one(slot, p)
+
+    await asyncio.gather(*[client(slot) for slot in range(conc)])
+
+
+def max_tokens_for(prompt_index: int, mode: str, max_tokens: int) -> int:
+    """``burst``: every request ``max_tokens``; ``steady``: from max_tokens/2 to 3*max_tokens/2
+    (same mean), fixed per request index so both sides of the comparison get the same work."""
+    if mode == "burst":
+        return max_tokens
+    return max_tokens // 2 + (prompt_index * 7) % (max_tokens + 1)
+
+
+async def run_inprocess(model: str, prompts: list[str], conc: int, max_tokens: int, mode: str) -> tuple[list[float], list[float]]:
     from engine.config import EngineConfig
     from engine.engine import AsyncLLMEngine
     from engine.sampling_params import SamplingParams
 
     eng = AsyncLLMEngine(EngineConfig(model=model, **ENGINE))
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    index = {p: i for i, p in enumerate(prompts)}
     ttft, itl = [], []
 
-    async def one(p: str) -> None:
-        t0 = time.perf_counter()
-        last = None
+    async def one(slot: int, p: str) -> None:
+        params = SamplingParams(max_tokens=max_tokens_for(index[p], mode, max_tokens), temperature=0.0, ignore_eos=True)
+        times = StreamTimes(ttft, itl)
         async for out in eng.generate(p, params):
-            now = time.perf_counter()
-            if not out.token_ids:
-                continue
-            if last is None:
-                ttft.append(now - t0)
-            else:
-                itl.append((now - last) / len(out.token_ids))
-            last = now
+            if out.token_ids:
+                times.chunk(len(out.token_ids))
 
-    await one(prompts[0])  # warm-up
+    await one(0, prompts[0])  # warm-up
     ttft.clear(), itl.clear()
-    for i in range(0, len(prompts), conc):
-        await asyncio.gather(*[one(p) for p in prompts[i : i + conc]])
+    await drive(one, prompts, conc, mode)
     await eng.shutdown()
     return ttft, itl
 
@@ -103,6 +126,26 @@ class SSEConnection:
             yield (await self.reader.readexactly(size + 2))[:-2]
 
 
+class StreamTimes:
+    """Time to first token and per-token gaps of one stream, from the arrival of its chunks (a
+    chunk of n tokens spreads its gap over the n, so ITL stays per token)."""
+
+    def __init__(self, ttft: list[float], itl: list[float]) -> None:
+        self.ttft, self.itl = ttft, itl
+        self.t0 = time.perf_counter()
+        self.last: float | None = None
+        self.seen = 0
+
+    def chunk(self, n: int) -> None:
+        now = time.perf_counter()
+        if self.last is None:
+            self.ttft.append(now - self.t0)
+        else:
+            self.itl.extend([(now - self.last) / n] * n)
+        self.seen += n
+        self.last = now
+
+
 def chunk_tokens(event: bytes, seen: int) -> int:
     """Tokens in one SSE completion chunk: 1, or what the final chunk's usage adds up to."""
     if b'"usage":{' not in event:
@@ -110,74 +153,56 @@ def chunk_tokens(event: bytes, seen: int) -> int:
     return max(1, json.loads(event[6:])["usage"]["completion_tokens"] - seen)
 
 
-async def run_http_raw(base: str, prompts: list[str], conc: int, max_tokens: int) -> tuple[list[float], list[float]]:
+async def run_http_raw(base: str, prompts: list[str], conc: int, max_tokens: int, mode: str) -> tuple[list[float], list[float]]:
     host, port = base.split("//")[1].split(":")
     conns = [SSEConnection(host, int(port)) for _ in range(conc)]
+    index = {p: i for i, p in enumerate(prompts)}
     ttft, itl = [], []
 
-    async def one(c: SSEConnection, p: str) -> None:
-        body = {"prompt": p, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-                "sinkserve": {"ignore_eos": True}}
-        t0 = time.perf_counter()
-        last = None
-        seen = 0
+    async def one(slot: int, p: str) -> None:
+        c = conns[slot]
+        body = {"prompt": p, "max_tokens": max_tokens_for(index[p], mode, max_tokens), "temperature": 0.0,
+                "stream": True, "sinkserve": {"ignore_eos": True}}
+        times = StreamTimes(ttft, itl)
         await c.post("/v1/completions", body)
         async for event in c.chunks():
             for line in event.split(b"\n"):
-                if not line.startswith(b"data: {"):
-                    continue
-                now = time.perf_counter()
-                n = chunk_tokens(line, seen)
-                if last is None:
-                    ttft.append(now - t0)
-                else:
-                    itl.extend([(now - last) / n] * n)
-                seen += n
-                last = now
+                if line.startswith(b"data: {"):
+                    times.chunk(chunk_tokens(line, times.seen))
 
-    await one(conns[0], prompts[0])
+    await one(0, prompts[0])
     ttft.clear(), itl.clear()
-    for i in range(0, len(prompts), conc):
-        await asyncio.gather(*[one(c, p) for c, p in zip(conns, prompts[i : i + conc])])
+    await drive(one, prompts, conc, mode)
     return ttft, itl
 
 
-async def run_http(base: str, prompts: list[str], conc: int, max_tokens: int) -> tuple[list[float], list[float]]:
+async def run_http(base: str, prompts: list[str], conc: int, max_tokens: int, mode: str) -> tuple[list[float], list[float]]:
     import httpx
 
+    index = {p: i for i, p in enumerate(prompts)}
     ttft, itl = [], []
     async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as c:
 
-        async def one(p: str) -> None:
-            body = {"prompt": p, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-                    "sinkserve": {"ignore_eos": True}}
-            t0 = time.perf_counter()
-            last = None
-            seen = 0
+        async def one(slot: int, p: str) -> None:
+            body = {"prompt": p, "max_tokens": max_tokens_for(index[p], mode, max_tokens), "temperature": 0.0,
+                    "stream": True, "sinkserve": {"ignore_eos": True}}
+            times = StreamTimes(ttft, itl)
             async with c.stream("POST", "/v1/completions", json=body) as r:
                 r.raise_for_status()
                 async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
                     # Every completion chunk carries >= 1 token (a partial UTF-8 token can have
                     # empty text), so the first chunk is the first token.
-                    now = time.perf_counter()
-                    n = max(1, json.loads(line[6:]).get("usage", {}).get("completion_tokens", 0) - seen)
-                    if last is None:
-                        ttft.append(now - t0)
-                    else:
-                        itl.extend([(now - last) / n] * n)
-                    seen += n
-                    last = now
+                    if line.startswith("data: {"):
+                        times.chunk(chunk_tokens(line.encode(), times.seen))
 
-        await one(prompts[0])
+        await one(0, prompts[0])
         ttft.clear(), itl.clear()
-        for i in range(0, len(prompts), conc):
-            await asyncio.gather(*[one(p) for p in prompts[i : i + conc]])
+        await drive(one, prompts, conc, mode)
     return ttft, itl
 
 
-def start_app(model: str, proxy: str = "haproxy", plan_in: str = "ingress", engine_process: bool = True) -> str:
+def start_app(model: str, proxy: str = "haproxy", plan_in: str = "ingress", engine_process: bool = True,
+              ingress_replicas: int = 1) -> str:
     import ray
     from ray import serve
 
@@ -194,7 +219,7 @@ def start_app(model: str, proxy: str = "haproxy", plan_in: str = "ingress", engi
         port = s.getsockname()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
     args = {
-        "model": model, "ingress": {"num_replicas": 1}, "router": {"num_replicas": 1, "plan_in": plan_in},
+        "model": model, "ingress": {"num_replicas": ingress_replicas}, "router": {"num_replicas": 1, "plan_in": plan_in},
         "pools": [{"name": "short", "max_prompt_tokens": 900, "num_cpus": 0.5, "engine_process": engine_process, **ENGINE}],
         "stats_push_interval_s": 2.0,
     }
@@ -223,6 +248,9 @@ def main() -> int:
                     help="HTTP client: a minimal asyncio one (default), or httpx (~5x its CPU per stream)")
     ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                     help="pool engine in a child process (the default) or in the replica")
+    ap.add_argument("--ingress-replicas", type=int, default=1, help="ingress replicas (prod.yaml runs 2)")
+    ap.add_argument("--modes", default="burst,steady",
+                    help="how 8 streams arrive: burst (together), steady (closed loop, output lengths vary)")
     args = ap.parse_args()
     model = args.model
     if model is None:
@@ -230,22 +258,25 @@ def main() -> int:
 
         model = str(make_tiny_model(Path(tempfile.mkdtemp()) / "tiny"))
     prompts = [f"Request {i}: the quick brown fox jumps over the lazy dog. " * 3 for i in range(args.requests)]
+    # 1 stream: fixed lengths; 8 streams: arriving together (burst) and closed-loop (steady).
+    levels = [(1, "burst")] + [(8, m) for m in args.modes.split(",")]
     results = {}
-    for conc in (1, 8):
-        results[("in-process", conc)] = asyncio.run(run_inprocess(model, prompts, conc, args.max_tokens))
-    base = start_app(model, args.proxy, args.plan_in, args.engine_process)
+    for conc, mode in levels:
+        results[("in-process", conc, mode)] = asyncio.run(run_inprocess(model, prompts, conc, args.max_tokens, mode))
+    base = start_app(model, args.proxy, args.plan_in, args.engine_process, args.ingress_replicas)
     client = run_http_raw if args.client == "raw" else run_http
-    for conc in (1, 8):
-        results[("http", conc)] = asyncio.run(client(base, prompts, conc, args.max_tokens))
+    for conc, mode in levels:
+        results[("http", conc, mode)] = asyncio.run(client(base, prompts, conc, args.max_tokens, mode))
     from ray import serve
 
     serve.shutdown()
 
     rows = []
-    for conc in (1, 8):
-        ip_t, ip_i = results[("in-process", conc)]
-        h_t, h_i = results[("http", conc)]
-        rows.append((conc, pct(ip_t, .5), pct(h_t, .5), pct(h_t, .9), pct(ip_i, .5), pct(h_i, .5), pct(h_i, .9)))
+    for conc, mode in levels:
+        ip_t, ip_i = results[("in-process", conc, mode)]
+        h_t, h_i = results[("http", conc, mode)]
+        label = "1" if conc == 1 else f"{conc}, {mode}"
+        rows.append((label, pct(ip_t, .5), pct(h_t, .5), pct(h_t, .9), pct(ip_i, .5), pct(h_i, .5), pct(h_i, .9)))
     ms = lambda x: f"{x * 1000:.1f}"  # noqa: E731
     lines = [
         "# Serving overhead benchmark",
@@ -253,7 +284,8 @@ def main() -> int:
         f"`bench/serving.py` on {platform.machine()} ({os.cpu_count()} CPUs, load average "
         f"{os.getloadavg()[0]:.1f} at the end of the run), model "
         f"`{Path(model).name if args.model else 'tiny random Llama (2 layers, hidden 64)'}`, "
-        f"{args.requests} streamed requests per level, {args.max_tokens} tokens each, greedy, "
+        f"{args.requests} streamed requests per level, {args.max_tokens} tokens each (steady: "
+        f"{args.max_tokens // 2}-{args.max_tokens * 3 // 2}, same mean), greedy, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
         "",
         f"HTTP = client -> {'HAProxy' if args.proxy == 'haproxy' else 'Serve proxy'} -> Ingress "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from bench.serving import KEY, SSEConnection, chunk_tokens
+from bench.serving import KEY, SSEConnection, StreamTimes, chunk_tokens
 
 
 async def test_minimal_client_reads_chunked_sse_over_keep_alive() -> None:
@@ -34,7 +34,16 @@ async def test_minimal_client_reads_chunked_sse_over_keep_alive() -> None:
         assert got == [e for e in events]
     assert [b for _, b in seen_requests] == [{"prompt": "x"}, {"prompt": "y"}]
     assert f"Authorization: Bearer {KEY}".encode() in seen_requests[0][0]
-    # One token per chunk, except the final chunk's usage, which tops the count up (5 - 2 seen = 3).
-    assert [chunk_tokens(e.rstrip(), s) for e, s in zip(events[:3], (0, 1, 2))] == [1, 1, 3]
+    # One token per chunk, except the final chunk's usage, which tops the count up (5 - 2 seen = 3);
+    # the first chunk gives the time to first token, later ones one gap per token.
+    ttft: list[float] = []
+    itl: list[float] = []
+    times = StreamTimes(ttft, itl)
+    ns = []
+    for e in events[:3]:
+        ns.append(chunk_tokens(e.rstrip(), times.seen))
+        times.chunk(ns[-1])
+    assert ns == [1, 1, 3] and times.seen == 5
+    assert len(ttft) == 1 and len(itl) == 4 and itl[1] == itl[2] == itl[3]
     server.close()
     await server.wait_closed()
