@@ -168,7 +168,7 @@ class EngineProcess:
             await asyncio.to_thread(self._proc.wait, 10)
         except subprocess.TimeoutExpired:
             self._proc.kill()
-        self._die("engine was shut down")
+        self._die("engine was shut down", logging.INFO)
 
     # ---- internals ------------------------------------------------------------------------------
 
@@ -205,14 +205,16 @@ class EngineProcess:
                         q.put_nowait(InvalidRequestError(field, message))
                 elif kind == "dead":
                     self._die(f"engine loop died: {rest[0]}")
+                    return
         except (EOFError, OSError):
-            self._die(f"engine process exited with code {self._proc.wait()}")
+            code = self._proc.poll()  # the pipe can close a moment before the exit is reaped
+            self._die("engine process exited" + (f" with code {code}" if code is not None else ""))
 
-    def _die(self, reason: str) -> None:
+    def _die(self, reason: str, level: int = logging.ERROR) -> None:
         if self._dead is not None:
             return
         self._dead = reason
-        logger.error("%s", reason)
+        logger.log(level, "%s", reason)
         if self._loop is not None:
             self._loop.remove_reader(self._conn.fileno())
         self._conn.close()
