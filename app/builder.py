@@ -185,6 +185,7 @@ def build_app(args: AppArgs) -> Application:
         pool_deployments=tuple(pools),
         stats_push_interval_s=args.stats_push_interval_s,
         grpc_handles=args.grpc_handles,
+        token_bus=args.token_bus,
         local_router=router_spec if args.router.plan_in == "ingress" else None,
     )
     return serve.deployment(Ingress).options(

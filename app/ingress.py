@@ -22,7 +22,7 @@ from app import metrics as m
 from app.auth import resolve_auth
 from app.errors import APIError, from_validation_error
 from app.events import ErrorEvent, RouteInfo, TokenDelta
-from app.replica import data_path_handle, push_forever, replica_tag
+from app.replica import data_path_handle, node_address, push_forever, replica_tag
 from app.router import Router
 from app.schemas import (
     AssistantMessage,
@@ -47,6 +47,7 @@ from app.schemas import (
 from app.settings import IngressSpec
 from app.sse import DONE, sse_event
 from app.streaming import stream_plan
+from app.token_bus import TokenInbox
 
 logger = logging.getLogger("sinkserve.ingress")
 
@@ -114,6 +115,11 @@ class Ingress:
         self.hub = hub
         self.replica = replica_tag()
         self.metrics = m.RequestMetrics()
+        # Deltas after the first come back on the token bus, one frame per engine step (app/token_bus.py).
+        self.inbox: TokenInbox | None = None
+        if spec.token_bus:
+            self.inbox = TokenInbox()
+            await self.inbox.start(node_address())
         self._push = None
         if hub is not None:
             self._push = asyncio.get_running_loop().create_task(
@@ -175,7 +181,7 @@ class Ingress:
         if isinstance(plan, ErrorEvent):
             yield plan
             return
-        async for ev in stream_plan(self.pools[plan.info.deployment], plan):
+        async for ev in stream_plan(self.pools[plan.info.deployment], plan, self.inbox):
             yield ev
 
     # ---- internals ------------------------------------------------------------------------------
@@ -223,7 +229,7 @@ class Ingress:
         if isinstance(plan, ErrorEvent):
             self.metrics.count("none", plan.status)
             raise APIError.from_event(plan)
-        gen = stream_plan(self.pools[plan.info.deployment], plan)
+        gen = stream_plan(self.pools[plan.info.deployment], plan, self.inbox)
         try:
             first = await gen.__anext__()
         except StopAsyncIteration:

@@ -21,6 +21,18 @@ def replica_tag() -> str:
         return f"local-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
+def node_address() -> str:
+    """This node's address as other nodes reach it (loopback outside a Ray cluster)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:
+        pass
+    return "127.0.0.1"
+
+
 def data_path_handle(handle: Any, grpc: bool) -> Any:
     """The handle the request path uses. With ``grpc`` the call and its streamed results travel
     over the replicas' gRPC servers (Serve's ``_by_reference=False``) instead of Ray object refs,

@@ -13,6 +13,7 @@ from app.coalesce import coalesced
 from app.events import ErrorEvent, PoolRequest, TokenDelta
 from app.replica import push_forever, replica_tag
 from app.settings import PoolSpec
+from app.token_bus import TokenOutbox
 
 logger = logging.getLogger("sinkserve.server")
 
@@ -64,6 +65,7 @@ class LLMServer:
         self.replica = replica_tag()
         self.ready = False
         self.policy_generation = 0
+        self.outbox = TokenOutbox()
         logger.info("pool %s: loading %s (tp=%d, device=%s)", spec.deployment_name, spec.model,
                     spec.tensor_parallel_size, spec.device)
         self.engine = build_engine(spec)
@@ -85,8 +87,20 @@ class LLMServer:
         from engine.errors import EngineDeadError, InvalidRequestError, RequestAbortedError
 
         try:
-            async for delta in coalesced(self._deltas(req)):
-                yield delta
+            if req.reply_to is None:
+                async for delta in coalesced(self._deltas(req)):
+                    yield delta
+                return
+            # The first delta on the call (so refusals and the first token share one path), the rest
+            # on the bus; the call ends once the last one is written.
+            first = True
+            async for delta in self._deltas(req):
+                if first:
+                    first = False
+                    yield delta
+                else:
+                    self.outbox.send(req.reply_to, req.request_id, delta)
+            await self.outbox.drain(req.reply_to)
         except InvalidRequestError as e:
             yield ErrorEvent(400, str(e), field=http_field(e.field))
         except RequestAbortedError as e:
@@ -152,6 +166,7 @@ class LLMServer:
             "policy": asdict(self.policy),
             "tensor_parallel_size": self.spec.tensor_parallel_size,
             "pid": os.getpid(),
+            "token_bus": {"frames": self.outbox.frames, "deltas": self.outbox.deltas},
             # The engine's own process (TP=1 with engine_process), else this replica's.
             "engine_pid": getattr(self.engine, "pid", os.getpid()),
         }
@@ -183,3 +198,4 @@ class LLMServer:
             except Exception:
                 pass
         await self.engine.shutdown()
+        await self.outbox.close()

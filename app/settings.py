@@ -142,6 +142,9 @@ class AppArgs(_Strict):
     # Request-path handle calls (ingress -> router, ingress/router -> pools) over the replicas'
     # gRPC servers instead of Ray object refs (see app.replica.data_path_handle).
     grpc_handles: bool = True
+    # Token deltas after the first travel pool -> ingress on the token bus, one frame per engine step
+    # for all of an ingress replica's streams, instead of one handle item each (app/token_bus.py).
+    token_bus: bool = True
 
     @field_validator("pools")
     @classmethod
@@ -243,5 +246,6 @@ class IngressSpec:
     pool_deployments: tuple[str, ...]
     stats_push_interval_s: float = 1.0
     grpc_handles: bool = False
+    token_bus: bool = False
     # Set when requests are planned inside the ingress (RouterArgs.plan_in == "ingress").
     local_router: RouterSpec | None = None

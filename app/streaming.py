@@ -11,23 +11,33 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import aclosing
+from dataclasses import replace
 from typing import Any, AsyncIterator
 
 from app.coalesce import coalesced
 from app.events import ErrorEvent, RoutePlan, RouteInfo, TokenDelta
+from app.token_bus import TokenInbox
 
 logger = logging.getLogger("sinkserve.streaming")
 
 
-async def stream_plan(pool: Any, plan: RoutePlan) -> AsyncIterator[RouteInfo | TokenDelta | ErrorEvent]:
-    """``RouteInfo`` then ``TokenDelta``s (the last finished), or one ``ErrorEvent``."""
+async def stream_plan(
+    pool: Any, plan: RoutePlan, inbox: TokenInbox | None = None
+) -> AsyncIterator[RouteInfo | TokenDelta | ErrorEvent]:
+    """``RouteInfo`` then ``TokenDelta``s (the last finished), or one ``ErrorEvent``. With an
+    ``inbox``, deltas after the first arrive on the token bus (app/token_bus.py)."""
     info, preq = plan.info, plan.request
     timeout_s = preq.timeout_s or 3600.0
+    queue = None
+    if inbox is not None and inbox.address is not None:
+        preq = replace(preq, reply_to=inbox.address)
+        queue = inbox.open(info.request_id)  # before the call: bus frames may beat its first item
     stream = pool.options(stream=True).generate.remote(preq)
     started = done = False
     try:
+        events = stream if queue is None else _with_bus(stream, queue)
         # aclosing: returning early still closes the coalescer at once (its timer and pump task).
-        async with aclosing(coalesced(stream, timeout_s)) as source:
+        async with aclosing(coalesced(events, timeout_s)) as source:
             async for ev in source:
                 if not started:
                     started = True
@@ -52,3 +62,54 @@ async def stream_plan(pool: Any, plan: RoutePlan) -> AsyncIterator[RouteInfo | T
     finally:
         if not done:
             stream.cancel()
+        if queue is not None:
+            inbox.close(info.request_id)
+
+
+_CALL_END = object()
+
+
+async def _with_bus(stream: Any, queue: asyncio.Queue[Any], grace_s: float = 10.0) -> AsyncIterator[Any]:
+    """The first item from the pool call, then the deltas the bus puts in ``queue``. The rest of
+    the call is watched meanwhile: an error it yields ends the stream; its end means the last delta
+    was written, so it must arrive within ``grace_s``."""
+    it = stream.__aiter__()
+    try:
+        first = await it.__anext__()
+    except StopAsyncIteration:
+        return
+    yield first
+    if isinstance(first, ErrorEvent) or (isinstance(first, TokenDelta) and first.finished):
+        return
+
+    async def watch() -> None:
+        try:
+            async for item in it:
+                queue.put_nowait(item)
+            queue.put_nowait(_CALL_END)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # the pool call failed: hand it to the reader
+            queue.put_nowait(e)
+
+    watcher = asyncio.get_running_loop().create_task(watch())
+    try:
+        ended = False
+        while True:
+            if ended:
+                try:
+                    item = await asyncio.wait_for(queue.get(), grace_s)
+                except asyncio.TimeoutError:
+                    raise RuntimeError(f"the pool call ended but the last delta did not arrive within {grace_s:g}s") from None
+            else:
+                item = await queue.get()
+            if item is _CALL_END:
+                ended = True
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if isinstance(item, ErrorEvent) or (isinstance(item, TokenDelta) and item.finished):
+                return
+    finally:
+        watcher.cancel()

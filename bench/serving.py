@@ -202,7 +202,7 @@ async def run_http(base: str, prompts: list[str], conc: int, max_tokens: int, mo
 
 
 def start_app(model: str, proxy: str = "haproxy", plan_in: str = "ingress", engine_process: bool = True,
-              ingress_replicas: int = 1) -> str:
+              ingress_replicas: int = 1, token_bus: bool = True) -> str:
     import ray
     from ray import serve
 
@@ -221,7 +221,7 @@ def start_app(model: str, proxy: str = "haproxy", plan_in: str = "ingress", engi
     args = {
         "model": model, "ingress": {"num_replicas": ingress_replicas}, "router": {"num_replicas": 1, "plan_in": plan_in},
         "pools": [{"name": "short", "max_prompt_tokens": 900, "num_cpus": 0.5, "engine_process": engine_process, **ENGINE}],
-        "stats_push_interval_s": 2.0,
+        "stats_push_interval_s": 2.0, "token_bus": token_bus,
     }
     serve.run(build_app(args), name="sinkserve", route_prefix="/", logging_config={"enable_access_log": False})
     import httpx
@@ -248,6 +248,8 @@ def main() -> int:
                     help="HTTP client: a minimal asyncio one (default), or httpx (~5x its CPU per stream)")
     ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                     help="pool engine in a child process (the default) or in the replica")
+    ap.add_argument("--token-bus", action=argparse.BooleanOptionalAction, default=True,
+                    help="deltas after the first on the token bus (the default) or all on the Serve handle call")
     ap.add_argument("--ingress-replicas", type=int, default=1, help="ingress replicas (prod.yaml runs 2)")
     ap.add_argument("--modes", default="burst,steady",
                     help="how 8 streams arrive: burst (together), steady (closed loop, output lengths vary)")
@@ -263,7 +265,7 @@ def main() -> int:
     results = {}
     for conc, mode in levels:
         results[("in-process", conc, mode)] = asyncio.run(run_inprocess(model, prompts, conc, args.max_tokens, mode))
-    base = start_app(model, args.proxy, args.plan_in, args.engine_process, args.ingress_replicas)
+    base = start_app(model, args.proxy, args.plan_in, args.engine_process, args.ingress_replicas, args.token_bus)
     client = run_http_raw if args.client == "raw" else run_http
     for conc, mode in levels:
         results[("http", conc, mode)] = asyncio.run(client(base, prompts, conc, args.max_tokens, mode))
@@ -291,7 +293,7 @@ def main() -> int:
         f"HTTP = client -> {'HAProxy' if args.proxy == 'haproxy' else 'Serve proxy'} -> Ingress "
         f"({'plans in-process' if args.plan_in == 'ingress' else 'asks the Router deployment for a plan'}: "
         f"tokenize, bucket) -> pool (LLMServer) -> engine ({'child process' if args.engine_process else 'in the replica'}), "
-        "tokens streamed pool -> Ingress -> SSE; "
+        f"tokens streamed pool -> Ingress ({'token bus' if args.token_bus else 'Serve handle'}) -> SSE; "
         f"client: {'minimal asyncio HTTP/1.1' if args.client == 'raw' else 'httpx'}; "
         "in-process = `AsyncLLMEngine.generate` in the benchmark process. All times in ms.",
         "",

@@ -301,6 +301,32 @@ def test_tp1_pools_step_the_engine_in_a_child_process(server):
     assert (long["engine_pid"] == long["pid"]) == (long["tensor_parallel_size"] > 1)
 
 
+def test_stream_deltas_after_the_first_travel_on_the_token_bus(server):
+    """With ``token_bus`` on (the default), the pool yields a stream's first delta on the Serve call
+    and writes the rest to the ingress's inbox, several deltas per frame when streams run together."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ray import serve
+
+    h = serve.get_deployment_handle("pool-short-v1", app_name="sinkserve")
+    before = h.info.remote().result()["token_bus"]
+
+    def stream(i: int) -> str:
+        with httpx.Client(base_url=server["base"], headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
+            with c.stream("POST", "/v1/completions", json={"prompt": f"bus {i}", "max_tokens": 12, "stream": True,
+                                                           "sinkserve": {"ignore_eos": True}}) as r:
+                assert r.status_code == 200 and r.headers["x-sinkserve-pool"] == "short"
+                return "".join(line for line in r.iter_lines() if line.startswith("data: "))
+
+    with ThreadPoolExecutor(4) as ex:
+        bodies = list(ex.map(stream, range(4)))
+    assert all(b.endswith("data: [DONE]") and '"completion_tokens":12' in b for b in bodies)
+    after = h.info.remote().result()["token_bus"]
+    sent = after["deltas"] - before["deltas"]
+    assert sent == 4 * 11  # every delta after each stream's first
+    assert 0 < after["frames"] - before["frames"] <= sent
+
+
 def test_reconfigure_swaps_policy_live(server):
     """Serve calls ``reconfigure`` with a deployment's new ``user_config`` (a Serve config update of
     ``deployments[].user_config``); here we call it through the handle the same way."""

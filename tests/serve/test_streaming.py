@@ -95,3 +95,53 @@ async def test_pool_error_event_passes_through():
     s = FakeStream([ErrorEvent(400, "prompt too long", field="prompt")])
     (ev,) = await collect(stream_plan(FakePool(s), plan()))
     assert ev.status == 400 and ev.field == "prompt" and not s.cancelled
+
+
+def test_stream_plan_with_an_inbox_sends_reply_to_and_reads_the_rest_from_the_bus():
+    from app.token_bus import TokenInbox, TokenOutbox
+
+    class BusCall:
+        """A pool call that yields the first delta and puts the rest on the bus, as LLMServer does."""
+
+        def __init__(self, req, outbox):
+            self.req, self.outbox, self.cancelled = req, outbox, False
+
+        async def _gen(self):
+            yield delta(1)
+            for i in (2, 3, 4):
+                self.outbox.send(self.req.reply_to, self.req.request_id, delta(i, fin=i == 4))
+            await self.outbox.drain(self.req.reply_to)
+
+        def __aiter__(self):
+            return self._gen()
+
+        def cancel(self):
+            self.cancelled = True
+
+    class BusPool(FakePool):
+        def __init__(self, outbox):
+            self.outbox, self.calls = outbox, []
+
+        def remote(self, req):
+            self.calls.append(BusCall(req, self.outbox))
+            return self.calls[-1]
+
+    async def main():
+        inbox, outbox = TokenInbox(), TokenOutbox()
+        addr = await inbox.start("127.0.0.1")
+        pool = BusPool(outbox)
+        out = await asyncio.wait_for(collect(stream_plan(pool, plan(), inbox)), 10)
+        assert pool.calls[0].req.reply_to == addr
+        assert isinstance(out[0], RouteInfo)
+        assert [t for d in out[1:] for t in d.token_ids] == [1, 2, 3, 4]  # (the ingress may merge waiting deltas)
+        assert out[-1].finished and not pool.calls[0].cancelled
+        assert inbox._queues == {}  # noqa: SLF001 - the request's queue is gone
+        # Leaving early cancels the call and closes the queue too.
+        gen = stream_plan(BusPool(outbox), plan(), inbox)
+        assert isinstance(await gen.__anext__(), RouteInfo)
+        await gen.aclose()
+        assert inbox._queues == {}  # noqa: SLF001
+        await outbox.close()
+        await inbox.stop()
+
+    asyncio.run(main())

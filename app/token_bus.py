@@ -1,0 +1,173 @@
+"""Token bus: token deltas from pool replicas to ingress replicas, one TCP connection per pair and
+one frame per engine step, beside the Serve handle call that still carries the request.
+
+Why: every item a Serve streaming handle yields costs a gRPC message, a pickle and a few event-loop
+wakeups on each side (about 0.35 ms of CPU per token per hop on this machine's cores, as much as the
+engine spends per token on the reference model). Eight streams meant eight messages per engine step.
+On the bus, the deltas one step makes for the streams of one ingress replica travel as one frame.
+
+::
+
+    ingress replica                                  pool replica
+    ---------------                                  ------------
+    handle.generate(PoolRequest(reply_to=inbox)) --> LLMServer.generate
+        <-- first delta, or an ErrorEvent ---------      (validation errors, queue caps, cancel:
+                                                          all still on the Serve call)
+    TokenInbox  <== frame [(request_id, delta), ...] == TokenOutbox   (one frame per step)
+        <-- end of the Serve call ---------------       (after the last delta went on the bus)
+
+The Serve call stays open for the whole request, so Serve's queue caps, backpressure, autoscaling
+metrics and cancellation behave as before: cancelling it (client gone, timeout) aborts the request in
+the engine. Errors after the first delta still come back on the call. Frames are pickles of plain
+dataclasses, length-prefixed; a connection opens with the inbox's secret so nothing else on the
+network can write into a stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import pickle
+import secrets
+import struct
+from typing import Any
+
+logger = logging.getLogger("sinkserve.token_bus")
+
+_LEN = struct.Struct("!I")
+Address = tuple[str, int, bytes]  # host, port, secret
+
+
+class TokenInbox:
+    """Ingress side: a TCP server whose frames are sorted into one queue per open request."""
+
+    def __init__(self) -> None:
+        self._queues: dict[str, asyncio.Queue[Any]] = {}
+        self._secret = secrets.token_bytes(16)
+        self._server: asyncio.Server | None = None
+        self.address: Address | None = None
+        self.frames = 0
+        self.deltas = 0
+
+    async def start(self, host: str) -> Address:
+        self._server = await asyncio.start_server(self._serve, host, 0)
+        port = self._server.sockets[0].getsockname()[1]
+        self.address = (host, port, self._secret)
+        return self.address
+
+    def open(self, request_id: str) -> asyncio.Queue[Any]:
+        """The queue that ``request_id``'s deltas land in (open it before the request is sent)."""
+        q: asyncio.Queue[Any] = asyncio.Queue()
+        self._queues[request_id] = q
+        return q
+
+    def close(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            if await reader.readexactly(len(self._secret)) != self._secret:
+                logger.warning("token bus: refused a connection without the secret from %s",
+                               writer.get_extra_info("peername"))
+                return
+            while True:
+                (n,) = _LEN.unpack(await reader.readexactly(_LEN.size))
+                batch = pickle.loads(await reader.readexactly(n))
+                self.frames += 1
+                for request_id, delta in batch:
+                    self.deltas += 1
+                    q = self._queues.get(request_id)
+                    if q is not None:  # else the request already ended here (cancelled)
+                        q.put_nowait(delta)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+class TokenOutbox:
+    """Pool side: buffers deltas per inbox and writes each buffer as one frame once the current
+    event-loop pass is done (so all deltas of one engine step share a frame)."""
+
+    def __init__(self) -> None:
+        self._writers: dict[Address, asyncio.StreamWriter] = {}
+        self._connecting: dict[Address, asyncio.Future[asyncio.StreamWriter]] = {}
+        self._pending: dict[Address, list[tuple[str, Any]]] = {}
+        self.frames = 0
+        self.deltas = 0
+
+    def send(self, address: Address, request_id: str, delta: Any) -> None:
+        batch = self._pending.get(address)
+        if batch is None:
+            batch = self._pending[address] = []
+            asyncio.get_running_loop().call_soon(self._flush, address)
+        batch.append((request_id, delta))
+
+    async def drain(self, address: Address) -> None:
+        """Wait until what was sent to ``address`` is written to its socket (the pool calls this
+        before its Serve call ends, so the last frame usually arrives before the 'done')."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5.0
+        while address in self._pending and loop.time() < deadline:  # written at the end of this pass, or once connected
+            await asyncio.sleep(0 if address not in self._connecting else 0.001)
+        writer = self._writers.get(address)
+        if writer is not None and not writer.is_closing():
+            try:
+                await writer.drain()
+            except ConnectionError:
+                pass
+
+    def _flush(self, address: Address) -> None:
+        writer = self._writers.get(address)
+        if writer is not None and writer.is_closing():  # the ingress went away; connect again
+            del self._writers[address]
+            writer = None
+        if writer is None:
+            if address not in self._connecting:
+                fut = asyncio.ensure_future(self._connect(address))
+                self._connecting[address] = fut
+                fut.add_done_callback(lambda f, a=address: self._connected(a, f))
+            return  # flushed once connected
+        batch = self._pending.pop(address, None)
+        if not batch:
+            return
+        data = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            writer.write(_LEN.pack(len(data)) + data)
+        except (ConnectionError, RuntimeError) as e:
+            self._drop(address, e)
+            return
+        self.frames += 1
+        self.deltas += len(batch)
+
+    async def _connect(self, address: Address) -> asyncio.StreamWriter:
+        host, port, secret = address
+        _, writer = await asyncio.open_connection(host, port)
+        writer.write(secret)
+        return writer
+
+    def _connected(self, address: Address, fut: asyncio.Future[asyncio.StreamWriter]) -> None:
+        self._connecting.pop(address, None)
+        if fut.cancelled() or fut.exception() is not None:
+            self._drop(address, fut.exception() if not fut.cancelled() else None)
+            return
+        self._writers[address] = fut.result()
+        self._flush(address)
+
+    def _drop(self, address: Address, error: BaseException | None) -> None:
+        # The deltas are lost; their streams end through the Serve call (the ingress then reports
+        # an incomplete stream instead of waiting forever).
+        lost = self._pending.pop(address, [])
+        writer = self._writers.pop(address, None)
+        if writer is not None:
+            writer.close()
+        logger.warning("token bus to %s:%d failed (%s); %d deltas dropped", address[0], address[1], error, len(lost))
+
+    async def close(self) -> None:
+        for writer in self._writers.values():
+            writer.close()
+        self._writers.clear()

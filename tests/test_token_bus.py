@@ -1,0 +1,176 @@
+"""The token bus (app/token_bus.py) and the ingress side of a bus stream (app.streaming._with_bus),
+without Ray: a real TCP inbox and outbox on loopback in one event loop."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from app.events import ErrorEvent, TokenDelta
+from app.streaming import _with_bus
+from app.token_bus import TokenInbox, TokenOutbox
+
+
+def delta(text: str, n: int, finished: bool = False) -> TokenDelta:
+    return TokenDelta(text, (n,), None, finished, "length" if finished else None, 3, n)
+
+
+async def take(q: asyncio.Queue, n: int) -> list:
+    return [await asyncio.wait_for(q.get(), 5) for _ in range(n)]
+
+
+def test_one_frame_per_loop_pass_and_each_request_gets_its_own_deltas_in_order():
+    async def main():
+        inbox, outbox = TokenInbox(), TokenOutbox()
+        addr = await inbox.start("127.0.0.1")
+        qa, qb = inbox.open("a"), inbox.open("b")
+        # One engine step's deltas for two streams are sent in one pass: one frame.
+        outbox.send(addr, "a", delta("x", 1))
+        outbox.send(addr, "b", delta("y", 1))
+        await outbox.drain(addr)
+        assert [d.text for d in await take(qa, 1)] == ["x"]
+        assert [d.text for d in await take(qb, 1)] == ["y"]
+        assert (outbox.frames, outbox.deltas) == (1, 2)
+        # The next step: another frame, order kept per request.
+        outbox.send(addr, "a", delta("z", 2))
+        outbox.send(addr, "a", delta("w", 3, finished=True))
+        await outbox.drain(addr)
+        got = await take(qa, 2)
+        assert [d.text for d in got] == ["z", "w"] and got[-1].finished
+        assert (outbox.frames, outbox.deltas) == (2, 4)
+        assert inbox.frames == 2 and inbox.deltas == 4
+        assert qb.empty()
+        await outbox.close()
+        await inbox.stop()
+
+    asyncio.run(main())
+
+
+def test_deltas_of_closed_or_unknown_requests_are_dropped():
+    async def main():
+        inbox, outbox = TokenInbox(), TokenOutbox()
+        addr = await inbox.start("127.0.0.1")
+        q = inbox.open("a")
+        inbox.close("a")  # the client went away before the pool heard of it
+        outbox.send(addr, "a", delta("late", 1))
+        outbox.send(addr, "nobody", delta("stray", 1))
+        await outbox.drain(addr)
+        for _ in range(50):
+            if inbox.deltas == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert inbox.deltas == 2 and q.empty()
+        await outbox.close()
+        await inbox.stop()
+
+    asyncio.run(main())
+
+
+def test_a_connection_without_the_secret_delivers_nothing():
+    async def main():
+        inbox = TokenInbox()
+        host, port, secret = await inbox.start("127.0.0.1")
+        q = inbox.open("a")
+        outbox = TokenOutbox()
+        outbox.send((host, port, b"x" * len(secret)), "a", delta("forged", 1))
+        await outbox.drain((host, port, b"x" * len(secret)))
+        await asyncio.sleep(0.2)
+        assert q.empty() and inbox.frames == 0
+        await outbox.close()
+        await inbox.stop()
+
+    asyncio.run(main())
+
+
+def test_the_outbox_connects_again_after_the_inbox_side_dropped_it():
+    async def main():
+        inbox, outbox = TokenInbox(), TokenOutbox()
+        addr = await inbox.start("127.0.0.1")
+        q = inbox.open("a")
+        outbox.send(addr, "a", delta("1", 1))
+        await outbox.drain(addr)
+        await take(q, 1)
+        outbox._writers[addr].close()  # noqa: SLF001 - the connection breaks
+        await asyncio.sleep(0.05)
+        outbox.send(addr, "a", delta("2", 2))
+        await outbox.drain(addr)
+        assert [d.text for d in await take(q, 1)] == ["2"]
+        await outbox.close()
+        await inbox.stop()
+
+    asyncio.run(main())
+
+
+class FakeCall:
+    """Stands in for a Serve streaming call: yields ``items`` (then ends, or raises ``error``)."""
+
+    def __init__(self, items: list, error: BaseException | None = None, hold: asyncio.Event | None = None):
+        self.items, self.error, self.hold = items, error, hold
+
+    async def _gen(self):
+        for item in self.items:
+            yield item
+        if self.hold is not None:
+            await self.hold.wait()
+        if self.error is not None:
+            raise self.error
+
+    def __aiter__(self):
+        return self._gen()
+
+
+async def collect(it) -> list:
+    return [x async for x in it]
+
+
+def test_with_bus_takes_the_first_delta_from_the_call_and_the_rest_from_the_queue():
+    async def main():
+        q: asyncio.Queue = asyncio.Queue()
+        for d in (delta("b", 2), delta("c", 3, finished=True)):
+            q.put_nowait(d)
+        got = await collect(_with_bus(FakeCall([delta("a", 1)]), q))
+        assert [d.text for d in got] == ["a", "b", "c"]
+
+    asyncio.run(main())
+
+
+def test_with_bus_ends_on_an_error_the_call_yields_after_the_first_delta():
+    async def main():
+        q: asyncio.Queue = asyncio.Queue()
+        err = ErrorEvent(503, "engine unavailable", type="server_error")
+        got = await asyncio.wait_for(collect(_with_bus(FakeCall([delta("a", 1), err]), q)), 5)
+        assert got == [delta("a", 1), err]
+
+    asyncio.run(main())
+
+
+def test_with_bus_refused_request_is_one_error_and_no_waiting():
+    async def main():
+        err = ErrorEvent(400, "bad", field="max_tokens")
+        got = await asyncio.wait_for(collect(_with_bus(FakeCall([err]), asyncio.Queue())), 5)
+        assert got == [err]
+
+    asyncio.run(main())
+
+
+def test_with_bus_fails_when_the_call_ends_and_the_last_delta_never_comes():
+    async def main():
+        q: asyncio.Queue = asyncio.Queue()
+        q.put_nowait(delta("b", 2))
+        with pytest.raises(RuntimeError, match="last delta did not arrive"):
+            await collect(_with_bus(FakeCall([delta("a", 1)]), q, grace_s=0.2))
+
+    asyncio.run(main())
+
+
+def test_with_bus_passes_on_a_failed_call():
+    async def main():
+        hold = asyncio.Event()
+        it = _with_bus(FakeCall([delta("a", 1)], error=ConnectionError("replica died"), hold=hold), asyncio.Queue())
+        assert (await it.__anext__()).text == "a"
+        hold.set()
+        with pytest.raises(ConnectionError, match="replica died"):
+            await asyncio.wait_for(it.__anext__(), 5)
+
+    asyncio.run(main())
