@@ -68,3 +68,20 @@ def test_rate_limiter_per_key_429():
     assert e.value.status == 429 and e.value.retry_after == 1
     rl.check("a", 1.0)
     RateLimiter(rate=None, burst=1).check("a", 0.0)  # off
+
+
+def test_router_encode_gives_the_tokenizers_own_ids():
+    """app.router.encode calls a fast tokenizer's backend directly; the ids must be the tokenizer's."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from app.router import encode, render_chat
+
+    tok = AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[2] / "assets" / "reference-model",
+                                        local_files_only=True)
+    assert tok.is_fast
+    chat = render_chat(tok, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}])
+    for text in ("Request 3: the quick brown fox. " * 3, "  leading spaces\nand\ttabs", "naïve café 東京 🙂", chat):
+        for special in (True, False):
+            assert encode(tok, text, special) == tok(text, add_special_tokens=special)["input_ids"]
