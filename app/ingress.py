@@ -129,6 +129,12 @@ class Ingress:
     def _entry(self) -> dict[str, Any]:
         return {"kind": "ingress", "replica": self.replica, "data": self.metrics.snapshot()}
 
+    async def __del__(self) -> None:
+        if self._push is not None:
+            self._push.cancel()
+        if self.inbox is not None:
+            await self.inbox.stop()
+
     # ---- probes and metrics (no auth: load balancers and scrapers) ------------------------------
 
     @api.get("/healthz")

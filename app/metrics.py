@@ -66,7 +66,7 @@ class RequestMetrics:
         }
 
 
-# engine.stats() key -> (metric name, kind, help)
+# pool stats key (engine.stats() and the pool's own) -> (metric name, kind, help)
 ENGINE_STATS: tuple[tuple[str, str, str, str], ...] = (
     ("running", "requests_running", "gauge", "Requests running in the engine"),
     ("waiting", "requests_waiting", "gauge", "Requests waiting in the engine queue"),
@@ -80,6 +80,9 @@ ENGINE_STATS: tuple[tuple[str, str, str, str], ...] = (
     ("prompt_tokens_total", "prompt_tokens_total", "counter", "Prompt tokens processed"),
     ("generation_tokens_total", "generation_tokens_total", "counter", "Tokens generated"),
     ("preemptions", "preemptions_total", "counter", "Sequences preempted for lack of KV blocks"),
+    # The pool replica's own counters, beside the engine's (app/token_bus.py).
+    ("token_bus_frames", "token_bus_frames_total", "counter", "Token-bus frames sent to ingress replicas"),
+    ("token_bus_deltas", "token_bus_deltas_total", "counter", "Token deltas sent on the token bus (deltas / frames = streams per frame)"),
 )
 
 

@@ -148,7 +148,7 @@ class LLMServer:
             "replica": self.replica,
             "data": {
                 "ready": self.ready,
-                "stats": self.stats(),
+                "stats": {**self.stats(), "token_bus_frames": self.outbox.frames, "token_bus_deltas": self.outbox.deltas},
                 "policy_version": self.policy_version,
                 "policy_generation": self.policy_generation,
                 "tensor_parallel_size": self.spec.tensor_parallel_size,

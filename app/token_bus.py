@@ -155,8 +155,16 @@ class TokenOutbox:
         if fut.cancelled() or fut.exception() is not None:
             self._drop(address, fut.exception() if not fut.cancelled() else None)
             return
+        # Forget connections whose ingress replica has gone (scaled down, restarted): nothing will
+        # be sent to them again, since a new replica listens on a new address.
+        for gone in [a for a, w in self._writers.items() if w.is_closing()]:
+            del self._writers[gone]
         self._writers[address] = fut.result()
         self._flush(address)
+
+    @property
+    def connections(self) -> int:
+        return len(self._writers)
 
     def _drop(self, address: Address, error: BaseException | None) -> None:
         # The deltas are lost; their streams end through the Serve call (the ingress then reports

@@ -174,3 +174,24 @@ def test_with_bus_passes_on_a_failed_call():
             await asyncio.wait_for(it.__anext__(), 5)
 
     asyncio.run(main())
+
+
+def test_the_outbox_forgets_connections_to_ingress_replicas_that_are_gone():
+    async def main():
+        inbox1, inbox2, outbox = TokenInbox(), TokenInbox(), TokenOutbox()
+        addr1, addr2 = await inbox1.start("127.0.0.1"), await inbox2.start("127.0.0.1")
+        q1, q2 = inbox1.open("a"), inbox2.open("b")
+        outbox.send(addr1, "a", delta("1", 1))
+        await outbox.drain(addr1)
+        await take(q1, 1)
+        assert outbox.connections == 1
+        outbox._writers[addr1].close()  # noqa: SLF001 - that ingress replica went away
+        outbox.send(addr2, "b", delta("2", 1))
+        await outbox.drain(addr2)
+        await take(q2, 1)
+        assert outbox.connections == 1 and addr2 in outbox._writers  # noqa: SLF001
+        await outbox.close()
+        await inbox1.stop()
+        await inbox2.stop()
+
+    asyncio.run(main())

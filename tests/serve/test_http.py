@@ -206,7 +206,7 @@ def test_metrics(server, client):
                  "e2e_request_latency_seconds", "prompt_tokens", "generation_tokens", "requests_running",
                  "requests_waiting", "kv_blocks_used", "kv_blocks_free", "kv_blocks_pinned",
                  "prefix_cache_hit_tokens", "tokens_evicted", "tokens_protected", "cache_policy_version",
-                 "perplexity_proxy_mean_nll", "replica_ready"):
+                 "perplexity_proxy_mean_nll", "replica_ready", "token_bus_frames", "token_bus_deltas"):
         assert "sinkserve_" + name in fams, name
     pools = {s.labels["pool"] for s in fams["sinkserve_kv_blocks_free"].samples}
     assert pools == {"short", "long"}
