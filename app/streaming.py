@@ -30,8 +30,12 @@ async def stream_plan(
     timeout_s = preq.timeout_s or 3600.0
     queue = None
     if inbox is not None and inbox.address is not None:
+        try:
+            queue = inbox.open(info.request_id)  # before the call: bus frames may beat its first item
+        except ValueError as e:  # a handle caller reused a request id
+            yield ErrorEvent(400, str(e), field="request_id")
+            return
         preq = replace(preq, reply_to=inbox.address)
-        queue = inbox.open(info.request_id)  # before the call: bus frames may beat its first item
     stream = pool.options(stream=True).generate.remote(preq)
     started = done = False
     try:

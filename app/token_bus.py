@@ -56,7 +56,10 @@ class TokenInbox:
         return self.address
 
     def open(self, request_id: str) -> asyncio.Queue[Any]:
-        """The queue that ``request_id``'s deltas land in (open it before the request is sent)."""
+        """The queue that ``request_id``'s deltas land in (open it before the request is sent).
+        Raises ``ValueError`` if that id is already streaming here (two streams cannot share one)."""
+        if request_id in self._queues:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
         q: asyncio.Queue[Any] = asyncio.Queue()
         self._queues[request_id] = q
         return q

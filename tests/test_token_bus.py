@@ -195,3 +195,12 @@ def test_the_outbox_forgets_connections_to_ingress_replicas_that_are_gone():
         await inbox2.stop()
 
     asyncio.run(main())
+
+
+def test_a_request_id_already_streaming_is_refused():
+    inbox = TokenInbox()
+    inbox.open("a")
+    with pytest.raises(ValueError, match="already in flight"):
+        inbox.open("a")
+    inbox.close("a")
+    inbox.open("a")  # free again once the first stream ended

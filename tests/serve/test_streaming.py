@@ -145,3 +145,18 @@ def test_stream_plan_with_an_inbox_sends_reply_to_and_reads_the_rest_from_the_bu
         await inbox.stop()
 
     asyncio.run(main())
+
+
+def test_stream_plan_refuses_a_request_id_that_is_already_streaming_on_the_bus():
+    from app.token_bus import TokenInbox
+
+    async def main():
+        inbox = TokenInbox()
+        await inbox.start("127.0.0.1")
+        inbox.open("r1")  # another stream with the same id is running
+        pool = FakePool(FakeStream([delta(1, fin=True)]))
+        out = await collect(stream_plan(pool, plan(), inbox))
+        assert len(out) == 1 and out[0].status == 400 and out[0].field == "request_id"
+        await inbox.stop()
+
+    asyncio.run(main())
