@@ -33,6 +33,19 @@ def merge_deltas(a: TokenDelta, b: TokenDelta) -> TokenDelta:
     return replace(b, text=a.text + b.text, token_ids=a.token_ids + b.token_ids, logprobs=lp, tokens=toks)
 
 
+async def pump_into(source: AsyncIterator[T], queue: asyncio.Queue, end: object) -> None:
+    """Put every item of ``source`` into ``queue``, then ``end``; an error goes into the queue
+    too, for the consumer to raise (run as a task; cancelling it closes ``source``)."""
+    try:
+        async for item in source:
+            queue.put_nowait(item)
+        queue.put_nowait(end)
+    except asyncio.CancelledError:
+        raise
+    except BaseException as e:  # noqa: BLE001 - the consumer raises it
+        queue.put_nowait(e)
+
+
 async def coalesced(source: AsyncIterator[T], timeout_s: float | None = None) -> AsyncIterator[T]:
     """Yield from ``source``, merging consecutive unfinished ``TokenDelta``s that are already waiting.
 
@@ -45,17 +58,7 @@ async def coalesced(source: AsyncIterator[T], timeout_s: float | None = None) ->
     loop = asyncio.get_running_loop()
     timer = loop.call_later(timeout_s, queue.put_nowait, _TIMEOUT) if timeout_s is not None else None
 
-    async def pump() -> None:
-        try:
-            async for item in source:
-                queue.put_nowait(item)
-            queue.put_nowait(_END)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:  # hand the error to the consumer
-            queue.put_nowait(e)
-
-    task = loop.create_task(pump())
+    task = loop.create_task(pump_into(source, queue, _END))
     try:
         while True:
             item = await queue.get()

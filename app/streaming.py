@@ -14,7 +14,7 @@ from contextlib import aclosing
 from dataclasses import replace
 from typing import Any, AsyncIterator
 
-from app.coalesce import coalesced
+from app.coalesce import coalesced, pump_into
 from app.events import ErrorEvent, RoutePlan, RouteInfo, TokenDelta
 from app.token_bus import TokenInbox
 
@@ -86,17 +86,8 @@ async def _with_bus(stream: Any, queue: asyncio.Queue[Any], grace_s: float = 10.
     if isinstance(first, ErrorEvent) or (isinstance(first, TokenDelta) and first.finished):
         return
 
-    async def watch() -> None:
-        try:
-            async for item in it:
-                queue.put_nowait(item)
-            queue.put_nowait(_CALL_END)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:  # the pool call failed: hand it to the reader
-            queue.put_nowait(e)
-
-    watcher = asyncio.get_running_loop().create_task(watch())
+    # The rest of the call (errors, then its end) joins the bus deltas in the same queue.
+    watcher = asyncio.get_running_loop().create_task(pump_into(it, queue, _CALL_END))
     try:
         ended = False
         while True:
