@@ -137,6 +137,8 @@ class LLMEngine:
     ) -> str:
         """Validate and queue a request; it starts at the next ``step()``. Returns its id."""
         request_id = request_id or uuid.uuid4().hex
+        if request_id in self._detoks:  # every live request has one; two cannot share deltas or an abort
+            raise InvalidRequestError("request_id", f"request {request_id!r} is already in flight")
         params.validate(self.shape.vocab_size)
         ids = self.tokenize(prompt)
         policy = self.policy

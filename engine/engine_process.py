@@ -114,6 +114,8 @@ class EngineProcess:
         self.check_health()
         self._attach()
         request_id = request_id or uuid.uuid4().hex
+        if request_id in self._queues:  # the child would refuse it too, but this queue is the first one's
+            raise InvalidRequestError("request_id", f"request {request_id!r} is already in flight")
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = q
         done = False  # the engine is through with it (finished, aborted, never admitted)

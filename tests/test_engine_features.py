@@ -90,6 +90,21 @@ def test_abort_frees_blocks_at_once(tiny_llama: Path) -> None:
     assert engine.stats()["blocks_used"] == 0
 
 
+def test_a_request_id_in_flight_is_refused_until_it_finishes(tiny_llama: Path) -> None:
+    engine = make(tiny_llama)
+    engine.add_request("same", rand_prompt(5, 1), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    with pytest.raises(InvalidRequestError) as e:
+        engine.add_request("same", rand_prompt(5, 2), GREEDY)
+    assert e.value.field == "request_id"
+    while engine.has_unfinished():
+        engine.step()
+    engine.add_request("same", rand_prompt(5, 3), GREEDY)  # finished: the id is free again
+    engine.abort("same")
+    engine.step()
+    engine.add_request("same", rand_prompt(5, 4), GREEDY)  # aborted: free again
+    engine.check_integrity()
+
+
 def test_abort_of_waiting_request_reports_abort(tiny_llama: Path) -> None:
     engine = make(tiny_llama)
     engine.add_request("w", rand_prompt(5, 1), GREEDY)

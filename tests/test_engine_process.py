@@ -69,6 +69,15 @@ async def test_invalid_requests_name_the_field_and_leave_the_engine_healthy(tiny
         async for _ in engine.generate([5] * 295, PARAMS):
             pass
     assert info.value.field == "prompt" and "295 tokens" in str(info.value)
+    # A second stream with a request id that is still streaming is refused; the first is untouched.
+    first = engine.generate("same id", PARAMS, request_id="dup")
+    head = await first.__anext__()
+    with pytest.raises(InvalidRequestError) as info:
+        async for _ in engine.generate("other", PARAMS, request_id="dup"):
+            pass
+    assert info.value.field == "request_id"
+    rest = [out async for out in first]
+    assert len(head.token_ids) + sum(len(o.token_ids) for o in rest) == PARAMS.max_tokens and rest[-1].finished
     engine.check_health()
     assert engine.stats()["blocks_used"] == 0
     await engine.shutdown()
