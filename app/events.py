@@ -49,7 +49,7 @@ class PoolRequest:
     sampling: tuple[tuple[str, object], ...]
     anchors: tuple[object, ...] = ()
     timeout_s: float | None = None
-    # The caller's token-bus inbox (host, port, secret): deltas after the first go there, one frame
+    # The caller's token-bus inbox (host, port, secret): the deltas go there, one frame
     # per engine step, instead of one handle item each (app/token_bus.py). None: all on the handle.
     reply_to: tuple[str, int, bytes] | None = None
 

@@ -115,7 +115,7 @@ class Ingress:
         self.hub = hub
         self.replica = replica_tag()
         self.metrics = m.RequestMetrics()
-        # Deltas after the first come back on the token bus, one frame per engine step (app/token_bus.py).
+        # Deltas come back on the token bus, one frame per engine step (app/token_bus.py).
         self.inbox: TokenInbox | None = None
         if spec.token_bus:
             self.inbox = TokenInbox()

@@ -91,15 +91,10 @@ class LLMServer:
                 async for delta in coalesced(self._deltas(req)):
                     yield delta
                 return
-            # The first delta on the call (so refusals and the first token share one path), the rest
-            # on the bus; the call ends once the last one is written.
-            first = True
+            # Every delta on the bus (a step's first tokens for a burst of requests share one frame);
+            # the call carries only errors and ends once the last delta is written.
             async for delta in self._deltas(req):
-                if first:
-                    first = False
-                    yield delta
-                else:
-                    self.outbox.send(req.reply_to, req.request_id, delta)
+                self.outbox.send(req.reply_to, req.request_id, delta)
             await self.outbox.drain(req.reply_to)
         except InvalidRequestError as e:
             yield ErrorEvent(400, str(e), field=http_field(e.field))

@@ -142,7 +142,7 @@ class AppArgs(_Strict):
     # Request-path handle calls (ingress -> router, ingress/router -> pools) over the replicas'
     # gRPC servers instead of Ray object refs (see app.replica.data_path_handle).
     grpc_handles: bool = True
-    # Token deltas after the first travel pool -> ingress on the token bus, one frame per engine step
+    # Token deltas travel pool -> ingress on the token bus, one frame per engine step
     # for all of an ingress replica's streams, instead of one handle item each (app/token_bus.py).
     token_bus: bool = True
 

@@ -25,7 +25,7 @@ async def stream_plan(
     pool: Any, plan: RoutePlan, inbox: TokenInbox | None = None
 ) -> AsyncIterator[RouteInfo | TokenDelta | ErrorEvent]:
     """``RouteInfo`` then ``TokenDelta``s (the last finished), or one ``ErrorEvent``. With an
-    ``inbox``, deltas after the first arrive on the token bus (app/token_bus.py)."""
+    ``inbox``, the deltas arrive on the token bus and the call carries only errors (app/token_bus.py)."""
     info, preq = plan.info, plan.request
     timeout_s = preq.timeout_s or 3600.0
     queue = None
@@ -74,19 +74,10 @@ _CALL_END = object()
 
 
 async def _with_bus(stream: Any, queue: asyncio.Queue[Any], grace_s: float = 10.0) -> AsyncIterator[Any]:
-    """The first item from the pool call, then the deltas the bus puts in ``queue``. The rest of
-    the call is watched meanwhile: an error it yields ends the stream; its end means the last delta
-    was written, so it must arrive within ``grace_s``."""
+    """The deltas the bus puts in ``queue``, while the pool call is watched: an error it yields ends
+    the stream; its end means the last delta was written, so that must arrive within ``grace_s``."""
     it = stream.__aiter__()
-    try:
-        first = await it.__anext__()
-    except StopAsyncIteration:
-        return
-    yield first
-    if isinstance(first, ErrorEvent) or (isinstance(first, TokenDelta) and first.finished):
-        return
-
-    # The rest of the call (errors, then its end) joins the bus deltas in the same queue.
+    # The call's errors, then its end, join the bus deltas in the same queue.
     watcher = asyncio.get_running_loop().create_task(pump_into(it, queue, _CALL_END))
     try:
         ended = False

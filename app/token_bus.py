@@ -4,21 +4,22 @@ one frame per engine step, beside the Serve handle call that still carries the r
 Why: every item a Serve streaming handle yields costs a gRPC message, a pickle and a few event-loop
 wakeups on each side (about 0.35 ms of CPU per token per hop on this machine's cores, as much as the
 engine spends per token on the reference model). Eight streams meant eight messages per engine step.
-On the bus, the deltas one step makes for the streams of one ingress replica travel as one frame.
+On the bus, the deltas one step makes for the streams of one ingress replica travel as one frame --
+first tokens included, so a burst of requests prefilled in one step gets its first tokens in one frame.
 
 ::
 
     ingress replica                                  pool replica
     ---------------                                  ------------
     handle.generate(PoolRequest(reply_to=inbox)) --> LLMServer.generate
-        <-- first delta, or an ErrorEvent ---------      (validation errors, queue caps, cancel:
+        <-- an ErrorEvent, if any -----------------      (validation errors, queue caps, cancel:
                                                           all still on the Serve call)
     TokenInbox  <== frame [(request_id, delta), ...] == TokenOutbox   (one frame per step)
         <-- end of the Serve call ---------------       (after the last delta went on the bus)
 
 The Serve call stays open for the whole request, so Serve's queue caps, backpressure, autoscaling
 metrics and cancellation behave as before: cancelling it (client gone, timeout) aborts the request in
-the engine. Errors after the first delta still come back on the call. Frames are pickles of plain
+the engine. Errors, before or after some deltas, come back on the call. Frames are pickles of plain
 dataclasses, length-prefixed; a connection opens with the inbox's secret so nothing else on the
 network can write into a stream.
 """

@@ -249,7 +249,7 @@ def main() -> int:
     ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                     help="pool engine in a child process (the default) or in the replica")
     ap.add_argument("--token-bus", action=argparse.BooleanOptionalAction, default=True,
-                    help="deltas after the first on the token bus (the default) or all on the Serve handle call")
+                    help="deltas on the token bus (the default) or each on the Serve handle call")
     ap.add_argument("--ingress-replicas", type=int, default=1, help="ingress replicas (prod.yaml runs 2)")
     ap.add_argument("--modes", default="burst,steady",
                     help="how 8 streams arrive: burst (together), steady (closed loop, output lengths vary)")

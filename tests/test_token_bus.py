@@ -124,23 +124,29 @@ async def collect(it) -> list:
     return [x async for x in it]
 
 
-def test_with_bus_takes_the_first_delta_from_the_call_and_the_rest_from_the_queue():
+def test_with_bus_yields_the_deltas_from_the_queue_while_the_call_stays_open():
     async def main():
         q: asyncio.Queue = asyncio.Queue()
-        for d in (delta("b", 2), delta("c", 3, finished=True)):
+        for d in (delta("a", 1), delta("b", 2), delta("c", 3, finished=True)):
             q.put_nowait(d)
-        got = await collect(_with_bus(FakeCall([delta("a", 1)]), q))
+        hold = asyncio.Event()  # the call is still open when the last delta arrives
+        got = await asyncio.wait_for(collect(_with_bus(FakeCall([], hold=hold), q)), 5)
         assert [d.text for d in got] == ["a", "b", "c"]
 
     asyncio.run(main())
 
 
-def test_with_bus_ends_on_an_error_the_call_yields_after_the_first_delta():
+def test_with_bus_ends_on_an_error_the_call_yields_after_some_deltas():
     async def main():
         q: asyncio.Queue = asyncio.Queue()
+        q.put_nowait(delta("a", 1))
         err = ErrorEvent(503, "engine unavailable", type="server_error")
-        got = await asyncio.wait_for(collect(_with_bus(FakeCall([delta("a", 1), err]), q)), 5)
-        assert got == [delta("a", 1), err]
+        hold = asyncio.Event()
+        it = _with_bus(FakeCall([err], hold=hold), q)
+        assert (await asyncio.wait_for(it.__anext__(), 5)).text == "a"
+        assert await asyncio.wait_for(it.__anext__(), 5) == err
+        with pytest.raises(StopAsyncIteration):
+            await asyncio.wait_for(it.__anext__(), 5)
 
     asyncio.run(main())
 
@@ -154,12 +160,25 @@ def test_with_bus_refused_request_is_one_error_and_no_waiting():
     asyncio.run(main())
 
 
+def test_with_bus_waits_for_deltas_still_in_flight_when_the_call_ends():
+    async def main():
+        q: asyncio.Queue = asyncio.Queue()
+        it = _with_bus(FakeCall([]), q)
+        first = asyncio.ensure_future(it.__anext__())
+        await asyncio.sleep(0.05)  # the call has ended; its frame is still on the way
+        assert not first.done()
+        q.put_nowait(delta("a", 1, finished=True))
+        assert (await asyncio.wait_for(first, 5)).text == "a"
+
+    asyncio.run(main())
+
+
 def test_with_bus_fails_when_the_call_ends_and_the_last_delta_never_comes():
     async def main():
         q: asyncio.Queue = asyncio.Queue()
-        q.put_nowait(delta("b", 2))
+        q.put_nowait(delta("a", 1))
         with pytest.raises(RuntimeError, match="last delta did not arrive"):
-            await collect(_with_bus(FakeCall([delta("a", 1)]), q, grace_s=0.2))
+            await collect(_with_bus(FakeCall([]), q, grace_s=0.2))
 
     asyncio.run(main())
 
@@ -167,7 +186,9 @@ def test_with_bus_fails_when_the_call_ends_and_the_last_delta_never_comes():
 def test_with_bus_passes_on_a_failed_call():
     async def main():
         hold = asyncio.Event()
-        it = _with_bus(FakeCall([delta("a", 1)], error=ConnectionError("replica died"), hold=hold), asyncio.Queue())
+        q: asyncio.Queue = asyncio.Queue()
+        q.put_nowait(delta("a", 1))
+        it = _with_bus(FakeCall([], error=ConnectionError("replica died"), hold=hold), q)
         assert (await it.__anext__()).text == "a"
         hold.set()
         with pytest.raises(ConnectionError, match="replica died"):

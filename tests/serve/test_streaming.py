@@ -101,14 +101,15 @@ def test_stream_plan_with_an_inbox_sends_reply_to_and_reads_the_rest_from_the_bu
     from app.token_bus import TokenInbox, TokenOutbox
 
     class BusCall:
-        """A pool call that yields the first delta and puts the rest on the bus, as LLMServer does."""
+        """A pool call that puts every delta on the bus and yields nothing, as LLMServer does."""
 
         def __init__(self, req, outbox):
             self.req, self.outbox, self.cancelled = req, outbox, False
 
         async def _gen(self):
-            yield delta(1)
-            for i in (2, 3, 4):
+            if False:  # an async generator that yields nothing
+                yield None
+            for i in (1, 2, 3, 4):
                 self.outbox.send(self.req.reply_to, self.req.request_id, delta(i, fin=i == 4))
             await self.outbox.drain(self.req.reply_to)
 
