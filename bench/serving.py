@@ -238,6 +238,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="model directory (default: a tiny random Llama)")
     ap.add_argument("--requests", type=int, default=16, help="requests per concurrency level")
+    ap.add_argument("--requests-8", type=int, default=None,
+                    help="requests for the 8-stream levels (default: --requests); their p50 moves by a few ms "
+                         "between runs, and they are cheap, so a few hundred more steady the figure")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "serving_benchmark.md")
     ap.add_argument("--proxy", choices=("serve", "haproxy"), default="haproxy",
@@ -259,16 +262,18 @@ def main() -> int:
         from tests.serve.tiny_model import make_tiny_model
 
         model = str(make_tiny_model(Path(tempfile.mkdtemp()) / "tiny"))
-    prompts = [f"Request {i}: the quick brown fox jumps over the lazy dog. " * 3 for i in range(args.requests)]
+    n8 = args.requests_8 or args.requests
+    prompts = [f"Request {i}: the quick brown fox jumps over the lazy dog. " * 3 for i in range(max(args.requests, n8))]
+    level_prompts = lambda conc: prompts[: args.requests if conc == 1 else n8]  # noqa: E731
     # 1 stream: fixed lengths; 8 streams: arriving together (burst) and closed-loop (steady).
     levels = [(1, "burst")] + [(8, m) for m in args.modes.split(",")]
     results = {}
     for conc, mode in levels:
-        results[("in-process", conc, mode)] = asyncio.run(run_inprocess(model, prompts, conc, args.max_tokens, mode))
+        results[("in-process", conc, mode)] = asyncio.run(run_inprocess(model, level_prompts(conc), conc, args.max_tokens, mode))
     base = start_app(model, args.proxy, args.plan_in, args.engine_process, args.ingress_replicas, args.token_bus)
     client = run_http_raw if args.client == "raw" else run_http
     for conc, mode in levels:
-        results[("http", conc, mode)] = asyncio.run(client(base, prompts, conc, args.max_tokens, mode))
+        results[("http", conc, mode)] = asyncio.run(client(base, level_prompts(conc), conc, args.max_tokens, mode))
     from ray import serve
 
     serve.shutdown()
@@ -286,7 +291,7 @@ def main() -> int:
         f"`bench/serving.py` on {platform.machine()} ({os.cpu_count()} CPUs, load average "
         f"{os.getloadavg()[0]:.1f} at the end of the run), model "
         f"`{Path(model).name if args.model else 'tiny random Llama (2 layers, hidden 64)'}`, "
-        f"{args.requests} streamed requests per level, {args.max_tokens} tokens each (steady: "
+        f"{args.requests} streamed requests at 1 stream and {n8} per 8-stream level, {args.max_tokens} tokens each (steady: "
         f"{args.max_tokens // 2}-{args.max_tokens * 3 // 2}, same mean), greedy, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
         "",
