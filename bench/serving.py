@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import socket
 import sys
 import tempfile
@@ -26,6 +25,8 @@ from typing import AsyncIterator
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from bench.host import StealMeter, describe  # noqa: E402
 
 ENGINE = {"num_kv_blocks": 256, "max_model_len": 1024, "max_num_seqs": 16, "max_num_batched_tokens": 512}
 KEY = "bench-key"
@@ -268,6 +269,7 @@ def main() -> int:
     # 1 stream: fixed lengths; 8 streams: arriving together (burst) and closed-loop (steady).
     levels = [(1, "burst")] + [(8, m) for m in args.modes.split(",")]
     results = {}
+    steal = StealMeter()
     for conc, mode in levels:
         results[("in-process", conc, mode)] = asyncio.run(run_inprocess(model, level_prompts(conc), conc, args.max_tokens, mode))
     base = start_app(model, args.proxy, args.plan_in, args.engine_process, args.ingress_replicas, args.token_bus)
@@ -288,8 +290,7 @@ def main() -> int:
     lines = [
         "# Serving overhead benchmark",
         "",
-        f"`bench/serving.py` on {platform.machine()} ({os.cpu_count()} CPUs, load average "
-        f"{os.getloadavg()[0]:.1f} at the end of the run), model "
+        f"`bench/serving.py` on {describe(steal)}, model "
         f"`{Path(model).name if args.model else 'tiny random Llama (2 layers, hidden 64)'}`, "
         f"{args.requests} streamed requests at 1 stream and {n8} per 8-stream level, {args.max_tokens} tokens each (steady: "
         f"{args.max_tokens // 2}-{args.max_tokens * 3 // 2}, same mean), greedy, "

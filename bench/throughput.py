@@ -41,6 +41,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from bench.host import cpu_name  # noqa: E402
+
 logger = logging.getLogger("bench.throughput")
 
 SYSTEM_ENGINE = "sinkserve engine"
@@ -500,14 +502,7 @@ def _logged(r: Result) -> Result:
 
 
 def machine_description() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        if names:
-            cpu = names[0]
-    except OSError:
-        pass
+    cpu = cpu_name()
     import transformers
 
     return (f"{cpu}, {os.cpu_count()} logical CPUs visible, Python {platform.python_version()}, "

@@ -47,3 +47,23 @@ async def test_minimal_client_reads_chunked_sse_over_keep_alive() -> None:
     assert len(ttft) == 1 and len(itl) == 4 and itl[1] == itl[2] == itl[3]
     server.close()
     await server.wait_closed()
+
+
+def test_steal_meter_reads_proc_stat(tmp_path, monkeypatch) -> None:
+    import bench.host as host
+
+    stat = tmp_path / "stat"
+    real_open = open
+
+    def fake_open(path, *a, **k):  # noqa: ANN001, ANN002, ANN003
+        return real_open(stat if path == "/proc/stat" else path, *a, **k)
+
+    monkeypatch.setattr("builtins.open", fake_open)
+    # user nice system idle iowait irq softirq steal
+    stat.write_text("cpu  100 0 50 800 0 0 0 50\ncpu0 1 2 3\n")
+    meter = host.StealMeter()
+    stat.write_text("cpu  400 0 150 1200 0 0 0 250\ncpu0 1 2 3\n")  # +300 +100 +400 +200 steal = 1000
+    assert meter.percent() == 20.0
+    assert "stolen by the hypervisor during the run: 20.0 %" in host.describe(meter)
+    stat.write_text("")  # unreadable: no figure rather than a wrong one
+    assert meter.percent() is None
