@@ -29,7 +29,7 @@ def build_engine(spec: PoolSpec):
     """Construct the engine for ``spec`` (imports torch lazily so the module stays light): in a child
     process (TP=1 with ``engine_process``), in this process with TP workers (TP>1), or here."""
     from engine.config import EngineConfig
-    from engine.engine import AsyncLLMEngine
+    from engine.async_engine import AsyncLLMEngine
     from engine.engine_process import EngineProcess
 
     config = EngineConfig(
@@ -132,7 +132,7 @@ class LLMServer:
     # ---- control path ---------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        return dict(self.engine.stats())
+        return self.engine.stats().as_dict()
 
     def _entry(self) -> dict[str, Any]:
         return {

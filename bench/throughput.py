@@ -199,7 +199,7 @@ def run_engine(model_dir: Path, reqs: list[Request], concurrency: int, max_num_b
                 if out.finished:
                     bar.update(1)
     seconds = time.perf_counter() - start
-    steps = engine.stats()["steps_total"]
+    steps = engine.stats().steps_total
     engine.shutdown()
     outputs = [tokens[rid] for rid in ids]
     return Result(SYSTEM_ENGINE, str(concurrency), sum(map(len, outputs)), sum(len(r.prompt) for r in reqs), seconds,

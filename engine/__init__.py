@@ -10,7 +10,9 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "AsyncLLMEngine": "engine.engine",
+    "AsyncLLMEngine": "engine.async_engine",
+    "EngineClient": "engine.engine_client",
+    "EngineStats": "engine.stats",
     "LLMEngine": "engine.engine",
     "CachePolicy": "engine.cache_policy",
     "EngineConfig": "engine.config",

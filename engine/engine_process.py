@@ -10,17 +10,18 @@ reason.)
 
     serving process (asyncio loop)              engine process
     ------------------------------              --------------
-    generate() --- ("add", id, prompt, ...) -->  receiver thread -> inbox
-    abort()    --- ("abort", id) ------------->      |
-    set_cache_policy() -- ("policy", p) ------>      v
+    generate() --- AddRequest(id, prompt, ...) -->  receiver thread -> inbox
+    abort()    --- AbortRequest(id) ------------>      |
+    set_cache_policy() -- SetPolicy(p) -------->      v
                                                  main thread: drain inbox, step(),
-    reader (loop.add_reader) <-- ("out", deltas, stats) -- one message per step
-                             <-- ("reject", id, field, message) -- invalid request
+    reader (loop.add_reader) <-- StepResult(deltas, stats) -- one message per step
+                             <-- Rejected(id, field, message) -- invalid request
 
 The child exits when the pipe closes (the serving process died) and the parent marks the engine dead
 when the child does, so neither outlives the other unnoticed. Start:
 ``python -m engine.engine_process <fd>`` with one end of a socket pair; the config is the first
-message, ``("ready", stats)`` or ``("failed", traceback)`` the answer.
+message, ``Ready(stats)`` or ``LoadFailed(traceback)`` the answer. Every message is one of the
+frozen dataclasses below (pickled by ``multiprocessing.connection``), never a tagged tuple.
 """
 
 from __future__ import annotations
@@ -36,15 +37,77 @@ import sys
 import threading
 import traceback
 import uuid
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import Any, AsyncIterator, Iterable, Sequence as Seq
 
 from engine.config import CachePolicy, EngineConfig
 from engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError, RequestAbortedError
+from engine.input_processor import Anchor
 from engine.outputs import RequestOutput, next_delta
 from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
+
+
+# ---- messages: serving process -> engine process ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt: str | tuple[int, ...]
+    params: SamplingParams
+    anchors: tuple[Anchor, ...] = ()
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class SetPolicy:
+    policy: CachePolicy
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Finish: shut the engine down and exit (also what a closed pipe means)."""
+
+
+# ---- messages: engine process -> serving process ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ready:
+    stats: EngineStats
+
+
+@dataclass(frozen=True)
+class LoadFailed:
+    traceback: str
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One step's deltas and the stats after it."""
+
+    outputs: list[RequestOutput]
+    stats: EngineStats
+
+
+@dataclass(frozen=True)
+class Rejected:
+    request_id: str
+    field: str
+    message: str
+
+
+@dataclass(frozen=True)
+class EngineDied:
+    traceback: str
 
 
 class EngineProcess:
@@ -68,14 +131,14 @@ class EngineProcess:
             self._proc.kill()
             raise ModelLoadError(f"engine process did not load {config.model!r} within {start_timeout_s:.0f}s")
         try:
-            kind, payload = self._conn.recv()
+            answer = self._conn.recv()
         except EOFError:
-            kind, payload = "failed", f"engine process exited with code {self._proc.wait()}"
-        if kind != "ready":
+            answer = LoadFailed(f"engine process exited with code {self._proc.wait()}")
+        if not isinstance(answer, Ready):
             self._proc.wait()
-            reason = payload.strip().splitlines()[-1]  # the exception line first, the traceback after
-            raise ModelLoadError(f"engine process could not start: {reason}\n{payload}")
-        self._stats: dict[str, Any] = payload
+            reason = answer.traceback.strip().splitlines()[-1]  # the exception line first, the traceback after
+            raise ModelLoadError(f"engine process could not start: {reason}\n{answer.traceback}")
+        self._stats: EngineStats = answer.stats
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead: str | None = None
@@ -120,7 +183,8 @@ class EngineProcess:
         self._queues[request_id] = q
         done = False  # the engine is through with it (finished, aborted, never admitted)
         try:
-            self._send(("add", request_id, prompt, params, list(anchors) if anchors else None))
+            self._send(AddRequest(request_id, prompt if isinstance(prompt, str) else tuple(prompt), params,
+                                  tuple(anchors or ())))
             while not done:
                 item = await next_delta(q, request_id)
                 done = item.finished
@@ -131,17 +195,17 @@ class EngineProcess:
         finally:
             self._queues.pop(request_id, None)
             if not done and self._dead is None:
-                self._send(("abort", request_id))
+                self._send(AbortRequest(request_id))
 
     def abort(self, request_id: str) -> None:
         q = self._queues.get(request_id)
         if q is not None:
             q.put_nowait(RequestAbortedError(f"request {request_id} was aborted"))
-        self._send(("abort", request_id))
+        self._send(AbortRequest(request_id))
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         """The engine's stats as of its last step (or the last request it took while idle)."""
-        return dict(self._stats)
+        return self._stats
 
     def check_health(self) -> None:
         if self._dead is None and self._proc.poll() is not None:
@@ -153,9 +217,9 @@ class EngineProcess:
         """Validated here (a bad policy raises now), applied by the child before its next step."""
         policy.validate(self._config.block_size)
         self._attach()
-        self._send(("policy", policy))
+        self._send(SetPolicy(policy))
         # Messages are ordered: every step after this one runs under ``policy``, so say so now.
-        self._stats["policy_version"] = policy.version
+        self._stats = replace(self._stats, policy_version=policy.version)
         return policy.version
 
     async def shutdown(self, drain_timeout: float = 30.0) -> None:
@@ -165,7 +229,7 @@ class EngineProcess:
         while self._queues and self._dead is None and loop.time() < deadline:
             await asyncio.sleep(0.05)
         if self._dead is None:
-            self._send(("stop",))
+            self._send(Stop())
         try:
             await asyncio.to_thread(self._proc.wait, 10)
         except subprocess.TimeoutExpired:
@@ -184,7 +248,7 @@ class EngineProcess:
                 return
             self._loop.add_reader(self._conn.fileno(), self._on_readable)
 
-    def _send(self, msg: tuple) -> None:
+    def _send(self, msg: AddRequest | AbortRequest | SetPolicy | Stop) -> None:
         try:
             self._conn.send(msg)
         except OSError as e:
@@ -193,20 +257,19 @@ class EngineProcess:
     def _on_readable(self) -> None:
         try:
             while self._conn.poll():
-                kind, *rest = self._conn.recv()
-                if kind == "out":
-                    outputs, self._stats = rest
-                    for out in outputs:
+                msg = self._conn.recv()
+                if isinstance(msg, StepResult):
+                    self._stats = msg.stats
+                    for out in msg.outputs:
                         q = self._queues.get(out.request_id)
                         if q is not None:
                             q.put_nowait(out)
-                elif kind == "reject":
-                    request_id, field, message = rest
-                    q = self._queues.get(request_id)
+                elif isinstance(msg, Rejected):
+                    q = self._queues.get(msg.request_id)
                     if q is not None:
-                        q.put_nowait(InvalidRequestError(field, message))
-                elif kind == "dead":
-                    self._die(f"engine loop died: {rest[0]}")
+                        q.put_nowait(InvalidRequestError(msg.field, msg.message))
+                elif isinstance(msg, EngineDied):
+                    self._die(f"engine loop died: {msg.traceback}")
                     return
         except (EOFError, OSError):
             code = self._proc.poll()  # the pipe can close a moment before the exit is reaped
@@ -233,7 +296,7 @@ def _receive_forever(conn: Connection, inbox: queue.SimpleQueue) -> None:
         while True:
             inbox.put(conn.recv())
     except (EOFError, OSError):
-        inbox.put(("eof",))
+        inbox.put(Stop())
 
 
 def serve_engine(conn: Connection) -> None:
@@ -244,42 +307,41 @@ def serve_engine(conn: Connection) -> None:
     try:
         engine = LLMEngine(config)
     except BaseException:  # noqa: BLE001 - the parent shows this traceback as the load error
-        conn.send(("failed", traceback.format_exc()))
+        conn.send(LoadFailed(traceback.format_exc()))
         return
     # Everything loaded so far (model, tokenizer, modules) lives as long as the process: move it out
     # of the collector's reach so the collections that steps trigger stay small.
     gc.collect()
     gc.freeze()
-    conn.send(("ready", engine.stats()))
+    conn.send(Ready(engine.stats()))
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_receive_forever, args=(conn, inbox), daemon=True, name="engine-inbox").start()
     while True:
         msgs = [inbox.get()] if not engine.has_unfinished() else []
         while not inbox.empty():
             msgs.append(inbox.get())
-        for kind, *rest in msgs:
-            if kind == "add":
-                request_id, prompt, params, anchors = rest
+        for msg in msgs:
+            if isinstance(msg, AddRequest):
                 try:
-                    engine.add_request(request_id, prompt, params, anchors)
+                    engine.add_request(msg.request_id, msg.prompt, msg.params, msg.anchors)
                 except InvalidRequestError as e:
-                    conn.send(("reject", request_id, e.field, e.message))
+                    conn.send(Rejected(msg.request_id, e.field, e.message))
                 except (TypeError, ValueError) as e:
-                    conn.send(("reject", request_id, "sampling", str(e)))
-            elif kind == "abort":
-                engine.abort(rest[0])
-            elif kind == "policy":
-                engine.set_cache_policy(rest[0])
-            elif kind in ("stop", "eof"):
+                    conn.send(Rejected(msg.request_id, "sampling", str(e)))
+            elif isinstance(msg, AbortRequest):
+                engine.abort(msg.request_id)
+            elif isinstance(msg, SetPolicy):
+                engine.set_cache_policy(msg.policy)
+            elif isinstance(msg, Stop):
                 engine.shutdown()
                 return
         try:
             outputs = engine.step() if engine.has_unfinished() else []
         except Exception:  # noqa: BLE001 - the parent fails every stream and its health check
             logger.exception("engine step failed")
-            conn.send(("dead", traceback.format_exc(limit=5)))
+            conn.send(EngineDied(traceback.format_exc(limit=5)))
             return
-        conn.send(("out", outputs, engine.stats()))
+        conn.send(StepResult(outputs, engine.stats()))
 
 
 def main() -> None:
@@ -293,4 +355,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # Run the imported module's main, not this ``__main__`` copy: the message classes must be the
+    # ones the parent pickles (``engine.engine_process.AddRequest``), or isinstance checks miss.
+    from engine.engine_process import main as module_main
+
+    module_main()

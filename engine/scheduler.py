@@ -101,6 +101,24 @@ class Scheduler:
         return None
 
     # ------------------------------------------------------------------ step
+    def update_after_step(self, out: SchedulerOutput, sampled_tokens: list[int]) -> list[Sequence]:
+        """What follows a forward of ``out``: every scheduled sequence advances by the tokens it
+        computed, its newly full blocks join the prefix cache, and each sequence whose chunk reached
+        its end gets its sampled token (``sampled_tokens`` in schedule order). Returns those sequences.
+
+        Example: ``a`` decodes (1 token) and ``b`` runs the first 8-token chunk of a 20-token prompt;
+        only ``a`` samples, so ``update_after_step(out, [42])`` appends 42 to ``a`` and returns ``[a]``.
+        """
+        sampling = [item.seq for item in out.scheduled if item.samples]  # read before advancing
+        if len(sampled_tokens) != len(sampling):
+            raise ValueError(f"{len(sampling)} sequences sample this step, got {len(sampled_tokens)} tokens")
+        for item in out.scheduled:
+            item.seq.num_computed_tokens += item.num_tokens
+            self.bm.commit_full_blocks(item.seq)
+        for seq, tok in zip(sampling, sampled_tokens):
+            seq.token_ids.append(tok)
+        return sampling
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens

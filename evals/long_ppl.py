@@ -117,7 +117,7 @@ def score_streaming(cfg: PplConfig, arm: A.Arm, ids: list[int]) -> ArmScores:
                 bar.update(len(new))
                 finished |= out.finished
             if not finished:  # the last step frees the sequence: not a memory sample
-                blocks.append((len(lps) + 1, engine.stats()["blocks_used"]))
+                blocks.append((len(lps) + 1, engine.stats().blocks_used))
     wall = time.perf_counter() - t0
     engine.shutdown()
     if len(lps) != len(ids) - 1:

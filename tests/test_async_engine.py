@@ -25,7 +25,7 @@ async def test_concurrent_streams_match_offline_generate(tiny_llama: Path) -> No
     for (toks, text, reason, deltas), ref in zip(results, offline):
         assert toks == ref.token_ids and text == ref.text and reason == "length"
         assert deltas == 20  # one delta per token: it really streams
-    assert engine.stats()["blocks_used"] == 0
+    assert engine.stats().blocks_used == 0
     await engine.shutdown()
 
 
@@ -37,11 +37,11 @@ async def test_leaving_the_stream_aborts_and_frees_blocks(tiny_llama: Path) -> N
         if seen == 3:
             break
     for _ in range(50):
-        if engine.stats()["running"] == 0:
+        if engine.stats().running == 0:
             break
         await asyncio.sleep(0.02)
     stats = engine.stats()
-    assert stats["running"] == 0 and stats["blocks_used"] == 0
+    assert stats.running == 0 and stats.blocks_used == 0
     engine.engine.check_integrity()
     await engine.shutdown()
 
@@ -60,10 +60,10 @@ async def test_cancelled_task_aborts(tiny_llama: Path) -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     for _ in range(50):
-        if engine.stats()["blocks_used"] == 0:
+        if engine.stats().blocks_used == 0:
             break
         await asyncio.sleep(0.02)
-    assert engine.stats()["blocks_used"] == 0
+    assert engine.stats().blocks_used == 0
     await engine.shutdown()
 
 

@@ -76,7 +76,7 @@ def test_greedy_tokens_and_logits_match_transformers(family: str, staggered: boo
         assert got_t.shape == want.shape
         assert (got_t - want).abs().max().item() < 1e-4
     stats = engine.stats()
-    assert stats["blocks_used"] == 0 and stats["running"] == 0
+    assert stats.blocks_used == 0 and stats.running == 0
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen3"])

@@ -31,9 +31,9 @@ def test_prefix_cache_hits_and_unchanged_output(tiny_llama: Path) -> None:
     plain = make(tiny_llama, enable_prefix_caching=False).generate([a, b], GREEDY)
     engine = make(tiny_llama)
     first = engine.generate([a], GREEDY)[0]
-    assert engine.stats()["prefix_cache_hit_tokens"] == 0
+    assert engine.stats().prefix_cache_hit_tokens == 0
     second = engine.generate([b], GREEDY)[0]
-    assert engine.stats()["prefix_cache_hit_tokens"] == 64  # four full 16-token blocks reused
+    assert engine.stats().prefix_cache_hit_tokens == 64  # four full 16-token blocks reused
     assert [first.token_ids, second.token_ids] == [plain[0].token_ids, plain[1].token_ids]
     engine.check_integrity()
 
@@ -65,10 +65,10 @@ def test_preemption_recomputes_with_identical_output(tiny_llama: Path) -> None:
     roomy = make(tiny_llama).generate(batch, params)
     tight = make(tiny_llama, num_kv_blocks=13, block_size=8)
     results = tight.generate(batch, params)
-    assert tight.stats()["preemptions"] > 0
+    assert tight.stats().preemptions > 0
     assert [r.token_ids for r in results] == [r.token_ids for r in roomy]
     tight.check_integrity()
-    assert tight.stats()["blocks_used"] == 0
+    assert tight.stats().blocks_used == 0
 
 
 def test_abort_frees_blocks_at_once(tiny_llama: Path) -> None:
@@ -77,9 +77,9 @@ def test_abort_frees_blocks_at_once(tiny_llama: Path) -> None:
     engine.add_request("drop", rand_prompt(70, 2), SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
     for _ in range(3):
         engine.step()
-    used_before = engine.stats()["blocks_used"]
+    used_before = engine.stats().blocks_used
     engine.abort("drop")
-    assert engine.stats()["blocks_used"] == used_before - 5  # 70 prompt + 2 outputs -> 5 blocks of 16
+    assert engine.stats().blocks_used == used_before - 5  # 70 prompt + 2 outputs -> 5 blocks of 16
     engine.check_integrity()
     outs = []
     while engine.has_unfinished():
@@ -87,7 +87,7 @@ def test_abort_frees_blocks_at_once(tiny_llama: Path) -> None:
     assert all(o.request_id == "keep" for o in outs)
     engine.abort("unknown-request")  # harmless
     engine.check_integrity()
-    assert engine.stats()["blocks_used"] == 0
+    assert engine.stats().blocks_used == 0
 
 
 def test_a_request_id_in_flight_is_refused_until_it_finishes(tiny_llama: Path) -> None:
@@ -210,5 +210,5 @@ def test_token_counters_count_prompts_and_outputs(tiny_llama: Path) -> None:
     engine = make(tiny_llama, max_num_batched_tokens=32)
     engine.generate([rand_prompt(40, 5), rand_prompt(70, 6)], GREEDY)
     stats = engine.stats()
-    assert stats["prompt_tokens_total"] == 110
-    assert stats["generation_tokens_total"] == 2 * GREEDY.max_tokens
+    assert stats.prompt_tokens_total == 110
+    assert stats.generation_tokens_total == 2 * GREEDY.max_tokens

@@ -32,13 +32,13 @@ async def test_streams_match_offline_generate_and_blocks_return(tiny_llama: Path
     prompts = ["hello there", "the quick brown fox", "a"]
     offline = LLMEngine(config).generate(prompts, PARAMS)
     engine = EngineProcess(config)
-    assert engine.pid != os.getpid() and engine.stats()["blocks_total"] == 127
+    assert engine.pid != os.getpid() and engine.stats().blocks_total == 127
     results = await asyncio.gather(*(collect(engine, p, PARAMS) for p in prompts))
     for (toks, text, reason, deltas), ref in zip(results, offline):
         assert toks == ref.token_ids and text == ref.text and reason == "length"
         assert deltas == 20  # one delta per token: it really streams across the pipe
     stats = engine.stats()
-    assert stats["blocks_used"] == 0 and stats["requests_finished_total"] == 3
+    assert stats.blocks_used == 0 and stats.requests_finished_total == 3
     assert engine.tokenizer.decode(results[0][0]) == LLMEngine(config).tokenizer.decode(offline[0].token_ids)
     await engine.shutdown()
     assert engine._proc.returncode == 0  # noqa: SLF001 - the child left cleanly
@@ -51,8 +51,8 @@ async def test_leaving_the_stream_aborts_and_frees_blocks(tiny_llama: Path) -> N
         seen += 1
         if seen == 3:
             break
-    await wait_for(lambda: engine.stats()["running"] == 0)
-    assert engine.stats()["blocks_used"] == 0
+    await wait_for(lambda: engine.stats().running == 0)
+    assert engine.stats().blocks_used == 0
     # The engine takes new work afterwards.
     outs = [o async for o in engine.generate("again", replace(PARAMS, max_tokens=4))]
     assert sum(len(o.token_ids) for o in outs) == 4
@@ -79,21 +79,21 @@ async def test_invalid_requests_name_the_field_and_leave_the_engine_healthy(tiny
     rest = [out async for out in first]
     assert len(head.token_ids) + sum(len(o.token_ids) for o in rest) == PARAMS.max_tokens and rest[-1].finished
     engine.check_health()
-    assert engine.stats()["blocks_used"] == 0
+    assert engine.stats().blocks_used == 0
     await engine.shutdown()
 
 
 async def test_cache_policy_swap_reaches_the_child(tiny_llama: Path) -> None:
     config = EngineConfig(model=str(tiny_llama), num_kv_blocks=128)
     engine = EngineProcess(config)
-    before = engine.stats()["policy_version"]
+    before = engine.stats().policy_version
     assert before == config.cache_policy.version
     new = replace(config.cache_policy, eviction_policy="sliding_window", window=64)
     version = engine.set_cache_policy(new)
     assert version == new.version != before
     async for _ in engine.generate("after the swap", replace(PARAMS, max_tokens=2)):
         pass
-    assert engine.stats()["policy_version"] == version
+    assert engine.stats().policy_version == version
     with pytest.raises(ValueError):  # validated here, before anything is sent
         engine.set_cache_policy(replace(config.cache_policy, window=0))
     await engine.shutdown()

@@ -73,18 +73,18 @@ def test_stream_past_context_pins_sinks_and_keeps_memory_flat(tiny_llama: Path) 
     while engine.has_unfinished():
         for out in engine.step():
             tokens += len(out.token_ids)
-        used.append(engine.stats()["blocks_used"])
+        used.append(engine.stats().blocks_used)
         engine.check_integrity()
     assert tokens == 600
     steady = used[len(used) // 4 : -1]  # the last step finished the request and freed everything
     assert max(steady) - min(steady) <= 1, "blocks in use must stay flat once the window is full"
     assert max(steady) <= 1 + 1 + (32 + 8) // 4 + 2  # sink block, anchor block, window + chunk
     evicted = [r for r in engine.eviction_log if r.request_id == "s"]
-    assert evicted and sum(e - s for r in evicted for s, e in r.evicted_ranges) == engine.stats()["tokens_evicted"]
+    assert evicted and sum(e - s for r in evicted for s, e in r.evicted_ranges) == engine.stats().tokens_evicted
     for r in evicted:
         for s, e in r.evicted_ranges:
             assert not any(s <= p < e for p in [0, 1, 2, 3, 100, 101, 102, 103]), "a protected token was evicted"
-    assert engine.stats()["blocks_used"] == 0
+    assert engine.stats().blocks_used == 0
 
 
 @pytest.mark.parametrize("protected", [(0, 1, 2, 3), ()], ids=["sinks", "window-only"])
@@ -113,7 +113,7 @@ def test_positions_match_recompute_reference(tiny_llama: Path, protected: tuple[
     got = torch.stack(rows)
     assert got.shape == ref.shape
     assert (got - ref).abs().max().item() < 1e-4
-    assert engine.stats()["tokens_evicted"] > 0
+    assert engine.stats().tokens_evicted > 0
 
 
 def test_text_anchor_becomes_protected_token_span(tiny_llama: Path) -> None:

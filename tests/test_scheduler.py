@@ -16,13 +16,8 @@ def make(num_blocks: int = 11, block_size: int = 4, budget: int = 8, max_seqs: i
 
 
 def run_step(sched: Scheduler, out: SchedulerOutput, sample_token: int = 7) -> None:
-    """What the engine does after a forward: advance computed counts and append sampled tokens."""
-    for item in out.scheduled:
-        samples = item.samples
-        item.seq.num_computed_tokens += item.num_tokens
-        sched.bm.commit_full_blocks(item.seq)
-        if samples:
-            item.seq.token_ids.append(sample_token)
+    """What the engine does after a forward: the scheduler's own post-step update, one token each."""
+    sched.update_after_step(out, [sample_token] * sum(1 for item in out.scheduled if item.samples))
 
 
 def test_chunked_prefill_respects_budget_and_decodes_go_first() -> None:
@@ -102,3 +97,23 @@ def test_sliding_window_evicts_unprotected_blocks_and_rotates_sinks() -> None:
     assert bm.match_prefix([0, 1, 99]) == [1]
     assert sched.tokens_evicted == 4
     bm.check_integrity(sched.live_sequences())
+
+
+def test_update_after_step_advances_commits_and_appends_in_schedule_order() -> None:
+    bm, sched = make(num_blocks=11, block_size=4, budget=9)
+    a = Sequence("a", [1, 2, 3], SamplingParams(), arrival=0)
+    sched.add(a)
+    sched.update_after_step(sched.schedule(), [40])  # a's prefill samples 40
+    b = Sequence("b", list(range(20)), SamplingParams(), arrival=1)
+    sched.add(b)
+    out = sched.schedule()
+    assert [(s.seq.request_id, s.num_tokens) for s in out.scheduled] == [("a", 1), ("b", 8)]
+    assert sched.update_after_step(out, [41]) == [a]  # b's chunk does not reach its end: no token
+    assert a.token_ids == [1, 2, 3, 40, 41] and a.num_computed_tokens == 4
+    assert b.token_ids == list(range(20)) and b.num_computed_tokens == 8
+    # a's first block (4 tokens) and b's first two are full, so the prefix cache may hand them out
+    assert sorted(bm.hash_to_block.values()) == sorted([a.block_table[0], *b.block_table[:2]])
+    import pytest
+
+    with pytest.raises(ValueError, match="1 sequences sample this step, got 2 tokens"):
+        sched.update_after_step(sched.schedule(), [1, 2])
