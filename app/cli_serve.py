@@ -6,12 +6,14 @@ One command still gives a secured server: when no key source is set (``SINKSERVE
 ``serve run`` on the (possibly overridden) config, so ``serve run CONFIG`` and this command deploy
 exactly the same thing.
 
-The HTTP entry is HAProxy by default (``--proxy haproxy``): Serve's HAProxy mode puts the HAProxy
-binary that ``ray[serve]`` bundles in front of the ingress replicas, which serve HTTP themselves, so no
-Python proxy sits on the request path (about 9 ms less per request here; docs/serving_benchmark.md).
-``--proxy serve`` keeps Serve's own proxy. The mode is read from ``RAY_SERVE_ENABLE_HA_PROXY`` when
-Ray starts, so it applies to the cluster ``serve run`` starts itself; a cluster started earlier with
-``ray start`` keeps the mode of its own environment.
+The HTTP entry is HAProxy: Serve's HAProxy mode puts the HAProxy binary that ``ray[serve]`` bundles
+in front of the ingress replicas, which serve HTTP themselves, so no Python proxy sits on the request
+path (about 9 ms less per request here; docs/serving_benchmark.md). The mode is read from
+``RAY_SERVE_ENABLE_HA_PROXY`` when Ray starts, so it applies to the cluster ``serve run`` starts
+itself; a cluster started earlier with ``ray start`` needs that variable in its own environment.
+
+Every application's ``args`` are validated (``AppArgs``, each pool's ``engine:`` block by the
+engine's own config classes) before anything starts: a misspelled key exits 2 naming its path.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ from pathlib import Path
 
 import yaml
 
+from pydantic import ValidationError
+
 from app.auth import DEFAULT_KEY_FILE, KEYS_ENV, KEYS_FILE_ENV, ensure_key_file
-from app.settings import PROJECT_ROOT
+from app.settings import REPO_ROOT, AppArgs
 
 logger = logging.getLogger("sinkserve.cli")
 
@@ -37,8 +41,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host", help="HTTP host (overrides http_options.host)")
     p.add_argument("--port", type=int, help="HTTP port (overrides http_options.port)")
     p.add_argument("--key-file", type=Path, default=DEFAULT_KEY_FILE, help="API key file to create/use")
-    p.add_argument("--proxy", choices=("haproxy", "serve"), default="haproxy",
-                   help="HTTP entry: HAProxy in front of the ingress replicas (default) or Serve's Python proxy")
     p.add_argument("--dry-run", action="store_true", help="print the effective config and exit")
     p.set_defaults(run=run)
 
@@ -61,14 +63,25 @@ def effective_config(path: Path, model: str | None, host: str | None, port: int 
 HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
 
 
-def proxy_env(proxy: str) -> dict[str, str]:
-    """Environment that selects the HTTP entry for the Ray cluster ``serve run`` starts."""
-    if proxy != "haproxy":
-        return {HAPROXY_ENV: "0"}
+def haproxy_env() -> dict[str, str]:
+    """Environment that makes HAProxy the HTTP entry of the Ray cluster ``serve run`` starts."""
     # The HAProxy manager actor takes longer to report ready than Serve's 5 s readiness check allows
     # when the CPUs are busy (seen here with training on both cores: killed after three checks and
     # `serve.start` failed); 30 s lets a loaded node start it.
     return {HAPROXY_ENV: "1", "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30"}
+
+
+def validate_apps(cfg: dict) -> str | None:
+    """The first application whose ``args`` do not validate, as one message naming the field."""
+    for app in cfg["applications"]:
+        if app.get("import_path", "app.builder:build_app") != "app.builder:build_app":
+            continue
+        try:
+            AppArgs.model_validate(app.get("args") or {})
+        except ValidationError as e:
+            lines = [f"  {'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors(include_url=False)]
+            return f"application {app.get('name', '?')!r}: invalid args\n" + "\n".join(lines)
+    return None
 
 
 def needs_keys(cfg: dict) -> bool:
@@ -81,6 +94,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"sinkserve serve: no such config file: {path}", file=sys.stderr)
         return 2
     cfg = effective_config(path, args.model, args.host, args.port)
+    problem = validate_apps(cfg)
+    if problem is not None:
+        print(f"sinkserve serve: {path}: {problem}", file=sys.stderr)
+        return 2
     env = dict(os.environ)
     if needs_keys(cfg) and not (env.get(KEYS_ENV) or env.get(KEYS_FILE_ENV)):
         key, created = ensure_key_file(args.key_file)
@@ -90,9 +107,9 @@ def run(args: argparse.Namespace) -> int:
         print(f'  curl -H "Authorization: Bearer {key}" http://{cfg["http_options"].get("host", "127.0.0.1")}:'
               f'{cfg["http_options"].get("port", 8000)}/v1/models')
     # Workers must import app/ and engine/ whatever their working directory.
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH", "")) if p)
-    env.update(proxy_env(args.proxy))
-    print(f"HTTP entry: {args.proxy} ({HAPROXY_ENV}={env[HAPROXY_ENV]})")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    env.update(haproxy_env())
+    print(f"HTTP entry: haproxy ({HAPROXY_ENV}={env[HAPROXY_ENV]})")
     if args.dry_run:
         print(yaml.safe_dump(cfg, sort_keys=False))
         return 0
@@ -104,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     cmd = [str(serve_bin) if serve_bin.exists() else "serve", "run", str(out)]
     logger.info("running: %s", " ".join(cmd))
     sys.stdout.flush()
-    os.chdir(PROJECT_ROOT)
+    os.chdir(REPO_ROOT)
     # exec, not a child process: Ctrl-C / SIGTERM reach `serve run` directly, which drains and stops.
     os.execve(cmd[0], cmd, env)
     return 0  # not reached

@@ -1,4 +1,11 @@
-"""HTTP-facing errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+"""The one error type at the edge: ``APIError`` (HTTP status, message, param, type, Retry-After).
+
+Everything that refuses or fails a request ends up as one: the planner raises it (rate, bucket,
+version, anchors), the pool turns the engine's typed errors into it (:meth:`APIError.from_engine`)
+and sends it back on the same channel as the tokens, the ingress renders it in OpenAI's shape
+``{"error": {"message", "type", "param", "code"}}`` (or as the last SSE event once a stream has
+started), and handle callers receive it as an event.
+"""
 
 from __future__ import annotations
 
@@ -7,32 +14,55 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from app.events import ErrorEvent
-
 _TYPE_TAGS = {"str", "int", "float", "bool", "list[int]", "TokenRange", "dict", "list"}
+
+# Engine request fields whose HTTP name differs (the engine's anchors are the request's
+# ``sinkserve.anchors``); every other engine field is named as in the request already.
+_ENGINE_PARAMS = {"anchors": "sinkserve.anchors"}
 
 
 class APIError(Exception):
+    """A refused or failed request, with everything the HTTP answer needs."""
+
     def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
-                 retry_after: float | None = None, headers: dict[str, str] | None = None) -> None:
+                 retry_after: float | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.type = type
-        self.headers = dict(headers or {})
-        if retry_after is not None:
-            self.headers["Retry-After"] = str(int(max(1, round(retry_after))))
+        self.retry_after = retry_after
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Crosses process boundaries (token bus, Ray handles) with every field intact.
+        return (APIError, (self.status, self.message, self.param, self.type, self.retry_after))
+
+    def __repr__(self) -> str:
+        return f"APIError({self.status}, {self.message!r}, param={self.param!r}, type={self.type!r})"
 
     @classmethod
-    def from_event(cls, ev: ErrorEvent) -> "APIError":
-        return cls(ev.status, ev.message, ev.field, ev.type, ev.retry_after)
+    def from_engine(cls, e: BaseException) -> "APIError":
+        """The HTTP form of an engine error: 400 naming the field for invalid requests, 499 for an
+        abort, 503 (retry) when the engine has died, 500 for anything unexpected."""
+        from engine.errors import EngineDeadError, InvalidRequestError, RequestAbortedError
+
+        if isinstance(e, InvalidRequestError):
+            return cls(400, str(e), _ENGINE_PARAMS.get(e.field, e.field))
+        if isinstance(e, RequestAbortedError):
+            return cls(499, f"request aborted: {e}", type="aborted")
+        if isinstance(e, EngineDeadError):
+            return cls(503, f"engine unavailable: {e}", type="server_error", retry_after=5)
+        return cls(500, f"internal error: {type(e).__name__}", type="server_error")
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {} if self.retry_after is None else {"Retry-After": str(int(max(1, round(self.retry_after))))}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers={**self.headers, **(headers or {})})
 
 
 def field_path(loc: tuple[Any, ...]) -> str:

@@ -1,13 +1,20 @@
-"""What flows back through the handles (pool -> router -> ingress): small frozen dataclasses.
+"""The typed messages of the request path (frozen dataclasses; pickled across processes).
 
-A stream is ``RouteInfo`` first (so the ingress can set headers before any token), then
-``TokenDelta`` items, the last with ``finished=True``; or a single ``ErrorEvent`` if the request is
-refused, so HTTP statuses survive the hop without exception-wrapping through Ray.
+::
+
+    ingress --PoolRequest (Serve call)--> pool replica
+    ingress <==TokenDelta ... | APIError== pool replica     (token bus: one return channel)
+
+A handle caller of ``Ingress.generate`` receives ``RouteInfo`` first (so headers can be set before
+any token), then ``TokenDelta`` items, the last with ``finished=True``; or one ``APIError``
+(``app/errors.py``), before or after some deltas.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -28,35 +35,27 @@ class TokenDelta:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
-    tokens: tuple[str, ...] | None = None  # token strings, filled by the router when logprobs are asked
-
-
-@dataclass(frozen=True)
-class ErrorEvent:
-    status: int
-    message: str
-    field: str | None = None
-    retry_after: float | None = None
-    type: str = "invalid_request_error"
+    tokens: tuple[str, ...] | None = None  # token strings, filled by the pool when logprobs are asked
 
 
 @dataclass(frozen=True)
 class PoolRequest:
-    """What the router hands a pool: the prompt already tokenized, sampling as plain values."""
+    """What the planner hands a pool: the prompt already tokenized, sampling already validated,
+    anchors already resolved to token ranges ``(start, end)`` of the prompt."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
-    sampling: tuple[tuple[str, object], ...]
-    anchors: tuple[object, ...] = ()
+    params: SamplingParams
+    anchors: tuple[tuple[int, int], ...] = ()
     timeout_s: float | None = None
-    # The caller's token-bus inbox (host, port, secret): the deltas go there, one frame
-    # per engine step, instead of one handle item each (app/token_bus.py). None: all on the handle.
+    # The caller's token-bus inbox (host, port, secret): every delta and any error go there,
+    # one frame per engine step (app/token_bus.py).
     reply_to: tuple[str, int, bytes] | None = None
 
 
 @dataclass(frozen=True)
 class RoutePlan:
-    """The router's decision: where the request goes and what the pool receives."""
+    """The planner's decision: where the request goes and what the pool receives."""
 
     info: RouteInfo
     request: PoolRequest

@@ -1,6 +1,7 @@
-"""HTTP ingress: auth, pydantic validation, OpenAI-compatible endpoints, SSE framing, probes and
-metrics. Stateless; each request is planned by the Router's code (in this process with
-``router.plan_in: ingress``, else by a Router replica) and its tokens stream from the chosen pool.
+"""HTTP ingress: auth, pydantic validation, planning (``app/planner.py``), OpenAI-compatible
+endpoints, SSE framing, probes and metrics. Stateless apart from per-replica rate buckets; each
+request is planned here and its tokens stream back from the chosen pool on the token bus
+(``app/streaming.py``). Ray handle callers use :meth:`Ingress.generate`.
 
 (No ``from __future__ import annotations`` here: FastAPI must see real types on the methods that
 ``serve.ingress`` rewrites, or ``request: Request`` turns into a query parameter.)
@@ -21,9 +22,9 @@ from ray import serve
 from app import metrics as m
 from app.auth import resolve_auth
 from app.errors import APIError, from_validation_error
-from app.events import ErrorEvent, RouteInfo, TokenDelta
+from app.events import RouteInfo, TokenDelta
+from app.planner import Planner
 from app.replica import data_path_handle, node_address, push_forever, replica_tag
-from app.router import Router
 from app.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -56,7 +57,8 @@ api = FastAPI(title="sinkserve", description="OpenAI-compatible long-context inf
 
 @api.exception_handler(APIError)
 async def _api_error(_: Request, e: APIError) -> JSONResponse:
-    return e.response()
+    # RFC 9110: a 401 names the scheme the client should use.
+    return e.response({"WWW-Authenticate": "Bearer"} if e.status == 401 else None)
 
 
 def _route_headers(info: RouteInfo) -> dict[str, str]:
@@ -104,22 +106,18 @@ class _Accumulator:
 
 @serve.ingress(api)
 class Ingress:
-    async def __init__(self, spec: IngressSpec, router: Any, pools: dict[str, Any], hub: Any = None) -> None:
+    async def __init__(self, spec: IngressSpec, pools: dict[str, Any], hub: Any = None) -> None:
         self.spec = spec
         self.auth = resolve_auth(spec.auth)  # raises (replica fails to start) when no keys are set
-        self.router = data_path_handle(router, spec.grpc_handles)
-        # The same planning code in-process saves one handle crossing per request (docs/serving.md).
-        self.local_router = Router(spec.local_router, {}) if spec.local_router is not None else None
-        # deployment name -> handle; tokens stream pool -> ingress in one hop
-        self.pools = {name: data_path_handle(h, spec.grpc_handles) for name, h in pools.items()}
+        self.planner = Planner(spec.plan)
+        # deployment name -> handle; the pool's deltas come back on the token bus
+        self.pools = {name: data_path_handle(h) for name, h in pools.items()}
         self.hub = hub
         self.replica = replica_tag()
         self.metrics = m.RequestMetrics()
-        # Deltas come back on the token bus, one frame per engine step (app/token_bus.py).
-        self.inbox: TokenInbox | None = None
-        if spec.token_bus:
-            self.inbox = TokenInbox()
-            await self.inbox.start(node_address())
+        # Deltas and errors come back on the token bus, one frame per engine step (app/token_bus.py).
+        self.inbox = TokenInbox()
+        await self.inbox.start(node_address())
         self._push = None
         if hub is not None:
             self._push = asyncio.get_running_loop().create_task(
@@ -132,8 +130,7 @@ class Ingress:
     async def __del__(self) -> None:
         if self._push is not None:
             self._push.cancel()
-        if self.inbox is not None:
-            await self.inbox.stop()
+        await self.inbox.stop()
 
     # ---- probes and metrics (no auth: load balancers and scrapers) ------------------------------
 
@@ -179,30 +176,25 @@ class Ingress:
 
     async def generate(
         self, request: CompletionRequest | ChatCompletionRequest, request_id: str | None = None
-    ) -> AsyncIterator[RouteInfo | TokenDelta | ErrorEvent]:
+    ) -> AsyncIterator[RouteInfo | TokenDelta | APIError]:
         """Stream events for a handle caller (inside the cluster, so no bearer token): ``RouteInfo``,
-        then ``TokenDelta``s, or one ``ErrorEvent``. See docs/handle_example.py."""
-        pinned = self._pinned_version(request)
-        plan = await self._plan(request, None, request_id, pinned)
-        if isinstance(plan, ErrorEvent):
-            yield plan
+        then ``TokenDelta``s; or an ``APIError`` (first, or after some deltas). See docs/handle_example.py."""
+        try:
+            plan = self.planner.plan(request, None, request_id, self._pinned_version(request))
+        except APIError as e:
+            yield e
             return
         async for ev in stream_plan(self.pools[plan.info.deployment], plan, self.inbox):
             yield ev
 
     # ---- internals ------------------------------------------------------------------------------
 
-    async def _plan(self, body: Any, key: str | None, request_id: str | None, pinned: str | None) -> Any:
-        if self.local_router is not None:
-            return await self.local_router.plan(body, key, request_id, pinned)
-        return await self.router.plan.remote(body, key, request_id, pinned)
-
     def _authorize(self, request: Request) -> str | None:
         try:
             return self.auth.check(request.headers.get("authorization"))
         except PermissionError as e:
             self.metrics.count("none", 401)
-            raise APIError(401, str(e), None, "authentication_error", headers={"WWW-Authenticate": "Bearer"})
+            raise APIError(401, str(e), None, "authentication_error")
 
     def _pinned_version(self, body: CompletionRequest | ChatCompletionRequest) -> str | None:
         """``model`` may be absent, the served name, or ``name@version`` to pin a version."""
@@ -229,21 +221,20 @@ class Ingress:
             raise
         chat = isinstance(body, ChatCompletionRequest)
         request_id = new_request_id("chatcmpl" if chat else "cmpl")
-        # The Router's code decides (here, or in a Router replica); tokens then stream straight from
-        # the pool to here, one streaming hop instead of two (see docs/serving.md, "Request path").
-        plan = await self._plan(body, key, request_id, pinned)
-        if isinstance(plan, ErrorEvent):
-            self.metrics.count("none", plan.status)
-            raise APIError.from_event(plan)
+        try:
+            plan = self.planner.plan(body, key, request_id, pinned)
+        except APIError as e:
+            self.metrics.count("none", e.status)
+            raise
         gen = stream_plan(self.pools[plan.info.deployment], plan, self.inbox)
         try:
             first = await gen.__anext__()
         except StopAsyncIteration:
             self.metrics.count(plan.info.pool, 500)
             raise APIError(500, "empty response from pool", type="server_error")
-        if isinstance(first, ErrorEvent):
+        if isinstance(first, APIError):
             self.metrics.count(plan.info.pool, first.status)
-            raise APIError.from_event(first)
+            raise first
         assert isinstance(first, RouteInfo)
         if body.stream:
             return StreamingResponse(
@@ -265,12 +256,12 @@ class Ingress:
         acc = _Accumulator(t0)
         try:
             async for ev in gen:
-                if isinstance(ev, ErrorEvent):
+                if isinstance(ev, APIError):
                     self.metrics.count(info.pool, ev.status)
-                    raise APIError.from_event(ev)
+                    raise ev
                 acc.add(ev)
         except asyncio.CancelledError:
-            self.metrics.count(info.pool, 499)  # client went away; Serve cancels the router call too
+            self.metrics.count(info.pool, 499)  # client went away; stream_plan cancels the pool call
             raise
         self._record(info.pool, 200, acc)
         route = RouteInfoModel(pool=info.pool, version=info.version, deployment=info.deployment,
@@ -305,10 +296,10 @@ class Ingress:
                 yield sse_event(ChatCompletionChunk(id=info.request_id, model=model, sinkserve=route,
                                                     choices=[ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))]))
             async for ev in gen:
-                if isinstance(ev, ErrorEvent):
+                if isinstance(ev, APIError):
                     # Headers are gone already; the error travels as a final SSE event.
                     status = ev.status
-                    yield sse_event(APIError.from_event(ev).body())
+                    yield sse_event(ev.body())
                     break
                 acc.add(ev)
                 usage = acc.usage() if ev.finished else None

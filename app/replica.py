@@ -33,12 +33,11 @@ def node_address() -> str:
     return "127.0.0.1"
 
 
-def data_path_handle(handle: Any, grpc: bool) -> Any:
-    """The handle the request path uses. With ``grpc`` the call and its streamed results travel
-    over the replicas' gRPC servers (Serve's ``_by_reference=False``) instead of Ray object refs,
-    which cut HTTP time to first token by about a quarter here (docs/serving_benchmark.md). Nothing on
-    the path passes ObjectRefs, so nothing is lost."""
-    return handle.options(_by_reference=False) if grpc else handle
+def data_path_handle(handle: Any) -> Any:
+    """The handle the request path uses: the call travels over the replicas' gRPC servers (Serve's
+    ``_by_reference=False``) instead of Ray object refs, which cut HTTP time to first token by about
+    a quarter here (docs/serving_benchmark.md). Nothing on the path passes ObjectRefs."""
+    return handle.options(_by_reference=False)
 
 
 async def push_forever(hub: Any, source_id: str, make_entry: Callable[[], dict[str, Any]], interval_s: float) -> None:

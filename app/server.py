@@ -1,5 +1,7 @@
-"""LLMServer: one Serve deployment per (bucket, model version), each replica hosting an
-AsyncLLMEngine (tensor-parallel workers in the replica's placement-group bundles when TP > 1)."""
+"""LLMServer: one Serve deployment per (bucket, model version). Each replica holds an
+``EngineClient``: at TP = 1 an ``EngineProcess`` (the engine steps in a child process, so this
+replica's serving loop never waits on the model for the GIL), at TP > 1 an ``AsyncLLMEngine`` whose
+executor drives the tensor-parallel worker actors in this replica's placement-group bundles."""
 
 from __future__ import annotations
 
@@ -7,53 +9,28 @@ import asyncio
 import logging
 import os
 from dataclasses import asdict
-from typing import Any, AsyncIterator
+from typing import Any
 
-from app.coalesce import coalesced
-from app.events import ErrorEvent, PoolRequest, TokenDelta
+from app.errors import APIError
+from app.events import PoolRequest, TokenDelta
 from app.replica import push_forever, replica_tag
 from app.settings import PoolSpec
 from app.token_bus import TokenOutbox
+from engine.config_io import cache_policy_from_dict
 
 logger = logging.getLogger("sinkserve.server")
 
 
-def make_cache_policy(d: dict[str, Any]):
-    """Build the engine's frozen CachePolicy from plain config values (YAML lists -> tuples)."""
-    from engine.config import CachePolicy
+def build_engine(spec: PoolSpec) -> Any:
+    """The pool's ``EngineClient`` (torch is imported lazily, so this module stays light)."""
+    if spec.engine.tensor_parallel_size > 1:
+        from app.tp_executor import RayTPExecutor
+        from engine.async_engine import AsyncLLMEngine
 
-    return CachePolicy(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
-
-
-def build_engine(spec: PoolSpec):
-    """Construct the engine for ``spec`` (imports torch lazily so the module stays light): in a child
-    process (TP=1 with ``engine_process``), in this process with TP workers (TP>1), or here."""
-    from engine.config import EngineConfig
-    from engine.async_engine import AsyncLLMEngine
+        return AsyncLLMEngine(spec.engine, executor_factory=RayTPExecutor.factory(spec.worker_num_cpus))
     from engine.engine_process import EngineProcess
 
-    config = EngineConfig(
-        model=spec.model,
-        device=spec.device,
-        tensor_parallel_size=spec.tensor_parallel_size,
-        cache_policy=make_cache_policy(dict(spec.cache_policy)),
-        **dict(spec.engine_kwargs),
-    )
-    if spec.tensor_parallel_size > 1:
-        from app.tp_executor import RayTPExecutor
-
-        return AsyncLLMEngine(config, executor_factory=RayTPExecutor.factory(spec.worker_num_cpus))
-    if spec.engine_process:
-        return EngineProcess(config)
-    return AsyncLLMEngine(config)
-
-
-def http_field(engine_field: str) -> str:
-    """Engine field names -> request paths: ``anchors[2]`` is ``sinkserve.anchors.2`` over HTTP."""
-    if engine_field.startswith("anchors"):
-        rest = engine_field[len("anchors"):].replace("[", ".").replace("]", "")
-        return "sinkserve.anchors" + rest
-    return engine_field
+    return EngineProcess(spec.engine)
 
 
 class LLMServer:
@@ -66,8 +43,8 @@ class LLMServer:
         self.ready = False
         self.policy_generation = 0
         self.outbox = TokenOutbox()
-        logger.info("pool %s: loading %s (tp=%d, device=%s)", spec.deployment_name, spec.model,
-                    spec.tensor_parallel_size, spec.device)
+        logger.info("pool %s: loading %s (tp=%d, device=%s)", spec.deployment_name, spec.engine.model,
+                    spec.engine.tensor_parallel_size, spec.engine.device)
         self.engine = build_engine(spec)
         self.policy = self.engine.config.cache_policy
         self.policy_version = self.policy.version
@@ -81,38 +58,30 @@ class LLMServer:
 
     # ---- data path ------------------------------------------------------------------------------
 
-    async def generate(self, req: PoolRequest) -> AsyncIterator[TokenDelta | ErrorEvent]:
-        """Stream token deltas (coalesced when the caller falls behind). Cancelling this stream
-        (client gone, timeout) aborts the request in the engine, which frees its blocks at once."""
-        from engine.errors import EngineDeadError, InvalidRequestError, RequestAbortedError
-
+    async def generate(self, req: PoolRequest) -> None:
+        """Run one request: every delta, or the ``APIError`` that refuses or ends it, goes to the
+        caller's token-bus inbox (``req.reply_to``); this call returns once the last one is written.
+        Cancelling the call (client gone, timeout) aborts the request in the engine, which frees its
+        blocks at once."""
+        if req.reply_to is None:
+            raise ValueError("PoolRequest.reply_to: the caller's token-bus inbox is required")
         try:
-            if req.reply_to is None:
-                async for delta in coalesced(self._deltas(req)):
-                    yield delta
-                return
-            # Every delta on the bus (a step's first tokens for a burst of requests share one frame);
-            # the call carries only errors and ends once the last delta is written.
             async for delta in self._deltas(req):
                 self.outbox.send(req.reply_to, req.request_id, delta)
-            await self.outbox.drain(req.reply_to)
-        except InvalidRequestError as e:
-            yield ErrorEvent(400, str(e), field=http_field(e.field))
-        except RequestAbortedError as e:
-            yield ErrorEvent(499, f"request aborted: {e}", type="aborted")
-        except EngineDeadError as e:
-            yield ErrorEvent(503, f"engine unavailable: {e}", type="server_error", retry_after=5)
-        except (TypeError, ValueError) as e:  # a sampling value the engine's dataclass refused
-            yield ErrorEvent(400, str(e), field="sampling")
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - every failure reaches the caller, typed
+            if not isinstance(e, APIError):
+                if type(e).__module__ != "engine.errors":
+                    logger.exception("request %s failed", req.request_id)
+                e = APIError.from_engine(e)
+            self.outbox.send(req.reply_to, req.request_id, e)
+        await self.outbox.drain(req.reply_to)
 
-    async def _deltas(self, req: PoolRequest) -> AsyncIterator[TokenDelta]:
-        from engine.sampling_params import SamplingParams
-
-        params = SamplingParams(**dict(req.sampling))
-        params.validate()
-        gen = self.engine.generate(
-            list(req.prompt_token_ids), params, request_id=req.request_id, anchors=list(req.anchors) or None
-        )
+    async def _deltas(self, req: PoolRequest) -> Any:
+        params = req.params
+        gen = self.engine.generate(list(req.prompt_token_ids), params, request_id=req.request_id,
+                                   anchors=list(req.anchors) or None)
         # Only requests that want logprobs touch the tokenizer (an engine process loads its copy here
         # on first use).
         tok = self.engine.tokenizer if params.logprobs else None
@@ -146,8 +115,8 @@ class LLMServer:
                 "stats": {**self.stats(), "token_bus_frames": self.outbox.frames, "token_bus_deltas": self.outbox.deltas},
                 "policy_version": self.policy_version,
                 "policy_generation": self.policy_generation,
-                "tensor_parallel_size": self.spec.tensor_parallel_size,
-                "model": self.spec.model,
+                "tensor_parallel_size": self.spec.engine.tensor_parallel_size,
+                "model": self.spec.engine.model,
             },
         }
 
@@ -159,17 +128,17 @@ class LLMServer:
             "policy_version": self.policy_version,
             "policy_generation": self.policy_generation,
             "policy": asdict(self.policy),
-            "tensor_parallel_size": self.spec.tensor_parallel_size,
+            "tensor_parallel_size": self.spec.engine.tensor_parallel_size,
             "pid": os.getpid(),
             "token_bus": {"frames": self.outbox.frames, "deltas": self.outbox.deltas},
-            # The engine's own process (TP=1 with engine_process), else this replica's.
+            # The engine's own process at TP=1, else this replica's.
             "engine_pid": getattr(self.engine, "pid", os.getpid()),
         }
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Swap the cache policy live. Serve calls this on start and whenever ``user_config``
         changes; re-applying an earlier config restores that policy (and its content-hash version)."""
-        policy = make_cache_policy(dict(user_config.get("cache_policy", {})))
+        policy = cache_policy_from_dict(dict(user_config.get("cache_policy", {})))
         if policy == self.policy:
             return
         old = self.policy_version

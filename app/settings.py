@@ -1,22 +1,26 @@
-"""Application arguments.
+"""Application settings: pydantic at the edge (``AppArgs`` is the ``args:`` block of a Serve config),
+frozen dataclasses inside (:class:`PoolSpec`, :class:`PlanSpec`, :class:`IngressSpec`).
 
-Config edges are pydantic (``AppArgs`` is what a Serve config's ``args:`` block or a Python caller
-passes to :func:`app.builder.build_app`); inside the application, deployments receive frozen
-dataclasses derived from them (:class:`PoolSpec`, :class:`RouterSpec`), so nothing downstream can
-mutate configuration by accident.
+A pool's ``engine:`` block *is* the engine's own configuration (``EngineConfig`` and its
+``cache_policy``), validated by the engine's classes when the args are parsed -- so a misspelled key
+in ``prod.yaml`` fails ``serve run`` / ``sinkserve serve`` with its path named, before any replica
+starts. Only two engine fields are filled in by the app: ``model`` (per version) and
+``device: auto`` (cuda when the cluster has GPUs, else cpu).
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_MODEL = "assets/reference-model"
+from engine.config import DEFAULT_MODEL, EngineConfig, REPO_ROOT
+from engine.config_io import engine_config_from_dict
+from engine.errors import ConfigError
+
+__all__ = ["AppArgs", "PoolArgs", "PoolSpec", "PlanSpec", "IngressSpec", "REPO_ROOT", "resolve_model_path"]
 
 
 def resolve_model_path(path: str) -> str:
@@ -28,10 +32,10 @@ def resolve_model_path(path: str) -> str:
     p = Path(path).expanduser()
     if p.is_absolute():
         return str(p)
-    for base in (Path.cwd(), PROJECT_ROOT):
+    for base in (Path.cwd(), REPO_ROOT):
         if (base / p).exists():
             return str((base / p).resolve())
-    return str(PROJECT_ROOT / p) if path == DEFAULT_MODEL else path
+    return path
 
 
 class _Strict(BaseModel):
@@ -52,14 +56,11 @@ class AutoscalingArgs(_Strict):
     @model_validator(mode="after")
     def _bounds(self) -> "AutoscalingArgs":
         if self.max_replicas < self.min_replicas:
-            raise ValueError(
-                f"max_replicas ({self.max_replicas}) is less than min_replicas ({self.min_replicas})"
-            )
+            raise ValueError(f"max_replicas ({self.max_replicas}) is less than min_replicas ({self.min_replicas})")
         return self
 
     def to_serve(self) -> dict[str, Any]:
-        d = self.model_dump(exclude_none=True)
-        return d
+        return self.model_dump(exclude_none=True)
 
 
 class VersionArgs(_Strict):
@@ -71,51 +72,60 @@ class VersionArgs(_Strict):
 
 
 class PoolArgs(_Strict):
-    """One length bucket, served by its own deployment (one per model version)."""
+    """One length bucket, served by its own deployment per model version.
+
+    Serving fields (bucket bound, timeout, queue caps, replicas, CPUs) sit here; everything about
+    the engine sits under ``engine:`` with ``EngineConfig``'s own field names.
+    """
 
     name: str = Field(pattern=r"^[A-Za-z0-9_-]+$")
     max_prompt_tokens: int = Field(gt=0)
     timeout_s: float = Field(120.0, gt=0)
-    tensor_parallel_size: int = Field(1, ge=1)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    dtype: str = "float32"
-    max_model_len: int | None = Field(None, gt=0)
-    num_kv_blocks: int | None = Field(None, gt=0)
-    block_size: int = Field(16, gt=0)
-    max_num_seqs: int = Field(64, gt=0)
-    max_num_batched_tokens: int = Field(512, gt=0)
-    enable_prefix_caching: bool = True
-    attention_backend: str = "auto"
-    cache_policy: dict[str, Any] = Field(default_factory=dict)
     # Model versions served by this bucket (None: all). Lets a canary run on one bucket only.
     versions: list[str] | None = None
     num_replicas: int = Field(1, ge=1)
     autoscaling: AutoscalingArgs | None = None
     max_ongoing_requests: int = Field(64, gt=0)
     max_queued_requests: int = Field(128, ge=-1)
-    num_cpus: float = Field(0.1, ge=0)
-    worker_num_cpus: float = Field(0.1, ge=0)
-    # TP=1: step the engine in a child process of the replica, so the replica's serving loop never
-    # waits on the model for the GIL (docs/serving.md, "The engine process"). TP>1 already runs the
-    # model in its worker actors and keeps the engine in the replica.
-    engine_process: bool = True
+    num_cpus: float = Field(0.1, ge=0)  # the replica (scheduler, KV bookkeeping; the model at TP=1)
+    worker_num_cpus: float = Field(0.1, ge=0)  # each tensor-parallel worker
+    engine: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("engine")
+    @classmethod
+    def _engine(cls, v: dict[str, Any]) -> dict[str, Any]:
+        if "model" in v:
+            raise ValueError("engine.model: set the model per version (versions[].model) or for the app (model)")
+        if v.get("device", "auto") not in ("auto", "cpu") and not str(v["device"]).startswith("cuda"):
+            raise ValueError(f"engine.device: must be 'auto', 'cpu' or 'cuda[:N]', got {v['device']!r}")
+        try:
+            engine_config_from_dict(v, device="cpu")  # every other field, as the replica will build it
+        except ConfigError as e:
+            raise ValueError(f"engine.{e.field}: {e.message}") from None
+        except TypeError as e:  # a value of the wrong shape (e.g. a list where a number goes)
+            raise ValueError(f"engine: {e}") from None
+        return v
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return int(self.engine.get("tensor_parallel_size", 1))
+
+    @property
+    def cache_policy(self) -> dict[str, Any]:
+        return dict(self.engine.get("cache_policy", {}))
+
+    def engine_config(self, model: str, device: str) -> EngineConfig:
+        """This pool's engine for ``model`` on ``device`` (``auto`` already resolved)."""
+        return engine_config_from_dict(self.engine, model=model, device=device)
 
 
-class ComponentArgs(_Strict):
+class IngressArgs(_Strict):
     num_replicas: int = Field(2, ge=1)
     num_cpus: float = Field(0.1, ge=0)
-
-
-class RouterArgs(ComponentArgs):
-    # Per API key, per replica that plans (Router replicas, or ingress replicas with plan_in "ingress";
-    # they share no state, so the cluster-wide rate is roughly rate_limit_rps * those replicas).
+    # Per API key, per ingress replica (replicas share no state, so the cluster-wide rate is
+    # roughly rate_limit_rps * num_replicas).
     rate_limit_rps: float | None = Field(None, gt=0)
     rate_limit_burst: int = Field(20, gt=0)
-    # Where HTTP requests are planned (tokenize, bucket, version, rate): "ingress" runs the Router's
-    # code inside each ingress replica; "deployment" asks a Router replica, one more Serve handle call
-    # per request (~5 ms of CPU each here; docs/serving_benchmark.md). The Router deployment serves
-    # handle callers that enter at it either way.
-    plan_in: Literal["deployment", "ingress"] = "ingress"
 
 
 class AppArgs(_Strict):
@@ -125,8 +135,7 @@ class AppArgs(_Strict):
     served_model_name: str = "sinkserve"
     # "disabled" must be written explicitly; keys never come from this file (env or key file only).
     auth: Literal["enabled", "disabled"] = "enabled"
-    ingress: ComponentArgs = ComponentArgs()
-    router: RouterArgs = RouterArgs()
+    ingress: IngressArgs = IngressArgs()
     versions: list[VersionArgs] = Field(default_factory=lambda: [VersionArgs()])
     pools: list[PoolArgs] = Field(
         default_factory=lambda: [
@@ -135,16 +144,6 @@ class AppArgs(_Strict):
         ]
     )
     stats_push_interval_s: float = Field(1.0, gt=0)
-    # Run user code and the handle router on the replica's main event loop (Serve's
-    # "throughput optimized" knobs): removes two cross-thread hops per deployment on the request
-    # path. Safe here because every deployment is async and the engine steps in its own thread.
-    low_latency: bool = True
-    # Request-path handle calls (ingress -> router, ingress/router -> pools) over the replicas'
-    # gRPC servers instead of Ray object refs (see app.replica.data_path_handle).
-    grpc_handles: bool = True
-    # Token deltas travel pool -> ingress on the token bus, one frame per engine step
-    # for all of an ingress replica's streams, instead of one handle item each (app/token_bus.py).
-    token_bus: bool = True
 
     @field_validator("pools")
     @classmethod
@@ -200,18 +199,13 @@ class VersionSpec:
 
 @dataclass(frozen=True)
 class PoolSpec:
-    """What one LLMServer deployment needs: its bucket, its model version and engine settings."""
+    """What one LLMServer deployment needs: its bucket, its model version and its engine."""
 
     bucket: str
     version: str
-    model: str
-    tensor_parallel_size: int
-    device: str  # "cpu" or "cuda", resolved at build time
-    engine_kwargs: tuple[tuple[str, Any], ...]
-    cache_policy: tuple[tuple[str, Any], ...]
+    engine: EngineConfig
     stats_push_interval_s: float = 1.0
     worker_num_cpus: float = 0.1
-    engine_process: bool = True
 
     @property
     def deployment_name(self) -> str:
@@ -219,33 +213,27 @@ class PoolSpec:
 
 
 @dataclass(frozen=True)
-class RouterSpec:
+class PlanSpec:
+    """What the ingress's planner needs: buckets, versions (their tokenizers) and rate limits."""
+
     buckets: tuple[BucketSpec, ...]
     versions: tuple[VersionSpec, ...]
-    tokenizer_path: str
     rate_limit_rps: float | None = None
     rate_limit_burst: int = 20
-    router_replicas: int = 1
-    grpc_handles: bool = False
-    extra: dict = field(default_factory=dict, compare=False)
 
 
 def pool_deployment_name(bucket: str, version: str) -> str:
     return f"pool-{bucket}-{version}"
 
 
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
-
-
 @dataclass(frozen=True)
 class IngressSpec:
     auth: str  # "enabled" | "disabled"
     served_model_name: str
-    versions: tuple[str, ...]
+    plan: PlanSpec
     pool_deployments: tuple[str, ...]
     stats_push_interval_s: float = 1.0
-    grpc_handles: bool = False
-    token_bus: bool = False
-    # Set when requests are planned inside the ingress (RouterArgs.plan_in == "ingress").
-    local_router: RouterSpec | None = None
+
+    @property
+    def versions(self) -> tuple[str, ...]:
+        return tuple(v.name for v in self.plan.versions)

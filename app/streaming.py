@@ -1,9 +1,20 @@
-"""Stream a planned request from its pool: the one streaming hop of the request path.
+"""Streaming a planned request from its pool: the request path's one return channel.
 
-Used by the ingress (HTTP) and by ``Router.route`` (Ray handle callers entering at the router).
-Owns the per-bucket timeout (408), queue-full shedding (503 from Serve's ``BackPressureError``) and
-the cancel-on-exit rule: however this generator ends early (client gone, timeout, error), the pool
-call is cancelled, which aborts the request in the engine and frees its blocks at once.
+::
+
+    ingress                                              pool replica (LLMServer.generate)
+    -------                                              ---------------------------------
+    inbox.open(request_id) -> queue
+    pool.generate.remote(PoolRequest(reply_to=inbox)) -> engine.generate(...)
+    queue <== TokenDelta, TokenDelta, ... ============== outbox.send(reply_to, ...)   (token bus,
+    queue <== or one APIError (refused / failed) ======= outbox.send(reply_to, ...)    one frame
+    call returns (after the last frame was written) <--                                 per step)
+
+Everything the pool says -- tokens, refusals, errors -- arrives on the token bus, in order. The
+Serve call is the request and its cancellation: cancelling it (client gone, per-bucket timeout)
+aborts the request in the engine, which frees its blocks at once; Serve's own refusals (queue full
+-> 503) and a replica that died surface as the call's exception. Slow consumers get the deltas
+that piled up merged into one (:func:`coalesced`), so a hop never falls further behind.
 """
 
 from __future__ import annotations
@@ -12,73 +23,102 @@ import asyncio
 import logging
 from contextlib import aclosing
 from dataclasses import replace
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, TypeVar
 
-from app.coalesce import coalesced, pump_into
-from app.events import ErrorEvent, RoutePlan, RouteInfo, TokenDelta
+from app.errors import APIError
+from app.events import RoutePlan, RouteInfo, TokenDelta
 from app.token_bus import TokenInbox
 
 logger = logging.getLogger("sinkserve.streaming")
 
-
-async def stream_plan(
-    pool: Any, plan: RoutePlan, inbox: TokenInbox | None = None
-) -> AsyncIterator[RouteInfo | TokenDelta | ErrorEvent]:
-    """``RouteInfo`` then ``TokenDelta``s (the last finished), or one ``ErrorEvent``. With an
-    ``inbox``, the deltas arrive on the token bus and the call carries only errors (app/token_bus.py)."""
-    info, preq = plan.info, plan.request
-    timeout_s = preq.timeout_s or 3600.0
-    queue = None
-    if inbox is not None and inbox.address is not None:
-        try:
-            queue = inbox.open(info.request_id)  # before the call: bus frames may beat its first item
-        except ValueError as e:  # a handle caller reused a request id
-            yield ErrorEvent(400, str(e), field="request_id")
-            return
-        preq = replace(preq, reply_to=inbox.address)
-    stream = pool.options(stream=True).generate.remote(preq)
-    started = done = False
-    try:
-        events = stream if queue is None else _with_bus(stream, queue)
-        # aclosing: returning early still closes the coalescer at once (its timer and pump task).
-        async with aclosing(coalesced(events, timeout_s)) as source:
-            async for ev in source:
-                if not started:
-                    started = True
-                    if not isinstance(ev, ErrorEvent):
-                        yield info
-                yield ev
-                if isinstance(ev, ErrorEvent) or (isinstance(ev, TokenDelta) and ev.finished):
-                    done = True
-                    return
-            done = True
-    except asyncio.TimeoutError:
-        logger.info("request %s timed out after %.1fs in %s", info.request_id, timeout_s, info.deployment)
-        yield ErrorEvent(408, f"request timed out after {timeout_s:g}s in pool {info.pool!r}", type="timeout")
-    except Exception as e:
-        from ray.serve.exceptions import BackPressureError
-
-        if isinstance(e, BackPressureError):
-            yield ErrorEvent(503, f"pool {info.pool!r} is at capacity; retry later", retry_after=1, type="overloaded")
-            return
-        logger.exception("request %s failed in %s", info.request_id, info.deployment)
-        yield ErrorEvent(500, f"internal error in pool {info.pool!r}: {type(e).__name__}", type="server_error")
-    finally:
-        if not done:
-            stream.cancel()
-        if queue is not None:
-            inbox.close(info.request_id)
-
-
+T = TypeVar("T")
+_END = object()
+_TIMEOUT = object()
 _CALL_END = object()
 
 
-async def _with_bus(stream: Any, queue: asyncio.Queue[Any], grace_s: float = 10.0) -> AsyncIterator[Any]:
-    """The deltas the bus puts in ``queue``, while the pool call is watched: an error it yields ends
-    the stream; its end means the last delta was written, so that must arrive within ``grace_s``."""
-    it = stream.__aiter__()
-    # The call's errors, then its end, join the bus deltas in the same queue.
-    watcher = asyncio.get_running_loop().create_task(pump_into(it, queue, _CALL_END))
+def merge_deltas(a: TokenDelta, b: TokenDelta) -> TokenDelta:
+    """``a`` then ``b`` as one delta: texts, ids, logprobs and token strings concatenated; the
+    finish state and counters are ``b``'s (counters are cumulative).
+
+    >>> a = TokenDelta("he", (1,), None, False, None, 3, 1)
+    >>> b = TokenDelta("llo", (2,), None, True, "length", 3, 2)
+    >>> m = merge_deltas(a, b); (m.text, m.token_ids, m.finished, m.completion_tokens)
+    ('hello', (1, 2), True, 2)
+    """
+    lp = None if a.logprobs is None and b.logprobs is None else (a.logprobs or ()) + (b.logprobs or ())
+    toks = None if a.tokens is None and b.tokens is None else (a.tokens or ()) + (b.tokens or ())
+    return replace(b, text=a.text + b.text, token_ids=a.token_ids + b.token_ids, logprobs=lp, tokens=toks)
+
+
+async def coalesced(source: AsyncIterator[T], timeout_s: float | None = None) -> AsyncIterator[T]:
+    """Yield from ``source``, merging consecutive unfinished ``TokenDelta``s that are already waiting.
+
+    Under light load every delta still goes out alone (no added latency); under heavy load the
+    number of messages drops to what the consumer can take. ``source`` is pumped by a task; closing
+    this generator cancels it, which closes ``source``. With ``timeout_s`` the whole stream must end
+    in time or ``asyncio.TimeoutError`` is raised: one timer per stream, not a ``wait_for`` per token.
+    """
+    queue: asyncio.Queue = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    timer = loop.call_later(timeout_s, queue.put_nowait, _TIMEOUT) if timeout_s is not None else None
+
+    async def pump() -> None:
+        try:
+            async for item in source:
+                queue.put_nowait(item)
+            queue.put_nowait(_END)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - the consumer raises it
+            queue.put_nowait(e)
+
+    task = loop.create_task(pump())
+    try:
+        while True:
+            item = await queue.get()
+            while (
+                isinstance(item, TokenDelta)
+                and not item.finished
+                and not queue.empty()
+                and isinstance(queue._queue[0], TokenDelta)  # noqa: SLF001 - peek, single consumer
+            ):
+                item = merge_deltas(item, queue.get_nowait())
+            if item is _END:
+                return
+            if item is _TIMEOUT:
+                raise asyncio.TimeoutError(f"stream did not finish within {timeout_s}s")
+            if isinstance(item, BaseException) and not isinstance(item, APIError):
+                raise item
+            yield item
+            if isinstance(item, APIError) or (isinstance(item, TokenDelta) and item.finished):
+                return
+    finally:
+        if timer is not None:
+            timer.cancel()
+        if not task.done():
+            task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+
+
+async def bus_stream(call: Any, queue: asyncio.Queue[Any], grace_s: float = 10.0) -> AsyncIterator[TokenDelta | APIError]:
+    """The items the bus puts in ``queue`` (deltas, or an ``APIError``), while the pool call is
+    watched: its exception (queue full, replica died) ends the stream; its return means the pool
+    wrote its last item, so that must arrive within ``grace_s``."""
+
+    async def watch() -> None:
+        try:
+            await call
+            queue.put_nowait(_CALL_END)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - raised by the consumer below
+            queue.put_nowait(e)
+
+    watcher = asyncio.get_running_loop().create_task(watch())
     try:
         ended = False
         while True:
@@ -92,10 +132,53 @@ async def _with_bus(stream: Any, queue: asyncio.Queue[Any], grace_s: float = 10.
             if item is _CALL_END:
                 ended = True
                 continue
-            if isinstance(item, BaseException):
+            if isinstance(item, BaseException) and not isinstance(item, APIError):
                 raise item
             yield item
-            if isinstance(item, ErrorEvent) or (isinstance(item, TokenDelta) and item.finished):
+            if isinstance(item, APIError) or item.finished:
                 return
     finally:
         watcher.cancel()
+
+
+async def stream_plan(pool: Any, plan: RoutePlan, inbox: TokenInbox) -> AsyncIterator[RouteInfo | TokenDelta | APIError]:
+    """``RouteInfo`` then ``TokenDelta``s (the last finished), or an ``APIError`` (first, or after
+    some deltas). However this generator ends early (client gone, timeout), the pool call is
+    cancelled, which aborts the request in the engine."""
+    info, preq = plan.info, plan.request
+    timeout_s = preq.timeout_s or 3600.0
+    try:
+        queue = inbox.open(info.request_id)  # before the call: the first frame may beat its start
+    except ValueError as e:  # a handle caller reused a request id
+        yield APIError(400, str(e), "request_id")
+        return
+    call = pool.generate.remote(replace(preq, reply_to=inbox.address))
+    started = done = False
+    try:
+        # aclosing: returning early still closes the coalescer at once (its timer and pump task).
+        async with aclosing(coalesced(bus_stream(call, queue), timeout_s)) as source:
+            async for ev in source:
+                if not started:
+                    started = True
+                    if not isinstance(ev, APIError):
+                        yield info
+                yield ev
+                if isinstance(ev, APIError) or ev.finished:
+                    done = True
+                    return
+            done = True
+    except asyncio.TimeoutError:
+        logger.info("request %s timed out after %.1fs in %s", info.request_id, timeout_s, info.deployment)
+        yield APIError(408, f"request timed out after {timeout_s:g}s in pool {info.pool!r}", type="timeout")
+    except Exception as e:
+        from ray.serve.exceptions import BackPressureError
+
+        if isinstance(e, BackPressureError):
+            yield APIError(503, f"pool {info.pool!r} is at capacity; retry later", type="overloaded", retry_after=1)
+            return
+        logger.exception("request %s failed in %s", info.request_id, info.deployment)
+        yield APIError(500, f"internal error in pool {info.pool!r}: {type(e).__name__}", type="server_error")
+    finally:
+        if not done:
+            call.cancel()
+        inbox.close(info.request_id)

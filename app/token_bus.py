@@ -11,17 +11,15 @@ first tokens included, so a burst of requests prefilled in one step gets its fir
 
     ingress replica                                  pool replica
     ---------------                                  ------------
-    handle.generate(PoolRequest(reply_to=inbox)) --> LLMServer.generate
-        <-- an ErrorEvent, if any -----------------      (validation errors, queue caps, cancel:
-                                                          all still on the Serve call)
-    TokenInbox  <== frame [(request_id, delta), ...] == TokenOutbox   (one frame per step)
-        <-- end of the Serve call ---------------       (after the last delta went on the bus)
+    handle.generate(PoolRequest(reply_to=inbox)) --> LLMServer.generate      (unary Serve call)
+    TokenInbox  <== frame [(request_id, TokenDelta | APIError), ...] == TokenOutbox
+        <-- the call returns ----------------------     (after the last item went on the bus)
 
 The Serve call stays open for the whole request, so Serve's queue caps, backpressure, autoscaling
 metrics and cancellation behave as before: cancelling it (client gone, timeout) aborts the request in
-the engine. Errors, before or after some deltas, come back on the call. Frames are pickles of plain
-dataclasses, length-prefixed; a connection opens with the inbox's secret so nothing else on the
-network can write into a stream.
+the engine. What the pool has to say -- deltas, and the ``APIError`` that refuses or ends a request --
+travels on the bus, in order. Frames are pickles of frozen dataclasses, length-prefixed; a connection
+opens with the inbox's secret so nothing else on the network can write into a stream.
 """
 
 from __future__ import annotations

@@ -77,7 +77,9 @@ async def run_inprocess(model: str, prompts: list[str], conc: int, max_tokens: i
     ttft, itl = [], []
 
     async def one(slot: int, p: str) -> None:
-        params = SamplingParams(max_tokens=max_tokens_for(index[p], mode, max_tokens), temperature=0.0, ignore_eos=True)
+        # logprobs: the same work as the HTTP side, which asks for them to count tokens per chunk.
+        params = SamplingParams(max_tokens=max_tokens_for(index[p], mode, max_tokens), temperature=0.0, ignore_eos=True,
+                                logprobs=True)
         times = StreamTimes(ttft, itl)
         async for out in eng.generate(p, params):
             if out.token_ids:
@@ -148,10 +150,15 @@ class StreamTimes:
 
 
 def chunk_tokens(event: bytes, seen: int) -> int:
-    """Tokens in one SSE completion chunk: 1, or what the final chunk's usage adds up to."""
-    if b'"usage":{' not in event:
-        return 1
-    return max(1, json.loads(event[6:])["usage"]["completion_tokens"] - seen)
+    """Tokens in one SSE completion chunk, counted exactly: the requests ask ``logprobs: 0``, so each
+    chunk lists its tokens (the ingress merges deltas that piled up, so one chunk can hold several).
+    Without logprobs, what the final chunk's usage adds up to, else 1."""
+    body = json.loads(event[6:])
+    lp = (body.get("choices") or [{}])[0].get("logprobs")
+    if lp and lp.get("tokens") is not None:
+        return len(lp["tokens"])
+    usage = body.get("usage")
+    return max(1, usage["completion_tokens"] - seen) if usage else 1
 
 
 async def run_http_raw(base: str, prompts: list[str], conc: int, max_tokens: int, mode: str) -> tuple[list[float], list[float]]:
@@ -163,7 +170,7 @@ async def run_http_raw(base: str, prompts: list[str], conc: int, max_tokens: int
     async def one(slot: int, p: str) -> None:
         c = conns[slot]
         body = {"prompt": p, "max_tokens": max_tokens_for(index[p], mode, max_tokens), "temperature": 0.0,
-                "stream": True, "sinkserve": {"ignore_eos": True}}
+                "stream": True, "logprobs": 0, "sinkserve": {"ignore_eos": True}}
         times = StreamTimes(ttft, itl)
         await c.post("/v1/completions", body)
         async for event in c.chunks():
@@ -186,7 +193,7 @@ async def run_http(base: str, prompts: list[str], conc: int, max_tokens: int, mo
 
         async def one(slot: int, p: str) -> None:
             body = {"prompt": p, "max_tokens": max_tokens_for(index[p], mode, max_tokens), "temperature": 0.0,
-                    "stream": True, "sinkserve": {"ignore_eos": True}}
+                    "stream": True, "logprobs": 0, "sinkserve": {"ignore_eos": True}}
             times = StreamTimes(ttft, itl)
             async with c.stream("POST", "/v1/completions", json=body) as r:
                 r.raise_for_status()
@@ -202,17 +209,16 @@ async def run_http(base: str, prompts: list[str], conc: int, max_tokens: int, mo
     return ttft, itl
 
 
-def start_app(model: str, proxy: str = "haproxy", plan_in: str = "ingress", engine_process: bool = True,
-              ingress_replicas: int = 1, token_bus: bool = True) -> str:
+def start_app(model: str, ingress_replicas: int = 1) -> str:
     import ray
     from ray import serve
 
     from app.builder import build_app
-    from app.cli_serve import proxy_env
+    from app.cli_serve import haproxy_env
 
     os.environ["SINKSERVE_API_KEYS"] = KEY
     # The same environment `sinkserve serve` sets; Serve reads it when Ray starts, so before ray.init.
-    os.environ.update(proxy_env(proxy))
+    os.environ.update(haproxy_env())
     os.environ["PYTHONPATH"] = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     with socket.socket() as s:
@@ -220,9 +226,9 @@ def start_app(model: str, proxy: str = "haproxy", plan_in: str = "ingress", engi
         port = s.getsockname()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
     args = {
-        "model": model, "ingress": {"num_replicas": ingress_replicas}, "router": {"num_replicas": 1, "plan_in": plan_in},
-        "pools": [{"name": "short", "max_prompt_tokens": 900, "num_cpus": 0.5, "engine_process": engine_process, **ENGINE}],
-        "stats_push_interval_s": 2.0, "token_bus": token_bus,
+        "model": model, "ingress": {"num_replicas": ingress_replicas},
+        "pools": [{"name": "short", "max_prompt_tokens": 900, "num_cpus": 0.5, "engine": ENGINE}],
+        "stats_push_interval_s": 2.0,
     }
     serve.run(build_app(args), name="sinkserve", route_prefix="/", logging_config={"enable_access_log": False})
     import httpx
@@ -244,16 +250,8 @@ def main() -> int:
                          "between runs, and they are cheap, so a few hundred more steady the figure")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "serving_benchmark.md")
-    ap.add_argument("--proxy", choices=("serve", "haproxy"), default="haproxy",
-                    help="HTTP entry: Serve's Python proxy, or HAProxy in front of the ingress replicas")
-    ap.add_argument("--plan-in", choices=("deployment", "ingress"), default="ingress",
-                    help="where requests are planned: the Router deployment, or inside the ingress")
     ap.add_argument("--client", choices=("raw", "httpx"), default="raw",
                     help="HTTP client: a minimal asyncio one (default), or httpx (~5x its CPU per stream)")
-    ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
-                    help="pool engine in a child process (the default) or in the replica")
-    ap.add_argument("--token-bus", action=argparse.BooleanOptionalAction, default=True,
-                    help="deltas on the token bus (the default) or each on the Serve handle call")
     ap.add_argument("--ingress-replicas", type=int, default=1, help="ingress replicas (prod.yaml runs 2)")
     ap.add_argument("--modes", default="burst,steady",
                     help="how 8 streams arrive: burst (together), steady (closed loop, output lengths vary)")
@@ -272,7 +270,7 @@ def main() -> int:
     steal = StealMeter()
     for conc, mode in levels:
         results[("in-process", conc, mode)] = asyncio.run(run_inprocess(model, level_prompts(conc), conc, args.max_tokens, mode))
-    base = start_app(model, args.proxy, args.plan_in, args.engine_process, args.ingress_replicas, args.token_bus)
+    base = start_app(model, args.ingress_replicas)
     client = run_http_raw if args.client == "raw" else run_http
     for conc, mode in levels:
         results[("http", conc, mode)] = asyncio.run(client(base, level_prompts(conc), conc, args.max_tokens, mode))
@@ -296,12 +294,12 @@ def main() -> int:
         f"{args.max_tokens // 2}-{args.max_tokens * 3 // 2}, same mean), greedy, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
         "",
-        f"HTTP = client -> {'HAProxy' if args.proxy == 'haproxy' else 'Serve proxy'} -> Ingress "
-        f"({'plans in-process' if args.plan_in == 'ingress' else 'asks the Router deployment for a plan'}: "
-        f"tokenize, bucket) -> pool (LLMServer) -> engine ({'child process' if args.engine_process else 'in the replica'}), "
-        f"tokens streamed pool -> Ingress ({'token bus' if args.token_bus else 'Serve handle'}) -> SSE; "
+        "HTTP = client -> HAProxy -> Ingress (plans: tokenize, bucket) -> pool (LLMServer) -> engine (child "
+        "process), tokens back pool -> Ingress on the token bus -> SSE; "
         f"client: {'minimal asyncio HTTP/1.1' if args.client == 'raw' else 'httpx'}; "
-        "in-process = `AsyncLLMEngine.generate` in the benchmark process. All times in ms.",
+        "in-process = `AsyncLLMEngine.generate` in the benchmark process. ITL is per token: requests ask "
+        "`logprobs: 0` on both sides so every chunk lists its tokens, and a chunk of n tokens counts n gaps "
+        "of (its delay / n). All times in ms.",
         "",
         "| streams | TTFT p50 in-proc | TTFT p50 HTTP | TTFT p90 HTTP | **TTFT p50 overhead** | ITL p50 in-proc | ITL p50 HTTP | ITL p90 HTTP | **ITL p50 overhead** |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",

@@ -7,7 +7,8 @@ Run it on a machine of the Ray cluster that serves the app (e.g. after `make run
 Handle callers are inside the cluster, so no API key is needed; they use the same pydantic request
 objects as the HTTP API and receive the events the HTTP layer turns into SSE: one ``RouteInfo``
 (which pool and model version took the request), then ``TokenDelta``s, the last one finished and
-carrying the usage counts -- or a single ``ErrorEvent`` (HTTP status, message, field).
+carrying the usage counts -- or an ``APIError`` (HTTP status, message, param), the same error an
+HTTP client would get.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import sys
 import ray
 from ray import serve
 
-from app.events import ErrorEvent, RouteInfo, TokenDelta
+from app.errors import APIError
+from app.events import RouteInfo, TokenDelta
 from app.schemas import ChatCompletionRequest, CompletionRequest
 
 
@@ -33,8 +35,8 @@ def stream_completion(prompt: str, app_name: str = "sinkserve", max_tokens: int 
             text.append(event.text)
             if event.finished:
                 print(f"\n[finish={event.finish_reason} completion_tokens={event.completion_tokens}]")
-        elif isinstance(event, ErrorEvent):
-            raise RuntimeError(f"{event.status} {event.field}: {event.message}")
+        elif isinstance(event, APIError):
+            raise event
     return "".join(text)
 
 
@@ -46,8 +48,8 @@ async def stream_chat_async(content: str, app_name: str = "sinkserve") -> str:
     async for event in handle.options(stream=True).generate.remote(request):
         if isinstance(event, TokenDelta):
             out.append(event.text)
-        elif isinstance(event, ErrorEvent):
-            raise RuntimeError(event.message)
+        elif isinstance(event, APIError):
+            raise event
     return "".join(out)
 
 

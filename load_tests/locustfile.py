@@ -66,6 +66,7 @@ class StreamingUser(HttpUser):
             "max_tokens": self.max_tokens,
             "temperature": 0.8,
             "stream": True,
+            "logprobs": 0,  # every chunk lists its tokens, so inter-token latency is counted per token
             "sinkserve": {"ignore_eos": True},
         }
         t0 = time.perf_counter()
@@ -89,10 +90,12 @@ class StreamingUser(HttpUser):
                     resp.failure(chunk["error"].get("message", "stream error"))
                     return
                 now = time.perf_counter()
+                lp = (chunk.get("choices") or [{}])[0].get("logprobs") or {}
+                n = max(1, len(lp.get("tokens") or ()))  # the ingress merges deltas that piled up
                 if first is None:
                     first = now
                 else:
-                    gaps.append(now - last)
+                    gaps.extend([(now - last) / n] * n)
                 last = now
             if not done:
                 resp.failure("stream ended without [DONE]")

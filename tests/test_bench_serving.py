@@ -9,8 +9,10 @@ from bench.serving import KEY, SSEConnection, StreamTimes, chunk_tokens
 
 
 async def test_minimal_client_reads_chunked_sse_over_keep_alive() -> None:
-    events = [b'data: {"choices":[{"text":"a"}]}\n\n', b'data: {"choices":[{"text":"bc"}]}\n\n',
-              b'data: {"choices":[{"text":"d"}],"usage":{"completion_tokens":5}}\n\n', b"data: [DONE]\n\n"]
+    events = [b'data: {"choices":[{"text":"a","logprobs":{"tokens":["a"]}}]}\n\n',
+              b'data: {"choices":[{"text":"bcd","logprobs":{"tokens":["b","c","d"]}}]}\n\n',
+              b'data: {"choices":[{"text":"e","logprobs":{"tokens":["e"]}}],"usage":{"completion_tokens":5}}\n\n',
+              b"data: [DONE]\n\n"]
     seen_requests: list[tuple[bytes, dict]] = []
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -34,8 +36,8 @@ async def test_minimal_client_reads_chunked_sse_over_keep_alive() -> None:
         assert got == [e for e in events]
     assert [b for _, b in seen_requests] == [{"prompt": "x"}, {"prompt": "y"}]
     assert f"Authorization: Bearer {KEY}".encode() in seen_requests[0][0]
-    # One token per chunk, except the final chunk's usage, which tops the count up (5 - 2 seen = 3);
-    # the first chunk gives the time to first token, later ones one gap per token.
+    # Tokens per chunk come from its logprobs list (the ingress merged b, c, d into one chunk): the
+    # first chunk gives the time to first token, later ones one gap per token, spread evenly.
     ttft: list[float] = []
     itl: list[float] = []
     times = StreamTimes(ttft, itl)
@@ -43,8 +45,11 @@ async def test_minimal_client_reads_chunked_sse_over_keep_alive() -> None:
     for e in events[:3]:
         ns.append(chunk_tokens(e.rstrip(), times.seen))
         times.chunk(ns[-1])
-    assert ns == [1, 1, 3] and times.seen == 5
-    assert len(ttft) == 1 and len(itl) == 4 and itl[1] == itl[2] == itl[3]
+    assert ns == [1, 3, 1] and times.seen == 5
+    assert len(ttft) == 1 and len(itl) == 4 and itl[0] == itl[1] == itl[2]
+    # Without logprobs only the final usage can tell (the old per-event count, kept as a fallback).
+    assert chunk_tokens(b'data: {"choices":[{"text":"x"}]}', 0) == 1
+    assert chunk_tokens(b'data: {"choices":[{"text":"x"}],"usage":{"completion_tokens":7}}', 4) == 3
     server.close()
     await server.wait_closed()
 

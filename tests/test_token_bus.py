@@ -1,4 +1,4 @@
-"""The token bus (app/token_bus.py) and the ingress side of a bus stream (app.streaming._with_bus),
+"""The token bus (app/token_bus.py) and the ingress side of a bus stream (app.streaming.bus_stream),
 without Ray: a real TCP inbox and outbox on loopback in one event loop."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ import asyncio
 
 import pytest
 
-from app.events import ErrorEvent, TokenDelta
-from app.streaming import _with_bus
+from app.errors import APIError
+from app.events import TokenDelta
+from app.streaming import bus_stream
 from app.token_bus import TokenInbox, TokenOutbox
 
 
@@ -103,67 +104,57 @@ def test_the_outbox_connects_again_after_the_inbox_side_dropped_it():
 
 
 class FakeCall:
-    """Stands in for a Serve streaming call: yields ``items`` (then ends, or raises ``error``)."""
+    """Stands in for a unary Serve call: returns once ``hold`` is set (at once without one), or raises ``error``."""
 
-    def __init__(self, items: list, error: BaseException | None = None, hold: asyncio.Event | None = None):
-        self.items, self.error, self.hold = items, error, hold
+    def __init__(self, error: BaseException | None = None, hold: asyncio.Event | None = None):
+        self.error, self.hold = error, hold
 
-    async def _gen(self):
-        for item in self.items:
-            yield item
+    async def _run(self):
         if self.hold is not None:
             await self.hold.wait()
         if self.error is not None:
             raise self.error
 
-    def __aiter__(self):
-        return self._gen()
+    def __await__(self):
+        return self._run().__await__()
 
 
 async def collect(it) -> list:
     return [x async for x in it]
 
 
-def test_with_bus_yields_the_deltas_from_the_queue_while_the_call_stays_open():
+def test_bus_stream_yields_the_deltas_from_the_queue_while_the_call_stays_open():
     async def main():
         q: asyncio.Queue = asyncio.Queue()
         for d in (delta("a", 1), delta("b", 2), delta("c", 3, finished=True)):
             q.put_nowait(d)
         hold = asyncio.Event()  # the call is still open when the last delta arrives
-        got = await asyncio.wait_for(collect(_with_bus(FakeCall([], hold=hold), q)), 5)
+        got = await asyncio.wait_for(collect(bus_stream(FakeCall(hold=hold), q)), 5)
         assert [d.text for d in got] == ["a", "b", "c"]
 
     asyncio.run(main())
 
 
-def test_with_bus_ends_on_an_error_the_call_yields_after_some_deltas():
+def test_bus_stream_ends_on_an_error_after_some_deltas():
     async def main():
         q: asyncio.Queue = asyncio.Queue()
+        err = APIError(503, "engine unavailable", type="server_error")
         q.put_nowait(delta("a", 1))
-        err = ErrorEvent(503, "engine unavailable", type="server_error")
-        hold = asyncio.Event()
-        it = _with_bus(FakeCall([err], hold=hold), q)
+        q.put_nowait(err)
+        q.put_nowait(delta("never", 2))
+        it = bus_stream(FakeCall(hold=asyncio.Event()), q)
         assert (await asyncio.wait_for(it.__anext__(), 5)).text == "a"
-        assert await asyncio.wait_for(it.__anext__(), 5) == err
+        assert await asyncio.wait_for(it.__anext__(), 5) is err
         with pytest.raises(StopAsyncIteration):
             await asyncio.wait_for(it.__anext__(), 5)
 
     asyncio.run(main())
 
 
-def test_with_bus_refused_request_is_one_error_and_no_waiting():
-    async def main():
-        err = ErrorEvent(400, "bad", field="max_tokens")
-        got = await asyncio.wait_for(collect(_with_bus(FakeCall([err]), asyncio.Queue())), 5)
-        assert got == [err]
-
-    asyncio.run(main())
-
-
-def test_with_bus_waits_for_deltas_still_in_flight_when_the_call_ends():
+def test_bus_stream_waits_for_deltas_still_in_flight_when_the_call_ends():
     async def main():
         q: asyncio.Queue = asyncio.Queue()
-        it = _with_bus(FakeCall([]), q)
+        it = bus_stream(FakeCall(), q)
         first = asyncio.ensure_future(it.__anext__())
         await asyncio.sleep(0.05)  # the call has ended; its frame is still on the way
         assert not first.done()
@@ -173,22 +164,22 @@ def test_with_bus_waits_for_deltas_still_in_flight_when_the_call_ends():
     asyncio.run(main())
 
 
-def test_with_bus_fails_when_the_call_ends_and_the_last_delta_never_comes():
+def test_bus_stream_fails_when_the_call_ends_and_the_last_delta_never_comes():
     async def main():
         q: asyncio.Queue = asyncio.Queue()
         q.put_nowait(delta("a", 1))
         with pytest.raises(RuntimeError, match="last delta did not arrive"):
-            await collect(_with_bus(FakeCall([]), q, grace_s=0.2))
+            await collect(bus_stream(FakeCall(), q, grace_s=0.2))
 
     asyncio.run(main())
 
 
-def test_with_bus_passes_on_a_failed_call():
+def test_bus_stream_passes_on_a_failed_call():
     async def main():
         hold = asyncio.Event()
         q: asyncio.Queue = asyncio.Queue()
         q.put_nowait(delta("a", 1))
-        it = _with_bus(FakeCall([], error=ConnectionError("replica died"), hold=hold), q)
+        it = bus_stream(FakeCall(error=ConnectionError("replica died"), hold=hold), q)
         assert (await it.__anext__()).text == "a"
         hold.set()
         with pytest.raises(ConnectionError, match="replica died"):

@@ -1,7 +1,8 @@
 """One Serve application per test session (Ray with num_cpus=2), real HTTP on 127.0.0.1.
 
-Topology under test: ingress x1, router x1, hub, pools ``short`` (v1 + a weight-0 canary v2, TP=1)
-and ``long`` (v1 only, TP set by SINKSERVE_TEST_LONG_TP, default 2) on a tiny random Llama.
+Topology under test: HAProxy, ingress x1, hub, pools ``short`` (v1 + a weight-0 canary v2, TP=1, no
+eviction) and ``long`` (v1 only, TP set by SINKSERVE_TEST_LONG_TP, default 2; sinks + a 64-token
+sliding window, so long prompts evict) on a tiny random Llama.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ REPO = Path(__file__).resolve().parents[2]
 API_KEY = "test-key-123"
 LIMITED_KEY = "test-key-limited"  # used only by the rate-limit test
 SHORT_MAX, LONG_MAX = 48, 400
+ENGINE = {"num_kv_blocks": 96, "max_model_len": 512, "max_num_seqs": 8, "max_num_batched_tokens": 256}
+LONG_POLICY = {"eviction_policy": "sliding_window", "window": 64, "protected_positions": [0, 1, 2, 3]}
 
 
 def _free_port() -> int:
@@ -49,19 +52,17 @@ def tiny_model(tmp_path_factory) -> str:
 
 
 def app_args(model: str, long_tp: int) -> dict:
-    engine = {"num_kv_blocks": 96, "max_model_len": 512, "max_num_seqs": 8, "max_num_batched_tokens": 256}
     return {
         "model": model,
         "served_model_name": "tiny",
-        "ingress": {"num_replicas": 1, "num_cpus": 0.05},
-        "router": {"num_replicas": 1, "num_cpus": 0.05, "rate_limit_rps": 5.0, "rate_limit_burst": 60,
-                   "plan_in": "ingress"},
+        "ingress": {"num_replicas": 1, "num_cpus": 0.05, "rate_limit_rps": 5.0, "rate_limit_burst": 60},
         "versions": [{"name": "v1", "weight": 1.0}, {"name": "v2", "weight": 0.0}],
         "pools": [
-            {"name": "short", "max_prompt_tokens": SHORT_MAX, "timeout_s": 60, "num_cpus": 0.05, **engine,
-             "cache_policy": {"eviction_policy": "none"}},
-            {"name": "long", "max_prompt_tokens": LONG_MAX, "timeout_s": 120, "num_cpus": 0.05, **engine,
-             "versions": ["v1"], "tensor_parallel_size": long_tp, "worker_num_cpus": 0.05},
+            {"name": "short", "max_prompt_tokens": SHORT_MAX, "timeout_s": 60, "num_cpus": 0.05,
+             "engine": {**ENGINE, "cache_policy": {"eviction_policy": "none"}}},
+            {"name": "long", "max_prompt_tokens": LONG_MAX, "timeout_s": 120, "num_cpus": 0.05,
+             "versions": ["v1"], "worker_num_cpus": 0.05,
+             "engine": {**ENGINE, "tensor_parallel_size": long_tp, "cache_policy": LONG_POLICY}},
         ],
         "stats_push_interval_s": 0.25,
     }
@@ -74,13 +75,12 @@ def server(tiny_model):
     from ray import serve
 
     from app.builder import build_app
-    from app.cli_serve import proxy_env
+    from app.cli_serve import haproxy_env
 
     os.environ["SINKSERVE_API_KEYS"] = f"{API_KEY},{LIMITED_KEY}"
     os.environ["PYTHONPATH"] = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
-    # The HTTP entry `sinkserve serve` uses by default (HAProxy in front of the ingress replicas);
-    # SINKSERVE_TEST_PROXY=serve runs the suite through Serve's own proxy. Read when Ray starts.
-    os.environ.update(proxy_env(os.environ.get("SINKSERVE_TEST_PROXY", "haproxy")))
+    # The HTTP entry `sinkserve serve` uses (HAProxy in front of the ingress replicas); read when Ray starts.
+    os.environ.update(haproxy_env())
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=bool(os.environ.get("SINKSERVE_TEST_LOGS")))
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

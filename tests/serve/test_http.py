@@ -9,7 +9,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.serve.conftest import API_KEY, LIMITED_KEY, LONG_MAX, SHORT_MAX
+from tests.serve.conftest import API_KEY, ENGINE, LIMITED_KEY, LONG_MAX, LONG_POLICY, SHORT_MAX
 
 pytestmark = pytest.mark.serve
 
@@ -149,6 +149,47 @@ def test_tp2_matches_tp1_greedy(client, server):
         outs[pool] = r.json()["choices"][0]
     assert outs["short"]["logprobs"]["tokens"] == outs["long"]["logprobs"]["tokens"]
     assert outs["short"]["text"] == outs["long"]["text"]
+    # Not only the tokens: TP=2's log-probs (of the same tokens, fp32) stay within 1e-4 of TP=1's.
+    diffs = [abs(a - b) for a, b in zip(outs["short"]["logprobs"]["token_logprobs"], outs["long"]["logprobs"]["token_logprobs"])]
+    assert len(diffs) == 24 and max(diffs) < 1e-4, max(diffs)
+
+
+def _in_process(model: str, prompt: list[int], anchors, max_tokens: int):
+    """The same request on an in-process TP=1 engine with the long pool's engine config."""
+    from engine import EngineConfig, LLMEngine, SamplingParams
+    from engine.config_io import cache_policy_from_dict
+
+    engine = LLMEngine(EngineConfig(model=model, **ENGINE, cache_policy=cache_policy_from_dict(LONG_POLICY)))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=True, ignore_eos=True)
+    rid = engine.add_request(None, prompt, params, anchors)
+    toks, lps = [], []
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == rid:
+                toks += out.token_ids
+                lps += out.logprobs or []
+    return toks, lps, list(engine.eviction_log)
+
+
+def test_anchor_survives_eviction_over_http_and_matches_the_in_process_engine(client, server, tiny_model):
+    """A 300-token prompt on the long pool (sinks 0..3 + a 64-token window, TP=2) with an anchor on
+    tokens [20, 30): over HTTP the tokens and log-probs equal an in-process engine's given the same
+    anchor, the in-process engine evicted around the anchor but never inside it, and without the
+    anchor the log-probs differ (so the anchor reached the pool and mattered)."""
+    prompt = [(7 * i + 3) % 200 + 5 for i in range(300)]
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 1,
+                                             "sinkserve": {"anchors": [{"start": 20, "end": 30}], "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-sinkserve-pool"] == "long"
+    http_lps = r.json()["choices"][0]["logprobs"]["token_logprobs"]
+    toks, lps, evictions = _in_process(tiny_model, prompt, [(20, 30)], 8)
+    assert r.json()["usage"]["completion_tokens"] == len(toks) == 8
+    assert max(abs(a - b) for a, b in zip(http_lps, lps)) < 1e-4
+    evicted = [rng for rec in evictions for rng in rec.evicted_ranges]
+    assert evicted and sum(e - s for s, e in evicted) > 150  # most of the prompt left the window
+    assert all(e <= 16 or s >= 32 for s, e in evicted), evicted  # the anchor's blocks [16, 32) stayed
+    _, plain_lps, _ = _in_process(tiny_model, prompt, None, 8)
+    assert max(abs(a - b) for a, b in zip(http_lps, plain_lps)) > 1e-3
 
 
 def _pool_stats(name: str) -> dict:
@@ -198,10 +239,53 @@ def _metrics(server) -> dict:
     return {f.name: f for f in text_string_to_metric_families(text)}
 
 
+def _total(fams: dict, family: str, sample: str, **labels: str) -> float:
+    """Sum of ``sample`` in ``family`` over the samples whose labels include ``labels`` (all replicas)."""
+    fam = fams.get(family)
+    if fam is None:
+        return 0.0
+    return sum(s.value for s in fam.samples if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_one_request_moves_each_metric_by_exactly_its_amount(server, client):
+    """One streamed request of known size: request count +1 (status 200), prompt and generation
+    token counters by exactly its usage, one TTFT observation and completion_tokens - 1 ITL
+    observations (per token, not per SSE event). Polled with a deadline: replicas push snapshots."""
+    counters = {
+        "req": ("sinkserve_requests", "sinkserve_requests_total", {"pool": "short", "status": "200"}),
+        "prompt": ("sinkserve_prompt_tokens", "sinkserve_prompt_tokens_total", {"pool": "short", "version": "v1"}),
+        "gen": ("sinkserve_generation_tokens", "sinkserve_generation_tokens_total", {"pool": "short", "version": "v1"}),
+        "ttft": ("sinkserve_time_to_first_token_seconds", "sinkserve_time_to_first_token_seconds_count", {"pool": "short"}),
+        "itl": ("sinkserve_inter_token_latency_seconds", "sinkserve_inter_token_latency_seconds_count", {"pool": "short"}),
+    }
+
+    def read() -> dict[str, float]:
+        fams = _metrics(server)
+        return {k: _total(fams, f, s, **lab) for k, (f, s, lab) in counters.items()}
+
+    deadline = time.time() + 10
+    before = read()
+    while time.time() < deadline and read() != before:  # let earlier tests' pushes settle
+        before = read()
+        time.sleep(0.3)
+    r = client.post("/v1/completions", json={"prompt": "metrics please", "max_tokens": 5, "stream": True,
+                                             "sinkserve": {"ignore_eos": True}})
+    usage = [e for e in sse_events(r.text) if e.get("usage")][-1]["usage"]
+    want = {"req": 1, "prompt": usage["prompt_tokens"], "gen": 5, "ttft": 1, "itl": 4}
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        got = {k: v - before[k] for k, v in read().items()}
+        if got == want:
+            break
+        time.sleep(0.1)
+    assert got == want
+
+
 def test_metrics(server, client):
     client.post("/v1/completions", json={"prompt": "metrics please", "max_tokens": 3, "stream": True})
-    time.sleep(1.0)  # replicas push every 0.25 s
-    fams = _metrics(server)
+    deadline = time.time() + 10
+    while time.time() < deadline and "sinkserve_kv_blocks_free" not in (fams := _metrics(server)):
+        time.sleep(0.1)
     for name in ("requests", "time_to_first_token_seconds", "inter_token_latency_seconds",
                  "e2e_request_latency_seconds", "prompt_tokens", "generation_tokens", "requests_running",
                  "requests_waiting", "kv_blocks_used", "kv_blocks_free", "kv_blocks_pinned",
@@ -263,26 +347,18 @@ def test_handle_call_streams(server):
     assert len(deltas) >= 2 and deltas[-1].finished and deltas[-1].completion_tokens == 4
 
 
-def test_router_deployment_plans_like_the_ingress(server, client):
-    """HTTP requests are planned inside the ingress (plan_in: ingress); the Router deployment runs the
-    same code for handle callers that enter at it: same pool, same prompt length, same greedy tokens."""
+def test_handle_caller_gets_refusals_as_api_errors(server):
+    """A Ray handle caller of the ingress gets the same typed refusal an HTTP client gets."""
     from ray import serve
 
-    from app.events import RouteInfo, TokenDelta
+    from app.errors import APIError
     from app.schemas import CompletionRequest
 
-    prompt = "the router and the ingress plan alike"
-    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0,
-                                             "sinkserve": {"ignore_eos": True}})
-    assert r.status_code == 200
-    router = serve.get_deployment_handle("Router", app_name="sinkserve")
-    req = CompletionRequest(prompt=prompt, max_tokens=6, temperature=0, sinkserve={"ignore_eos": True})
-    events = list(router.options(stream=True).route.remote(req))
-    info = events[0]
-    assert isinstance(info, RouteInfo) and info.pool == r.headers["x-sinkserve-pool"] == "short"
-    assert info.prompt_tokens == r.json()["usage"]["prompt_tokens"]
-    text = "".join(e.text for e in events[1:] if isinstance(e, TokenDelta))
-    assert text == r.json()["choices"][0]["text"]
+    handle = serve.get_app_handle("sinkserve")
+    (ev,) = list(handle.options(stream=True).generate.remote(CompletionRequest(prompt="x", sinkserve={"pool": "nope"})))
+    assert isinstance(ev, APIError) and ev.status == 400 and ev.param == "sinkserve.pool"
+    (ev,) = list(handle.options(stream=True).generate.remote(CompletionRequest(prompt=[3] * (LONG_MAX + 1))))
+    assert isinstance(ev, APIError) and ev.param == "prompt" and str(LONG_MAX + 1) in ev.message
 
 
 def test_tp1_pools_step_the_engine_in_a_child_process(server):
@@ -302,8 +378,8 @@ def test_tp1_pools_step_the_engine_in_a_child_process(server):
 
 
 def test_stream_deltas_travel_on_the_token_bus(server):
-    """With ``token_bus`` on (the default), the pool writes a stream's deltas to the ingress's inbox,
-    several deltas per frame when streams run together; its Serve call carries only errors."""
+    """The pool writes a stream's deltas to the ingress's inbox, several deltas per frame when
+    streams run together; its Serve call returns nothing."""
     from concurrent.futures import ThreadPoolExecutor
 
     from ray import serve
@@ -334,16 +410,20 @@ def test_reconfigure_swaps_policy_live(server):
 
     h = serve.get_deployment_handle("pool-short-v1", app_name="sinkserve")
     before = h.info.remote().result()
-    old_cfg = {"cache_policy": server["args"]["pools"][0]["cache_policy"]}
+    old_cfg = {"cache_policy": server["args"]["pools"][0]["engine"]["cache_policy"]}
     h.reconfigure.remote({"cache_policy": {"eviction_policy": "sliding_window", "window": 64}}).result()
     after = h.info.remote().result()
     assert after["policy_version"] != before["policy_version"]
     assert after["policy_generation"] == before["policy_generation"] + 1
     assert after["policy"]["eviction_policy"] == "sliding_window" and after["policy"]["window"] == 64
     assert _pool_stats("pool-short-v1")["policy_version"] == after["policy_version"]  # the engine's own view
-    time.sleep(1.0)
-    versions = {s.labels["policy_version"] for s in _metrics(server)["sinkserve_cache_policy_version"].samples
-                if s.labels["pool"] == "short" and s.labels["version"] == "v1"}
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        versions = {s.labels["policy_version"] for s in _metrics(server)["sinkserve_cache_policy_version"].samples
+                    if s.labels["pool"] == "short" and s.labels["version"] == "v1"}
+        if versions == {after["policy_version"]}:
+            break
+        time.sleep(0.1)
     assert versions == {after["policy_version"]}
     # Requests still work under the new policy.
     with httpx.Client(base_url=server["base"], headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:

@@ -42,6 +42,42 @@ def test_app_args_validation():
         AppArgs(typo=1)
 
 
+@pytest.mark.parametrize("engine, message", [
+    ({"cache_policy": {"windw": 64}}, "engine.cache_policy.windw: unknown field; did you mean 'window'"),
+    ({"max_num_seq": 8}, "engine.max_num_seq: unknown field; did you mean 'max_num_seqs'"),
+    ({"block_size": 12}, "engine.block_size: must be a power of two"),
+    ({"cache_policy": {"eviction_policy": "sliding_window", "window": 8}}, "engine.cache_policy.window: window 8 is smaller"),
+    ({"model": "/elsewhere"}, "engine.model: set the model per version"),
+    ({"device": "tpu"}, "engine.device: must be 'auto', 'cpu' or 'cuda"),
+])
+def test_pool_engine_block_is_the_engines_own_config_and_typos_name_the_path(engine, message):
+    with pytest.raises(ValidationError, match=message.replace("(", r"\(").replace(")", r"\)")) as e:
+        AppArgs(pools=[{"name": "p", "max_prompt_tokens": 10, "engine": engine}])
+    assert e.value.errors()[0]["loc"] == ("pools", 0, "engine")
+
+
+def test_pool_engine_config_is_built_with_the_versions_model_and_the_resolved_device():
+    from engine.cache_policy import CachePolicy
+
+    (pool,) = AppArgs(pools=[{"name": "p", "max_prompt_tokens": 10, "engine": {
+        "max_num_seqs": 3, "cache_policy": {"eviction_policy": "sliding_window", "window": 32, "protected_positions": [0, 1]}}}]).pools
+    cfg = pool.engine_config("/models/m", "cpu")
+    assert (cfg.model, cfg.device, cfg.max_num_seqs) == ("/models/m", "cpu", 3)
+    assert cfg.cache_policy == CachePolicy(eviction_policy="sliding_window", window=32, protected_positions=(0, 1))
+
+
+def test_a_typo_in_a_serve_config_fails_the_serve_command_before_anything_starts(tmp_path, monkeypatch, capsys):
+    from app.cli import main
+    from tests.serve.conftest import REPO
+
+    monkeypatch.setenv("SINKSERVE_API_KEYS", "k")
+    bad = tmp_path / "prod.yaml"
+    bad.write_text((REPO / "serve_configs" / "prod.yaml").read_text().replace("window: 4096", "windw: 4096"))
+    assert main(["serve", str(bad), "--key-file", str(tmp_path / "keys")]) == 2
+    err = capsys.readouterr().err
+    assert "pools.1.engine" in err and "engine.cache_policy.windw: unknown field" in err
+
+
 def test_render_parses_and_labels():
     rm = RequestMetrics()
     rm.count("short", 200)
@@ -75,12 +111,12 @@ def test_builder_refuses_to_build_without_keys(monkeypatch):
     p = PoolArgs(name="long", max_prompt_tokens=32768)
     assert clamp_pool(p, 2048).max_prompt_tokens == 2047
     assert clamp_pool(p, None).max_prompt_tokens == 32768
-    assert clamp_pool(PoolArgs(name="s", max_prompt_tokens=100, max_model_len=64), 2048).max_prompt_tokens == 63
+    assert clamp_pool(PoolArgs(name="s", max_prompt_tokens=100, engine={"max_model_len": 64}), 2048).max_prompt_tokens == 63
     # a sliding-window pool streams past max_model_len, up to its policy's max_stream_tokens
-    streaming = PoolArgs(name="l", max_prompt_tokens=32768,
-                         cache_policy={"eviction_policy": "sliding_window", "window": 512})
+    window = {"eviction_policy": "sliding_window", "window": 512}
+    streaming = PoolArgs(name="l", max_prompt_tokens=32768, engine={"cache_policy": window})
     assert clamp_pool(streaming, 1024).max_prompt_tokens == 32768
-    capped = streaming.model_copy(update={"cache_policy": {**streaming.cache_policy, "max_stream_tokens": 4096}})
+    capped = PoolArgs(name="l", max_prompt_tokens=32768, engine={"cache_policy": {**window, "max_stream_tokens": 4096}})
     assert clamp_pool(capped, 1024).max_prompt_tokens == 4095
 
 
@@ -99,17 +135,21 @@ def test_prod_and_local_configs_validate():
     prod = AppArgs.model_validate(yaml.safe_load((REPO / "serve_configs" / "prod.yaml").read_text())["applications"][0]["args"])
     assert [p.name for p in prod.pools] == ["short", "long"]
     assert all(p.tensor_parallel_size == 2 and p.autoscaling for p in prod.pools)
-    assert prod.ingress.num_replicas == 2 and prod.router.num_replicas == 2
-    assert prod.router.plan_in == "ingress"
-    with pytest.raises(ValidationError, match="plan_in"):
-        AppArgs.model_validate({"router": {"plan_in": "proxy"}})
+    assert prod.ingress.num_replicas == 2 and prod.ingress.rate_limit_rps == 20
+    assert prod.pools[1].cache_policy["eviction_policy"] == "sliding_window"
+    # The switches of the alternative request paths are gone: a config that still sets one is refused.
+    for gone in ({"router": {"plan_in": "ingress"}}, {"token_bus": True}, {"grpc_handles": True}, {"low_latency": True}):
+        with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
+            AppArgs.model_validate(gone)
+    with pytest.raises(ValidationError, match="engine_process"):
+        AppArgs.model_validate({"pools": [{"name": "p", "max_prompt_tokens": 9, "engine_process": True}]})
 
 
 def test_pool_options_place_tp_workers():
     from app.builder import pool_options
     from app.settings import PoolArgs
 
-    p = PoolArgs(name="s", max_prompt_tokens=10, tensor_parallel_size=2, num_cpus=0.1, worker_num_cpus=0.2,
+    p = PoolArgs(name="s", max_prompt_tokens=10, engine={"tensor_parallel_size": 2}, num_cpus=0.1, worker_num_cpus=0.2,
                  autoscaling={"min_replicas": 1, "max_replicas": 3})
     cpu = pool_options(p, "cpu")
     assert cpu["placement_group_bundles"] == [{"CPU": 0.1}, {"CPU": 0.2}, {"CPU": 0.2}]
@@ -122,7 +162,7 @@ def test_pool_options_place_tp_workers():
 async def test_coalesced_merges_only_what_piled_up():
     import asyncio
 
-    from app.coalesce import coalesced
+    from app.streaming import coalesced
     from app.events import TokenDelta
 
     def d(i, fin=False):
@@ -166,7 +206,7 @@ async def test_coalesced_merges_only_what_piled_up():
 
 
 async def test_coalesced_propagates_errors():
-    from app.coalesce import coalesced
+    from app.streaming import coalesced
 
     async def bad():
         raise ValueError("boom")
@@ -180,7 +220,7 @@ async def test_coalesced_propagates_errors():
 async def test_check_health_fails_when_engine_loop_died():
     from engine.errors import EngineDeadError
 
-    from app.server import LLMServer, http_field
+    from app.server import LLMServer
 
     class DeadEngine:
         def check_health(self):
@@ -190,12 +230,9 @@ async def test_check_health_fails_when_engine_loop_died():
     server.engine = DeadEngine()
     with pytest.raises(EngineDeadError):
         await server.check_health()
-    assert http_field("anchors[2]") == "sinkserve.anchors.2"
-    assert http_field("anchors[0].text") == "sinkserve.anchors.0.text"
-    assert http_field("temperature") == "temperature"
 
 
-def test_data_path_handles_go_over_grpc_only_when_enabled():
+def test_data_path_handles_go_over_grpc():
     from app.replica import data_path_handle
 
     class FakeHandle:
@@ -206,13 +243,11 @@ def test_data_path_handles_go_over_grpc_only_when_enabled():
             return FakeHandle({**self.opts, **kw})
 
     h = FakeHandle()
-    assert data_path_handle(h, True).opts == {"_by_reference": False}
-    assert data_path_handle(h, False) is h
-    assert AppArgs().grpc_handles is True and AppArgs(grpc_handles=False).grpc_handles is False
+    assert data_path_handle(h).opts == {"_by_reference": False}
 
 
-def test_serve_command_selects_the_http_entry(tmp_path, monkeypatch, capsys):
-    """`sinkserve serve` puts HAProxy in front of the ingress by default; --proxy serve keeps Serve's proxy."""
+def test_serve_command_puts_haproxy_in_front(tmp_path, monkeypatch, capsys):
+    """`sinkserve serve` puts HAProxy in front of the ingress; there is no other HTTP entry."""
     from app.cli import main
     from tests.serve.conftest import REPO
 
@@ -224,6 +259,5 @@ def test_serve_command_selects_the_http_entry(tmp_path, monkeypatch, capsys):
         return next(line for line in capsys.readouterr().out.splitlines() if line.startswith("HTTP entry:"))
 
     assert entry() == "HTTP entry: haproxy (RAY_SERVE_ENABLE_HA_PROXY=1)"
-    assert entry("--proxy", "serve") == "HTTP entry: serve (RAY_SERVE_ENABLE_HA_PROXY=0)"
     with pytest.raises(SystemExit):
-        main(["serve", "--proxy", "nginx"])
+        main(["serve", "--proxy", "serve"])

@@ -1,56 +1,64 @@
-"""stream_plan against a fake pool handle: timeout -> 408, queue full -> 503, cancel on early exit."""
+"""stream_plan against a fake pool that answers on a real token bus (loopback TCP), as LLMServer does:
+route info then deltas, errors on the same channel, timeout -> 408 and cancel, queue full -> 503."""
 
 from __future__ import annotations
 
 import asyncio
 
-from app.events import ErrorEvent, PoolRequest, RouteInfo, RoutePlan, TokenDelta
+import pytest
+
+from app.errors import APIError
+from app.events import PoolRequest, RouteInfo, RoutePlan, TokenDelta
 from app.streaming import stream_plan
+from app.token_bus import TokenInbox, TokenOutbox
+from engine.sampling_params import SamplingParams
 
 
-class FakeStream:
-    def __init__(self, items, delay=0.0, error=None):
-        self.items, self.delay, self.error, self.cancelled = list(items), delay, error, False
+def delta(i, fin=False):
+    return TokenDelta(str(i), (i,), None, fin, "length" if fin else None, 3, i)
 
-    def __aiter__(self):
-        return self
 
-    async def __anext__(self):
-        if self.error is not None:
-            raise self.error
-        await asyncio.sleep(self.delay)
-        if not self.items:
-            raise StopAsyncIteration
-        return self.items.pop(0)
+class FakeCall:
+    """A unary Serve call (awaitable, cancellable) whose body writes ``items`` to the caller's inbox."""
+
+    def __init__(self, req, outbox, items, delay, error):
+        self.req, self.cancelled = req, False
+        self.task = asyncio.ensure_future(self._run(outbox, items, delay, error))
+
+    async def _run(self, outbox, items, delay, error):
+        if error is not None:
+            raise error
+        for item in items:
+            await asyncio.sleep(delay)
+            outbox.send(self.req.reply_to, self.req.request_id, item)
+        await outbox.drain(self.req.reply_to)
+
+    def __await__(self):
+        return self.task.__await__()
 
     def cancel(self):
         self.cancelled = True
+        self.task.cancel()
 
 
 class FakePool:
-    """Mimics ``handle.options(stream=True).generate.remote(req)``."""
+    """Mimics ``handle.generate.remote(req)`` of a pool replica."""
 
-    def __init__(self, stream):
-        self.stream = stream
-
-    def options(self, **_):
-        return self
+    def __init__(self, outbox, items=(), delay=0.0, error=None):
+        self.outbox, self.items, self.delay, self.error, self.calls = outbox, list(items), delay, error, []
 
     @property
     def generate(self):
         return self
 
-    def remote(self, _req):
-        return self.stream
+    def remote(self, req):
+        self.calls.append(FakeCall(req, self.outbox, self.items, self.delay, self.error))
+        return self.calls[-1]
 
 
 def plan(timeout_s=5.0):
     info = RouteInfo("r1", "short", "v1", "pool-short-v1", 3)
-    return RoutePlan(info, PoolRequest("r1", (1, 2, 3), (), (), timeout_s))
-
-
-def delta(i, fin=False):
-    return TokenDelta(str(i), (i,), None, fin, "length" if fin else None, 3, i)
+    return RoutePlan(info, PoolRequest("r1", (1, 2, 3), SamplingParams(), (), timeout_s))
 
 
 async def collect(gen, n=None):
@@ -62,102 +70,89 @@ async def collect(gen, n=None):
     return out
 
 
-async def test_streams_route_info_then_deltas():
-    s = FakeStream([delta(1), delta(2, fin=True)])
-    evs = await collect(stream_plan(FakePool(s), plan()))
-    assert isinstance(evs[0], RouteInfo) and evs[-1].finished and not s.cancelled
+@pytest.fixture()
+async def bus():
+    inbox, outbox = TokenInbox(), TokenOutbox()
+    await inbox.start("127.0.0.1")
+    yield inbox, outbox
+    await outbox.close()
+    await inbox.stop()
 
 
-async def test_timeout_is_408_and_cancels_the_pool_call():
-    s = FakeStream([delta(i) for i in range(1, 100)], delay=0.05)
-    evs = await collect(stream_plan(FakePool(s), plan(timeout_s=0.2)))
-    assert isinstance(evs[-1], ErrorEvent) and evs[-1].status == 408 and "0.2s" in evs[-1].message
-    assert s.cancelled
+async def test_streams_route_info_then_deltas_from_the_bus(bus):
+    inbox, outbox = bus
+    pool = FakePool(outbox, [delta(i, fin=i == 4) for i in (1, 2, 3, 4)])
+    out = await asyncio.wait_for(collect(stream_plan(pool, plan(), inbox)), 10)
+    assert pool.calls[0].req.reply_to == inbox.address
+    assert isinstance(out[0], RouteInfo)
+    assert [t for d in out[1:] for t in d.token_ids] == [1, 2, 3, 4]  # (the ingress may merge waiting deltas)
+    assert out[-1].finished and not pool.calls[0].cancelled
+    assert inbox._queues == {}  # noqa: SLF001 - the request's queue is gone
 
 
-async def test_queue_full_is_503_with_retry_after():
+async def test_pool_error_arrives_on_the_same_channel_and_is_the_only_event(bus):
+    inbox, outbox = bus
+    pool = FakePool(outbox, [APIError(400, "prompt too long", "prompt")])
+    (ev,) = await asyncio.wait_for(collect(stream_plan(pool, plan(), inbox)), 10)
+    assert isinstance(ev, APIError) and ev.status == 400 and ev.param == "prompt"
+    assert not pool.calls[0].cancelled
+
+
+async def test_error_after_some_deltas_ends_the_stream(bus):
+    inbox, outbox = bus
+    pool = FakePool(outbox, [delta(1), APIError(503, "engine unavailable", type="server_error", retry_after=5)])
+    out = await asyncio.wait_for(collect(stream_plan(pool, plan(), inbox)), 10)
+    assert isinstance(out[0], RouteInfo) and out[1].token_ids == (1,)
+    assert isinstance(out[2], APIError) and out[2].status == 503 and out[2].headers == {"Retry-After": "5"}
+
+
+async def test_timeout_is_408_and_cancels_the_pool_call(bus):
+    inbox, outbox = bus
+    pool = FakePool(outbox, [delta(i) for i in range(1, 100)], delay=0.05)
+    evs = await collect(stream_plan(pool, plan(timeout_s=0.3), inbox))
+    assert isinstance(evs[-1], APIError) and evs[-1].status == 408 and "0.3s" in evs[-1].message
+    assert pool.calls[0].cancelled and inbox._queues == {}  # noqa: SLF001
+
+
+async def test_queue_full_is_503_with_retry_after(bus):
     from ray.serve.exceptions import BackPressureError
 
-    s = FakeStream([], error=BackPressureError(num_queued_requests=5, max_queued_requests=5))
-    (ev,) = await collect(stream_plan(FakePool(s), plan()))
-    assert ev.status == 503 and ev.retry_after == 1
+    inbox, outbox = bus
+    pool = FakePool(outbox, error=BackPressureError(num_queued_requests=5, max_queued_requests=5))
+    (ev,) = await asyncio.wait_for(collect(stream_plan(pool, plan(), inbox)), 10)
+    assert ev.status == 503 and ev.retry_after == 1 and ev.type == "overloaded"
 
 
-async def test_early_exit_cancels_the_pool_call():
-    s = FakeStream([delta(i) for i in range(1, 100)], delay=0.001)
-    gen = stream_plan(FakePool(s), plan())
+async def test_early_exit_cancels_the_pool_call(bus):
+    inbox, outbox = bus
+    pool = FakePool(outbox, [delta(i) for i in range(1, 100)], delay=0.01)
+    gen = stream_plan(pool, plan(), inbox)
     await collect(gen, n=3)
     await gen.aclose()  # what a disconnecting client does to the ingress's generator
-    assert s.cancelled
+    assert pool.calls[0].cancelled and inbox._queues == {}  # noqa: SLF001
 
 
-async def test_pool_error_event_passes_through():
-    s = FakeStream([ErrorEvent(400, "prompt too long", field="prompt")])
-    (ev,) = await collect(stream_plan(FakePool(s), plan()))
-    assert ev.status == 400 and ev.field == "prompt" and not s.cancelled
+async def test_a_request_id_already_streaming_is_refused_naming_request_id(bus):
+    inbox, outbox = bus
+    inbox.open("r1")  # another stream with the same id is running
+    pool = FakePool(outbox, [delta(1, fin=True)])
+    out = await collect(stream_plan(pool, plan(), inbox))
+    assert len(out) == 1 and out[0].status == 400 and out[0].param == "request_id" and pool.calls == []
 
 
-def test_stream_plan_with_an_inbox_sends_reply_to_and_reads_the_rest_from_the_bus():
-    from app.token_bus import TokenInbox, TokenOutbox
+def test_api_error_survives_pickling_with_every_field():
+    import pickle
 
-    class BusCall:
-        """A pool call that puts every delta on the bus and yields nothing, as LLMServer does."""
-
-        def __init__(self, req, outbox):
-            self.req, self.outbox, self.cancelled = req, outbox, False
-
-        async def _gen(self):
-            if False:  # an async generator that yields nothing
-                yield None
-            for i in (1, 2, 3, 4):
-                self.outbox.send(self.req.reply_to, self.req.request_id, delta(i, fin=i == 4))
-            await self.outbox.drain(self.req.reply_to)
-
-        def __aiter__(self):
-            return self._gen()
-
-        def cancel(self):
-            self.cancelled = True
-
-    class BusPool(FakePool):
-        def __init__(self, outbox):
-            self.outbox, self.calls = outbox, []
-
-        def remote(self, req):
-            self.calls.append(BusCall(req, self.outbox))
-            return self.calls[-1]
-
-    async def main():
-        inbox, outbox = TokenInbox(), TokenOutbox()
-        addr = await inbox.start("127.0.0.1")
-        pool = BusPool(outbox)
-        out = await asyncio.wait_for(collect(stream_plan(pool, plan(), inbox)), 10)
-        assert pool.calls[0].req.reply_to == addr
-        assert isinstance(out[0], RouteInfo)
-        assert [t for d in out[1:] for t in d.token_ids] == [1, 2, 3, 4]  # (the ingress may merge waiting deltas)
-        assert out[-1].finished and not pool.calls[0].cancelled
-        assert inbox._queues == {}  # noqa: SLF001 - the request's queue is gone
-        # Leaving early cancels the call and closes the queue too.
-        gen = stream_plan(BusPool(outbox), plan(), inbox)
-        assert isinstance(await gen.__anext__(), RouteInfo)
-        await gen.aclose()
-        assert inbox._queues == {}  # noqa: SLF001
-        await outbox.close()
-        await inbox.stop()
-
-    asyncio.run(main())
+    e = pickle.loads(pickle.dumps(APIError(429, "slow down", None, "rate_limit_exceeded", 3)))
+    assert (e.status, e.message, e.param, e.type, e.retry_after) == (429, "slow down", None, "rate_limit_exceeded", 3)
 
 
-def test_stream_plan_refuses_a_request_id_that_is_already_streaming_on_the_bus():
-    from app.token_bus import TokenInbox
+def test_engine_errors_map_to_one_edge_type():
+    from engine.errors import EngineDeadError, ProtectionCapError, PromptTooLongError, RequestAbortedError
 
-    async def main():
-        inbox = TokenInbox()
-        await inbox.start("127.0.0.1")
-        inbox.open("r1")  # another stream with the same id is running
-        pool = FakePool(FakeStream([delta(1, fin=True)]))
-        out = await collect(stream_plan(pool, plan(), inbox))
-        assert len(out) == 1 and out[0].status == 400 and out[0].field == "request_id"
-        await inbox.stop()
-
-    asyncio.run(main())
+    assert (lambda e: (e.status, e.param))(APIError.from_engine(PromptTooLongError(900, 511))) == (400, "prompt")
+    assert APIError.from_engine(ProtectionCapError(600, 512)).param == "sinkserve.anchors"
+    assert APIError.from_engine(RequestAbortedError("x")).status == 499
+    dead = APIError.from_engine(EngineDeadError("boom"))
+    assert dead.status == 503 and dead.retry_after == 5
+    assert APIError.from_engine(KeyError("k")).status == 500

@@ -1,0 +1,299 @@
+"""Planning a request: rate check, version draw, tokenize once, bucket by length, anchors ->
+a typed ``RoutePlan`` (pool deployment + ``PoolRequest``), or an ``APIError``.
+
+The decisions are pure functions with injected inputs (token count, weights, a uniform draw, the
+clock), so tests pin exact expectations; :class:`Planner` holds the only state (tokenizers, rate
+buckets) and runs inside every ingress replica::
+
+    >>> buckets = (BucketSpec("short", 2048, 60.0), BucketSpec("long", 8192, 300.0))
+    >>> pick_bucket(2048, buckets).name, pick_bucket(2049, buckets).name
+    ('short', 'long')
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from app.errors import APIError
+from app.events import PoolRequest, RouteInfo, RoutePlan
+from app.schemas import ChatCompletionRequest, CompletionRequest, TokenRange, new_request_id
+from app.settings import BucketSpec, PlanSpec, VersionSpec, pool_deployment_name
+from engine.errors import InvalidRequestError
+from engine.retention import text_anchor_span
+from engine.sampling_params import SamplingParams
+
+Request = CompletionRequest | ChatCompletionRequest
+
+
+# ---- pure decisions -----------------------------------------------------------------------------
+
+
+def pick_bucket(num_tokens: int, buckets: Sequence[BucketSpec], forced: str | None = None) -> BucketSpec:
+    """The smallest bucket whose ``max_prompt_tokens`` fits ``num_tokens``.
+
+    ``forced`` names a bucket explicitly (the ``sinkserve.pool`` extension); it must exist and fit.
+    Prompts beyond the largest bucket are refused with both numbers in the message.
+    """
+    ordered = sorted(buckets, key=lambda b: b.max_prompt_tokens)
+    if not ordered:
+        raise APIError(503, "no pools are configured", type="server_error")
+    if forced is not None:
+        match = [b for b in ordered if b.name == forced]
+        if not match:
+            names = ", ".join(b.name for b in ordered)
+            raise APIError(400, f"unknown pool {forced!r}; pools are: {names}", "sinkserve.pool")
+        if num_tokens > match[0].max_prompt_tokens:
+            raise APIError(400, f"prompt has {num_tokens} tokens, more than pool {forced!r} accepts "
+                                f"({match[0].max_prompt_tokens} tokens)", "prompt")
+        return match[0]
+    for b in ordered:
+        if num_tokens <= b.max_prompt_tokens:
+            return b
+    largest = ordered[-1]
+    raise APIError(400, f"prompt has {num_tokens} tokens, more than the largest pool ({largest.name!r}) accepts: "
+                        f"{largest.max_prompt_tokens} tokens", "prompt")
+
+
+def pick_version(versions: Sequence[VersionSpec], u: float) -> VersionSpec:
+    """Weighted choice by a uniform draw ``u`` in [0, 1).
+
+    Versions are laid out on [0, total) in configuration order; weight 0 takes no room, so a
+    version at weight 0 never gets traffic (rollback = set the canary's weight to 0).
+
+    >>> vs = (VersionSpec("v1", "m", 3.0), VersionSpec("v2", "m", 1.0))
+    >>> [pick_version(vs, u).name for u in (0.0, 0.74, 0.75, 0.99)]
+    ['v1', 'v1', 'v2', 'v2']
+    """
+    live = [v for v in versions if v.weight > 0]
+    if not live:
+        raise APIError(503, "every model version has weight 0", type="server_error")
+    if not 0.0 <= u < 1.0:
+        raise ValueError(f"u must be in [0, 1), got {u}")
+    point = u * sum(v.weight for v in live)
+    acc = 0.0
+    for v in live:
+        acc += v.weight
+        if point < acc:
+            return v
+    return live[-1]  # float round-off at the top edge
+
+
+def version_for_bucket(bucket: BucketSpec, versions: Sequence[VersionSpec], chosen: VersionSpec, u: float) -> VersionSpec:
+    """Keep ``chosen`` if ``bucket`` serves it; otherwise redo the weighted draw (same ``u``)
+    among the versions the bucket does serve (a canary deployed on one bucket only).
+
+    >>> b = BucketSpec("long", 8192, 300.0, versions=("v1",))
+    >>> vs = (VersionSpec("v1", "m", 1.0), VersionSpec("v2", "m", 1.0))
+    >>> version_for_bucket(b, vs, vs[1], 0.9).name
+    'v1'
+    """
+    if bucket.versions is None or chosen.name in bucket.versions:
+        return chosen
+    served = [v for v in versions if v.name in bucket.versions]
+    if not any(v.weight > 0 for v in served):
+        return served[0]  # every version this bucket serves is at weight 0: still serve rather than refuse
+    return pick_version(served, u)
+
+
+def session_draw(session_id: str) -> float:
+    """A stable uniform draw for a session, so one conversation stays on one model version."""
+    digest = hashlib.sha256(session_id.encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+@dataclass
+class TokenBucket:
+    """Classic token bucket with an injected clock: ``rate`` tokens/s, at most ``burst`` saved.
+
+    >>> tb = TokenBucket(rate=1.0, burst=2, tokens=2.0, updated=0.0)
+    >>> [tb.try_acquire(0.0)[0], tb.try_acquire(0.0)[0], tb.try_acquire(0.0)]
+    [True, True, (False, 1.0)]
+    >>> tb.try_acquire(1.0)
+    (True, 0.0)
+    """
+
+    rate: float
+    burst: int
+    tokens: float
+    updated: float
+
+    def try_acquire(self, now: float) -> tuple[bool, float]:
+        """Take one token if there is one; otherwise return how long until there is."""
+        elapsed = max(0.0, now - self.updated)
+        self.tokens = min(float(self.burst), self.tokens + elapsed * self.rate)
+        self.updated = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True, 0.0
+        return False, (1.0 - self.tokens) / self.rate
+
+
+class RateLimiter:
+    """One token bucket per API key (per ingress replica; replicas share no state)."""
+
+    def __init__(self, rate: float | None, burst: int, max_keys: int = 100_000) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.max_keys = max_keys
+        self._buckets: dict[str, TokenBucket] = {}
+
+    def check(self, key: str | None, now: float) -> None:
+        """Raise a 429 ``APIError`` (with Retry-After) when ``key`` is over its rate."""
+        if self.rate is None:
+            return
+        key = key or "anonymous"
+        tb = self._buckets.get(key)
+        if tb is None:
+            if len(self._buckets) >= self.max_keys:
+                self._buckets.clear()  # bounded memory beats exactness for a forgotten key
+            tb = self._buckets[key] = TokenBucket(self.rate, self.burst, float(self.burst), now)
+        ok, wait = tb.try_acquire(now)
+        if not ok:
+            raise APIError(429, f"rate limit exceeded: {self.rate:g} requests/s per key", type="rate_limit_exceeded",
+                           retry_after=math.ceil(wait))
+
+
+# ---- request -> engine inputs -------------------------------------------------------------------
+
+
+def encode(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of ``text``. For a fast tokenizer, its Rust backend directly: the same ids as
+    ``tokenizer(text)["input_ids"]`` (tested) for a third of the CPU, since the call wraps one prompt
+    in batching, truncation and padding logic; this runs on the ingress's event loop per request."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if backend is None:
+        return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+    return backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+    """The model's chat template if it has one; otherwise a plain ``role: content`` transcript."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    lines = [f"{m['role']}: {m['content']}" for m in messages]
+    return "\n".join(lines) + "\nassistant:"
+
+
+def sampling_params(request: Request, vocab_size: int | None = None) -> SamplingParams:
+    """The engine's ``SamplingParams`` for ``request``, validated (a 400 names the field)."""
+    ext = request.sinkserve
+    params = SamplingParams(
+        max_tokens=request.max_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=max(0, request.top_k),
+        seed=request.seed,
+        stop=tuple(request.stop_list()),
+        logprobs=request.wants_logprobs(),
+        ignore_eos=bool(ext and ext.ignore_eos),
+    )
+    try:
+        params.validate(vocab_size)
+    except InvalidRequestError as e:
+        raise APIError.from_engine(e) from None
+    return params
+
+
+def anchor_spans(request: Request, tokenizer: Any, text: str | None, num_tokens: int) -> tuple[tuple[int, int], ...]:
+    """Anchors as token ranges ``(start, end)`` of the prompt the planner tokenized.
+
+    Text anchors are located here: the first occurrence of the span in the prompt text (the rendered
+    chat for chat requests), widened to the tokens that overlap it. Token ranges must lie inside the
+    prompt. Errors name ``sinkserve.anchors.<i>``.
+    """
+    if not request.sinkserve or not request.sinkserve.anchors:
+        return ()
+    out: list[tuple[int, int]] = []
+    offsets = None
+    for i, a in enumerate(request.sinkserve.anchors):
+        param = f"sinkserve.anchors.{i}"
+        if isinstance(a, TokenRange):
+            if a.end > num_tokens:
+                raise APIError(400, f"token range [{a.start}, {a.end}) ends past the prompt's {num_tokens} tokens", param)
+            out.append((a.start, a.end))
+            continue
+        if text is None:
+            raise APIError(400, "text anchors need a text prompt (not token ids)", param)
+        if offsets is None:
+            offsets = tokenizer(text, return_offsets_mapping=True,
+                                add_special_tokens=not isinstance(request, ChatCompletionRequest))["offset_mapping"]
+        span = text_anchor_span(text, a, offsets)
+        if span is None:
+            raise APIError(400, "anchor text does not occur in the prompt", param)
+        out.append(span)
+    return tuple(out)
+
+
+class Planner:
+    """Plans requests for one ingress replica: its tokenizers (one per distinct model) and rate buckets."""
+
+    def __init__(self, spec: PlanSpec) -> None:
+        from transformers import AutoTokenizer  # light compared with the model; loaded once
+
+        self.spec = spec
+        self.tokenizers: dict[str, Any] = {}
+        for v in spec.versions:
+            if v.model not in self.tokenizers:
+                self.tokenizers[v.model] = AutoTokenizer.from_pretrained(v.model)
+        self.limiter = RateLimiter(spec.rate_limit_rps, spec.rate_limit_burst)
+        self._rng = random.Random()
+
+    def draw(self, request: Request) -> float:
+        """The uniform draw behind the version choice: stable per ``sinkserve.session_id``."""
+        sid = request.sinkserve.session_id if request.sinkserve else None
+        return session_draw(sid) if sid else self._rng.random()
+
+    def _version(self, pinned: str | None, u: float) -> VersionSpec:
+        if pinned is not None:
+            match = [v for v in self.spec.versions if v.name == pinned]
+            if not match:
+                raise APIError(404, f"unknown model version {pinned!r}", "model", "model_not_found")
+            return match[0]
+        return pick_version(self.spec.versions, u)
+
+    def tokenize(self, request: Request, version: VersionSpec) -> tuple[list[int], str | None]:
+        """Token ids of the prompt (and its text, when there is one, for anchors)."""
+        tok = self.tokenizers[version.model]
+        text: str | None = None
+        if isinstance(request, ChatCompletionRequest):
+            text = render_chat(tok, [m.model_dump() for m in request.messages])
+            ids = encode(tok, text, add_special_tokens=False)
+        elif isinstance(request.prompt, str):
+            if not request.prompt:
+                raise APIError(400, "prompt is empty", "prompt")
+            text = request.prompt
+            ids = encode(tok, text)
+        else:
+            ids = list(request.prompt)
+        if not ids:
+            raise APIError(400, "prompt is empty", "prompt" if isinstance(request, CompletionRequest) else "messages")
+        return ids, text
+
+    def plan(self, request: Request, api_key: str | None = None, request_id: str | None = None,
+             pinned_version: str | None = None) -> RoutePlan:
+        """Decide where ``request`` goes and what the pool receives; raises ``APIError`` if refused."""
+        request_id = request_id or new_request_id("req")
+        self.limiter.check(api_key, time.monotonic())
+        params = sampling_params(request)
+        u = self.draw(request)
+        version = self._version(pinned_version, u)
+        ids, text = self.tokenize(request, version)
+        forced = request.sinkserve.pool if request.sinkserve else None
+        bucket = pick_bucket(len(ids), self.spec.buckets, forced=forced)
+        if pinned_version is not None and bucket.versions is not None and pinned_version not in bucket.versions:
+            raise APIError(404, f"version {pinned_version!r} is not served by pool {bucket.name!r}", "model",
+                           "model_not_found")
+        other = version_for_bucket(bucket, self.spec.versions, version, u)
+        if other.model != version.model:  # another tokenizer: tokenize (and bucket) again
+            ids, text = self.tokenize(request, other)
+            bucket = pick_bucket(len(ids), self.spec.buckets, forced=forced)
+        version = other
+        anchors = anchor_spans(request, self.tokenizers[version.model], text, len(ids))
+        name = pool_deployment_name(bucket.name, version.name)
+        preq = PoolRequest(request_id, tuple(ids), params, anchors, bucket.timeout_s)
+        return RoutePlan(RouteInfo(request_id, bucket.name, version.name, name, len(ids)), preq)

@@ -1,0 +1,56 @@
+"""Engine settings from plain mappings (YAML, JSON): the one way config files become an
+``EngineConfig`` / ``CachePolicy``, so a misspelled key fails with its path named.
+
+    >>> engine_config_from_dict({"block_size": 16, "cache_policy": {"windw": 64}})
+    Traceback (most recent call last):
+    ...
+    engine.errors.ConfigError: cache_policy.windw: unknown field; did you mean 'window'? ...
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from dataclasses import fields
+from typing import Any
+
+from engine.cache_policy import CachePolicy
+from engine.config import EngineConfig
+from engine.errors import ConfigError
+
+
+def _check_keys(cls: type, d: Mapping[str, Any], prefix: str) -> None:
+    names = [f.name for f in fields(cls)]
+    for key in d:
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(f"{prefix}{key}", f"unknown field; {hint}fields are {names}")
+
+
+def cache_policy_from_dict(d: Mapping[str, Any] | CachePolicy) -> CachePolicy:
+    """A ``CachePolicy`` from config values (YAML lists become tuples); unknown keys are refused."""
+    if isinstance(d, CachePolicy):
+        return d
+    _check_keys(CachePolicy, d, "cache_policy.")
+    try:
+        return CachePolicy(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+    except ConfigError as e:
+        raise ConfigError(f"cache_policy.{e.field}", e.message) from None
+
+
+def engine_config_from_dict(d: Mapping[str, Any], **overrides: Any) -> EngineConfig:
+    """An ``EngineConfig`` from config values plus ``overrides`` (e.g. the model a version serves).
+    Validates everything ``EngineConfig`` and ``CachePolicy`` validate, including the policy
+    against the block size."""
+    values = {**d, **overrides}
+    _check_keys(EngineConfig, values, "")
+    if "cache_policy" in values:
+        values["cache_policy"] = cache_policy_from_dict(values["cache_policy"])
+    try:
+        return EngineConfig(**values)
+    except ConfigError as e:
+        # EngineConfig checks its policy against the block size; name such a field by its path.
+        if e.field in {f.name for f in fields(CachePolicy)}:
+            raise ConfigError(f"cache_policy.{e.field}", e.message) from None
+        raise

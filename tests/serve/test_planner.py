@@ -1,0 +1,157 @@
+"""Planning: pure decisions with exact expectations (no ray, no torch), and the Planner on a real tokenizer."""
+
+import pytest
+
+from app.errors import APIError
+from app.planner import RateLimiter, TokenBucket, pick_bucket, pick_version, session_draw
+from app.settings import BucketSpec, VersionSpec
+
+BUCKETS = (BucketSpec("long", 8192, 300.0), BucketSpec("short", 2048, 60.0))
+
+
+@pytest.mark.parametrize("n, name", [(1, "short"), (2048, "short"), (2049, "long"), (8192, "long")])
+def test_pick_bucket_smallest_that_fits(n, name):
+    assert pick_bucket(n, BUCKETS).name == name
+
+
+def test_pick_bucket_refuses_with_numbers():
+    with pytest.raises(APIError) as e:
+        pick_bucket(8193, BUCKETS)
+    assert e.value.status == 400 and e.value.param == "prompt"
+    assert "8193" in e.value.message and "8192" in e.value.message
+
+
+def test_forced_bucket_must_exist_and_fit():
+    assert pick_bucket(10, BUCKETS, forced="long").name == "long"
+    with pytest.raises(APIError) as e:
+        pick_bucket(3000, BUCKETS, forced="short")
+    assert e.value.status == 400 and "3000" in e.value.message and "2048" in e.value.message
+    with pytest.raises(APIError) as e:
+        pick_bucket(10, BUCKETS, forced="nope")
+    assert e.value.param == "sinkserve.pool"
+
+
+def test_pick_version_weights_exact():
+    vs = (VersionSpec("v1", "m", 3.0), VersionSpec("v2", "m", 1.0))
+    assert [pick_version(vs, u).name for u in (0.0, 0.5, 0.7499, 0.75, 0.9999)] == ["v1", "v1", "v1", "v2", "v2"]
+
+
+def test_pick_version_weight_zero_never_chosen():
+    vs = (VersionSpec("v1", "m", 0.0), VersionSpec("v2", "m", 1.0), VersionSpec("v3", "m", 0.0))
+    assert {pick_version(vs, i / 1000).name for i in range(1000)} == {"v2"}
+    with pytest.raises(APIError) as e:
+        pick_version((VersionSpec("v1", "m", 0.0),), 0.3)
+    assert e.value.status == 503
+
+
+def test_session_draw_is_stable_and_uniformish():
+    assert session_draw("abc") == session_draw("abc")
+    draws = [session_draw(str(i)) for i in range(2000)]
+    assert all(0 <= d < 1 for d in draws)
+    assert 0.4 < sum(d < 0.5 for d in draws) / len(draws) < 0.6
+
+
+def test_token_bucket_exact():
+    tb = TokenBucket(rate=2.0, burst=3, tokens=3.0, updated=0.0)
+    assert [tb.try_acquire(0.0)[0] for _ in range(3)] == [True, True, True]
+    assert tb.try_acquire(0.0) == (False, 0.5)
+    assert tb.try_acquire(0.5) == (True, 0.0)
+    assert tb.try_acquire(10.0) == (True, 0.0)  # refilled, capped at burst
+    assert tb.tokens == 2.0
+
+
+def test_rate_limiter_per_key_429():
+    rl = RateLimiter(rate=1.0, burst=1)
+    rl.check("a", 0.0)
+    rl.check("b", 0.0)  # keys do not share a bucket
+    with pytest.raises(APIError) as e:
+        rl.check("a", 0.2)
+    assert e.value.status == 429 and e.value.retry_after == 1
+    rl.check("a", 1.0)
+    RateLimiter(rate=None, burst=1).check("a", 0.0)  # off
+
+
+def test_planner_encode_gives_the_tokenizers_own_ids():
+    """app.planner.encode calls a fast tokenizer's backend directly; the ids must be the tokenizer's."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from app.planner import encode, render_chat
+
+    tok = AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[2] / "assets" / "reference-model",
+                                        local_files_only=True)
+    assert tok.is_fast
+    chat = render_chat(tok, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}])
+    for text in ("Request 3: the quick brown fox. " * 3, "  leading spaces\nand\ttabs", "naïve café 東京 🙂", chat):
+        for special in (True, False):
+            assert encode(tok, text, special) == tok(text, add_special_tokens=special)["input_ids"]
+
+
+# ---- the Planner on the reference model's tokenizer (what every ingress replica runs) ------------
+
+from app.planner import Planner  # noqa: E402
+from app.schemas import ChatCompletionRequest, CompletionRequest  # noqa: E402
+from app.settings import BucketSpec as _B, PlanSpec, VersionSpec as _V  # noqa: E402
+from engine.config import DEFAULT_MODEL  # noqa: E402
+
+
+def planner(v2_weight: float = 1.0, long_versions: tuple[str, ...] | None = None) -> Planner:
+    return Planner(PlanSpec(
+        buckets=(_B("short", 32, 60.0), _B("long", 400, 120.0, long_versions)),
+        versions=(_V("v1", DEFAULT_MODEL, 3.0), _V("v2", DEFAULT_MODEL, v2_weight)),
+    ))
+
+
+def test_canary_split_follows_non_zero_weights_and_sessions_stick():
+    p = planner(v2_weight=1.0)  # v1 : v2 = 3 : 1
+    req = CompletionRequest(prompt="The pass key is 48213.", max_tokens=4)
+    counts = {"v1": 0, "v2": 0}
+    for _ in range(4000):
+        counts[p.plan(req).info.version] += 1
+    assert 0.22 < counts["v2"] / 4000 < 0.28  # 0.25 expected; 4000 draws: 5 sigma is +-0.034
+    # A session stays on one version whatever its turns say, and sessions spread like requests.
+    seen = {}
+    for s in range(400):
+        versions = {p.plan(CompletionRequest(prompt=f"turn {t}", sinkserve={"session_id": f"s{s}"})).info.version
+                    for t in range(3)}
+        assert len(versions) == 1
+        seen[s] = versions.pop()
+    assert 0.15 < sum(v == "v2" for v in seen.values()) / 400 < 0.35
+
+
+def test_plan_tokenizes_buckets_and_resolves_anchors_to_token_ranges():
+    p = planner(v2_weight=0.0)
+    text = "Remember this: the pass key is 48213. " + "Filler text goes on and on. " * 12
+    plan = p.plan(CompletionRequest(prompt=text, max_tokens=5, temperature=0.0,
+                                    sinkserve={"anchors": ["the pass key is 48213", {"start": 0, "end": 2}]}))
+    ids = p.tokenizers[DEFAULT_MODEL](text)["input_ids"]
+    assert plan.request.prompt_token_ids == tuple(ids) and plan.info.prompt_tokens == len(ids)
+    assert plan.info.pool == "long" and plan.info.deployment == "pool-long-v1"  # > 32 tokens
+    (s, e), second = plan.request.anchors
+    assert second == (0, 2)
+    decoded = p.tokenizers[DEFAULT_MODEL].decode(ids[s:e])
+    assert "pass key is 48213" in decoded and len(decoded) < len("the pass key is 48213") + 8
+    assert plan.request.params.max_tokens == 5 and plan.request.params.greedy
+
+
+@pytest.mark.parametrize("ext, param", [
+    ({"anchors": ["not in the prompt"]}, "sinkserve.anchors.0"),
+    ({"anchors": ["pass key", {"start": 3, "end": 999}]}, "sinkserve.anchors.1"),
+    ({"pool": "huge"}, "sinkserve.pool"),
+])
+def test_plan_refusals_name_the_field(ext, param):
+    with pytest.raises(APIError) as e:
+        planner().plan(CompletionRequest(prompt="the pass key is 1", sinkserve=ext))
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_pinned_version_outside_its_bucket_is_404_and_canary_on_one_bucket_redraws():
+    p = planner(v2_weight=1.0, long_versions=("v1",))
+    long_prompt = "word " * 100
+    with pytest.raises(APIError) as e:
+        p.plan(CompletionRequest(prompt=long_prompt), pinned_version="v2")
+    assert e.value.status == 404 and e.value.param == "model"
+    assert {p.plan(CompletionRequest(prompt=long_prompt)).info.version for _ in range(50)} == {"v1"}
+    chat = p.plan(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}]), pinned_version="v2")
+    assert chat.info.version == "v2" and chat.info.pool == "short"
