@@ -4,12 +4,11 @@
 
 Entry points, from the inside out (each includes everything after it):
 
-    pool     handle -> LLMServer.generate (stream)                       engine + 1 streaming hop
-    router   handle -> Router.route (plan, then stream from the pool)    + the router's work + 1 hop
-    ingress  HTTP  -> Serve proxy -> Ingress -> Router.plan -> pool      the full HTTP path
-    healthz  HTTP  -> Serve proxy -> Ingress (no model work)             the proxy + ingress floor
+    handle   Ray handle -> Ingress.generate (plan, pool call, tokens on the bus)   engine + the request path
+    ingress  HTTP -> HAProxy -> Ingress (the same, plus HTTP and SSE)               the full HTTP path
+    healthz  HTTP -> HAProxy -> Ingress (no model work)                             the entry + ingress floor
 
-Also the unary ``Router.plan`` call on its own. Prints a markdown table (p50 / p90 in ms).
+Prints a markdown table (p50 / p90 in ms).
 """
 
 from __future__ import annotations
@@ -32,30 +31,18 @@ async def measure(base: str, prompts: list[str], conc: int, max_tokens: int) -> 
     from ray import serve
 
     from app.schemas import CompletionRequest
-    from app.streaming import stream_plan
 
-    router = serve.get_deployment_handle("Router", app_name="sinkserve")
-    out: dict[str, list[float]] = {k: [] for k in ("plan", "pool", "router", "ingress", "healthz")}
+    ingress = serve.get_app_handle("sinkserve")
+    out: dict[str, list[float]] = {k: [] for k in ("handle", "ingress", "healthz")}
 
     def request(p: str) -> CompletionRequest:
         return CompletionRequest(prompt=p, max_tokens=max_tokens, temperature=0.0, sinkserve={"ignore_eos": True})
 
-    async def via_pool(p: str) -> None:
+    async def via_handle(p: str) -> None:
         t0 = time.perf_counter()
-        plan = await router.plan.remote(request(p))
-        out["plan"].append(time.perf_counter() - t0)
-        pool = serve.get_deployment_handle(plan.info.deployment, app_name="sinkserve")
-        t0 = time.perf_counter()
-        async for ev in stream_plan(pool, plan):
+        async for ev in ingress.options(stream=True).generate.remote(request(p)):
             if getattr(ev, "token_ids", None) and t0 is not None:
-                out["pool"].append(time.perf_counter() - t0)
-                t0 = None
-
-    async def via_router(p: str) -> None:
-        t0 = time.perf_counter()
-        async for ev in router.options(stream=True).route.remote(request(p)):
-            if getattr(ev, "token_ids", None) and t0 is not None:
-                out["router"].append(time.perf_counter() - t0)
+                out["handle"].append(time.perf_counter() - t0)
                 t0 = None
 
     async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as c:
@@ -75,11 +62,11 @@ async def measure(base: str, prompts: list[str], conc: int, max_tokens: int) -> 
             (await c.get("/healthz")).raise_for_status()
             out["healthz"].append(time.perf_counter() - t0)
 
-        for fn in (via_pool, via_router, via_http, healthz):
+        for fn in (via_handle, via_http, healthz):
             await fn(prompts[0])  # warm this path
         for k in out:
             out[k].clear()
-        for fn in (via_pool, via_router, via_http, healthz):
+        for fn in (via_handle, via_http, healthz):
             for i in range(0, len(prompts), conc):
                 await asyncio.gather(*[fn(p) for p in prompts[i: i + conc]])
     return out
