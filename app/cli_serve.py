@@ -8,7 +8,7 @@ exactly the same thing.
 
 The HTTP entry is HAProxy: Serve's HAProxy mode puts the HAProxy binary that ``ray[serve]`` bundles
 in front of the ingress replicas, which serve HTTP themselves, so no Python proxy sits on the request
-path (about 9 ms less per request here; docs/serving_benchmark.md). The mode is read from
+path (measured in docs/serving_benchmark.md). The mode is read from
 ``RAY_SERVE_ENABLE_HA_PROXY`` when Ray starts, so it applies to the cluster ``serve run`` starts
 itself; a cluster started earlier with ``ray start`` needs that variable in its own environment.
 

@@ -163,8 +163,8 @@ class RateLimiter:
 
 def encode(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
     """Token ids of ``text``. For a fast tokenizer, its Rust backend directly: the same ids as
-    ``tokenizer(text)["input_ids"]`` (tested) for a third of the CPU, since the call wraps one prompt
-    in batching, truncation and padding logic; this runs on the ingress's event loop per request."""
+    ``tokenizer(text)["input_ids"]`` (tested) without the batching, truncation and padding logic the
+    call wraps around one prompt; this runs on the ingress's event loop for every request."""
     backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
     if backend is None:
         return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])

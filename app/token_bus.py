@@ -2,8 +2,8 @@
 one frame per engine step, beside the Serve handle call that still carries the request.
 
 Why: every item a Serve streaming handle yields costs a gRPC message, a pickle and a few event-loop
-wakeups on each side (about 0.35 ms of CPU per token per hop on this machine's cores, as much as the
-engine spends per token on the reference model). Eight streams meant eight messages per engine step.
+wakeups on each side, per token per hop -- on small models as much as the engine's own work per token
+(figures: docs/serving.md). Eight streams meant eight messages per engine step.
 On the bus, the deltas one step makes for the streams of one ingress replica travel as one frame --
 first tokens included, so a burst of requests prefilled in one step gets its first tokens in one frame.
 

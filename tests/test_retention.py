@@ -129,11 +129,3 @@ def test_text_anchor_becomes_protected_token_span(tiny_llama: Path) -> None:
     assert len(ids) == len(prompt) + 1
     with pytest.raises(Exception, match=r"anchors\[0\]\.text: anchor text does not occur"):
         engine.add_request(None, prompt, SamplingParams(), anchors=[{"text": "absent"}])
-
-
-def test_docstring_examples() -> None:
-    import doctest
-
-    import engine.retention
-
-    assert doctest.testmod(engine.retention).failed == 0
