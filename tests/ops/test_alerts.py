@@ -65,3 +65,10 @@ def _anchor(heading: str) -> str:
     """GitHub's anchor for a Markdown heading: lower case, spaces to '-', punctuation dropped."""
     text = heading.lstrip("#").strip().lower()
     return "".join(c for c in text.replace(" ", "-") if c.isalnum() or c in "-_")
+
+
+@needs_promtool
+def test_prometheus_config_passes_promtool_check():
+    out = _promtool("check", "config", "serve_configs/prometheus.yml")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SUCCESS: 1 rule files found" in out.stdout + out.stderr
