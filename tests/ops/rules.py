@@ -11,7 +11,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 ALERTS = ROOT / "serve_configs" / "alerts.yaml"
-ALERTS_TEST = Path(__file__).resolve().parent / "alerts_test.yaml"
+# promtool unit tests of the rules; the day-long baseline cases run at a coarser evaluation interval.
+ALERTS_TESTS = (Path(__file__).resolve().parent / "alerts_test.yaml",
+                Path(__file__).resolve().parent / "alerts_baseline_test.yaml")
 DASHBOARD = ROOT / "serve_configs" / "grafana-dashboard.json"
 PROMETHEUS_YML = ROOT / "serve_configs" / "prometheus.yml"
 OPERATIONS_DOC = ROOT / "docs" / "operations.md"
