@@ -80,6 +80,9 @@ ENGINE_STATS: tuple[tuple[str, str, str, str], ...] = (
     ("prompt_tokens_total", "prompt_tokens_total", "counter", "Prompt tokens processed"),
     ("generation_tokens_total", "generation_tokens_total", "counter", "Tokens generated"),
     ("preemptions", "preemptions_total", "counter", "Sequences preempted for lack of KV blocks"),
+    # Summed (not averaged) so alerts can take a windowed, replica-weighted perplexity proxy:
+    # rate(nll) / rate(generation_tokens). The mean gauge below is lifetime and dilutes a regression.
+    ("nll_sum", "generation_nll_total", "counter", "Sum of negative log-likelihood (nats) of generated tokens"),
     # The pool replica's own counters, beside the engine's (app/token_bus.py).
     ("token_bus_frames", "token_bus_frames_total", "counter", "Token-bus frames sent to ingress replicas"),
     ("token_bus_deltas", "token_bus_deltas_total", "counter", "Token deltas sent on the token bus (deltas / frames = streams per frame)"),

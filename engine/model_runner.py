@@ -22,6 +22,7 @@ from engine.attention_backends import get_backend
 from engine.config import EngineConfig
 from engine.errors import ModelLoadError
 from engine.rope import rotate_keys
+from engine.weights import verify_model_dir
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +138,8 @@ class ModelRunner:
         from transformers import AutoModelForCausalLM
 
         attention.register()
+        # Refuse files that differ from the directory's SHA256SUMS (naming the file) before loading.
+        verify_model_dir(self.config.model)
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 self.config.model,
