@@ -117,7 +117,10 @@ def build_app(args: AppArgs) -> Application:
     # replicas check again when they start (their environment is what counts).
     resolve_auth(args.auth)
     gpus = cluster_gpus()
-    versions = tuple(VersionSpec(v.name, resolve_model_path(v.model or args.model), v.weight) for v in args.versions)
+    from engine.weights import fingerprint
+
+    models = {v.name: resolve_model_path(v.model or args.model) for v in args.versions}
+    versions = tuple(VersionSpec(v.name, models[v.name], v.weight, fingerprint(models[v.name])) for v in args.versions)
     hub = StatsHub.options(name="StatsHub").bind()
     model_len = min((n for n in (model_max_len(v.model) for v in versions) if n), default=None)
     pool_args = [clamp_pool(p, model_len) for p in args.pools]

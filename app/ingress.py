@@ -159,8 +159,10 @@ class Ingress:
     @api.get("/v1/models")
     async def models(self, request: Request) -> ModelList:
         self._authorize(request)
-        ids = [self.spec.served_model_name] + [f"{self.spec.served_model_name}@{v}" for v in self.spec.versions]
-        return ModelList(data=[ModelCard(id=i) for i in ids])
+        name = self.spec.served_model_name
+        cards = [ModelCard(id=name)] + [ModelCard(id=f"{name}@{v.name}", fingerprint=v.fingerprint)
+                                        for v in self.spec.plan.versions]
+        return ModelList(data=cards)
 
     # ---- OpenAI endpoints -----------------------------------------------------------------------
 

@@ -167,7 +167,9 @@ class SnapshotCollector:
             if nc and ns is not None:
                 nll.add_metric(lv, ns / nc)
             pver.add_metric(lv + [str(s["data"].get("policy_version", ""))], float(s["data"].get("policy_generation", 0)))
-            info.add_metric(lv, {"tensor_parallel_size": str(s["data"].get("tensor_parallel_size", 1)), "model": str(s["data"].get("model", ""))})
+            info.add_metric(lv, {"tensor_parallel_size": str(s["data"].get("tensor_parallel_size", 1)),
+                                 "model": str(s["data"].get("model", "")),
+                                 "weights_fingerprint": str(s["data"].get("weights_fingerprint", ""))})
         yield from fams.values()
         yield from (ready, nll, pver, info)
 

@@ -210,6 +210,10 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "sinkserve"
+    # sinkserve: for ``name@version`` cards, the weights fingerprint of that version (the first 16 hex
+    # digits of the SHA-256 of its SHA256SUMS manifest; None without a manifest), so replicas and
+    # versions can be compared with what was verified at load.
+    fingerprint: str | None = None
 
 
 class ModelList(BaseModel):

@@ -45,7 +45,10 @@ class LLMServer:
         self.outbox = TokenOutbox()
         logger.info("pool %s: loading %s (tp=%d, device=%s)", spec.deployment_name, spec.engine.model,
                     spec.engine.tensor_parallel_size, spec.engine.device)
-        self.engine = build_engine(spec)
+        self.engine = build_engine(spec)  # verifies the weights against their manifest first
+        from engine.weights import fingerprint
+
+        self.weights_fingerprint = fingerprint(spec.engine.model) or ""
         self.policy = self.engine.config.cache_policy
         self.policy_version = self.policy.version
         self.ready = True
@@ -117,6 +120,7 @@ class LLMServer:
                 "policy_generation": self.policy_generation,
                 "tensor_parallel_size": self.spec.engine.tensor_parallel_size,
                 "model": self.spec.engine.model,
+                "weights_fingerprint": self.weights_fingerprint,
             },
         }
 

@@ -195,6 +195,8 @@ class VersionSpec:
     name: str
     model: str
     weight: float
+    # The model's weights fingerprint (engine/weights.py: from its SHA256SUMS manifest), or None.
+    fingerprint: str | None = None
 
 
 @dataclass(frozen=True)

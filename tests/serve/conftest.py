@@ -46,9 +46,12 @@ def prebuild_deepspeed_shm_op() -> None:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
+    from engine.weights import write_manifest
     from tests.serve.tiny_model import make_tiny_model
 
-    return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
+    model = make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+    write_manifest(model)  # so pools verify it at load and report its fingerprint
+    return str(model)
 
 
 def app_args(model: str, long_tp: int) -> dict:

@@ -347,6 +347,24 @@ def test_handle_call_streams(server):
     assert len(deltas) >= 2 and deltas[-1].finished and deltas[-1].completion_tokens == 4
 
 
+def test_models_and_metrics_show_the_verified_weights_fingerprint(client, server, tiny_model):
+    from engine.weights import fingerprint
+
+    want = fingerprint(tiny_model)
+    assert want is not None and len(want) == 16
+    cards = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
+    assert cards["tiny@v1"]["fingerprint"] == cards["tiny@v2"]["fingerprint"] == want
+
+    def pool_info() -> list:
+        fam = _metrics(server).get("sinkserve_pool")
+        return [s for s in fam.samples if s.name == "sinkserve_pool_info"] if fam else []
+
+    deadline = time.time() + 10
+    while len(info := pool_info()) < 3 and time.time() < deadline:  # pools short v1/v2, long v1
+        time.sleep(0.1)
+    assert len(info) >= 3 and {s.labels["weights_fingerprint"] for s in info} == {want}
+
+
 def test_handle_caller_gets_refusals_as_api_errors(server):
     """A Ray handle caller of the ingress gets the same typed refusal an HTTP client gets."""
     from ray import serve
