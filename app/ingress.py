@@ -83,12 +83,15 @@ class _Accumulator:
     def add(self, d: TokenDelta) -> None:
         now = time.perf_counter()
         if d.token_ids:
+            n = len(d.token_ids)
             if self.ttft is None:
                 self.ttft = now - self.t0
+                # Tokens that came with the first one arrived with it: a gap of 0 each.
+                self.itl.extend([0.0] * (n - 1))
             elif self.last is not None:
-                # A delta may carry several tokens; spread the gap so ITL stays per token.
-                gap = (now - self.last) / len(d.token_ids)
-                self.itl.extend([gap] * len(d.token_ids))
+                # A delta may carry several tokens (merged when the consumer fell behind); spread the
+                # gap so ITL stays per token: one sample per token after the first.
+                self.itl.extend([(now - self.last) / n] * n)
             self.last = now
         self.text.append(d.text)
         if d.logprobs is not None:

@@ -143,6 +143,7 @@ class StreamTimes:
         now = time.perf_counter()
         if self.last is None:
             self.ttft.append(now - self.t0)
+            self.itl.extend([0.0] * (n - 1))  # tokens that came with the first one: no gap
         else:
             self.itl.extend([(now - self.last) / n] * n)
         self.seen += n

@@ -37,7 +37,8 @@ async def test_minimal_client_reads_chunked_sse_over_keep_alive() -> None:
     assert [b for _, b in seen_requests] == [{"prompt": "x"}, {"prompt": "y"}]
     assert f"Authorization: Bearer {KEY}".encode() in seen_requests[0][0]
     # Tokens per chunk come from its logprobs list (the ingress merged b, c, d into one chunk): the
-    # first chunk gives the time to first token, later ones one gap per token, spread evenly.
+    # first chunk gives the time to first token, later ones one gap per token, spread evenly; every
+    # token after the first has one ITL sample (one that came with the first one: a gap of 0).
     ttft: list[float] = []
     itl: list[float] = []
     times = StreamTimes(ttft, itl)
@@ -47,6 +48,9 @@ async def test_minimal_client_reads_chunked_sse_over_keep_alive() -> None:
         times.chunk(ns[-1])
     assert ns == [1, 3, 1] and times.seen == 5
     assert len(ttft) == 1 and len(itl) == 4 and itl[0] == itl[1] == itl[2]
+    first_merged = StreamTimes([], [])
+    first_merged.chunk(3)
+    assert first_merged.itl == [0.0, 0.0] and len(first_merged.ttft) == 1
     # Without logprobs only the final usage can tell (the old per-event count, kept as a fallback).
     assert chunk_tokens(b'data: {"choices":[{"text":"x"}]}', 0) == 1
     assert chunk_tokens(b'data: {"choices":[{"text":"x"}],"usage":{"completion_tokens":7}}', 4) == 3

@@ -356,8 +356,8 @@ def test_models_and_metrics_show_the_verified_weights_fingerprint(client, server
     assert cards["tiny@v1"]["fingerprint"] == cards["tiny@v2"]["fingerprint"] == want
 
     def pool_info() -> list:
-        fam = _metrics(server).get("sinkserve_pool")
-        return [s for s in fam.samples if s.name == "sinkserve_pool_info"] if fam else []
+        fam = _metrics(server).get("sinkserve_pool_info")
+        return list(fam.samples) if fam else []
 
     deadline = time.time() + 10
     while len(info := pool_info()) < 3 and time.time() < deadline:  # pools short v1/v2, long v1
