@@ -122,11 +122,14 @@ class ModelRunner:
         self.rank = rank
         self.world_size = world_size
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # "cuda" is the current device (under Ray: the one GPU this worker sees); name it, so every
+            # tensor, generator and memory query of this runner agrees on one index.
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.shape = read_model_shape(config.model)
         self.max_model_len = config.max_model_len or self.shape.max_position_embeddings
         self.backend = get_backend(config.attention_backend, config.device)
         if config.on_cuda:
-            # Under Ray a worker sees exactly its own GPU, as device 0; "cuda" means that one.
             torch.cuda.set_device(self.device)
             torch.backends.cuda.matmul.allow_tf32 = config.allow_tf32
             torch.backends.cudnn.allow_tf32 = config.allow_tf32
@@ -241,10 +244,11 @@ class ModelRunner:
         try:
             if self.config.load_format == "dummy":
                 cfg = AutoConfig.from_pretrained(self.config.model, local_files_only=True)
-                cfg._attn_implementation = attention.ATTN_IMPLEMENTATION
                 # Built directly on the device: an 8B model never exists in host memory.
                 with torch.device(self.device if self.world_size == 1 else "cpu"):
-                    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+                    model = AutoModelForCausalLM.from_config(
+                        cfg, dtype=dtype, attn_implementation=attention.ATTN_IMPLEMENTATION
+                    )
             else:
                 model = AutoModelForCausalLM.from_pretrained(
                     self.config.model,

@@ -115,3 +115,15 @@ def test_profile_input_is_the_largest_step(tiny_llama: Path) -> None:
     assert used == list(range(1, len(used) + 1))  # scratch blocks, none shared, null block untouched
     ex.runner.allocate_kv(used[-1] + 1)
     assert ex.runner.execute(inp).shape == (3, 256)
+
+
+def test_dummy_weights_use_the_paged_attention_and_the_config_shape(tiny_llama: Path) -> None:
+    from engine import attention
+    from engine.executor import LocalExecutor
+
+    ex = LocalExecutor(EngineConfig(model=str(tiny_llama), load_format="dummy", num_kv_blocks=16))
+    model = ex.runner.model
+    assert model.config._attn_implementation == attention.ATTN_IMPLEMENTATION  # not sdpa over a lone chunk
+    assert model.config.num_hidden_layers == 2 and next(model.parameters()).dtype == torch.float32
+    loaded = LocalExecutor(EngineConfig(model=str(tiny_llama), num_kv_blocks=16)).runner.model
+    assert not torch.equal(model.lm_head.weight, loaded.lm_head.weight)  # random, not the checkpoint
