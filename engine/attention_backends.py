@@ -30,7 +30,7 @@ class AttentionBackend:
     name: str
     write_kv: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
-    # (num_q_heads, num_kv_heads, head_dim, block_size, dtype, device) -> None; None: nothing to compile
+    # (num_q_heads, num_kv_heads, head_dim, block_size, dtype, device, max_model_len); None: nothing to compile
     warm_up: Callable[..., None] | None = None
 
 

@@ -229,7 +229,7 @@ class ModelRunner:
         heads = self.model.config.num_attention_heads // self.world_size
         kv_heads = self.shape.num_kv_heads // self.world_size
         self.backend.warm_up(heads, kv_heads, self.shape.head_dim, self.config.block_size,
-                             torch_dtype(self.config.dtype), self.device)
+                             torch_dtype(self.config.dtype), self.device, self.max_model_len)
         logger.info("rank %d: %s kernels warmed up", self.rank, self.backend.name)
         return True
 

@@ -290,8 +290,16 @@ def choose_num_splits(num_tokens: int, num_kv_heads: int, max_kv_len: int, devic
     sms = _num_sms(device)
     if programs >= sms:
         return 1
-    splits = max(1, min(math.ceil(2 * sms / programs), max(1, max_kv_len // 512), MAX_SPLITS))
-    return 1 << (splits.bit_length() - 1)
+    return pow2_floor(min(math.ceil(2 * sms / programs), max_splits(max_kv_len)))
+
+
+def max_splits(max_kv_len: int) -> int:
+    """The most splits a batch with keys up to ``max_kv_len`` can get (each split keeps >= 512 keys)."""
+    return pow2_floor(min(max(1, max_kv_len // 512), MAX_SPLITS))
+
+
+def pow2_floor(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
 
 
 def split_buffers(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -377,23 +385,26 @@ class KernelConfig:
 
 
 def engine_launch_configs(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-                          interp: bool = False) -> list[KernelConfig]:
+                          interp: bool = False, max_model_len: int | None = None) -> list[KernelConfig]:
     """Every kernel configuration the engine's attention backend (``write_kv`` + ``paged_attention``,
     split count from ``choose_num_splits``) can launch for one model shape and dtype, compiled mode by
-    default. Built from the same functions the launchers call, so it cannot drift from them."""
+    default; ``max_model_len`` bounds the split counts (short models never split). Built from the same
+    functions the launchers call, so it cannot drift from them."""
+    top = MAX_SPLITS if max_model_len is None else max_splits(-(-max_model_len // block_size) * block_size)
+    splits_choices = [s for s in SPLIT_CHOICES if s <= top]
     configs = [KernelConfig("write_kv", tuple(write_kv_constexprs(num_kv_heads, head_dim, interp).items()))]
     for decode_only in (True, False):
-        for splits in SPLIT_CHOICES:
+        for splits in splits_choices:
             c = paged_constexprs(num_q_heads, num_kv_heads, head_dim, block_size, decode_only, splits, dtype, interp)
             configs.append(KernelConfig("paged_attention", tuple(c.items()), decode_only, splits))
-    for splits in SPLIT_CHOICES[1:]:
+    for splits in splits_choices[1:]:
         configs.append(KernelConfig("reduce", tuple(reduce_constexprs(num_q_heads, head_dim, splits, interp).items()),
                                     num_splits=splits))
     return configs
 
 
 def warm_up(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-            device: torch.device, force: bool = False) -> int:
+            device: torch.device, max_model_len: int | None = None, force: bool = False) -> int:
     """Launch every configuration of ``engine_launch_configs`` once on a few tokens, through the real
     launchers, so the first requests do not pay the JIT compiles. Returns the launches made.
 
@@ -406,7 +417,8 @@ def warm_up(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
     kv_shape = (4, block_size, num_kv_heads, head_dim)
     k_cache = torch.zeros(kv_shape, dtype=dtype, device=device)
     v_cache = torch.zeros_like(k_cache)
-    for cfg in engine_launch_configs(num_q_heads, num_kv_heads, head_dim, block_size, dtype):
+    for cfg in engine_launch_configs(num_q_heads, num_kv_heads, head_dim, block_size, dtype,
+                                     max_model_len=max_model_len):
         if cfg.kernel == "reduce":
             continue  # launched by the split paged-attention runs below
         if cfg.kernel == "write_kv":

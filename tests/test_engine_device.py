@@ -102,7 +102,8 @@ def test_cuda_runner_warms_up_its_backend_for_the_model_shape(tiny_llama: Path) 
                                       warm_up=lambda *a: calls.append(a))
     runner.config = replace(runner.config, device="cuda")  # what warm_up reads; no GPU is touched
     assert runner.warm_up() is True
-    assert calls == [(4, 2, 16, 16, torch.float32, runner.device)]  # tiny llama: 4 q heads, 2 kv heads of 16
+    # tiny llama: 4 query heads, 2 KV heads of 16, 512 positions
+    assert calls == [(4, 2, 16, 16, torch.float32, runner.device, 512)]
 
 
 def test_profile_input_is_the_largest_step(tiny_llama: Path) -> None:
