@@ -2,12 +2,17 @@
 placement-group bundles (bundle 0 is the replica itself, bundle ``1 + rank`` holds rank ``rank``).
 
 Each step's ``ModelInput`` is put in the object store once and every rank reads the same object
-(a broadcast); rank 0 returns the logits. Ranks talk over gloo on CPU (DeepSpeed AutoTP) or NCCL on
-GPU -- the engine's ``ModelWorker`` picks the backend from the device.
+(a broadcast); every rank runs the forward (the all-reduces are inside), and rank 0, which holds the
+full logits, samples on its device and returns only token ids and log-probs (``SamplerOutput``) --
+never ``[batch, vocab]`` logits. Ranks talk over gloo on CPU (DeepSpeed AutoTP) or NCCL on GPU.
+
+The replica that drives the ranks reserves no GPU and touches none: the KV budget is measured by
+each rank after its shard is loaded, and the driver takes the smallest.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -24,13 +29,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def dist_env(rank: int, world_size: int, port: int, device: str) -> dict[str, str]:
+def local_rank(rank: int, device: str, visible_gpus: int) -> int:
+    """The CUDA device index this rank uses. Ray shows an actor with ``num_gpus=1`` exactly its own GPU
+    (``CUDA_VISIBLE_DEVICES``), which is then device 0 whatever the rank -- asking rank 1 for device 1
+    there is "invalid device ordinal". Only when every GPU is visible is the rank the index."""
+    if device == "cpu":
+        return rank
+    if visible_gpus <= 1:
+        return 0
+    if rank >= visible_gpus:
+        raise RuntimeError(f"rank {rank} needs a GPU but this worker sees only {visible_gpus}")
+    return rank
+
+
+def dist_env(rank: int, world_size: int, port: int, device: str, visible_gpus: int = 1) -> dict[str, str]:
     """What ``torch.distributed`` / DeepSpeed need to rendezvous without MPI. ``LOCAL_SIZE`` matters:
     DeepSpeed's CPU shared-memory all-reduce segfaults without it. STRICT_PACK keeps every rank of
-    a replica on one node, so loopback is the right master address."""
+    a replica on one node, so loopback is the right master address. ``LOCAL_RANK`` is the device
+    index DeepSpeed selects (``local_rank``)."""
     env = {
         "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
+        "LOCAL_RANK": str(local_rank(rank, device, visible_gpus)),
         "WORLD_SIZE": str(world_size),
         "LOCAL_SIZE": str(world_size),
         "MASTER_ADDR": "127.0.0.1",
@@ -41,15 +60,34 @@ def dist_env(rank: int, world_size: int, port: int, device: str) -> dict[str, st
     return env
 
 
+def dist_backend(device: str) -> str:
+    """NCCL between GPUs, gloo between CPU processes."""
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def visible_gpu_count() -> int:
+    """GPUs this process may use, from ``CUDA_VISIBLE_DEVICES`` when set (Ray sets it per actor)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()])
+    import torch
+
+    return torch.cuda.device_count()
+
+
 class TPWorkerActor:
     """One tensor-parallel rank: joins the process group, loads its shard of the model (DeepSpeed
-    AutoTP inside ``engine.model_runner.ModelRunner`` when ``world_size > 1``) and its KV cache
-    slice (``num_kv_heads / world_size`` heads), then runs every step it is sent."""
+    AutoTP inside ``engine.model_runner.ModelRunner`` when ``world_size > 1``), measures what KV cache
+    it can afford, allocates the agreed number of blocks (``num_kv_heads / world_size`` heads), then
+    runs every step it is sent."""
 
-    def __init__(self, config: Any, num_kv_blocks: int, rank: int, world_size: int, env: dict[str, str]) -> None:
+    def __init__(self, config: Any, rank: int, world_size: int, port: int) -> None:
+        kind = "cuda" if config.device.startswith("cuda") else "cpu"
+        env = dist_env(rank, world_size, port, kind, visible_gpu_count() if kind == "cuda" else 0)
         os.environ.update(env)
+        if kind == "cuda":
+            config = dataclasses.replace(config, device=f"cuda:{env['LOCAL_RANK']}")
         self.config = config
-        self.num_kv_blocks = num_kv_blocks
         self.rank = rank
         self.world_size = world_size
         self.runner: Any = None
@@ -59,15 +97,23 @@ class TPWorkerActor:
 
         from engine.model_runner import ModelRunner
 
-        backend = "nccl" if self.config.device.startswith("cuda") else "gloo"
         # Env rendezvous (RANK/WORLD_SIZE/MASTER_*), never MPI discovery.
-        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
-        self.runner = ModelRunner(self.config, self.num_kv_blocks, self.rank, self.world_size)
+        deepspeed.init_distributed(dist_backend=dist_backend(self.config.device), auto_mpi_discovery=False)
+        self.runner = ModelRunner(self.config, None, self.rank, self.world_size)
+        return True
+
+    def measure_kv_blocks(self) -> int:
+        budget = self.runner.measure_kv_budget()
+        logger.info("rank %d KV cache: %s", self.rank, budget.describe())
+        return budget.num_blocks
+
+    def allocate(self, num_kv_blocks: int) -> bool:
+        self.runner.allocate_kv(num_kv_blocks)
+        self.runner.warm_up()
         return True
 
     def execute(self, inp: Any) -> Any:
-        out = self.runner.execute(inp)  # every rank runs the forward (all-reduces inside)
-        return out if self.rank == 0 else None
+        return self.runner.execute_and_sample(inp)  # SamplerOutput on rank 0, None elsewhere
 
     def ping(self) -> int:
         return self.rank
@@ -76,7 +122,7 @@ class TPWorkerActor:
 class RayTPExecutor:
     """``engine.executor.Executor`` over ``tensor_parallel_size`` Ray actors."""
 
-    def __init__(self, config: Any, num_kv_blocks: int, worker_num_cpus: float = 0.1) -> None:
+    def __init__(self, config: Any, worker_num_cpus: float = 0.1) -> None:
         from ray.util import get_current_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -94,15 +140,20 @@ class RayTPExecutor:
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=rank + 1
                 )
-            env = dist_env(rank, n, port, "cuda" if config.device.startswith("cuda") else "cpu")
-            self.actors.append(cls.options(**opts).remote(config, num_kv_blocks, rank, n, env))
+            self.actors.append(cls.options(**opts).remote(config, rank, n, port))
         # All ranks must enter init_distributed together, so load them concurrently.
         ray.get([a.load.remote() for a in self.actors])
-        logger.info("tensor-parallel workers up: %d ranks (placement group: %s)", n, pg is not None)
+        # Every rank measures the memory it has left (the profiling forward all-reduces, so all run it);
+        # the smallest figure is what every rank can hold.
+        measured = ray.get([a.measure_kv_blocks.remote() for a in self.actors]) if config.num_kv_blocks is None else []
+        self.num_kv_blocks = config.num_kv_blocks or min(measured)
+        ray.get([a.allocate.remote(self.num_kv_blocks) for a in self.actors])
+        logger.info("tensor-parallel workers up: %d ranks, %d KV blocks (placement group: %s)", n,
+                    self.num_kv_blocks, pg is not None)
 
     @classmethod
-    def factory(cls, worker_num_cpus: float) -> Callable[[Any, int], "RayTPExecutor"]:
-        return lambda config, num_kv_blocks: cls(config, num_kv_blocks, worker_num_cpus)
+    def factory(cls, worker_num_cpus: float) -> Callable[[Any], "RayTPExecutor"]:
+        return lambda config: cls(config, worker_num_cpus)
 
     def execute(self, inp: Any) -> Any:
         ref = ray.put(inp)  # one copy in the object store, read by every rank

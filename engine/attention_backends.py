@@ -7,7 +7,8 @@ A backend is two pure functions over the paged layout of ``kernels.reference``:
                     seq_lens, query_start_loc, scale)              -> [T, Hq, D]
 
 ``torch`` is the exact reference and runs everywhere; ``triton`` runs the Triton kernels (CUDA, or the
-CPU interpreter with ``TRITON_INTERPRET=1``).
+CPU interpreter with ``TRITON_INTERPRET=1``). A backend may also supply ``warm_up(shapes)``: compile every
+kernel configuration its launchers can pick for the engine's model, so no request pays a JIT compile.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from engine.config import resolve_attention_backend
 from engine.errors import ConfigError
 
 
@@ -28,6 +30,8 @@ class AttentionBackend:
     name: str
     write_kv: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
+    # (num_q_heads, num_kv_heads, head_dim, block_size, dtype, device, max_model_len); None: nothing to compile
+    warm_up: Callable[..., None] | None = None
 
 
 # name -> "module:attribute" of a zero-argument factory; imported lazily so a CPU install never needs
@@ -47,10 +51,10 @@ def available_backends() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_backend(name: str) -> AttentionBackend:
-    """Resolve a backend by name; an unknown name is a configuration error that lists the choices."""
-    if name == "auto":
-        name = "triton" if torch.cuda.is_available() else "torch"
+def get_backend(name: str, device: str = "cpu") -> AttentionBackend:
+    """Resolve a backend by name (``"auto"`` follows ``device``, not the machine); an unknown name is a
+    configuration error that lists the choices."""
+    name = resolve_attention_backend(name, device)
     if name not in _REGISTRY:
         raise ConfigError("attention_backend", f"unknown attention backend {name!r}; choose one of {available_backends()}")
     module_name, attr = _REGISTRY[name].split(":")

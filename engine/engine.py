@@ -2,8 +2,8 @@
 
 One ``step()``::
 
-    pending adds/aborts -> Scheduler.schedule() -> ModelInput -> Executor.execute() -> sample
-      -> Scheduler.update_after_step() -> OutputProcessor: stops, detokenize -> RequestOutput deltas
+    pending adds/aborts -> Scheduler.schedule() -> ModelInput -> Executor.execute() (forward + sample,
+      where the logits are) -> Scheduler.update_after_step() -> OutputProcessor: stops, detokenize -> deltas
 
 Requests enter through ``InputProcessor`` (tokenize, validate, protection set -> ``Sequence``).
 """
@@ -18,8 +18,6 @@ from collections import deque
 from collections.abc import Iterable, Sequence as Seq
 from typing import Any
 
-import torch
-
 from engine import retention
 from engine.block_manager import BlockManager
 from engine.cache_policy import CachePolicy
@@ -27,10 +25,10 @@ from engine.config import EngineConfig
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.executor import ExecutorFactory, LocalExecutor
 from engine.input_processor import Anchor, InputProcessor
-from engine.model_runner import ModelInput, available_memory_bytes, kv_bytes_per_block, read_model_shape
+from engine.model_runner import ModelInput, read_model_shape
 from engine.output_processor import OutputProcessor
 from engine.outputs import CompletionResult, RequestOutput
-from engine.sampler import sample
+from engine.sampler import SamplerOutput, SeqSampling
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
@@ -48,12 +46,13 @@ class LLMEngine:
         self.shape = read_model_shape(config.model)
         self.tokenizer = self._load_tokenizer()
         self.max_model_len = config.max_model_len or self.shape.max_position_embeddings
-        self.num_kv_blocks = config.num_kv_blocks or self._blocks_from_budget()
+        # The executor sizes the KV cache where the model lives, after its weights are loaded; this
+        # process may not own that device (a tensor-parallel driver), so it never measures memory.
+        self.executor = (executor_factory or LocalExecutor)(config)
+        self.num_kv_blocks = self.executor.num_kv_blocks
         self.policy = config.cache_policy
         self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.policy, config.max_num_seqs, config.max_num_batched_tokens)
-        factory = executor_factory or LocalExecutor
-        self.executor = factory(config, self.num_kv_blocks)
         self.eos_ids = self._eos_ids()
         self.counters = EngineCounters()
         self.inputs = InputProcessor(self.tokenizer, self.shape.vocab_size, config.block_size, self.max_model_len)
@@ -63,8 +62,7 @@ class LLMEngine:
         self._pending_adds: deque[Sequence] = deque()
         self._pending_aborts: deque[str] = deque()
         self._arrivals = itertools.count()
-        self._generators: dict[str, torch.Generator | None] = {}
-        self._rng = torch.Generator().manual_seed(config.seed)
+        self._finished_ids: list[str] = []  # the sampler frees their generators at the next step
         self.eviction_log: deque[retention.EvictionRecord] = deque(maxlen=4096)
         logger.info("%s", self.policy.describe())
 
@@ -76,12 +74,6 @@ class LLMEngine:
             return AutoTokenizer.from_pretrained(self.config.model, local_files_only=True)
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"could not load a tokenizer from {self.config.model!r}: {exc}") from exc
-
-    def _blocks_from_budget(self) -> int:
-        per_block = kv_bytes_per_block(self.shape, self.config.block_size, self.config.dtype, self.config.tensor_parallel_size)
-        budget = int(available_memory_bytes(self.config.device) * self.config.kv_cache_memory_fraction)
-        cap = self.config.max_num_seqs * self.block_manager_blocks_for(self.max_model_len) + 1
-        return max(2, min(cap, budget // per_block))
 
     def block_manager_blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.config.block_size)
@@ -117,7 +109,6 @@ class LLMEngine:
         seq = self.inputs.process(request_id, prompt, params, anchors or [], self.policy, self.num_kv_blocks,
                                   next(self._arrivals))
         self.outputs.register(seq)
-        self._generators[request_id] = torch.Generator().manual_seed(params.seed) if params.seed is not None else self._rng
         self._pending_adds.append(seq)
         return request_id
 
@@ -154,7 +145,7 @@ class LLMEngine:
             seq = self.scheduler.find(rid)
             if seq is not None:
                 self.scheduler.finish(seq, "abort")
-                self._generators.pop(rid, None)
+                self._finished_ids.append(rid)
                 aborted.append(self.outputs.output(seq, [], None, finished=True))
         return aborted
 
@@ -167,14 +158,15 @@ class LLMEngine:
                 self.eviction_log.append(record)
             if sched.is_empty:
                 return outputs
-            logits = self.executor.execute(self._model_input(sched))
-            outputs.extend(self._process(sched, logits))
+            sampled = self.executor.execute(self._model_input(sched))
+            outputs.extend(self._process(sched, sampled))
             self.counters.steps_total += 1
         return outputs
 
     def _model_input(self, sched: SchedulerOutput) -> ModelInput:
         bs = self.config.block_size
         inp = ModelInput([], [], [], [], [], [0], [], list(sched.copies), list(sched.rotations))
+        inp.finished_request_ids, self._finished_ids = self._finished_ids, []
         for item in sched.scheduled:
             seq, n = item.seq, item.num_tokens
             start = seq.num_computed_tokens
@@ -186,10 +178,14 @@ class LLMEngine:
             inp.seq_lens.append(start + n)
             inp.query_start_loc.append(inp.query_start_loc[-1] + n)
             first_row = inp.query_start_loc[-2]
-            for p in self._scored_prompt_positions(seq, n):
+            scored = self._scored_prompt_positions(seq, n)
+            for p in scored:
                 inp.logits_indices.append(first_row + p - start)
             if item.samples:
                 inp.logits_indices.append(inp.query_start_loc[-1] - 1)
+            if len(scored) or item.samples:  # what the sampler does with this sequence's rows
+                targets = tuple(seq.token_ids[scored.start + 1 : scored.stop + 1])
+                inp.sampling.append(SeqSampling(seq.request_id, seq.params, targets, item.samples))
         return inp
 
     @staticmethod
@@ -200,32 +196,29 @@ class LLMEngine:
         start = max(seq.num_computed_tokens, seq.num_prompt_logprobs)
         return range(start, min(seq.num_computed_tokens + n, seq.num_prompt_tokens - 1))
 
-    def _process(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
-        """Logits of one step -> prompt log-probs and sampled tokens -> deltas."""
+    def _process(self, sched: SchedulerOutput, result: SamplerOutput) -> list[RequestOutput]:
+        """One step's sampler output (prompt log-probs, sampled tokens; one entry per sequence that had
+        logits rows, in ``_model_input`` order) -> deltas."""
         sampled: list[Sequence] = []
-        sample_rows: list[int] = []
+        tokens: list[int] = []
+        logprobs: list[float] = []
         outputs: list[RequestOutput] = []
-        row = 0
+        k = 0
         for item in sched.scheduled:
             seq = item.seq
             scored = self._scored_prompt_positions(seq, item.num_tokens)
+            if not (len(scored) or item.samples):
+                continue
             if len(scored):
-                targets = torch.tensor(seq.token_ids[scored.start + 1 : scored.stop + 1])
-                lps = torch.log_softmax(logits[row : row + len(scored)], dim=-1).gather(1, targets[:, None])[:, 0]
                 seq.num_prompt_logprobs = scored.stop
-                row += len(scored)
-                out = self.outputs.prompt_logprobs(seq, lps.tolist(), item.samples)
+                out = self.outputs.prompt_logprobs(seq, result.prompt_logprobs[k], item.samples)
                 if out is not None:
                     outputs.append(out)
             if item.samples:
                 sampled.append(seq)
-                sample_rows.append(row)
-                row += 1
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        if sampled:
-            tokens, logprobs = sample(logits[sample_rows], [s.params for s in sampled],
-                                      [self._generators[s.request_id] for s in sampled])
+                tokens.append(result.tokens[k])
+                logprobs.append(result.logprobs[k])
+            k += 1
         for seq in sampled:
             if seq.num_output_tokens == 0:  # this step ends its prefill
                 self.counters.prompt_tokens_total += seq.num_prompt_tokens
@@ -233,7 +226,7 @@ class LLMEngine:
         for seq, tok, lp in zip(sampled, tokens, logprobs):
             out = self.outputs.on_token(seq, tok, lp, self.policy)
             if out.finished:
-                self._generators.pop(seq.request_id, None)
+                self._finished_ids.append(seq.request_id)
             outputs.append(out)
         return outputs
 

@@ -17,11 +17,13 @@ from pathlib import Path
 
 import torch
 
-from engine import attention
+from engine import attention, kv_budget
 from engine.attention_backends import get_backend
 from engine.config import EngineConfig
 from engine.errors import ModelLoadError
+from engine.kv_budget import KVBudget, MemoryProfile
 from engine.rope import rotate_keys
+from engine.sampler import Sampler, SamplerOutput, SeqSampling
 from engine.weights import verify_model_dir
 
 logger = logging.getLogger(__name__)
@@ -42,6 +44,10 @@ class ModelInput:
     logits_indices: list[int]
     copies: list[tuple[int, int]] = field(default_factory=list)
     rotations: list[tuple[int, int]] = field(default_factory=list)
+    # What to do with the logits rows, per scheduled sequence (empty: return no samples).
+    sampling: list[SeqSampling] = field(default_factory=list)
+    # Requests finished since the last step: their sampling generators can go.
+    finished_request_ids: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -91,14 +97,11 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def kv_bytes_per_block(shape: ModelShape, block_size: int, dtype: str, world_size: int = 1) -> int:
     """Bytes of K and V for one block across all layers (per tensor-parallel rank)."""
-    elem = torch.empty((), dtype=torch_dtype(dtype)).element_size()
-    return 2 * shape.num_layers * block_size * (shape.num_kv_heads // world_size) * shape.head_dim * elem
+    return kv_budget.kv_bytes_per_block(shape.num_layers, shape.num_kv_heads, shape.head_dim, block_size, dtype, world_size)
 
 
-def available_memory_bytes(device: str) -> int:
-    if device.startswith("cuda"):
-        free, _ = torch.cuda.mem_get_info(torch.device(device))
-        return free
+def host_available_bytes() -> int:
+    """Host memory available now (``MemAvailable``), 4 GiB if it cannot be read."""
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemAvailable:"):
@@ -107,46 +110,152 @@ def available_memory_bytes(device: str) -> int:
 
 
 class ModelRunner:
-    """Holds the model (or one tensor-parallel shard of it) and its KV caches on one device."""
+    """Holds the model (or one tensor-parallel shard of it) and its KV caches on one device.
 
-    def __init__(self, config: EngineConfig, num_kv_blocks: int, rank: int = 0, world_size: int = 1) -> None:
+    Start-up order matters for the KV budget: load the weights, measure (``measure_kv_budget``: on CUDA
+    a profiling forward at the largest step), then ``allocate_kv``. ``num_kv_blocks`` given here skips
+    the measurement (tests, or a tensor-parallel driver that already agreed on a number).
+    """
+
+    def __init__(self, config: EngineConfig, num_kv_blocks: int | None = None, rank: int = 0, world_size: int = 1) -> None:
         self.config = config
         self.rank = rank
         self.world_size = world_size
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # "cuda" is the current device (under Ray: the one GPU this worker sees); name it, so every
+            # tensor, generator and memory query of this runner agrees on one index.
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.shape = read_model_shape(config.model)
-        self.backend = get_backend(config.attention_backend)
+        self.max_model_len = config.max_model_len or self.shape.max_position_embeddings
+        self.backend = get_backend(config.attention_backend, config.device)
+        if config.on_cuda:
+            torch.cuda.set_device(self.device)
+            torch.backends.cuda.matmul.allow_tf32 = config.allow_tf32
+            torch.backends.cudnn.allow_tf32 = config.allow_tf32
+            self._used_at_start = self._cuda_used_bytes()
         self.model = self._load_model()
         self.inv_freq = self._find_inv_freq()
-        self.num_kv_blocks = num_kv_blocks
-        kv_heads = self.shape.num_kv_heads // world_size
-        dtype = torch_dtype(config.dtype)
+        # Only the rank that holds the full logits samples (rank 0; logits are all-reduced to every rank).
+        self.sampler = Sampler(self.device, config.seed) if rank == 0 else None
+        self.num_kv_blocks = 0
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if num_kv_blocks is not None:
+            self.allocate_kv(num_kv_blocks)
+
+    # ------------------------------------------------------------------ memory
+    def _cuda_used_bytes(self) -> int:
+        free, total = torch.cuda.mem_get_info(self.device)
+        return total - free
+
+    def measure_kv_budget(self) -> KVBudget:
+        """What KV cache this rank can afford now that its weights are loaded (see ``engine.kv_budget``)."""
+        c = self.config
+        per_block = kv_bytes_per_block(self.shape, c.block_size, c.dtype, self.world_size)
+        if c.on_cuda:
+            budget = kv_budget.gpu_budget_bytes(self.profile_memory(), c.gpu_memory_utilization)
+        else:
+            budget = kv_budget.cpu_budget_bytes(host_available_bytes(), c.kv_cache_memory_fraction)
+        return kv_budget.blocks_for_budget(budget, per_block, c.block_size, c.max_num_seqs, self.max_model_len)
+
+    def profile_memory(self) -> MemoryProfile:
+        """CUDA only: weights, peak activations of the largest step and non-torch memory of this process."""
+        torch.cuda.synchronize(self.device)
+        weights = torch.cuda.memory_allocated(self.device)
+        inp = self.profile_input()
+        blocks = max(len(t) for t in inp.block_tables) * len(inp.block_tables) + 1
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.allocate_kv(blocks)
+        scratch_kv = torch.cuda.memory_allocated(self.device) - weights
+        self.execute(inp)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - weights - scratch_kv
+        self.free_kv()
+        free, total = torch.cuda.mem_get_info(self.device)
+        # Memory this process holds outside torch's allocator (context, cuBLAS/NCCL workspaces), not
+        # counting what was in use on the device before this runner started (another engine's share).
+        other = max(0, (total - free) - torch.cuda.memory_reserved(self.device) - self._used_at_start)
+        profile = MemoryProfile(total, free, weights, peak, other)
+        logger.info("rank %d memory: total %.2f GiB, weights %.2f GiB, activations at %d tokens %.2f GiB, other %.2f GiB",
+                    self.rank, total / kv_budget.GiB, weights / kv_budget.GiB, len(inp.input_ids),
+                    peak / kv_budget.GiB, other / kv_budget.GiB)
+        return profile
+
+    def profile_input(self) -> ModelInput:
+        """The largest step the scheduler can build: ``max_num_batched_tokens`` prompt tokens over as many
+        sequences as may run (each producing a logits row), on scratch blocks."""
+        c = self.config
+        tokens = min(c.max_num_batched_tokens, c.max_num_seqs * self.max_model_len)
+        num_seqs = max(1, min(c.max_num_seqs, tokens))
+        inp = ModelInput([], [], [], [], [], [0], [])
+        bs = c.block_size
+        next_block = 1
+        for i in range(num_seqs):
+            n = tokens // num_seqs + (1 if i < tokens % num_seqs else 0)
+            table = list(range(next_block, next_block + -(-n // bs)))
+            next_block += len(table)
+            inp.input_ids.extend([0] * n)
+            inp.positions.extend(range(n))
+            inp.slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(n))
+            inp.block_tables.append(table)
+            inp.seq_lens.append(n)
+            inp.query_start_loc.append(inp.query_start_loc[-1] + n)
+            inp.logits_indices.append(inp.query_start_loc[-1] - 1)
+        return inp
+
+    def allocate_kv(self, num_kv_blocks: int) -> None:
+        """Allocate (or replace) the paged K/V tensors: ``num_kv_blocks`` blocks on every layer."""
+        self.free_kv()
+        kv_heads = self.shape.num_kv_heads // self.world_size
+        dtype = torch_dtype(self.config.dtype)
+        shape = (num_kv_blocks, self.config.block_size, kv_heads, self.shape.head_dim)
         self.kv_caches = [
-            (
-                torch.zeros(num_kv_blocks, config.block_size, kv_heads, self.shape.head_dim, dtype=dtype, device=self.device),
-                torch.zeros(num_kv_blocks, config.block_size, kv_heads, self.shape.head_dim, dtype=dtype, device=self.device),
-            )
+            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
             for _ in range(self.shape.num_layers)
         ]
-        logger.info(
-            "model %s (%s) loaded on %s: %d KV blocks x %d tokens, backend %s, rank %d/%d",
-            config.model, self.shape.architecture, self.device, num_kv_blocks, config.block_size,
-            self.backend.name, rank, world_size,
-        )
+        self.num_kv_blocks = num_kv_blocks
+
+    def free_kv(self) -> None:
+        self.kv_caches = []
+        self.num_kv_blocks = 0
+        if self.config.on_cuda:
+            torch.cuda.empty_cache()
+
+    def warm_up(self) -> bool:
+        """Compile the attention kernels for every configuration their launchers can pick for this
+        model (CUDA only: on CPU nothing is compiled and this returns False)."""
+        if not self.config.on_cuda or self.backend.warm_up is None:
+            return False
+        heads = self.model.config.num_attention_heads // self.world_size
+        kv_heads = self.shape.num_kv_heads // self.world_size
+        self.backend.warm_up(heads, kv_heads, self.shape.head_dim, self.config.block_size,
+                             torch_dtype(self.config.dtype), self.device, self.max_model_len)
+        logger.info("rank %d: %s kernels warmed up", self.rank, self.backend.name)
+        return True
 
     def _load_model(self) -> torch.nn.Module:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         attention.register()
-        # Refuse files that differ from the directory's SHA256SUMS (naming the file) before loading.
-        verify_model_dir(self.config.model)
+        dtype = torch_dtype(self.config.dtype)
+        if self.config.load_format != "dummy":  # dummy weights read no weight files
+            # Refuse files that differ from the directory's SHA256SUMS (naming the file) before loading.
+            verify_model_dir(self.config.model)
         try:
-            model = AutoModelForCausalLM.from_pretrained(
-                self.config.model,
-                dtype=torch_dtype(self.config.dtype),
-                attn_implementation=attention.ATTN_IMPLEMENTATION,
-                local_files_only=True,
-            )
+            if self.config.load_format == "dummy":
+                cfg = AutoConfig.from_pretrained(self.config.model, local_files_only=True)
+                # Built directly on the device: an 8B model never exists in host memory.
+                with torch.device(self.device if self.world_size == 1 else "cpu"):
+                    model = AutoModelForCausalLM.from_config(
+                        cfg, dtype=dtype, attn_implementation=attention.ATTN_IMPLEMENTATION
+                    )
+            else:
+                model = AutoModelForCausalLM.from_pretrained(
+                    self.config.model,
+                    dtype=dtype,
+                    attn_implementation=attention.ATTN_IMPLEMENTATION,
+                    local_files_only=True,
+                )
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"could not load model from {self.config.model!r}: {exc}") from exc
         model.eval()
@@ -157,7 +266,7 @@ class ModelRunner:
             engine = deepspeed.init_inference(
                 model,
                 tensor_parallel={"tp_size": self.world_size},
-                dtype=torch_dtype(self.config.dtype),
+                dtype=dtype,
                 replace_with_kernel_inject=False,
             )
             model = engine.module
@@ -168,6 +277,15 @@ class ModelRunner:
             if name.endswith("rotary_emb") and hasattr(module, "inv_freq"):
                 return module.inv_freq.detach().to(torch.float32)
         return None
+
+    @torch.inference_mode()
+    def execute_and_sample(self, inp: ModelInput) -> SamplerOutput | None:
+        """Run one step and sample on this device; ``None`` on ranks that do not sample."""
+        logits = self.execute(inp)
+        if self.sampler is None:
+            return None
+        self.sampler.release(inp.finished_request_ids)
+        return self.sampler(logits, inp.sampling)
 
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> torch.Tensor:

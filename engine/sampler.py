@@ -1,12 +1,51 @@
-"""Token selection: greedy, temperature, top-k, top-p, per-request seeds, and chosen-token log-probs."""
+"""Token selection on the device that holds the logits: greedy, temperature, top-k, top-p, per-request
+seeds, chosen-token and prompt log-probs.
+
+Only plain Python leaves this module (``SamplerOutput``), so under tensor parallelism the rank that
+computed the logits samples and ships token ids, never ``[B, vocab]`` logits. Every tensor a step makes
+here -- generators, prompt targets, row indices -- is created on ``logits.device``.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.sampling_params import SamplingParams
+
+GeneratorFactory = Callable[[torch.device, int], torch.Generator]
+
+
+def device_generator(device: torch.device, seed: int) -> torch.Generator:
+    """A generator on ``device`` (CUDA sampling with a CPU generator raises), seeded with ``seed``."""
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+@dataclass(frozen=True)
+class SeqSampling:
+    """One scheduled sequence's rows of a step's logits, in row order: first one row per scored prompt
+    position (``prompt_targets`` are the tokens they predict), then one row to sample from if ``samples``."""
+
+    request_id: str
+    params: SamplingParams
+    prompt_targets: tuple[int, ...] = ()
+    samples: bool = False
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.prompt_targets) + int(self.samples)
+
+
+@dataclass
+class SamplerOutput:
+    """Per ``SeqSampling``, in order: prompt log-probs (empty when none were scored), and the sampled
+    token with its log-prob (``None`` when the sequence did not sample this step)."""
+
+    prompt_logprobs: list[list[float]] = field(default_factory=list)
+    tokens: list[int | None] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -24,6 +63,16 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
     return logits
 
 
+def check_generator_device(generator: torch.Generator | None, logits: torch.Tensor) -> None:
+    """Raise a clear error when a generator lives on another device than the logits it samples
+    (``torch.multinomial`` would fail deep inside a step, killing the engine)."""
+    if generator is not None and torch.device(generator.device) != logits.device:
+        raise ValueError(
+            f"sampling generator is on {generator.device} but the logits are on {logits.device}; "
+            "generators must be created on the logits' device (engine.sampler.Sampler does)"
+        )
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -39,8 +88,81 @@ def sample(
     for i, p in enumerate(params):
         if p.greedy:
             continue
+        check_generator_device(generators[i], logits)
         row = apply_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
         probs = row.softmax(-1)
-        tokens[i] = torch.multinomial(probs, 1, generator=generators[i]).item()
+        tokens[i] = torch.multinomial(probs, 1, generator=generators[i])[0]
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
     return tokens.tolist(), chosen.tolist()
+
+
+class Sampler:
+    """Owns the step's random state on one device: a default generator (seeded ``seed``) shared by
+    unseeded requests, and one generator per seeded request, kept until the request is released."""
+
+    def __init__(self, device: torch.device | str, seed: int, generator_factory: GeneratorFactory = device_generator) -> None:
+        self.device = torch.device(device)
+        self._make = generator_factory
+        self._default: torch.Generator | None = None
+        self._seed = seed
+        self._generators: dict[str, torch.Generator] = {}
+
+    def generator_for(self, request_id: str, seed: int | None) -> torch.Generator:
+        """The generator ``request_id`` samples with: its own (made on first use) or the shared one."""
+        if seed is None:
+            if self._default is None:
+                self._default = self._make(self.device, self._seed)
+            return self._default
+        gen = self._generators.get(request_id)
+        if gen is None:
+            gen = self._generators[request_id] = self._make(self.device, seed)
+        return gen
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Forget finished requests' generators (an id used again later starts from its seed)."""
+        for rid in request_ids:
+            self._generators.pop(rid, None)
+
+    @property
+    def num_generators(self) -> int:
+        return len(self._generators)
+
+    def __call__(self, logits: torch.Tensor, seqs: Sequence[SeqSampling]) -> SamplerOutput:
+        """Prompt log-probs and sampled tokens for ``seqs`` from ``logits [sum(num_rows), V]`` (rows in
+        ``seqs`` order). One device-to-host copy for the prompt log-probs, one for the tokens."""
+        out = SamplerOutput()
+        prompt_rows: list[int] = []
+        prompt_targets: list[int] = []
+        sample_rows: list[int] = []
+        row = 0
+        for s in seqs:
+            prompt_rows.extend(range(row, row + len(s.prompt_targets)))
+            prompt_targets.extend(s.prompt_targets)
+            row += len(s.prompt_targets)
+            if s.samples:
+                sample_rows.append(row)
+                row += 1
+        if row != logits.shape[0]:
+            raise ValueError(f"{logits.shape[0]} logits rows for sequences that need {row}")
+        flat_lps: list[float] = []
+        if prompt_rows:
+            idx = torch.tensor(prompt_rows, dtype=torch.long, device=logits.device)
+            tgt = torch.tensor(prompt_targets, dtype=torch.long, device=logits.device)
+            flat_lps = torch.log_softmax(logits[idx], dim=-1).gather(1, tgt[:, None])[:, 0].tolist()
+        sampling = [s for s in seqs if s.samples]
+        tokens: list[int] = []
+        lps: list[float] = []
+        if sampling:
+            rows = logits[torch.tensor(sample_rows, dtype=torch.long, device=logits.device)]
+            gens = [None if s.params.greedy else self.generator_for(s.request_id, s.params.seed) for s in sampling]
+            tokens, lps = sample(rows, [s.params for s in sampling], gens)
+        pos = 0
+        it = iter(zip(tokens, lps))
+        for s in seqs:
+            n = len(s.prompt_targets)
+            out.prompt_logprobs.append(flat_lps[pos : pos + n])
+            pos += n
+            tok, lp = next(it) if s.samples else (None, None)
+            out.tokens.append(tok)
+            out.logprobs.append(lp)
+        return out

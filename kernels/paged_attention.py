@@ -270,11 +270,19 @@ def _cuda_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+MAX_SPLITS = 64
+# Split counts are powers of two, so the launcher can only pick these seven: every one is compiled in the
+# sm_90 check and at warm-up (``NUM_SPLITS`` is a compile-time constant; 64 arbitrary values would be 64
+# kernels, compiled at the first request that happened to need each).
+SPLIT_CHOICES = tuple(1 << i for i in range(MAX_SPLITS.bit_length()))
+
+
 def choose_num_splits(num_tokens: int, num_kv_heads: int, max_kv_len: int, device: torch.device) -> int:
     """Split the key axis when (tokens x KV heads) programs cannot fill the GPU and keys are long.
 
     Uses shapes only (``max_kv_len`` = block-table width x block size), never device values, so it does not
-    sync. Each split keeps at least 512 keys, so short contexts are never split.
+    sync. Each split keeps at least 512 keys, so short contexts are never split. Always one of
+    ``SPLIT_CHOICES`` (rounded down to a power of two).
     """
     if interpreting() or device.type != "cuda":
         return 1
@@ -282,8 +290,16 @@ def choose_num_splits(num_tokens: int, num_kv_heads: int, max_kv_len: int, devic
     sms = _num_sms(device)
     if programs >= sms:
         return 1
-    splits = min(math.ceil(2 * sms / programs), max(1, max_kv_len // 512), 64)
-    return max(1, splits)
+    return pow2_floor(min(math.ceil(2 * sms / programs), max_splits(max_kv_len)))
+
+
+def max_splits(max_kv_len: int) -> int:
+    """The most splits a batch with keys up to ``max_kv_len`` can get (each split keeps >= 512 keys)."""
+    return pow2_floor(min(max(1, max_kv_len // 512), MAX_SPLITS))
+
+
+def pow2_floor(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
 
 
 def split_buffers(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -305,10 +321,121 @@ def reduce_splits(part_o: torch.Tensor, part_ml: torch.Tensor, out: torch.Tensor
         return
     t, h, d = out.shape
     _reduce_kernel[(t, h)](
-        part_o, part_ml, out, out.stride(0), out.stride(1),
-        NUM_Q_HEADS=h, HEAD_DIM=d, D_PAD=next_pow2(d), NUM_SPLITS=num_splits, SPLITS_PAD=next_pow2(num_splits),
-        INTERP=interpreting(),
+        part_o, part_ml, out, out.stride(0), out.stride(1), **reduce_constexprs(h, d, num_splits, interpreting()),
     )  # fmt: skip
+
+
+# ---- launch configurations: one source of truth for the launchers, the sm_90 check and the warm-up -----
+
+
+def paged_tile(decode_only: bool, group: int, interp: bool) -> tuple[int, int, int]:
+    """``(BLOCK_Q, BLOCK_M, BLOCK_N)`` for a batch. Decode-only batches (one token per sequence) use
+    ``BLOCK_Q = 1``; mixed batches tile queries so each key tile is reused across up to ``BLOCK_Q`` tokens
+    of a prefill chunk. The interpreter uses smaller tiles (same code, faster on CPU)."""
+    if decode_only:
+        block_m = max(16, next_pow2(group))
+    else:
+        block_m = max(32 if interp else 64, next_pow2(group))
+    return max(1, block_m // group), block_m, 32 if interp else 64
+
+
+def paged_constexprs(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int, decode_only: bool,
+                     num_splits: int, dtype: torch.dtype, interp: bool, quant: int = 0, group_size: int = 1) -> dict:
+    """The compile-time arguments of ``_paged_attn_kernel`` for one launch."""
+    group = num_q_heads // num_kv_heads
+    block_q, block_m, block_n = paged_tile(decode_only, group, interp)
+    return dict(
+        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
+        HALF=max(16, next_pow2(head_dim // 2)),  # tl.dot needs K >= 16; padded channels are masked
+        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        QUANT=quant, GROUP_SIZE=group_size, DOT_PREC=dot_precision(dtype), INTERP=interp,
+    )  # fmt: skip
+
+
+def reduce_constexprs(num_q_heads: int, head_dim: int, num_splits: int, interp: bool) -> dict:
+    """The compile-time arguments of ``_reduce_kernel`` (launched only when ``num_splits > 1``)."""
+    return dict(NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim), NUM_SPLITS=num_splits,
+                SPLITS_PAD=next_pow2(num_splits), INTERP=interp)
+
+
+def write_kv_constexprs(num_kv_heads: int, head_dim: int, interp: bool) -> dict:
+    """The compile-time arguments of ``_write_kv_kernel``."""
+    return dict(NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, H_PAD=next_pow2(num_kv_heads), D_PAD=next_pow2(head_dim),
+                INTERP=interp)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """One compiled variant the engine's Triton backend can launch, and how the launcher reaches it."""
+
+    kernel: str  # "paged_attention", "reduce" or "write_kv"
+    constexprs: tuple[tuple[str, object], ...]
+    decode_only: bool = False
+    num_splits: int = 1
+
+    @property
+    def name(self) -> str:
+        c = dict(self.constexprs)
+        if self.kernel == "paged_attention":
+            return (f"paged {c['DOT_PREC']} BLOCK_Q={c['BLOCK_Q']} BLOCK_M={c['BLOCK_M']} BLOCK_N={c['BLOCK_N']} "
+                    f"splits={c['NUM_SPLITS']}")
+        if self.kernel == "reduce":
+            return f"reduce splits={c['NUM_SPLITS']}"
+        return "write_kv"
+
+
+def engine_launch_configs(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                          interp: bool = False, max_model_len: int | None = None) -> list[KernelConfig]:
+    """Every kernel configuration the engine's attention backend (``write_kv`` + ``paged_attention``,
+    split count from ``choose_num_splits``) can launch for one model shape and dtype, compiled mode by
+    default; ``max_model_len`` bounds the split counts (short models never split). Built from the same
+    functions the launchers call, so it cannot drift from them."""
+    top = MAX_SPLITS if max_model_len is None else max_splits(-(-max_model_len // block_size) * block_size)
+    splits_choices = [s for s in SPLIT_CHOICES if s <= top]
+    configs = [KernelConfig("write_kv", tuple(write_kv_constexprs(num_kv_heads, head_dim, interp).items()))]
+    for decode_only in (True, False):
+        for splits in splits_choices:
+            c = paged_constexprs(num_q_heads, num_kv_heads, head_dim, block_size, decode_only, splits, dtype, interp)
+            configs.append(KernelConfig("paged_attention", tuple(c.items()), decode_only, splits))
+    for splits in splits_choices[1:]:
+        configs.append(KernelConfig("reduce", tuple(reduce_constexprs(num_q_heads, head_dim, splits, interp).items()),
+                                    num_splits=splits))
+    return configs
+
+
+def warm_up(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+            device: torch.device, max_model_len: int | None = None, force: bool = False) -> int:
+    """Launch every configuration of ``engine_launch_configs`` once on a few tokens, through the real
+    launchers, so the first requests do not pay the JIT compiles. Returns the launches made.
+
+    Triton also specializes integer arguments equal to 1 or divisible by 16 (sequence counts, table
+    strides); those variants still compile on first use, from Triton's on-disk cache after a restart.
+    """
+    if device.type != "cuda" and not force:  # ``force``: tests drive it on CPU under the interpreter
+        return 0
+    n = 0
+    kv_shape = (4, block_size, num_kv_heads, head_dim)
+    k_cache = torch.zeros(kv_shape, dtype=dtype, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    for cfg in engine_launch_configs(num_q_heads, num_kv_heads, head_dim, block_size, dtype,
+                                     max_model_len=max_model_len):
+        if cfg.kernel == "reduce":
+            continue  # launched by the split paged-attention runs below
+        if cfg.kernel == "write_kv":
+            kv = torch.zeros(2, num_kv_heads, head_dim, dtype=dtype, device=device)
+            write_kv(kv, kv, k_cache, v_cache, torch.tensor([block_size, block_size + 1], device=device))
+        else:
+            # Decode-only: two sequences of one new token each; mixed: one sequence with a 2-token chunk.
+            q_lens = [1, 1] if cfg.decode_only else [2]
+            query = torch.zeros(sum(q_lens), num_q_heads, head_dim, dtype=dtype, device=device)
+            tables = torch.tensor([[1, 2]] * len(q_lens), dtype=torch.int32, device=device)
+            seq_lens = torch.tensor([block_size + q for q in q_lens], dtype=torch.int32, device=device)
+            qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+            paged_attention(query, k_cache, v_cache, tables, seq_lens, qsl, 1.0, num_splits=cfg.num_splits)
+        n += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return n
 
 
 def launch_paged_attention(
@@ -328,7 +455,6 @@ def launch_paged_attention(
         raise ValueError(f"query head_dim {d} != cache head_dim {kv.head_dim}")
     if hq % kv.num_kv_heads:
         raise ValueError(f"{hq} query heads not a multiple of {kv.num_kv_heads} KV heads")
-    group = hq // kv.num_kv_heads
     out = torch.empty_like(query) if out is None else out
     num_seqs = int(seq_lens.shape[0])
     if num_tokens == 0:
@@ -337,25 +463,17 @@ def launch_paged_attention(
         query = query.contiguous()
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
 
-    # Decode-only batches (one token per sequence) use BLOCK_Q = 1; mixed batches tile queries so each
-    # key tile is reused across up to BLOCK_Q tokens of a prefill chunk.
-    decode_only = num_tokens == num_seqs
-    block_m = max(16, next_pow2(group)) if decode_only else max(64 if not interpreting() else 32, next_pow2(group))
-    block_q = max(1, block_m // group)
-    block_n = 64 if not interpreting() else 32
-    half = max(16, next_pow2(d // 2))  # tl.dot needs K >= 16; padded channels are masked
     max_kv_len = int(block_tables.shape[1]) * kv.block_size
     if num_splits is None:
         num_splits = choose_num_splits(num_tokens, kv.num_kv_heads, max_kv_len, query.device)
-    grid = (num_tokens // block_q + num_seqs, kv.num_kv_heads, num_splits)
+    consts = paged_constexprs(hq, kv.num_kv_heads, d, kv.block_size, num_tokens == num_seqs, num_splits, query.dtype,
+                              interpreting(), kv.quant, kv.group_size)
+    grid = (num_tokens // consts["BLOCK_Q"] + num_seqs, kv.num_kv_heads, num_splits)
     part_o, part_ml = split_buffers(out, num_splits)
     _paged_attn_kernel[grid](
         query, out, part_o, part_ml, *kv.pointers(),
         block_tables, block_tables.stride(0), seq_lens, query_start_loc, num_seqs, scale * LOG2E,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        NUM_Q_HEADS=hq, NUM_KV_HEADS=kv.num_kv_heads, GROUP=group, HEAD_DIM=d, HALF=half,
-        BLOCK_SIZE=kv.block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        QUANT=kv.quant, GROUP_SIZE=kv.group_size, DOT_PREC=dot_precision(query.dtype), INTERP=interpreting(),
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), **consts,
     )  # fmt: skip
     reduce_splits(part_o, part_ml, out, num_splits)
     return out
@@ -436,5 +554,5 @@ def write_kv(
     _, _, hkv, d = k_cache.shape
     _write_kv_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        NUM_KV_HEADS=hkv, HEAD_DIM=d, H_PAD=next_pow2(hkv), D_PAD=next_pow2(d), INTERP=interpreting(),
+        **write_kv_constexprs(hkv, d, interpreting()),
     )  # fmt: skip

@@ -11,7 +11,8 @@ from engine.attention_backends import AttentionBackend
 
 
 def triton_backend() -> AttentionBackend:
-    """Zero-argument factory: the Triton ``write_kv`` and ``paged_attention`` (reference signatures)."""
+    """Zero-argument factory: the Triton ``write_kv`` and ``paged_attention`` (reference signatures), and
+    ``warm_up``, which compiles every configuration they can launch for a model shape (CUDA only)."""
     from kernels import paged_attention as pa
 
-    return AttentionBackend("triton", pa.write_kv, pa.paged_attention)
+    return AttentionBackend("triton", pa.write_kv, pa.paged_attention, warm_up=pa.warm_up)

@@ -39,15 +39,20 @@ def reference(model_dir: Path, batch: list[list[int]]) -> tuple[list[list[int]],
 def run_engine(model_dir: Path, batch: list[list[int]], staggered: bool) -> tuple[list[list[int]], list[list[torch.Tensor]], LLMEngine]:
     engine = LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=256, block_size=16, max_num_batched_tokens=256))
     seen: dict[str, list[torch.Tensor]] = {}
-    process = engine._process
+    runner = engine.executor.runner
+    execute = runner.execute
 
-    def spy(sched, logits):  # rows of logits belong to the sampled sequences, in order
-        rows = [item.seq.request_id for item in sched.scheduled if item.samples]
-        for rid, row in zip(rows, logits):
-            seen.setdefault(rid, []).append(row.clone())
-        return process(sched, logits)
+    def spy(inp):  # logits rows follow inp.sampling: prompt-scoring rows, then the sampled row
+        logits = execute(inp)
+        row = 0
+        for s in inp.sampling:
+            row += len(s.prompt_targets)
+            if s.samples:
+                seen.setdefault(s.request_id, []).append(logits[row].clone())
+                row += 1
+        return logits
 
-    engine._process = spy
+    runner.execute = spy
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     ids = [f"r{i}" for i in range(len(batch))]
     tokens: dict[str, list[int]] = {rid: [] for rid in ids}

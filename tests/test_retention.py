@@ -96,13 +96,15 @@ def test_positions_match_recompute_reference(tiny_llama: Path, protected: tuple[
     anchors = [(8, 12)] if protected else []
     engine.add_request("s", prompt, SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True), anchors=anchors)
     rows: list[torch.Tensor] = []
-    process = engine._process
+    runner = engine.executor.runner
+    execute = runner.execute
 
-    def spy(sched, logits):
+    def spy(inp):  # one sampled row per step (no prompt log-probs asked)
+        logits = execute(inp)
         rows.extend(logits.clone())
-        return process(sched, logits)
+        return logits
 
-    engine._process = spy
+    runner.execute = spy
     out_tokens: list[int] = []
     while engine.has_unfinished():
         for out in engine.step():

@@ -3,8 +3,15 @@
 The interpreter checks numerics but not what only the compiler sees (types, ``tl.dot`` shape rules,
 shared-memory use). Triton ships ``ptxas``, so the full compile to a cubin runs on a CPU-only machine.
 
-    python -m tests.kernels.sm90_compile          # a representative subset (~1 min)
-    python -m tests.kernels.sm90_compile --all    # every dtype / quant / split variant (~6 min)
+    python -m tests.kernels.sm90_compile          # every engine configuration (bf16, fp32) + a kernel subset
+    python -m tests.kernels.sm90_compile --all    # + fp32/fp16, small head sizes, every quant / split variant
+
+The engine's kernels (``write_kv``, paged attention, the split reduction) are compiled for *every*
+configuration their launchers can pick, as enumerated by ``kernels.paged_attention.engine_launch_configs``
+(the launchers build their compile-time arguments with the same functions, so this list cannot drift):
+decode and prefill/mixed tiles x every split count, for Llama-3-8B's attention shape (32 query heads,
+8 KV heads of 128, 16-token blocks) in bfloat16 (the CUDA default) and float32 (exact IEEE dots, another
+code path). ``--all`` adds float16 and the shapes of the reference and test models (head size 32 and 16).
 
 Must run in a fresh process with ``TRITON_INTERPRET=0`` (kernels decorated for compilation), which is why
 ``test_compile_sm90.py`` launches it as a subprocess.
@@ -20,6 +27,7 @@ import time
 os.environ["TRITON_INTERPRET"] = "0"
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -52,15 +60,41 @@ def quant_ptrs(dt, quant):
     return dict(k_ptr="*u8", v_ptr="*u8", fpk_ptr=f"*{dt}", fpv_ptr=f"*{dt}", fp_index_ptr="*i32",
                 ks_ptr="*fp16", kz_ptr="*fp16", vs_ptr="*fp16", vz_ptr="*fp16")
 
+TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+# (name, query heads, KV heads, head size, block size)
+ENGINE_SHAPES = [("llama3-8b", 32, 8, 128, 16)]
+ENGINE_SHAPES_ALL = ENGINE_SHAPES + [("reference", 4, 2, 32, 16), ("tiny", 4, 2, 16, 16)]
+
+
+def engine_variants(every: bool) -> list[tuple[str, object, dict, dict]]:
+    """``(name, kernel, types, constexprs)`` for every configuration the engine can launch."""
+    out = []
+    for shape, hq, hkv, d, bs in ENGINE_SHAPES_ALL if every else ENGINE_SHAPES:
+        for dtype in (torch.bfloat16, torch.float32, torch.float16) if every else (torch.bfloat16, torch.float32):
+            dt = TRITON_TYPES[dtype]
+            for cfg in pa.engine_launch_configs(hq, hkv, d, bs, dtype):
+                if cfg.kernel == "paged_attention":
+                    fn, types = pa._paged_attn_kernel, dict(
+                        q_ptr=f"*{dt}", o_ptr=f"*{dt}", part_o_ptr="*fp32", part_ml_ptr="*fp32", block_tables_ptr="*i32",
+                        seq_lens_ptr="*i32", qsl_ptr="*i32", qk_scale="fp32", **quant_ptrs(dt, 0))
+                elif cfg.kernel == "reduce":
+                    fn, types = pa._reduce_kernel, dict(part_o_ptr="*fp32", part_ml_ptr="*fp32", o_ptr=f"*{dt}")
+                else:
+                    fn, types = pa._write_kv_kernel, dict(key_ptr=f"*{dt}", value_ptr=f"*{dt}", k_cache_ptr=f"*{dt}",
+                                                          v_cache_ptr=f"*{dt}", slot_ptr="*i64")
+                out.append((f"engine {shape} {dt} {cfg.name}", fn, types, dict(cfg.constexprs)))
+    return out
+
+
 results = []
 # The default subset covers every kernel and every load_kv mode at least once.
 SUBSET = None if "--all" in sys.argv else {
     "paged bf16 q0 s4", "sparse bf16 q4 s1", "reduce", "quantize int4", "indexer scale=True", "topk forced=True",
     "write_kv",
 }
-def run(name, fn, types, consts):
+def run(name, fn, types, consts, always=False):
     try:
-        if SUBSET is not None and name not in SUBSET:
+        if SUBSET is not None and name not in SUBSET and not always:
             return
         dt, shared = compile_sm90(fn, types, consts)
         results.append((name, "ok", f"{dt:.1f}s shared={shared}B"))
@@ -100,6 +134,8 @@ for forced in (False, True):
         dict(BLOCK_SIZE=16, BLOCK_N=1024, BLOCK_K=1024, HAS_FORCED=forced))
 run("write_kv", pa._write_kv_kernel, dict(key_ptr="*fp32", value_ptr="*fp32", k_cache_ptr="*bf16", v_cache_ptr="*bf16",
     slot_ptr="*i64"), dict(NUM_KV_HEADS=8, HEAD_DIM=128, H_PAD=8, D_PAD=128, INTERP=False))
+for name, fn, types, consts in engine_variants(SUBSET is None):
+    run(name, fn, types, consts, always=True)
 failed = [r[0] for r in results if r[1] == "FAIL"]
 print(f"compiled {len(results) - len(failed)}/{len(results)} kernels for sm_90; failed: {failed}")
 sys.exit(1 if failed else 0)

@@ -1,0 +1,99 @@
+"""The launch configurations are one list (``engine_launch_configs``): what the launchers pass to the
+kernels, what the sm_90 check compiles and what the warm-up launches."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import paged_attention as pa
+from kernels.reference import paged_attention as ref_paged_attention
+
+
+def consts_of(kernel: str, configs: list[pa.KernelConfig]) -> list[dict]:
+    return [dict(c.constexprs) for c in configs if c.kernel == kernel]
+
+
+def test_prefill_tile_and_every_split_are_enumerated_for_llama3_8b() -> None:
+    configs = pa.engine_launch_configs(32, 8, 128, 16, torch.bfloat16)
+    paged = consts_of("paged_attention", configs)
+    tiles = {(c["BLOCK_Q"], c["BLOCK_M"], c["BLOCK_N"]) for c in paged}
+    assert tiles == {(4, 16, 64), (16, 64, 64)}  # decode, and the prefill/mixed tile never compiled before
+    assert {c["NUM_SPLITS"] for c in paged} == set(pa.SPLIT_CHOICES) == {1, 2, 4, 8, 16, 32, 64}
+    assert len(paged) == 2 * len(pa.SPLIT_CHOICES)
+    assert {c["NUM_SPLITS"] for c in consts_of("reduce", configs)} == set(pa.SPLIT_CHOICES[1:])
+    assert len(consts_of("write_kv", configs)) == 1
+
+
+def test_split_choice_is_always_an_enumerated_value(monkeypatch) -> None:
+    monkeypatch.setattr(pa, "interpreting", lambda: False)
+    monkeypatch.setattr(pa, "_num_sms", lambda device: 132)  # H100/H200
+    cuda = torch.device("cuda")
+    seen = {pa.choose_num_splits(t, h, kv, cuda) for t in (1, 2, 3, 5, 7, 33) for h in (1, 2, 8)
+            for kv in (256, 1000, 5000, 40000, 131072)}
+    assert seen <= set(pa.SPLIT_CHOICES) and len(seen) > 3
+
+
+class RecordingKernel:
+    """Stands in for a ``@triton.jit`` kernel: records the compile-time arguments of each launch."""
+
+    def __init__(self) -> None:
+        self.launches: list[dict] = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **consts):
+            self.launches.append(consts)
+
+        return launch
+
+
+def test_launchers_pass_exactly_an_enumerated_configuration(monkeypatch, device: torch.device) -> None:
+    kernel, writer = RecordingKernel(), RecordingKernel()
+    monkeypatch.setattr(pa, "_paged_attn_kernel", kernel)
+    monkeypatch.setattr(pa, "_write_kv_kernel", writer)
+    hq, hkv, d, bs = 6, 2, 24, 4  # odd group (3) and head size that is not a power of two
+    k = torch.zeros(8, bs, hkv, d, device=device)
+    tables = torch.tensor([[1, 2], [3, 4]], dtype=torch.int32, device=device)
+    seq_lens = torch.tensor([5, 6], dtype=torch.int32, device=device)
+    for q_lens in ([1, 1], [3, 1]):  # decode-only, then mixed
+        qsl = torch.tensor([0, q_lens[0], sum(q_lens)], dtype=torch.int32, device=device)
+        pa.paged_attention(torch.zeros(sum(q_lens), hq, d, device=device), k, k, tables, seq_lens, qsl, 1.0, num_splits=1)
+    kv = torch.zeros(2, hkv, d, device=device)
+    pa.write_kv(kv, kv, k, k, torch.tensor([0, 1], device=device))
+    interp = pa.interpreting()
+    configs = pa.engine_launch_configs(hq, hkv, d, bs, torch.float32, interp=interp)
+    assert kernel.launches == [c for c in consts_of("paged_attention", configs) if c["NUM_SPLITS"] == 1]
+    assert writer.launches == consts_of("write_kv", configs)
+
+
+def test_warm_up_is_a_no_op_off_cuda() -> None:
+    assert pa.warm_up(32, 8, 128, 16, torch.float32, torch.device("cpu")) == 0
+
+
+def test_warm_up_launches_every_configuration_through_the_launchers(monkeypatch, device: torch.device) -> None:
+    """Every config is reached through the launchers and computes the reference result (on CPU the CUDA
+    path runs under the interpreter, forced)."""
+    calls: list[tuple[bool, int]] = []
+    real = pa.paged_attention
+
+    def spy(query, k_cache, v_cache, tables, seq_lens, qsl, scale, num_splits=None, out=None):
+        calls.append((query.shape[0] == seq_lens.shape[0], num_splits))
+        got = real(query, k_cache, v_cache, tables, seq_lens, qsl, scale, num_splits=num_splits)
+        want = ref_paged_attention(query, k_cache, v_cache, tables, seq_lens, qsl, scale)
+        assert torch.allclose(got, want, atol=1e-5)
+        return got
+
+    monkeypatch.setattr(pa, "paged_attention", spy)
+    n = pa.warm_up(4, 2, 16, 4, torch.float32, device, force=device.type != "cuda")  # no max_model_len: all splits
+    assert sorted(calls) == sorted((d, s) for d in (True, False) for s in pa.SPLIT_CHOICES)
+    assert n == 1 + len(calls)
+
+
+def test_model_length_bounds_the_splits_the_launcher_can_pick(monkeypatch) -> None:
+    monkeypatch.setattr(pa, "interpreting", lambda: False)
+    monkeypatch.setattr(pa, "_num_sms", lambda device: 132)
+    for max_len, top in ((512, 1), (1000, 1), (1024, 2), (8192, 16), (131072, 64)):
+        configs = pa.engine_launch_configs(32, 8, 128, 16, torch.bfloat16, max_model_len=max_len)
+        assert max(c.num_splits for c in configs) == top
+        # the launcher, at its most eager (one token, one KV head), never goes beyond the bound
+        width = -(-max_len // 16)
+        assert pa.choose_num_splits(1, 1, width * 16, torch.device("cuda")) == top
