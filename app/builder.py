@@ -19,6 +19,7 @@ from ray.serve import Application
 from app.auth import resolve_auth
 from app.hub import StatsHub
 from app.ingress import Ingress
+from app.placement import app_needs, check_placement, pool_device
 from app.server import LLMServer
 from app.settings import AppArgs, BucketSpec, IngressSpec, PlanSpec, PoolArgs, PoolSpec, VersionSpec, resolve_model_path
 
@@ -57,18 +58,24 @@ def clamp_pool(pool: PoolArgs, model_len: int | None) -> PoolArgs:
     return pool.model_copy(update={"max_prompt_tokens": limit - 1})
 
 
-def cluster_gpus() -> float:
+def cluster_resources() -> tuple[dict[str, float], list[dict[str, float]]]:
+    """Total resources of the Ray cluster this driver is connected to, and each live node's
+    (empty when Ray is not initialised: nothing to check against)."""
     import ray
 
-    return float(ray.cluster_resources().get("GPU", 0)) if ray.is_initialized() else 0.0
+    if not ray.is_initialized():
+        return {}, []
+    nodes = [dict(n.get("Resources", {})) for n in ray.nodes() if n.get("Alive")]
+    return {k: float(v) for k, v in ray.cluster_resources().items()}, nodes
 
 
-def resolve_device(pool: PoolArgs, gpus: float) -> str:
-    """``auto`` (the default) places the engine on GPUs when the cluster has them, else on CPUs."""
-    device = str(pool.engine.get("device", "auto"))
-    if device != "auto":
-        return device
-    return "cuda" if gpus > 0 else "cpu"
+def check_cluster_fits(args: AppArgs, cluster: dict[str, float], nodes: list[dict[str, float]]) -> None:
+    """Refuse to build an application the cluster cannot place (its placement groups would wait
+    forever and the app would never become ready): ``PlacementError`` with the numbers."""
+    if not cluster:
+        return
+    report = check_placement(app_needs(args, cluster.get("GPU", 0.0)), cluster, nodes)
+    logger.info("placement: %s", report.describe())
 
 
 def actor_options(num_cpus: float, **extra: Any) -> dict[str, Any]:
@@ -116,7 +123,9 @@ def build_app(args: AppArgs) -> Application:
     # Refuse to build an unauthenticated server unless the config says so explicitly; the ingress
     # replicas check again when they start (their environment is what counts).
     resolve_auth(args.auth)
-    gpus = cluster_gpus()
+    cluster, nodes = cluster_resources()
+    check_cluster_fits(args, cluster, nodes)
+    gpus = cluster.get("GPU", 0.0)
     from engine.weights import fingerprint
 
     models = {v.name: resolve_model_path(v.model or args.model) for v in args.versions}
@@ -126,7 +135,7 @@ def build_app(args: AppArgs) -> Application:
     pool_args = [clamp_pool(p, model_len) for p in args.pools]
     pools: dict[str, Application] = {}
     for pool in pool_args:
-        device = resolve_device(pool, gpus)
+        device = pool_device(pool, gpus)
         for v in versions:
             if pool.versions is not None and v.name not in pool.versions:
                 continue

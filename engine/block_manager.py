@@ -26,7 +26,7 @@ from collections.abc import Sequence as Seq
 
 from engine.sequence import Sequence
 
-NULL_BLOCK = 0
+from kernels.layout import NULL_BLOCK
 
 
 def hash_block(parent_hash: int | None, token_ids: Seq[int]) -> int:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from engine.cache_policy import CachePolicy
 
-NULL_BLOCK = 0
+from kernels.layout import NULL_BLOCK
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-NULL_BLOCK = 0
+from kernels.layout import NULL_BLOCK
 
 
 def write_kv(

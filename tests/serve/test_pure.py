@@ -261,3 +261,22 @@ def test_serve_command_puts_haproxy_in_front(tmp_path, monkeypatch, capsys):
     assert entry() == "HTTP entry: haproxy (RAY_SERVE_ENABLE_HA_PROXY=1)"
     with pytest.raises(SystemExit):
         main(["serve", "--proxy", "serve"])
+
+
+def test_build_refuses_an_app_the_cluster_cannot_place(monkeypatch):
+    """prod.yaml on a one-GPU machine would wait forever for its placement groups: the build refuses
+    with the numbers instead (what `serve run` / `sinkserve serve` print)."""
+    import yaml
+
+    from app import builder
+    from app.placement import PlacementError
+    from tests.serve.conftest import REPO
+
+    args = yaml.safe_load((REPO / "serve_configs" / "prod.yaml").read_text())["applications"][0]["args"]
+    monkeypatch.setenv("SINKSERVE_API_KEYS", "k")
+    monkeypatch.setattr(builder, "cluster_resources", lambda: ({"CPU": 16.0, "GPU": 1.0}, [{"CPU": 16.0, "GPU": 1.0}]))
+    with pytest.raises(PlacementError, match=r"GPU: needs 4, cluster has 1"):
+        builder.build_app(args)
+    monkeypatch.setattr(builder, "cluster_resources", lambda: ({"CPU": 1.0}, [{"CPU": 1.0}]))
+    with pytest.raises(PlacementError, match=r"CPU: needs 1.25, cluster has 1"):
+        builder.build_app(args)

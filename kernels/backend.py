@@ -1,0 +1,49 @@
+"""Attention backends: the kernel entry points the engine calls, one set per backend.
+
+A backend is two pure functions over the paged layout (``kernels/layout.py``):
+
+    write_kv(key, value, k_cache, v_cache, slot_mapping)            -> None (in place)
+    paged_attention(query, k_cache, v_cache, block_tables,
+                    seq_lens, query_start_loc, scale)              -> [T, Hq, D]
+
+``torch`` (``kernels/reference.py``) is the exact reference and runs everywhere; ``triton`` runs the
+Triton kernels (CUDA, or the CPU interpreter with ``TRITON_INTERPRET=1``), imported only when asked
+for, so a CPU install never needs a working Triton compiler. A backend may also supply
+``warm_up(shapes)``: compile every kernel configuration its launchers can pick for the engine's model,
+so no request pays a JIT compile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """The kernel entry points one backend supplies."""
+
+    name: str
+    write_kv: Callable[..., None]
+    paged_attention: Callable[..., Any]
+    # (num_q_heads, num_kv_heads, head_dim, block_size, dtype, device, max_model_len); None: nothing to compile
+    warm_up: Callable[..., None] | None = None
+
+
+def torch_backend() -> AttentionBackend:
+    from kernels import reference
+
+    return AttentionBackend("torch", reference.write_kv, reference.paged_attention)
+
+
+def triton_backend() -> AttentionBackend:
+    """The Triton ``write_kv`` and ``paged_attention`` (reference signatures), and ``warm_up``, which
+    compiles every configuration they can launch for a model shape (CUDA only). Without CUDA the kernels
+    run in Triton's interpreter (``kernels._triton`` sets ``TRITON_INTERPRET=1``): exact, but slow."""
+    from kernels import paged_attention as pa
+
+    return AttentionBackend("triton", pa.write_kv, pa.paged_attention, warm_up=pa.warm_up)
+
+
+# name -> zero-argument factory
+BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": torch_backend, "triton": triton_backend}
