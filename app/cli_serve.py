@@ -41,6 +41,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host", help="HTTP host (overrides http_options.host)")
     p.add_argument("--port", type=int, help="HTTP port (overrides http_options.port)")
     p.add_argument("--key-file", type=Path, default=DEFAULT_KEY_FILE, help="API key file to create/use")
+    p.add_argument("--haproxy-stats-port", type=int, help="HAProxy's stats page port (default 8404)")
+    p.add_argument("--haproxy-metrics-port", type=int, help="HAProxy's Prometheus listener port (default 9101)")
     p.add_argument("--dry-run", action="store_true", help="print the effective config and exit")
     p.set_defaults(run=run)
 
@@ -63,12 +65,28 @@ def effective_config(path: Path, model: str | None, host: str | None, port: int 
 HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
 
 
-def haproxy_env() -> dict[str, str]:
-    """Environment that makes HAProxy the HTTP entry of the Ray cluster ``serve run`` starts."""
+STATS_PORT_ENV = "RAY_SERVE_HAPROXY_STATS_PORT"  # HAProxy's stats page (Ray's default 8404)
+METRICS_PORT_ENV = "RAY_SERVE_HAPROXY_METRICS_PORT"  # HAProxy's Prometheus listener (Ray's default 9101)
+
+
+def haproxy_env(stats_port: int | None = None, metrics_port: int | None = None) -> dict[str, str]:
+    """Environment that makes HAProxy the HTTP entry of the Ray cluster ``serve run`` starts.
+
+    HAProxy also opens a stats page and a Prometheus listener on fixed ports (8404, 9101 unless set
+    here). Two Serve apps on one machine (``make run`` beside ``make test``) must give them different
+    ports, or the second HAProxy fails with "Address already in use". Ray 2.60's HAProxy template
+    binds both on every interface (not the HTTP host): keep them behind the host's firewall
+    (docs/operations.md).
+    """
     # The HAProxy manager actor takes longer to report ready than Serve's 5 s readiness check allows
     # when the CPUs are busy (seen here with training on both cores: killed after three checks and
     # `serve.start` failed); 30 s lets a loaded node start it.
-    return {HAPROXY_ENV: "1", "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30"}
+    env = {HAPROXY_ENV: "1", "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30"}
+    if stats_port is not None:
+        env[STATS_PORT_ENV] = str(stats_port)
+    if metrics_port is not None:
+        env[METRICS_PORT_ENV] = str(metrics_port)
+    return env
 
 
 def validate_apps(cfg: dict) -> str | None:
@@ -108,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
               f'{cfg["http_options"].get("port", 8000)}/v1/models')
     # Workers must import app/ and engine/ whatever their working directory.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-    env.update(haproxy_env())
+    env.update(haproxy_env(args.haproxy_stats_port, args.haproxy_metrics_port))
     print(f"HTTP entry: haproxy ({HAPROXY_ENV}={env[HAPROXY_ENV]})")
     if args.dry_run:
         print(yaml.safe_dump(cfg, sort_keys=False))

@@ -219,7 +219,9 @@ def start_app(model: str, ingress_replicas: int = 1) -> str:
 
     os.environ["SINKSERVE_API_KEYS"] = KEY
     # The same environment `sinkserve serve` sets; Serve reads it when Ray starts, so before ray.init.
-    os.environ.update(haproxy_env())
+    with socket.socket() as a, socket.socket() as b:  # HAProxy's side listeners: ports of their own
+        a.bind(("127.0.0.1", 0)), b.bind(("127.0.0.1", 0))
+        os.environ.update(haproxy_env(a.getsockname()[1], b.getsockname()[1]))
     os.environ["PYTHONPATH"] = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     with socket.socket() as s:

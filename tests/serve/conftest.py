@@ -82,8 +82,9 @@ def server(tiny_model):
 
     os.environ["SINKSERVE_API_KEYS"] = f"{API_KEY},{LIMITED_KEY}"
     os.environ["PYTHONPATH"] = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
-    # The HTTP entry `sinkserve serve` uses (HAProxy in front of the ingress replicas); read when Ray starts.
-    os.environ.update(haproxy_env())
+    # The HTTP entry `sinkserve serve` uses (HAProxy in front of the ingress replicas); read when Ray
+    # starts. HAProxy's side listeners get ports of their own, so the suite runs beside `make run`.
+    os.environ.update(haproxy_env(stats_port=_free_port(), metrics_port=_free_port()))
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=bool(os.environ.get("SINKSERVE_TEST_LOGS")))
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -469,3 +469,14 @@ def test_documented_handle_example_runs(server, capsys):
     text = mod.stream_completion("hello from the docs", max_tokens=3)
     out = capsys.readouterr().out
     assert "[pool=short version=v1" in out and "completion_tokens=" in out and text in out
+
+
+def test_haproxy_side_listeners_use_the_ports_the_suite_chose(server):
+    """HAProxy's stats page and Prometheus listener take the ports `haproxy_env` set (free ones here,
+    so the suite runs beside `make run`, whose HAProxy holds the defaults 8404 / 9101)."""
+    import os
+
+    stats, metrics = int(os.environ["RAY_SERVE_HAPROXY_STATS_PORT"]), int(os.environ["RAY_SERVE_HAPROXY_METRICS_PORT"])
+    assert {stats, metrics}.isdisjoint({8404, 9101})
+    assert httpx.get(f"http://127.0.0.1:{stats}/stats", timeout=10).status_code == 200
+    assert "haproxy_" in httpx.get(f"http://127.0.0.1:{metrics}/metrics", timeout=10).text

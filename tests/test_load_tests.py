@@ -1,0 +1,48 @@
+"""The soak's verdict and the latency sweep's prompts, without a server."""
+
+from __future__ import annotations
+
+import random
+
+from load_tests.latency_sweep import prompt_ids
+from load_tests.soak import KINDS, Tally, evaluate, pick_kind
+
+
+def sample(t: float, rss: dict, pids: dict, kv: dict) -> dict:
+    return {"t_min": t, "rss": rss, "pids": pids, "kv": kv}
+
+
+def test_soak_passes_flat_memory_and_fails_growth_restarts_errors_and_leaked_blocks():
+    flat = [sample(t, {"pool#0": 500.0 + t, "haproxy#0": 20.0}, {"pool#0": 11, "haproxy#0": 12}, {"short": 3})
+            for t in (0.5, 1, 5, 10, 30)]
+    ok = Tally()
+    ok.outcomes[("short-stream", "ok")] = 10
+    ok.outcomes[("cancelled", "cancelled")] = 4  # deliberate: not errors
+    lines, failed = evaluate(flat, ok, {"short": 0}, minutes=30)
+    assert failed == [] and any("+5.0 %" in line for line in lines)  # 505 -> 530 MB
+    grown = flat[:-1] + [sample(30, {"pool#0": 560.0, "haproxy#0": 20.0}, {"pool#0": 11, "haproxy#0": 12}, {})]
+    assert [f for f in evaluate(grown, ok, {"short": 0}, 30)[1] if "RSS pool#0" in f]  # +10.9 %
+    restarted = flat[:-1] + [sample(30, {"pool#0": 505.0}, {"pool#0": 99, "haproxy#0": 12}, {})]
+    assert any("restarted" in f and "pool#0" in f for f in evaluate(restarted, ok, {"short": 0}, 30)[1])
+    bad = Tally()
+    bad.error("long-stream", "HTTP 500")
+    assert any("errors other than deliberate cancellations: 1" in f for f in evaluate(flat, bad, {"short": 0}, 30)[1])
+    assert any("KV blocks" in f for f in evaluate(flat, ok, {"short": 2}, 30)[1])
+
+
+def test_soak_mix_follows_its_shares():
+    rng = random.Random(0)
+    n = 20000
+    counts = {k: 0 for k, _ in KINDS}
+    for _ in range(n):
+        counts[pick_kind(rng)] += 1
+    for kind, share in KINDS:
+        assert abs(counts[kind] / n - share) < 0.015, (kind, counts[kind] / n)
+
+
+def test_sweep_prompts_have_exactly_the_length_asked_for():
+    from engine.config import DEFAULT_MODEL
+
+    for n in (128, 1000, 4097):
+        ids = prompt_ids(DEFAULT_MODEL, n)
+        assert len(ids) == n and all(isinstance(t, int) for t in ids)
