@@ -158,5 +158,8 @@ def build_app(args: AppArgs) -> Application:
         name="Ingress",
         num_replicas=args.ingress.num_replicas,
         ray_actor_options=actor_options(args.ingress.num_cpus),
+        # The version weights, live-updatable: a config's `deployments: [{name: Ingress, user_config:
+        # {weights: ...}}]` overrides these without restarting anything (sinkserve canary).
+        user_config={"weights": {v.name: v.weight for v in versions}},
         max_ongoing_requests=1000,  # the ingress only awaits pools; queue caps live on the pools
     ).bind(ingress, pools, hub)

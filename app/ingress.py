@@ -127,6 +127,17 @@ class Ingress:
                 push_forever(hub, f"ingress/{self.replica}", self._entry, spec.stats_push_interval_s)
             )
 
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Serve calls this with the deployment's ``user_config`` at start and whenever only that
+        changes (``serve deploy``, no restart): ``{"weights": {version: weight}}`` moves traffic
+        between model versions live -- the canary's steps and its rollback (``sinkserve canary``)."""
+        from app.planner import reweighted
+
+        weights = (user_config or {}).get("weights")
+        if weights:
+            self.planner.spec = reweighted(self.planner.spec, dict(weights))
+            logger.info("version weights now %s", {v.name: v.weight for v in self.planner.spec.versions})
+
     def _entry(self) -> dict[str, Any]:
         return {"kind": "ingress", "replica": self.replica, "data": self.metrics.snapshot()}
 
@@ -163,8 +174,8 @@ class Ingress:
     async def models(self, request: Request) -> ModelList:
         self._authorize(request)
         name = self.spec.served_model_name
-        cards = [ModelCard(id=name)] + [ModelCard(id=f"{name}@{v.name}", fingerprint=v.fingerprint)
-                                        for v in self.spec.plan.versions]
+        cards = [ModelCard(id=name)] + [ModelCard(id=f"{name}@{v.name}", fingerprint=v.fingerprint, weight=v.weight)
+                                        for v in self.planner.spec.versions]
         return ModelList(data=cards)
 
     # ---- OpenAI endpoints -----------------------------------------------------------------------

@@ -16,7 +16,7 @@ import hashlib
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from app.errors import APIError
@@ -98,6 +98,27 @@ def version_for_bucket(bucket: BucketSpec, versions: Sequence[VersionSpec], chos
     if not any(v.weight > 0 for v in served):
         return served[0]  # every version this bucket serves is at weight 0: still serve rather than refuse
     return pick_version(served, u)
+
+
+def reweighted(spec: PlanSpec, weights: dict[str, float]) -> PlanSpec:
+    """``spec`` with new version weights (the canary's steps and its rollback, applied live).
+    Every named version must exist, weights are >= 0 and at least one is above 0; versions not named
+    keep their weight.
+
+    >>> spec = PlanSpec((), (VersionSpec("v1", "m", 100.0), VersionSpec("v2", "m", 0.0)))
+    >>> [(v.name, v.weight) for v in reweighted(spec, {"v1": 75, "v2": 25}).versions]
+    [('v1', 75.0), ('v2', 25.0)]
+    """
+    known = {v.name for v in spec.versions}
+    unknown = sorted(set(weights) - known)
+    if unknown:
+        raise ValueError(f"weights: unknown versions {unknown}; versions are {sorted(known)}")
+    if any(not isinstance(w, (int, float)) or w < 0 for w in weights.values()):
+        raise ValueError(f"weights: must be numbers >= 0, got {weights}")
+    versions = tuple(replace(v, weight=float(weights.get(v.name, v.weight))) for v in spec.versions)
+    if sum(v.weight for v in versions) <= 0:
+        raise ValueError("weights: at least one version needs a weight above 0")
+    return replace(spec, versions=versions)
 
 
 def session_draw(session_id: str) -> float:

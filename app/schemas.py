@@ -214,6 +214,7 @@ class ModelCard(BaseModel):
     # digits of the SHA-256 of its SHA256SUMS manifest; None without a manifest), so replicas and
     # versions can be compared with what was verified at load.
     fingerprint: str | None = None
+    weight: float | None = None  # the version's share of traffic on the replica that answered
 
 
 class ModelList(BaseModel):

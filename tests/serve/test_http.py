@@ -21,8 +21,11 @@ def sse_events(text: str) -> list:
 
 
 def test_readyz_false_before_models_load(server):
-    seen = [s for s in server["readyz_seen"] if s in (200, 503)]
-    assert seen and seen[0] == 503, server["readyz_seen"][:5]
+    """Probes during start-up never say ready before the models are loaded: 404 while HAProxy has no
+    ingress to route to yet, 503 while the ingress is up but a pool is still loading (which of the two
+    a load balancer sees first depends on which replica starts first), then 200."""
+    seen = [s for s in server["readyz_seen"] if s in (200, 404, 503)]
+    assert seen and seen[0] in (404, 503), server["readyz_seen"][:5]
     assert httpx.get(server["base"] + "/readyz").json()["ready"] is True
 
 
@@ -480,3 +483,27 @@ def test_haproxy_side_listeners_use_the_ports_the_suite_chose(server):
     assert {stats, metrics}.isdisjoint({8404, 9101})
     assert httpx.get(f"http://127.0.0.1:{stats}/stats", timeout=10).status_code == 200
     assert "haproxy_" in httpx.get(f"http://127.0.0.1:{metrics}/metrics", timeout=10).text
+
+
+def test_version_weights_move_live_through_the_ingress_user_config(client):
+    """What `serve deploy` does with an Ingress `user_config` (the canary's steps): Serve calls
+    Ingress.reconfigure on the running replica, traffic moves, nothing restarts; a bad one is refused."""
+    from ray import serve
+
+    ingress = serve.get_app_handle("sinkserve")
+
+    def versions_served(n: int = 8) -> set[str]:
+        return {client.post("/v1/completions", json={"prompt": f"w{i}", "max_tokens": 1}).headers["x-sinkserve-version"]
+                for i in range(n)}
+
+    try:
+        ingress.reconfigure.remote({"weights": {"v1": 0, "v2": 1}}).result()
+        assert versions_served() == {"v2"}
+        cards = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
+        assert (cards["tiny@v1"]["weight"], cards["tiny@v2"]["weight"]) == (0.0, 1.0)
+        with pytest.raises(Exception, match="unknown versions"):
+            ingress.reconfigure.remote({"weights": {"v7": 1}}).result()
+        assert versions_served(4) == {"v2"}  # the refused update changed nothing
+    finally:
+        ingress.reconfigure.remote({"weights": {"v1": 1, "v2": 0}}).result()
+    assert versions_served() == {"v1"}
