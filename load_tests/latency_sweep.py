@@ -80,6 +80,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "latency_sweep.md")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per request
     key = os.environ.get("SINKSERVE_API_KEY", "")
     if not key:
         logger.error("set SINKSERVE_API_KEY (make run prints it)")
