@@ -145,7 +145,8 @@ def server_pid() -> int:
 def label_of(cmd: str) -> str | None:
     """What a process of the app is: a Serve replica by deployment, an engine child, a TP worker, HAProxy."""
     if cmd.startswith("ray::ServeReplica:"):
-        return cmd.split()[0].split(":")[-1]  # ray::ServeReplica:<app>:<deployment>
+        # ray::ServeReplica:<app>:<deployment>, with ".<method>" appended while a call runs
+        return cmd.split()[0].split(":")[-1].split(".")[0]
     if "engine.engine_process" in cmd:
         return "engine-process"
     if cmd.startswith("ray::TPWorkerActor"):
