@@ -52,6 +52,9 @@ def bm25_scores(query: str, texts: Sequence[str]) -> list[float]:
     """
     import bm25s  # imported here: only requests with passages pay for it
 
+    # bm25s sets its own logger to DEBUG at import, which would log every request's index build.
+    logging.getLogger("bm25s").setLevel(logging.WARNING)
+
     def words(items: Sequence[str]) -> list[list[str]]:
         return bm25s.tokenize(list(items), stopwords="en", show_progress=False, return_ids=False)
 
