@@ -41,7 +41,7 @@ from evals.report import EvalResult, Panel, Series
 logger = logging.getLogger(__name__)
 
 TEMPLATE = "{passages}\n\nQuestion: {question}\nAnswer: {prefix}"
-STYLES = {"untrimmed": "--s", "oracle": ":^"}
+STYLES = {"untrimmed": "--s", "oracle": ":x"}  # x: the trimmed arm it often equals stays visible
 
 
 @dataclass(frozen=True)
@@ -182,7 +182,8 @@ def run_retrieval(cfg: RetrievalConfig, progress: bool = True) -> EvalResult:
     engine = A.make_engine(cfg.model, CachePolicy(eviction_policy="none"), cfg.chunk,
                            cfg.max_num_seqs * per_seq + 1, cfg.max_num_seqs)
     params = SamplingParams(max_tokens=cfg.max_new_tokens, temperature=0.0)
-    rows, per_item = [], []
+    rows: list[dict[str, Any]] = []
+    per_item: dict[tuple[float, int], dict[str, Any]] = {}
     try:
         for m in cfg.mixes:
             base = sum(lengths[(m, "untrimmed")]) / cfg.docs
@@ -207,13 +208,15 @@ def run_retrieval(cfg: RetrievalConfig, progress: bool = True) -> EvalResult:
                     "trim_ms": round(1000 * trim_s[(m, arm)] / cfg.docs, 2), "wall_s": round(wall, 1),
                 })
                 logger.info("retrieval %s %gx: %d/%d, %.0f prefill tokens", arm, m, sum(ok), cfg.docs, mean_len)
-                per_item += [{"mix": m, "arm": arm, "doc": it.index, "template": it.template, "answer": it.answer,
-                              "generated": texts[str(i)][:40], "correct": o, "fact_in_prompt": prompts[(m, arm)][i][1],
-                              "prefill_tokens": lengths[(m, arm)][i]}
-                             for i, (it, o) in enumerate(zip(items[m], ok))]
+                for i, (it, o) in enumerate(zip(items[m], ok)):
+                    per_item.setdefault((m, i), {"mix": m, "doc": it.index, "template": it.template,
+                                                 "answer": it.answer, "arms": {}})
+                    # [correct, fact in the prompt, prefill tokens, what the model wrote]
+                    per_item[(m, i)]["arms"][arm] = [o, prompts[(m, arm)][i][1], lengths[(m, arm)][i],
+                                                     texts[str(i)][:16]]
     finally:
         engine.shutdown()
-    return summarize(cfg, ctx, rows, items, per_item, time.perf_counter() - t0)
+    return summarize(cfg, ctx, rows, items, list(per_item.values()), time.perf_counter() - t0)
 
 
 def target_notes(rows: list[dict[str, Any]]) -> list[str]:

@@ -112,7 +112,8 @@ def test_retrieval_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.Captur
         assert rows[(mix, "oracle")]["prefill_tokens"] <= rows[(mix, "trimmed@64")]["prefill_tokens"]
         assert rows[(mix, "trimmed@64")]["prefill_tokens"] < rows[(mix, "untrimmed")]["prefill_tokens"]
     assert rows[("2x", "untrimmed")]["prefill_tokens"] > rows[("1x", "untrimmed")]["prefill_tokens"]
-    assert len(blob["extra"]["per_item"]) == 2 * 3 * 3
+    assert len(blob["extra"]["per_item"]) == 2 * 3
+    assert all(set(it["arms"]) == {"untrimmed", "trimmed@64", "oracle"} for it in blob["extra"]["per_item"])
     assert "untrimmed" in printed and "retrieval.png" in (tmp_path / "retrieval.md").read_text()
 
 

@@ -69,16 +69,19 @@ def test_completion_reports_kept_and_dropped_and_runs_the_trimmed_prompt(client,
     assert trimmed_tokens(server) - before == rep["tokens_saved"]
 
 
-def test_order_is_the_clients_not_the_scores(client):
-    # p3 outranks p1 here (the query names its words); the prompt keeps the client's order anyway.
+def test_order_is_the_clients_not_the_scores(client, tokenizer):
+    # p3 outranks p1 here (the query names its words); the prompt keeps the client's order anyway,
+    # and the passages sharing no word with the query stay out although the budget has room.
     r = client.post("/v1/completions", json={
         "prompt": "{passages}" + QUESTION, "max_tokens": 1,
         "sinkserve": {"passages": PASSAGES, "passage_budget": 200, "query": "nobody second wrote access"}})
     assert r.status_code == 200, r.text
-    kept = r.json()["sinkserve"]["passages"]["kept"]
-    assert [p["id"] for p in kept] == [p["id"] for p in PASSAGES]  # everything fits: all, in order
-    scores = {p["id"]: p["score"] for p in kept}
+    rep = r.json()["sinkserve"]["passages"]
+    assert [p["id"] for p in rep["kept"]] == ["p1", "p3"]
+    scores = {p["id"]: p["score"] for p in rep["kept"]}
     assert scores["p3"] > scores["p1"] > 0
+    prompt = PASSAGES[1]["text"] + "\n\n" + PASSAGES[3]["text"] + QUESTION
+    assert r.json()["usage"]["prompt_tokens"] == len(tokenizer(prompt)["input_ids"])
 
 
 def test_chat_stream_carries_the_report_and_pinning(client):

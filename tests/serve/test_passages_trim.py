@@ -38,11 +38,13 @@ def test_bm25_ranks_the_passage_that_shares_the_question_words_first():
 
 
 @pytest.mark.parametrize("scores, tokens, budget, kept", [
-    ([0.1, 2.0, 0.0, 1.5], [30, 50, 10, 40], 100, (1, 2, 3)),  # 1 then 3 (90), 0 skipped (30 > 10), 2 fits
+    ([0.1, 2.0, 0.0, 1.5], [30, 50, 10, 40], 100, (1, 3)),  # 1 then 3 (90); 0 (30) does not fit; 2 scores 0
+    ([0.1, 2.0, 0.0, 1.5], [30, 50, 10, 40], 500, (0, 1, 3)),  # a score of 0 never fills the budget
     ([0.1, 2.0, 0.0, 1.5], [30, 50, 10, 40], 50, (1,)),
     ([0.1, 2.0, 0.0, 1.5], [30, 50, 10, 40], 89, (0, 1)),  # 3 (40) does not fit after 1; 0 (30) does
     ([1.0, 1.0, 1.0], [10, 10, 10], 20, (0, 1)),  # ties: earlier passages first
-    ([0.3, 0.2], [10, 10], None, (0, 1)),  # no budget: everything, in order
+    ([0.0, 0.0, 0.0], [10, 10, 10], 25, (0, 1)),  # nothing relevant: the budget takes the first ones
+    ([0.3, 0.0], [10, 10], None, (0, 1)),  # no budget: everything, in order
 ])
 def test_select_within_budget_exact(scores, tokens, budget, kept):
     got = select_within_budget(scores, tokens, budget)
