@@ -151,6 +151,7 @@ def build_app(args: AppArgs) -> Application:
         versions=versions,
         rate_limit_rps=args.ingress.rate_limit_rps,
         rate_limit_burst=args.ingress.rate_limit_burst,
+        max_passages=args.ingress.max_passages,
     )
     ingress = IngressSpec(auth=args.auth, served_model_name=args.served_model_name, plan=plan,
                           pool_deployments=tuple(pools), stats_push_interval_s=args.stats_push_interval_s)

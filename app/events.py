@@ -18,12 +18,39 @@ from engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
+class PassageScore:
+    id: str
+    score: float
+    tokens: int  # the passage tokenized alone (no special tokens): what the budget counts
+
+
+@dataclass(frozen=True)
+class PassageReport:
+    """What the planner did with ``sinkserve.passages`` (``app/passages.py``): kept and dropped."""
+
+    scorer: str
+    budget: int | None
+    kept: tuple[PassageScore, ...]
+    dropped: tuple[PassageScore, ...]
+    pinned: bool = False
+
+    @property
+    def tokens_kept(self) -> int:
+        return sum(p.tokens for p in self.kept)
+
+    @property
+    def tokens_saved(self) -> int:
+        return sum(p.tokens for p in self.dropped)
+
+
+@dataclass(frozen=True)
 class RouteInfo:
     request_id: str
     pool: str
     version: str
     deployment: str
     prompt_tokens: int
+    passages: PassageReport | None = None  # only for requests that sent passages
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,8 @@ from app.schemas import (
     CompletionResponse,
     ModelCard,
     ModelList,
+    PassageScoreModel,
+    PassagesModel,
     RouteInfoModel,
     Usage,
     new_request_id,
@@ -63,6 +65,19 @@ async def _api_error(_: Request, e: APIError) -> JSONResponse:
 
 def _route_headers(info: RouteInfo) -> dict[str, str]:
     return {"x-sinkserve-pool": info.pool, "x-sinkserve-version": info.version, "x-sinkserve-request-id": info.request_id}
+
+
+def _route_model(info: RouteInfo) -> RouteInfoModel:
+    """The response's ``sinkserve`` object; ``passages`` only when the request sent passages."""
+    passages = None
+    if (r := info.passages) is not None:
+        passages = PassagesModel(
+            scorer=r.scorer, budget=r.budget, tokens_kept=r.tokens_kept, tokens_saved=r.tokens_saved, pinned=r.pinned,
+            kept=[PassageScoreModel(id=p.id, score=p.score, tokens=p.tokens) for p in r.kept],
+            dropped=[PassageScoreModel(id=p.id, score=p.score, tokens=p.tokens) for p in r.dropped],
+        )
+    return RouteInfoModel(pool=info.pool, version=info.version, deployment=info.deployment,
+                          prompt_tokens=info.prompt_tokens, passages=passages)
 
 
 class _Accumulator:
@@ -242,6 +257,8 @@ class Ingress:
         except APIError as e:
             self.metrics.count("none", e.status)
             raise
+        if plan.info.passages is not None:
+            self.metrics.trimmed(plan.info.pool, plan.info.passages.tokens_saved)
         gen = stream_plan(self.pools[plan.info.deployment], plan, self.inbox)
         try:
             first = await gen.__anext__()
@@ -280,8 +297,7 @@ class Ingress:
             self.metrics.count(info.pool, 499)  # client went away; stream_plan cancels the pool call
             raise
         self._record(info.pool, 200, acc)
-        route = RouteInfoModel(pool=info.pool, version=info.version, deployment=info.deployment,
-                               prompt_tokens=info.prompt_tokens)
+        route = _route_model(info)
         text = "".join(acc.text)
         model = body.model or self.spec.served_model_name
         if chat:
@@ -303,8 +319,7 @@ class Ingress:
     async def _sse(self, gen: Any, info: RouteInfo, body: Any, chat: bool, t0: float) -> AsyncIterator[bytes]:
         acc = _Accumulator(t0)
         model = body.model or self.spec.served_model_name
-        route = RouteInfoModel(pool=info.pool, version=info.version, deployment=info.deployment,
-                               prompt_tokens=info.prompt_tokens)
+        route = _route_model(info)
         status = 200
         finished = False
         try:

@@ -53,9 +53,14 @@ class RequestMetrics:
         self.ttft: dict[str, Histogram] = defaultdict(Histogram)
         self.itl: dict[str, Histogram] = defaultdict(Histogram)
         self.e2e: dict[str, Histogram] = defaultdict(Histogram)
+        self.passage_tokens_trimmed: dict[str, int] = defaultdict(int)
 
     def count(self, pool: str, status: int | str) -> None:
         self.requests[(pool, str(status))] += 1
+
+    def trimmed(self, pool: str, tokens: int) -> None:
+        """Passage tokens a request's budget dropped before prefill (``app/passages.py``)."""
+        self.passage_tokens_trimmed[pool] += tokens
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -63,6 +68,7 @@ class RequestMetrics:
             "ttft": {p: h.to_dict() for p, h in self.ttft.items()},
             "itl": {p: h.to_dict() for p, h in self.itl.items()},
             "e2e": {p: h.to_dict() for p, h in self.e2e.items()},
+            "passage_tokens_trimmed": [[p, n] for p, n in self.passage_tokens_trimmed.items()],
         }
 
 
@@ -125,6 +131,13 @@ class SnapshotCollector:
             for pool, status, n in s["data"]["requests"]:
                 req.add_metric([pool, status, s["replica"]], n)
         yield req
+        trimmed = CounterMetricFamily(PREFIX + "passage_tokens_trimmed",
+                                      "Passage tokens dropped by sinkserve.passage_budget before prefill, by pool",
+                                      labels=["pool", "replica"])
+        for s in ingress:
+            for pool, n in s["data"].get("passage_tokens_trimmed", ()):
+                trimmed.add_metric([pool, s["replica"]], n)
+        yield trimmed
         for key, name, doc in (
             ("ttft", "time_to_first_token_seconds", "Time to first token seen at the ingress"),
             ("itl", "inter_token_latency_seconds", "Gap between streamed token deltas at the ingress"),

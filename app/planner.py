@@ -1,5 +1,6 @@
-"""Planning a request: rate check, version draw, tokenize once, bucket by length, anchors ->
-a typed ``RoutePlan`` (pool deployment + ``PoolRequest``), or an ``APIError``.
+"""Planning a request: rate check, version draw, passages trimmed to their budget
+(``app/passages.py``), tokenize once, bucket by length, anchors -> a typed ``RoutePlan`` (pool
+deployment + ``PoolRequest``), or an ``APIError``.
 
 The decisions are pure functions with injected inputs (token count, weights, a uniform draw, the
 clock), so tests pin exact expectations; :class:`Planner` holds the only state (tokenizers, rate
@@ -21,6 +22,7 @@ from typing import Any, Sequence
 
 from app.errors import APIError
 from app.events import PoolRequest, RouteInfo, RoutePlan
+from app.passages import Trimmed, pinned_token_ranges, trim_passages
 from app.schemas import ChatCompletionRequest, CompletionRequest, TokenRange, new_request_id
 from app.settings import BucketSpec, PlanSpec, VersionSpec, pool_deployment_name
 from engine.errors import InvalidRequestError
@@ -250,6 +252,15 @@ def anchor_spans(request: Request, tokenizer: Any, text: str | None, num_tokens:
     return tuple(out)
 
 
+def passage_anchor_spans(trimmed: Trimmed | None, request: Request, tokenizer: Any, text: str | None) -> tuple[tuple[int, int], ...]:
+    """The kept passages as token ranges of the prompt, when the request asks to pin them."""
+    if trimmed is None or not trimmed.report.pinned or text is None:
+        return ()
+    offsets = tokenizer(text, return_offsets_mapping=True,
+                        add_special_tokens=not isinstance(request, ChatCompletionRequest))["offset_mapping"]
+    return pinned_token_ranges(trimmed, text, offsets)
+
+
 class Planner:
     """Plans requests for one ingress replica: its tokenizers (one per distinct model) and rate buckets."""
 
@@ -277,6 +288,11 @@ class Planner:
             return match[0]
         return pick_version(self.spec.versions, u)
 
+    def trim(self, request: Request, version: VersionSpec) -> Trimmed | None:
+        """The request with its passages scored, trimmed to the budget and placed (None without passages);
+        token counts come from ``version``'s tokenizer."""
+        return trim_passages(request, self.tokenizers[version.model], self.spec.max_passages, encode)
+
     def tokenize(self, request: Request, version: VersionSpec) -> tuple[list[int], str | None]:
         """Token ids of the prompt (and its text, when there is one, for anchors)."""
         tok = self.tokenizers[version.model]
@@ -303,18 +319,22 @@ class Planner:
         params = sampling_params(request)
         u = self.draw(request)
         version = self._version(pinned_version, u)
-        ids, text = self.tokenize(request, version)
+        trimmed = self.trim(request, version)
+        ids, text = self.tokenize(trimmed.request if trimmed else request, version)
         forced = request.sinkserve.pool if request.sinkserve else None
         bucket = pick_bucket(len(ids), self.spec.buckets, forced=forced)
         if pinned_version is not None and bucket.versions is not None and pinned_version not in bucket.versions:
             raise APIError(404, f"version {pinned_version!r} is not served by pool {bucket.name!r}", "model",
                            "model_not_found")
         other = version_for_bucket(bucket, self.spec.versions, version, u)
-        if other.model != version.model:  # another tokenizer: tokenize (and bucket) again
-            ids, text = self.tokenize(request, other)
+        if other.model != version.model:  # another tokenizer: trim, tokenize (and bucket) again
+            trimmed = self.trim(request, other)
+            ids, text = self.tokenize(trimmed.request if trimmed else request, other)
             bucket = pick_bucket(len(ids), self.spec.buckets, forced=forced)
         version = other
-        anchors = anchor_spans(request, self.tokenizers[version.model], text, len(ids))
+        tok = self.tokenizers[version.model]
+        anchors = anchor_spans(request, tok, text, len(ids)) + passage_anchor_spans(trimmed, request, tok, text)
         name = pool_deployment_name(bucket.name, version.name)
         preq = PoolRequest(request_id, tuple(ids), params, anchors, bucket.timeout_s)
-        return RoutePlan(RouteInfo(request_id, bucket.name, version.name, name, len(ids)), preq)
+        report = trimmed.report if trimmed else None
+        return RoutePlan(RouteInfo(request_id, bucket.name, version.name, name, len(ids), report), preq)

@@ -2,7 +2,8 @@
 
 Only what sinkserve can honour is accepted; unknown OpenAI fields are ignored (clients send many),
 while out-of-range values are refused with the field named. What OpenAI lacks lives in the
-``sinkserve`` extension object: anchors to pin, a session id, a pool override.
+``sinkserve`` extension object: anchors to pin, a session id, a pool override, retrieved passages
+to trim to a token budget (``app/passages.py``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer
 
 
 class TokenRange(BaseModel):
@@ -33,6 +34,22 @@ class TokenRange(BaseModel):
 Anchor = Union[Annotated[str, Field(min_length=1)], TokenRange]
 
 
+class Passage(BaseModel):
+    """One retrieved passage; ``id`` defaults to its index in ``sinkserve.passages``."""
+
+    model_config = ConfigDict(extra="forbid")
+    text: str = Field(min_length=1)
+    id: str | None = Field(None, min_length=1, max_length=256)
+    source: str | None = Field(None, max_length=2048)  # the client's own reference (URL, file); not sent to the model
+
+    @field_validator("text")
+    @classmethod
+    def _not_blank(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("passage text must not be empty or only whitespace")
+        return v
+
+
 class SinkserveExtension(BaseModel):
     """sinkserve-only request options."""
 
@@ -41,6 +58,15 @@ class SinkserveExtension(BaseModel):
     session_id: str | None = Field(None, max_length=256)
     pool: str | None = None  # force a bucket (it must still fit); for debugging and A/B checks
     ignore_eos: bool = False
+    # Retrieval-augmented requests (app/passages.py): passages scored against the question, the best
+    # kept within passage_budget tokens (None: keep all), placed at the prompt's "{passages}"
+    # placeholder or ahead of the chat's system / last user message.
+    passages: list[Passage] | None = Field(None, min_length=1)
+    passage_budget: int | None = Field(None, ge=1)
+    passages_at: Literal["auto", "placeholder", "system", "user"] = "auto"
+    query: str | None = Field(None, min_length=1, max_length=65536)
+    pin_passages: bool = False  # kept passages become anchors (token ranges of the final prompt)
+    passage_scorer: Literal["bm25"] = "bm25"
 
 
 class _RequestBase(BaseModel):
@@ -119,13 +145,41 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class PassageScoreModel(BaseModel):
+    id: str
+    score: float
+    tokens: int
+
+
+class PassagesModel(BaseModel):
+    """What became of ``sinkserve.passages``: kept and dropped ids with scores and token counts."""
+
+    scorer: str
+    budget: int | None
+    kept: list[PassageScoreModel]
+    dropped: list[PassageScoreModel]
+    tokens_kept: int
+    tokens_saved: int
+    pinned: bool
+
+
 class RouteInfoModel(BaseModel):
-    """Where the request ran; also sent as ``x-sinkserve-pool`` / ``x-sinkserve-version`` headers."""
+    """Where the request ran; also sent as ``x-sinkserve-pool`` / ``x-sinkserve-version`` headers.
+    ``passages`` only appears for requests that sent passages."""
 
     pool: str
     version: str
     deployment: str
     prompt_tokens: int
+    passages: PassagesModel | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_passages(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # A request without passages gets the same sinkserve object as before passages existed.
+        out = handler(self)
+        if out.get("passages") is None:
+            out.pop("passages", None)
+        return out
 
 
 class CompletionLogprobs(BaseModel):

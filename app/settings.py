@@ -126,6 +126,8 @@ class IngressArgs(_Strict):
     # roughly rate_limit_rps * num_replicas).
     rate_limit_rps: float | None = Field(None, gt=0)
     rate_limit_burst: int = Field(20, gt=0)
+    # Most passages one request may send in sinkserve.passages (each is tokenized and scored here).
+    max_passages: int = Field(256, ge=1)
 
 
 class AppArgs(_Strict):
@@ -222,6 +224,7 @@ class PlanSpec:
     versions: tuple[VersionSpec, ...]
     rate_limit_rps: float | None = None
     rate_limit_burst: int = 20
+    max_passages: int = 256
 
 
 def pool_deployment_name(bucket: str, version: str) -> str:

@@ -1,13 +1,16 @@
-"""``sinkserve eval long-ppl|needle``: the long-context retention evals from the command line.
+"""``sinkserve eval long-ppl|needle|retrieval``: the long-context evals from the command line.
 
-    sinkserve eval long-ppl [--quick] [--with] [--without] [--out docs/evals]
-    sinkserve eval needle   [--quick] [--with] [--without] [--workers 2] [--out docs/evals]
+    sinkserve eval long-ppl  [--quick] [--with] [--without] [--out docs/evals]
+    sinkserve eval needle    [--quick] [--with] [--without] [--workers 2] [--out docs/evals]
+    sinkserve eval retrieval [--quick] [--docs 400] [--mixes 4,16] [--budgets 32,64] [--out docs/evals]
 
 Each writes ``<out>/<name>.{md,json,png}`` and prints the table. ``--with`` / ``--without`` run only the
 protected arm (sinks [+ anchor]) / the unprotected arm (window only) on the same inputs; both together
 are the A/B run and print the difference. Without either flag every arm runs (the A/B table is included).
 Defaults follow the model's trained context ``ctx``: window ``ctx/2``, prefill chunk ``window/4``;
 ``--quick`` shrinks everything for a smoke run (window ``ctx/8``, short streams, 4 documents).
+``retrieval`` compares passages trimmed by ``app/passages.py`` with the untrimmed prompt and an oracle
+(``evals/retrieval.py``); it has no window and no with/without arms.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ DEFAULT_OUT = "docs/evals"
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``eval`` with its ``long-ppl`` and ``needle`` subcommands (the ``app.cli`` protocol)."""
-    parser = subparsers.add_parser("eval", help="long-context retention evals (perplexity, needle retrieval)")
+    parser = subparsers.add_parser("eval", help="long-context evals (perplexity, needle retrieval, passage trimming)")
     sub = parser.add_subparsers(dest="eval_name", required=True)
     for name, help_ in (("long-ppl", "perplexity over a held-out stream 16x the trained context"),
                         ("needle", "fact at the start, question at the end, L = 1x .. 16x the trained context")):
@@ -48,6 +51,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
             p.add_argument("--docs", type=int, help="documents per point (default 50; quick 4)")
             p.add_argument("--lengths", help="comma-separated multiples of ctx (default 1,2,4,8,16; quick 1,2)")
             p.add_argument("--workers", type=int, default=1, help="processes running (arm, length) points")
+    p = sub.add_parser("retrieval", help="retrieval-augmented answering: trimmed vs untrimmed vs oracle passages")
+    p.add_argument("--model", default=A.default_model(), help="model directory (default: the reference model)")
+    p.add_argument("--out", default=DEFAULT_OUT, help="folder for the table (md + json) and the plot (png)")
+    p.add_argument("--quick", action="store_true", help="small fast smoke run (4 items per point)")
+    p.add_argument("--docs", type=int, help="items per point (default 400; quick 4)")
+    p.add_argument("--mixes", help="comma-separated distractor/relevant token ratios (default 4,16)")
+    p.add_argument("--budgets", help="comma-separated passage budgets in tokens, one trimmed arm each (default 32,64)")
+    p.add_argument("--passage-tokens", type=int, help="passage size in tokens (default 24)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1: see evals.arms)")
     parser.set_defaults(run=run)
     return parser
 
@@ -103,12 +115,28 @@ def _needle(args: argparse.Namespace, ctx: int) -> EvalResult:
     return result
 
 
+def _retrieval(args: argparse.Namespace, ctx: int) -> EvalResult:
+    from evals.retrieval import RetrievalConfig, run_retrieval
+
+    defaults = RetrievalConfig(model=args.model)
+    cfg = RetrievalConfig(
+        model=args.model, docs=args.docs or (4 if args.quick else defaults.docs),
+        mixes=tuple(float(x) for x in args.mixes.split(",")) if args.mixes else defaults.mixes,
+        budgets=tuple(int(x) for x in args.budgets.split(",")) if args.budgets else defaults.budgets,
+        passage_tokens=args.passage_tokens or defaults.passage_tokens,
+    )
+    return run_retrieval(cfg)
+
+
+EVALS = {"long-ppl": _long_ppl, "needle": _needle, "retrieval": _retrieval}
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the chosen eval, write its files, print the table(s). Returns the exit code."""
     A.setup_torch(args.threads)
     t0 = time.perf_counter()
     ctx = A.trained_context(args.model)
-    result = _long_ppl(args, ctx) if args.eval_name == "long-ppl" else _needle(args, ctx)
+    result = EVALS[args.eval_name](args, ctx)
     result.meta["command"] = "sinkserve eval " + args.eval_name + _flags(args)
     result.meta["model_sha256"] = A.model_fingerprint(args.model)
     paths = write_report(result, Path(args.out))

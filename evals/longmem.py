@@ -50,6 +50,7 @@ __all__ = [
     "make_document",
     "check_answer",
     "register_filler",
+    "get_filler",
     "get_template",
 ]
 
@@ -367,6 +368,11 @@ HELDOUT_FILLERS: tuple[str, ...] = ("licenses", "haystack")
 
 def register_filler(name: str, fn: FillerFn) -> None:
     FILLERS[name] = fn
+
+
+def get_filler(filler: str | FillerFn) -> FillerFn:
+    """The filler function registered as ``filler`` (lazy ones built on first use), or ``filler`` itself."""
+    return _get_filler(filler)
 
 
 def _get_filler(filler: str | FillerFn) -> FillerFn:

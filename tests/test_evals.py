@@ -97,3 +97,39 @@ def test_model_fingerprint_covers_weights_and_config(tmp_path):
     assert model_fingerprint(a) != model_fingerprint(model_dir("c", b"weights", '{"rope_theta": 20000}'))
     assert model_fingerprint(a) != model_fingerprint(model_dir("d", b"other", '{"rope_theta": 10000}'))
     assert model_fingerprint(tmp_path / "missing") == "unknown"
+
+
+def test_retrieval_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Arms, files and the prompt sizes on a random model (its answers are noise; the prompts are not)."""
+    printed = run_cli(["eval", "retrieval", "--quick", "--model", str(tiny_llama), "--out", str(tmp_path),
+                       "--docs", "3", "--mixes", "1,2", "--budgets", "64", "--passage-tokens", "48"], capsys)
+    blob = load(tmp_path, "retrieval")
+    assert [(r["mix"], r["arm"]) for r in blob["rows"]] == [
+        (m, a) for m in ("1x", "2x") for a in ("untrimmed", "trimmed@64", "oracle")]
+    rows = {(r["mix"], r["arm"]): r for r in blob["rows"]}
+    for mix in ("1x", "2x"):
+        assert rows[(mix, "untrimmed")]["fact_in_prompt"] == rows[(mix, "oracle")]["fact_in_prompt"] == 1.0
+        assert rows[(mix, "oracle")]["prefill_tokens"] <= rows[(mix, "trimmed@64")]["prefill_tokens"]
+        assert rows[(mix, "trimmed@64")]["prefill_tokens"] < rows[(mix, "untrimmed")]["prefill_tokens"]
+    assert rows[("2x", "untrimmed")]["prefill_tokens"] > rows[("1x", "untrimmed")]["prefill_tokens"]
+    assert len(blob["extra"]["per_item"]) == 2 * 3
+    assert all(set(it["arms"]) == {"untrimmed", "trimmed@64", "oracle"} for it in blob["extra"]["per_item"])
+    assert "untrimmed" in printed and "retrieval.png" in (tmp_path / "retrieval.md").read_text()
+
+
+def test_retrieval_items_keep_the_fact_whole_and_the_mix(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from engine.config import DEFAULT_MODEL
+    from evals.retrieval import RetrievalConfig, build_item
+
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    cfg = RetrievalConfig(model=DEFAULT_MODEL)
+    for i in range(8):
+        small, big = build_item(tok, cfg, i, 4.0), build_item(tok, cfg, i, 16.0)
+        assert small.answer == big.answer and small.passages[small.fact] == big.passages[big.fact]
+        assert small.answer in small.passages[small.fact]
+        assert sum(small.answer in p for p in small.passages) == 1  # distractors come from other templates
+        assert 4 * small.relevant_tokens <= small.distractor_tokens < 4 * small.relevant_tokens + cfg.passage_tokens + 2
+        assert set(small.passages) <= set(big.passages)  # 16x extends 4x's distractors
+        assert "{passages}" in small.prompt_template and "Question: " in small.prompt_template

@@ -58,7 +58,8 @@ def app_args(model: str, long_tp: int) -> dict:
     return {
         "model": model,
         "served_model_name": "tiny",
-        "ingress": {"num_replicas": 1, "num_cpus": 0.05, "rate_limit_rps": 5.0, "rate_limit_burst": 60},
+        "ingress": {"num_replicas": 1, "num_cpus": 0.05, "rate_limit_rps": 5.0, "rate_limit_burst": 60,
+                    "max_passages": 16},
         "versions": [{"name": "v1", "weight": 1.0}, {"name": "v2", "weight": 0.0}],
         "pools": [
             {"name": "short", "max_prompt_tokens": SHORT_MAX, "timeout_s": 60, "num_cpus": 0.05,
