@@ -4,8 +4,9 @@ long pool's limit, over HTTP against a running app (the seeds' check for a non-l
     make run                                   # in another shell; note the printed key
     SINKSERVE_API_KEY=$KEY .venv/bin/python load_tests/latency_sweep.py
 
-Prompts are token ids of held-out-style text from the served model's tokenizer, so each request has
-exactly the length asked for; one warm-up request per length, then ``--repeats`` streamed greedy
+Prompts are token ids of plain text from the served model's tokenizer, so each request has exactly
+the length asked for, and no two share a first block (the prefix cache would otherwise time a cache
+hit instead of a prefill); one warm-up request per length, then ``--repeats`` streamed greedy
 requests of ``--max-tokens`` tokens, one at a time (nothing else should load the app). Writes a
 markdown table, the growth ratios and a log-log PNG.
 """
@@ -28,12 +29,20 @@ TEXT = ("The keeper of the lighthouse wrote every evening in a small book: the w
         "the water and the names of the birds that rested on the rail. ")
 
 
-def prompt_ids(tokenizer_dir: str, n: int) -> list[int]:
+def prompt_ids(tokenizer_dir: str, n: int, salt: int = 0) -> list[int]:
+    """``n`` token ids of repeated text. Each ``salt`` starts the text at another token and puts
+    salt-derived tokens first, so no two requests share a first block: the prefix cache cannot serve
+    a measured prompt from an earlier one (that would time a cache hit, not a prefill)."""
+    import random
+
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     unit = tok(TEXT, add_special_tokens=False)["input_ids"]
-    ids = (unit * (n // len(unit) + 1))[:n]
+    start = salt % len(unit)
+    ids = (unit * (n // len(unit) + 2))[start:start + n]
+    rng = random.Random(salt)
+    ids[:8] = [rng.choice(unit) for _ in range(min(8, n))]
     if tok.bos_token_id is not None:
         ids[0] = tok.bos_token_id
     return ids
@@ -92,9 +101,8 @@ def main() -> int:
     rows = []
     with httpx.Client(base_url=args.host, headers={"Authorization": f"Bearer {key}"}, timeout=1800) as c:
         for n in lengths:
-            ids = prompt_ids(args.tokenizer, n)
-            one(c, ids, 4)  # warm-up: this length's kernels and buckets
-            runs = [one(c, ids, args.max_tokens) for _ in range(args.repeats)]
+            one(c, prompt_ids(args.tokenizer, n, salt=1000), 4)  # warm-up: this length's kernels and buckets
+            runs = [one(c, prompt_ids(args.tokenizer, n, salt=i), args.max_tokens) for i in range(args.repeats)]
             ttft = statistics.median(r[0] for r in runs)
             gap = statistics.median(r[1] for r in runs)
             rows.append((n, ttft, gap))

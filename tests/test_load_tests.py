@@ -57,3 +57,6 @@ def test_sweep_prompts_have_exactly_the_length_asked_for():
     for n in (128, 1000, 4097):
         ids = prompt_ids(DEFAULT_MODEL, n)
         assert len(ids) == n and all(isinstance(t, int) for t in ids)
+    # different salts: same length, different first block (block size 16), so no prefix-cache hit
+    a, b = prompt_ids(DEFAULT_MODEL, 512, salt=1), prompt_ids(DEFAULT_MODEL, 512, salt=2)
+    assert len(a) == len(b) == 512 and a[:16] != b[:16]
