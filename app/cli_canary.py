@@ -8,7 +8,8 @@
     3. ``app.canary.decide``: promote only if the candidate retrieves as well as the stable version
        (within --max-drop) at every length with no failed request;
     4. promote: ``serve deploy`` the config with the candidate's traffic share raised step by step
-       (--steps), checking after each that the app is ready and served the step without a 5xx;
+       (--steps), checking after each that every ingress applied the weights, that probe requests
+       were all served (and by which version), that the app is ready and counted no new 5xx;
        roll back (candidate weight 0) when the evidence or a step fails. Prints the evidence.
 
 Traffic moves through the Ingress's ``user_config`` (live, no restart; ``Ingress.reconfigure``). Without
@@ -46,6 +47,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-drop", type=float, default=0.05, help="allowed drop in retrieval rate")
     p.add_argument("--steps", default="5,25,50,100", help="candidate traffic percentages, ending at 100")
     p.add_argument("--step-wait-s", type=float, default=20.0, help="traffic observed at each step before the next")
+    p.add_argument("--probe-requests", type=int, default=20, help="unpinned requests sent at each step")
     p.add_argument("--deploy", action="store_true", help="serve deploy each step (else write and print the configs)")
     p.add_argument("--report", type=Path, help="also write the evidence and decisions (markdown) here")
     p.set_defaults(run=run)
@@ -140,6 +142,27 @@ def apply_weights(args: argparse.Namespace, cfg: dict[str, Any], weights: dict[s
     return new
 
 
+def probe(url: str, key: str, n: int) -> tuple[dict[str, int], int]:
+    """``n`` small unpinned requests, as users send them: which version served each, and how many failed."""
+    import httpx
+
+    served: dict[str, int] = {}
+    failed = 0
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=120) as c:
+        for i in range(n):
+            try:
+                r = c.post("/v1/completions", json={"prompt": f"canary probe {i}: the river", "max_tokens": 4})
+            except httpx.HTTPError:
+                failed += 1
+                continue
+            if r.status_code != 200:
+                failed += 1
+                continue
+            v = r.headers.get("x-sinkserve-version", "?")
+            served[v] = served.get(v, 0) + 1
+    return served, failed
+
+
 def wait_for_weights(url: str, key: str, served: str, weights: dict[str, float], timeout_s: float = 120.0) -> bool:
     """Until 10 answers in a row from /v1/models (any ingress replica) show ``weights``."""
     import httpx
@@ -189,11 +212,13 @@ def run(args: argparse.Namespace) -> int:
             apply_weights(args, cfg, weights, f"{pct:g}")
             if args.deploy:
                 applied = wait_for_weights(args.url, key, served, weights)
+                shares, failed = probe(args.url, key, args.probe_requests)
                 time.sleep(args.step_wait_s)
                 ready = httpx.get(args.url + "/readyz", timeout=30).status_code == 200
                 new_5xx = server_errors(args.url) - before
-                lines.append(f"- step {pct:g} %: weights applied {applied}, ready {ready}, new 5xx {new_5xx:g}")
-                if not (applied and ready and new_5xx == 0):
+                lines.append(f"- step {pct:g} %: weights applied {applied}, {args.probe_requests} probe requests "
+                             f"served by {dict(sorted(shares.items()))} ({failed} failed), ready {ready}, new 5xx {new_5xx:g}")
+                if not (applied and ready and new_5xx == 0 and failed == 0):
                     lines.append(f"- step {pct:g} % failed: rolling back")
                     break
         else:
