@@ -24,6 +24,9 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from load_tests.common import start  # noqa: E402
 logger = logging.getLogger("sinkserve.sweep")
 TEXT = ("The keeper of the lighthouse wrote every evening in a small book: the wind, the ships, the colour of "
         "the water and the names of the birds that rested on the rail. ")
@@ -88,15 +91,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "latency_sweep.md")
     args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per request
-    key = os.environ.get("SINKSERVE_API_KEY", "")
-    if not key:
-        logger.error("set SINKSERVE_API_KEY (make run prints it)")
-        return 2
-    if args.host.split("//")[-1].split(":")[0] not in ("127.0.0.1", "localhost", "::1"):
-        logger.error("the sweep drives loopback servers only, got %s", args.host)
-        return 2
+    key = start(args.host, "sweep")
     lengths = [int(x) for x in args.lengths.split(",")]
     rows = []
     with httpx.Client(base_url=args.host, headers={"Authorization": f"Bearer {key}"}, timeout=1800) as c:

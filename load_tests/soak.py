@@ -38,6 +38,9 @@ import httpx
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from load_tests.common import start  # noqa: E402
 logger = logging.getLogger("sinkserve.soak")
 
 WORDS = ("the river carries light past old stone walls while the city sleeps and the market waits for "
@@ -295,16 +298,7 @@ def main() -> int:
     ap.add_argument("--server-pid", type=int, help="the app's `serve run` process (default: found by name)")
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "soak.md")
     args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per request
-    key = os.environ.get("SINKSERVE_API_KEY", "")
-    if not key:
-        logger.error("set SINKSERVE_API_KEY (make run prints it)")
-        return 2
-    host = args.host.split("//")[-1].split(":")[0]
-    if host not in ("127.0.0.1", "localhost", "::1"):
-        logger.error("the soak drives loopback servers only, got %s", args.host)
-        return 2
+    key = start(args.host, "soak")
     root = args.server_pid or server_pid()
     tally = Tally()
     samples: list[dict] = []

@@ -60,3 +60,19 @@ def test_sweep_prompts_have_exactly_the_length_asked_for():
     # different salts: same length, different first block (block size 16), so no prefix-cache hit
     a, b = prompt_ids(DEFAULT_MODEL, 512, salt=1), prompt_ids(DEFAULT_MODEL, 512, salt=2)
     assert len(a) == len(b) == 512 and a[:16] != b[:16]
+
+
+def test_load_scripts_refuse_non_loopback_hosts_and_missing_keys(monkeypatch):
+    import pytest
+
+    from load_tests.common import start
+
+    monkeypatch.delenv("SINKSERVE_API_KEY", raising=False)
+    with pytest.raises(SystemExit):
+        start("http://127.0.0.1:8000", "soak")
+    monkeypatch.setenv("SINKSERVE_API_KEY", "k")
+    assert start("http://127.0.0.1:8000", "soak") == "k"
+    assert start("http://[::1]:8000", "soak") == "k"
+    for host in ("http://10.0.0.5:8000", "http://192.168.1.2:8000", "http://example.com"):
+        with pytest.raises(SystemExit):
+            start(host, "soak")
