@@ -28,6 +28,7 @@ from app.settings import BucketSpec, PlanSpec, VersionSpec, pool_deployment_name
 from engine.errors import InvalidRequestError
 from engine.retention import text_anchor_span
 from engine.sampling_params import SamplingParams
+from engine.tokenization import tokenize_text
 
 Request = CompletionRequest | ChatCompletionRequest
 
@@ -185,13 +186,8 @@ class RateLimiter:
 
 
 def encode(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
-    """Token ids of ``text``. For a fast tokenizer, its Rust backend directly: the same ids as
-    ``tokenizer(text)["input_ids"]`` (tested) without the batching, truncation and padding logic the
-    call wraps around one prompt; this runs on the ingress's event loop for every request."""
-    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
-    if backend is None:
-        return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
-    return backend.encode(text, add_special_tokens=add_special_tokens).ids
+    """Token ids of ``text`` (fast path, and never a second BOS: ``engine/tokenization.py``)."""
+    return tokenize_text(tokenizer, text, add_special_tokens)
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> str:
@@ -245,6 +241,8 @@ def anchor_spans(request: Request, tokenizer: Any, text: str | None, num_tokens:
         if offsets is None:
             offsets = tokenizer(text, return_offsets_mapping=True,
                                 add_special_tokens=not isinstance(request, ChatCompletionRequest))["offset_mapping"]
+            if len(offsets) == num_tokens + 1:  # the tokenizer's BOS that encode() dropped (one BOS)
+                offsets = offsets[1:]
         span = text_anchor_span(text, a, offsets)
         if span is None:
             raise APIError(400, "anchor text does not occur in the prompt", param)

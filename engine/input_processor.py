@@ -16,6 +16,7 @@ from engine.cache_policy import CachePolicy
 from engine.errors import InvalidRequestError, PromptTooLongError, ProtectionCapError
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+from engine.tokenization import tokenize_text
 
 # A token range ``(start, end)`` or ``{"start": s, "end": e}``, or ``{"text": "..."}`` found in the prompt.
 Anchor = dict[str, Any] | tuple[int, int]
@@ -38,7 +39,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt", "must not be empty")
-            return list(self.tokenizer(prompt).input_ids)
+            return tokenize_text(self.tokenizer, prompt)
         ids = list(prompt)
         if not ids:
             raise InvalidRequestError("prompt", "must not be empty")
@@ -91,6 +92,8 @@ class InputProcessor:
                     raise InvalidRequestError(f"anchors[{i}]", "text anchors need a text prompt")
                 if offsets is None:
                     offsets = self.tokenizer(prompt, return_offsets_mapping=True)["offset_mapping"]
+                    if len(offsets) == len(ids) + 1:  # the tokenizer's BOS that tokenize() dropped
+                        offsets = offsets[1:]
                 span = retention.text_anchor_span(prompt, a["text"], offsets)
                 if span is None:
                     raise InvalidRequestError(f"anchors[{i}].text", "anchor text does not occur in the prompt")
