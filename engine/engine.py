@@ -104,6 +104,8 @@ class LLMEngine:
     ) -> str:
         """Validate and queue a request; it starts at the next ``step()``. Returns its id."""
         request_id = request_id or uuid.uuid4().hex
+        if params.n != 1:  # one sequence per request: n choices are n requests (app/server.py fans out)
+            raise InvalidRequestError("n", f"the engine runs one choice per request; submit {params.n} requests")
         if self.outputs.is_live(request_id):  # two live requests cannot share deltas or an abort
             raise InvalidRequestError("request_id", f"request {request_id!r} is already in flight")
         seq = self.inputs.process(request_id, prompt, params, anchors or [], self.policy, self.num_kv_blocks,
@@ -185,7 +187,10 @@ class LLMEngine:
                 inp.logits_indices.append(inp.query_start_loc[-1] - 1)
             if len(scored) or item.samples:  # what the sampler does with this sequence's rows
                 targets = tuple(seq.token_ids[scored.start + 1 : scored.stop + 1])
-                inp.sampling.append(SeqSampling(seq.request_id, seq.params, targets, item.samples))
+                # A penalized request's prompt goes to the sampler once, with its first sampled token.
+                first = item.samples and seq.params.penalized and seq.num_output_tokens == 0
+                inp.sampling.append(SeqSampling(seq.request_id, seq.params, targets, item.samples,
+                                                tuple(seq.prompt_token_ids) if first else ()))
         return inp
 
     @staticmethod
@@ -202,6 +207,7 @@ class LLMEngine:
         sampled: list[Sequence] = []
         tokens: list[int] = []
         logprobs: list[float] = []
+        tops: list[list[tuple[int, float]] | None] = []
         outputs: list[RequestOutput] = []
         k = 0
         for item in sched.scheduled:
@@ -218,13 +224,14 @@ class LLMEngine:
                 sampled.append(seq)
                 tokens.append(result.tokens[k])
                 logprobs.append(result.logprobs[k])
+                tops.append(result.top_logprobs[k] if result.top_logprobs else None)
             k += 1
         for seq in sampled:
             if seq.num_output_tokens == 0:  # this step ends its prefill
                 self.counters.prompt_tokens_total += seq.num_prompt_tokens
         self.scheduler.update_after_step(sched, tokens)
-        for seq, tok, lp in zip(sampled, tokens, logprobs):
-            out = self.outputs.on_token(seq, tok, lp, self.policy)
+        for seq, tok, lp, top in zip(sampled, tokens, logprobs, tops):
+            out = self.outputs.on_token(seq, tok, lp, self.policy, top)
             if out.finished:
                 self._finished_ids.append(seq.request_id)
             outputs.append(out)

@@ -137,7 +137,7 @@ class ModelRunner:
         self.model = self._load_model()
         self.inv_freq = self._find_inv_freq()
         # Only the rank that holds the full logits samples (rank 0; logits are all-reduced to every rank).
-        self.sampler = Sampler(self.device, config.seed) if rank == 0 else None
+        self.sampler = Sampler(self.device, config.seed, tokenizer_path=config.model) if rank == 0 else None
         self.num_kv_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         if num_kv_blocks is not None:

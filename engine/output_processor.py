@@ -55,7 +55,8 @@ class OutputProcessor:
             return None
         return self.output(seq, [], None, finished=False, prompt_logprobs=lps)
 
-    def on_token(self, seq: Sequence, tok: int, lp: float, policy: CachePolicy) -> RequestOutput:
+    def on_token(self, seq: Sequence, tok: int, lp: float, policy: CachePolicy,
+                 top: list[tuple[int, float]] | None = None) -> RequestOutput:
         """``tok`` was appended to ``seq``: count it, check stops, detokenize, and return its delta."""
         c = self.counters
         seq.output_logprobs.append(lp)
@@ -72,7 +73,7 @@ class OutputProcessor:
         if reason is not None:
             self.scheduler.finish(seq, reason)
         return self.output(seq, [tok], lp, finished=reason is not None, text=text,
-                           prompt_logprobs=self._pending_prompt_lps.pop(seq.request_id, None))
+                           prompt_logprobs=self._pending_prompt_lps.pop(seq.request_id, None), top=top)
 
     def _protect_generated(self, seq: Sequence, position: int, policy: CachePolicy) -> None:
         if len(seq.protected_positions) < policy.max_protected_tokens:
@@ -99,6 +100,7 @@ class OutputProcessor:
         finished: bool,
         text: str = "",
         prompt_logprobs: list[float] | None = None,
+        top: list[tuple[int, float]] | None = None,
     ) -> RequestOutput:
         """The delta for ``seq``; a finished one releases the request's per-request state."""
         if finished:
@@ -116,4 +118,5 @@ class OutputProcessor:
             completion_tokens=seq.num_output_tokens,
             cached_tokens=seq.num_cached_tokens,
             prompt_logprobs=prompt_logprobs,
+            top_logprobs=[top] if (seq.params.logprobs and top is not None) else None,
         )

@@ -22,6 +22,8 @@ class RequestOutput:
     completion_tokens: int
     cached_tokens: int = 0
     prompt_logprobs: list[float] | None = None  # delta: log p(prompt[i] | prompt[:i]) for new i >= 1
+    # Per token of ``token_ids``: its ``top_logprobs`` alternatives ``(id, log-prob)``, best first.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Token selection on the device that holds the logits: greedy, temperature, top-k, top-p, per-request
-seeds, chosen-token and prompt log-probs.
+seeds, chosen-token, top-k alternative and prompt log-probs; penalties, logit bias and grammar masks
+(``engine/logits_processing.py``, ``engine/grammar.py``) shape the logits before the choice.
 
 Only plain Python leaves this module (``SamplerOutput``), so under tensor parallelism the rank that
 computed the logits samples and ships token ids, never ``[B, vocab]`` logits. Every tensor a step makes
@@ -13,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.grammar import GrammarBackend
+from engine.logits_processing import LogitsProcessing
 from engine.sampling_params import SamplingParams
 
 GeneratorFactory = Callable[[torch.device, int], torch.Generator]
@@ -32,6 +35,9 @@ class SeqSampling:
     params: SamplingParams
     prompt_targets: tuple[int, ...] = ()
     samples: bool = False
+    # The prompt's ids, sent with a penalized request's first sampled token only: the sampler counts
+    # every later token itself (it chose them), so nothing grows per step.
+    prompt_token_ids: tuple[int, ...] = ()
 
     @property
     def num_rows(self) -> int:
@@ -46,6 +52,8 @@ class SamplerOutput:
     prompt_logprobs: list[list[float]] = field(default_factory=list)
     tokens: list[int | None] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
+    # The ``params.top_logprobs`` most likely tokens ``(id, log-prob)``, best first (None when not asked).
+    top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -77,13 +85,15 @@ def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    raw: torch.Tensor | None = None,
 ) -> tuple[list[int], list[float]]:
     """Pick one token per row of ``logits [B, V]``; returns the tokens and their log-probabilities.
 
-    Log-probabilities are of the model's raw distribution (before temperature and filters), so they
-    measure the model, not the sampling settings.
+    Log-probabilities are of the model's raw distribution ``raw`` (default ``logits``: before
+    penalties, bias, grammar masks, temperature and filters), so they measure the model, not the
+    sampling settings.
     """
-    logprobs = torch.log_softmax(logits, dim=-1)
+    logprobs = torch.log_softmax(logits if raw is None else raw, dim=-1)
     tokens = torch.argmax(logits, dim=-1)
     for i, p in enumerate(params):
         if p.greedy:
@@ -100,12 +110,15 @@ class Sampler:
     """Owns the step's random state on one device: a default generator (seeded ``seed``) shared by
     unseeded requests, and one generator per seeded request, kept until the request is released."""
 
-    def __init__(self, device: torch.device | str, seed: int, generator_factory: GeneratorFactory = device_generator) -> None:
+    def __init__(self, device: torch.device | str, seed: int, generator_factory: GeneratorFactory = device_generator,
+                 tokenizer_path: str | None = None, tokenizer: object = None) -> None:
         self.device = torch.device(device)
         self._make = generator_factory
         self._default: torch.Generator | None = None
         self._seed = seed
         self._generators: dict[str, torch.Generator] = {}
+        # Penalty counts and grammar matchers; the tokenizer is loaded only for the first grammar.
+        self.processing = LogitsProcessing(self.device, GrammarBackend(tokenizer_path, tokenizer))
 
     def generator_for(self, request_id: str, seed: int | None) -> torch.Generator:
         """The generator ``request_id`` samples with: its own (made on first use) or the shared one."""
@@ -120,8 +133,10 @@ class Sampler:
 
     def release(self, request_ids: Iterable[str]) -> None:
         """Forget finished requests' generators (an id used again later starts from its seed)."""
+        request_ids = list(request_ids)
         for rid in request_ids:
             self._generators.pop(rid, None)
+        self.processing.release(request_ids)
 
     @property
     def num_generators(self) -> int:
@@ -152,17 +167,39 @@ class Sampler:
         sampling = [s for s in seqs if s.samples]
         tokens: list[int] = []
         lps: list[float] = []
+        tops: list[list[tuple[int, float]] | None] = []
         if sampling:
             rows = logits[torch.tensor(sample_rows, dtype=torch.long, device=logits.device)]
-            gens = [None if s.params.greedy else self.generator_for(s.request_id, s.params.seed) for s in sampling]
-            tokens, lps = sample(rows, [s.params for s in sampling], gens)
+            params = [s.params for s in sampling]
+            gens = [None if p.greedy else self.generator_for(s.request_id, p.seed) for s, p in zip(sampling, params)]
+            shaped = rows
+            if LogitsProcessing.needed(params):
+                ids = [s.request_id for s in sampling]
+                shaped = self.processing.apply(rows, ids, params, [s.prompt_token_ids for s in sampling])
+            tokens, lps = sample(shaped, params, gens, raw=rows)
+            if shaped is not rows:
+                self.processing.accept([s.request_id for s in sampling], params, tokens)
+            tops = top_logprobs(rows, params)
         pos = 0
-        it = iter(zip(tokens, lps))
+        it = iter(zip(tokens, lps, tops))
         for s in seqs:
             n = len(s.prompt_targets)
             out.prompt_logprobs.append(flat_lps[pos : pos + n])
             pos += n
-            tok, lp = next(it) if s.samples else (None, None)
+            tok, lp, top = next(it) if s.samples else (None, None, None)
             out.tokens.append(tok)
             out.logprobs.append(lp)
+            out.top_logprobs.append(top)
         return out
+
+
+def top_logprobs(raw: torch.Tensor, params: Sequence[SamplingParams]) -> list[list[tuple[int, float]] | None]:
+    """Per row of ``raw [B, V]``: its ``top_logprobs`` most likely tokens ``(id, log-prob)``, best
+    first, or None when the row asks for none. One ``topk`` for the batch, one copy to the host."""
+    k = max((p.top_logprobs for p in params), default=0)
+    if k == 0:
+        return [None] * len(params)
+    vals, idx = torch.log_softmax(raw, dim=-1).topk(min(k, raw.shape[-1]), dim=-1)
+    vals_l, idx_l = vals.tolist(), idx.tolist()
+    return [list(zip(idx_l[i][: p.top_logprobs], vals_l[i][: p.top_logprobs])) if p.top_logprobs else None
+            for i, p in enumerate(params)]

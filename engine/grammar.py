@@ -1,0 +1,77 @@
+"""Structured output (``response_format``) through xgrammar, on the sampling rank.
+
+Why xgrammar (not llguidance): one pip wheel with a Hugging Face tokenizer adapter, a compiled-grammar
+cache, and ``apply_token_bitmask_inplace`` kernels for both CPU and CUDA logits -- so the mask is
+applied where the logits are, batched over the rows that carry a grammar; it is also what vLLM and
+SGLang use by default, so its JSON-schema coverage is the one clients already meet there.
+
+Per request the sampler keeps one ``GrammarMatcher``; each step it fills that request's row of a
+packed bitmask (CPU, 1 bit per token), the bitmask moves to the logits' device once, and the
+disallowed tokens become ``-inf`` before the choice. The sampled token then advances the matcher.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from engine.sampling_params import StructuredOutput
+
+logger = logging.getLogger(__name__)
+
+JSON_OBJECT = '{"type": "object"}'
+
+
+class GrammarBackend:
+    """Compiles ``StructuredOutput``s for one tokenizer (lazily loaded from ``tokenizer_path``) and
+    masks logits rows with the matchers' allowed tokens."""
+
+    def __init__(self, tokenizer_path: str | None, tokenizer: Any = None) -> None:
+        self._path = tokenizer_path
+        self._tokenizer = tokenizer
+        self._compiler: Any = None
+        self._vocab_size: int | None = None
+
+    def _compiler_for(self, vocab_size: int) -> Any:
+        import xgrammar as xgr
+
+        if self._compiler is None or self._vocab_size != vocab_size:
+            tok = self._tokenizer
+            if tok is None:
+                if self._path is None:
+                    raise ValueError("structured output needs the model's tokenizer; the sampler has none")
+                from transformers import AutoTokenizer
+
+                tok = self._tokenizer = AutoTokenizer.from_pretrained(self._path, local_files_only=True)
+            info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            self._vocab_size = vocab_size
+        return self._compiler
+
+    def matcher(self, so: StructuredOutput, vocab_size: int) -> Any:
+        """A fresh matcher for one request (compiled grammars are cached by the compiler)."""
+        import xgrammar as xgr
+
+        compiler = self._compiler_for(vocab_size)
+        # json_object is OpenAI's "some JSON object" (the builtin JSON grammar would allow arrays too).
+        # Compact JSON: a random or weak model could otherwise pad with whitespace forever.
+        schema = JSON_OBJECT if so.kind == "json_object" else so.schema
+        compiled = compiler.compile_json_schema(schema, any_whitespace=False)
+        return xgr.GrammarMatcher(compiled)
+
+    @staticmethod
+    def apply(logits: torch.Tensor, matchers: Sequence[Any], rows: torch.Tensor) -> None:
+        """Mask ``logits[rows[i]]`` in place with what ``matchers[i]`` allows next (``rows`` on the
+        logits' device; the packed bitmask is filled on the CPU and copied there once)."""
+        import xgrammar as xgr
+
+        vocab = logits.shape[-1]
+        bitmask = xgr.allocate_token_bitmask(len(matchers), vocab)
+        for i, m in enumerate(matchers):
+            m.fill_next_token_bitmask(bitmask, i)
+        sub = logits.index_select(0, rows)
+        xgr.apply_token_bitmask_inplace(sub, bitmask.to(logits.device), vocab_size=vocab)
+        logits.index_copy_(0, rows, sub)
