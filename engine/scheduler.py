@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine import retention
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, hash_block
 from engine.cache_policy import CachePolicy
 from engine.sequence import Sequence, SequenceStatus
 
@@ -139,15 +139,20 @@ class Scheduler:
             scheduled_ids.add(id(seq))
             budget -= n
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
-            seq = self.waiting[0]
+        pending = self._pending_block_hashes()
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            seq = self.waiting[i]
             hits = self.bm.match_prefix(seq.token_ids)
+            if pending and self._next_block_hash(seq, len(hits), self.bm.block_hashes[hits[-1]] if hits else None) in pending:
+                i += 1  # its twin is computing that block right now: wait for it, then share it
+                continue
             cached = len(hits) * self.bm.block_size
             n = min(seq.num_tokens - cached, budget)
             need = self.bm.num_hits_in_free_queue(hits) + self.bm.blocks_for_tokens(cached + n) - len(hits)
             if need > self.bm.num_free_blocks:
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             self.bm.take_prefix(seq, hits)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -156,7 +161,33 @@ class Scheduler:
             out.scheduled.append(ScheduledSequence(seq, n))
             scheduled_ids.add(id(seq))
             budget -= n
+            if self.bm.enable_prefix_caching:
+                h = self._next_block_hash(seq, seq.num_hashed_blocks, seq.last_block_hash)
+                if h is not None:
+                    pending.add(h)
         return out
+
+    def _next_block_hash(self, seq: Sequence, index: int, parent: int | None) -> int | None:
+        """Hash of ``seq``'s block ``index`` (chained on ``parent``) if its tokens fill it and the
+        prefix cache can still take it (no block of ``seq`` was evicted); else None."""
+        bs = self.bm.block_size
+        if seq.num_evicted_blocks or (index + 1) * bs > seq.num_tokens - 1:
+            return None
+        return hash_block(parent, seq.token_ids[index * bs : (index + 1) * bs])
+
+    def _pending_block_hashes(self) -> set[int | None]:
+        """The next full block each running prefill will commit to the prefix cache.
+
+        A waiting sequence whose first uncached block is one of these waits (others go ahead), so
+        ``n`` copies of one prompt submitted together -- or any burst sharing a long prefix -- compute
+        it once and share its blocks, instead of each prefilling the same tokens in the same step.
+        The wait lasts at most the twin's prefill: one that is preempted or evicts leaves the set.
+        """
+        if not self.bm.enable_prefix_caching:
+            return set()
+        pending = {self._next_block_hash(s, s.num_hashed_blocks, s.last_block_hash) for s in self.running if s.in_prefill}
+        pending.discard(None)
+        return pending
 
     def _make_room(self, seq: Sequence, need: int, scheduled_ids: set[int], out: SchedulerOutput) -> bool:
         """Preempt until ``need`` blocks are free. Returns False if ``seq`` itself had to go."""
