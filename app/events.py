@@ -63,6 +63,14 @@ class TokenDelta:
     prompt_tokens: int
     completion_tokens: int
     tokens: tuple[str, ...] | None = None  # token strings, filled by the pool when logprobs are asked
+    # Which of the request's ``n`` choices this delta belongs to. With n > 1 a choice ends at the delta
+    # with its ``finish_reason``; ``finished`` marks the request's last delta (all choices done), and
+    # ``completion_tokens`` counts this choice's tokens.
+    index: int = 0
+    # Per token: its ``top_logprobs`` alternatives ``(token string, log-prob)``, best first.
+    top_logprobs: tuple[tuple[tuple[str, float], ...], ...] | None = None
+    # log p(prompt[i] | prompt[:i]) for i >= 1, when the request echoes its prompt with logprobs.
+    prompt_logprobs: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from app.errors import APIError
@@ -82,24 +82,69 @@ class LLMServer:
         await self.outbox.drain(req.reply_to)
 
     async def _deltas(self, req: PoolRequest) -> Any:
+        """The request's deltas; ``n > 1`` fans out to ``n`` engine requests (``<id>.<i>``, seeds
+        ``seed + i``) submitted together, so the engine prefills the shared prompt once
+        (engine/scheduler.py waits a copy on its twin's blocks) and each choice keeps its own index."""
         params = req.params
-        gen = self.engine.generate(list(req.prompt_token_ids), params, request_id=req.request_id,
-                                   anchors=list(req.anchors) or None)
         # Only requests that want logprobs touch the tokenizer (an engine process loads its copy here
         # on first use).
         tok = self.engine.tokenizer if params.logprobs else None
-        async for out in gen:
-            yield TokenDelta(
-                text=out.text,
-                token_ids=tuple(out.token_ids),
-                logprobs=tuple(out.logprobs) if out.logprobs is not None else None,
-                finished=out.finished,
-                finish_reason=out.finish_reason,
-                prompt_tokens=out.prompt_tokens,
-                completion_tokens=out.completion_tokens,
-                # Token strings for OpenAI logprobs, only when asked (the engine has the tokenizer).
-                tokens=tuple(tok.convert_ids_to_tokens(list(out.token_ids))) if tok is not None else None,
-            )
+        if params.n == 1:
+            gen = self.engine.generate(list(req.prompt_token_ids), params, request_id=req.request_id,
+                                       anchors=list(req.anchors) or None)
+            async for out in gen:
+                yield self._delta(out, tok, 0, out.finished)
+            return
+        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+        async def run(i: int) -> None:
+            seed = None if params.seed is None else (params.seed + i) % 2**63
+            try:
+                gen = self.engine.generate(list(req.prompt_token_ids), replace(params, n=1, seed=seed),
+                                           request_id=f"{req.request_id}.{i}", anchors=list(req.anchors) or None)
+                async for out in gen:
+                    queue.put_nowait((i, out))
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:  # noqa: BLE001 - re-raised by the consumer
+                queue.put_nowait((i, e))
+
+        tasks = [asyncio.get_running_loop().create_task(run(i)) for i in range(params.n)]
+        try:
+            open_choices = set(range(params.n))
+            while open_choices:
+                i, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    open_choices.discard(i)
+                yield self._delta(item, tok, i, not open_choices)
+        finally:
+            for t in tasks:
+                t.cancel()  # closes the choices' engine streams: unfinished ones are aborted
+
+    @staticmethod
+    def _delta(out: Any, tok: Any, index: int, last: bool) -> TokenDelta:
+        """One engine ``RequestOutput`` of choice ``index`` as a ``TokenDelta`` (``last``: the
+        request's final delta)."""
+        tops = None
+        if tok is not None and out.top_logprobs is not None:
+            tops = tuple(tuple(zip(tok.convert_ids_to_tokens([t for t, _ in alts]), (lp for _, lp in alts)))
+                         for alts in out.top_logprobs)
+        return TokenDelta(
+            text=out.text,
+            token_ids=tuple(out.token_ids),
+            logprobs=tuple(out.logprobs) if out.logprobs is not None else None,
+            finished=last,
+            finish_reason=out.finish_reason,
+            prompt_tokens=out.prompt_tokens,
+            completion_tokens=out.completion_tokens,
+            # Token strings for OpenAI logprobs, only when asked (the engine has the tokenizer).
+            tokens=tuple(tok.convert_ids_to_tokens(list(out.token_ids))) if tok is not None else None,
+            index=index,
+            top_logprobs=tops,
+            prompt_logprobs=tuple(out.prompt_logprobs) if out.prompt_logprobs else None,
+        )
 
     # ---- control path ---------------------------------------------------------------------------
 

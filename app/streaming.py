@@ -46,9 +46,15 @@ def merge_deltas(a: TokenDelta, b: TokenDelta) -> TokenDelta:
     >>> m = merge_deltas(a, b); (m.text, m.token_ids, m.finished, m.completion_tokens)
     ('hello', (1, 2), True, 2)
     """
-    lp = None if a.logprobs is None and b.logprobs is None else (a.logprobs or ()) + (b.logprobs or ())
-    toks = None if a.tokens is None and b.tokens is None else (a.tokens or ()) + (b.tokens or ())
-    return replace(b, text=a.text + b.text, token_ids=a.token_ids + b.token_ids, logprobs=lp, tokens=toks)
+    if a.index != b.index:
+        raise ValueError(f"cannot merge deltas of choices {a.index} and {b.index}")
+
+    def cat(x: tuple | None, y: tuple | None) -> tuple | None:
+        return None if x is None and y is None else (x or ()) + (y or ())
+
+    return replace(b, text=a.text + b.text, token_ids=a.token_ids + b.token_ids, logprobs=cat(a.logprobs, b.logprobs),
+                   tokens=cat(a.tokens, b.tokens), top_logprobs=cat(a.top_logprobs, b.top_logprobs),
+                   prompt_logprobs=cat(a.prompt_logprobs, b.prompt_logprobs))
 
 
 async def coalesced(source: AsyncIterator[T], timeout_s: float | None = None) -> AsyncIterator[T]:
@@ -80,8 +86,10 @@ async def coalesced(source: AsyncIterator[T], timeout_s: float | None = None) ->
             while (
                 isinstance(item, TokenDelta)
                 and not item.finished
+                and item.finish_reason is None  # a choice that ended (n > 1) stays its own delta
                 and not queue.empty()
                 and isinstance(queue._queue[0], TokenDelta)  # noqa: SLF001 - peek, single consumer
+                and queue._queue[0].index == item.index  # noqa: SLF001 - deltas of one choice only
             ):
                 item = merge_deltas(item, queue.get_nowait())
             if item is _END:
