@@ -43,14 +43,21 @@ def model_max_len(model_dir: str) -> int | None:
     return cfg.get("max_position_embeddings")
 
 
+def engine_limit(pool: PoolArgs, model_len: int | None) -> int | None:
+    """The token limit (prompt + output) of the pool's engine: ``max_stream_tokens`` for a
+    sliding-window pool, which streams far past its model length, else ``max_model_len`` (the
+    pool's own, else the model's)."""
+    from engine.config_io import cache_policy_from_dict
+
+    policy = cache_policy_from_dict(pool.cache_policy)
+    return policy.max_stream_tokens if policy.evicts else (pool.engine.get("max_model_len") or model_len)
+
+
 def clamp_pool(pool: PoolArgs, model_len: int | None) -> PoolArgs:
     """A bucket cannot accept prompts its engine would refuse: cap ``max_prompt_tokens`` at the
     engine's limit less one token for the output. That limit is ``max_model_len`` (the pool's own,
     else the model's), or ``max_stream_tokens`` for a sliding-window pool, which streams far past it."""
-    from engine.config_io import cache_policy_from_dict
-
-    policy = cache_policy_from_dict(pool.cache_policy)
-    limit = policy.max_stream_tokens if policy.evicts else (pool.engine.get("max_model_len") or model_len)
+    limit = engine_limit(pool, model_len)
     if limit is None or pool.max_prompt_tokens < limit:
         return pool
     logger.warning("pool %s: max_prompt_tokens %d capped to %d (engine limit %d)", pool.name,
@@ -146,7 +153,8 @@ def build_app(args: AppArgs) -> Application:
             logger.info("pool %s: model %s, tp=%d on %s, weight %g", spec.deployment_name, v.model,
                         pool.tensor_parallel_size, device, v.weight)
     plan = PlanSpec(
-        buckets=tuple(BucketSpec(p.name, p.max_prompt_tokens, p.timeout_s, tuple(p.versions) if p.versions is not None else None)
+        buckets=tuple(BucketSpec(p.name, p.max_prompt_tokens, p.timeout_s, tuple(p.versions) if p.versions is not None else None,
+                                 engine_limit(p, model_len))
                       for p in pool_args),
         versions=versions,
         rate_limit_rps=args.ingress.rate_limit_rps,

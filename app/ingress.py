@@ -25,26 +25,17 @@ from app.errors import APIError, from_validation_error
 from app.events import RouteInfo, TokenDelta
 from app.planner import Planner
 from app.replica import data_path_handle, node_address, push_forever, replica_tag
+from app.responses import Choices, Echo
 from app.schemas import (
-    AssistantMessage,
-    ChatChoice,
-    ChatChoiceLogprobs,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatDelta,
-    ChatLogprob,
-    CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
-    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
-    PassageScoreModel,
-    PassagesModel,
-    RouteInfoModel,
-    Usage,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
     new_request_id,
 )
 from app.settings import IngressSpec
@@ -67,31 +58,12 @@ def _route_headers(info: RouteInfo) -> dict[str, str]:
     return {"x-sinkserve-pool": info.pool, "x-sinkserve-version": info.version, "x-sinkserve-request-id": info.request_id}
 
 
-def _route_model(info: RouteInfo) -> RouteInfoModel:
-    """The response's ``sinkserve`` object; ``passages`` only when the request sent passages."""
-    passages = None
-    if (r := info.passages) is not None:
-        passages = PassagesModel(
-            scorer=r.scorer, budget=r.budget, tokens_kept=r.tokens_kept, tokens_saved=r.tokens_saved, pinned=r.pinned,
-            kept=[PassageScoreModel(id=p.id, score=p.score, tokens=p.tokens) for p in r.kept],
-            dropped=[PassageScoreModel(id=p.id, score=p.score, tokens=p.tokens) for p in r.dropped],
-        )
-    return RouteInfoModel(pool=info.pool, version=info.version, deployment=info.deployment,
-                          prompt_tokens=info.prompt_tokens, passages=passages)
-
-
-class _Accumulator:
-    """Collects a stream into one response and times it (TTFT / ITL / end-to-end)."""
+class _Timing:
+    """Times a stream (TTFT / ITL / end-to-end) for the metrics."""
 
     def __init__(self, t0: float) -> None:
         self.t0 = t0
         self.last: float | None = None
-        self.text: list[str] = []
-        self.tokens: list[str] = []
-        self.logprobs: list[float] = []
-        self.finish_reason: str | None = None
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
         self.ttft: float | None = None
         self.itl: list[float] = []
 
@@ -108,18 +80,6 @@ class _Accumulator:
                 # gap so ITL stays per token: one sample per token after the first.
                 self.itl.extend([(now - self.last) / n] * n)
             self.last = now
-        self.text.append(d.text)
-        if d.logprobs is not None:
-            self.logprobs.extend(d.logprobs)
-            self.tokens.extend(d.tokens or [""] * len(d.logprobs))
-        self.prompt_tokens = d.prompt_tokens
-        self.completion_tokens = d.completion_tokens
-        if d.finished:
-            self.finish_reason = d.finish_reason
-
-    def usage(self) -> Usage:
-        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
-                     total_tokens=self.prompt_tokens + self.completion_tokens)
 
 
 @serve.ingress(api)
@@ -203,6 +163,41 @@ class Ingress:
     async def chat_completions(self, request: Request) -> Response:
         return await self._serve(request, ChatCompletionRequest)
 
+    @api.post("/tokenize")
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's ``/tokenize``: ``{"prompt": ...}`` or ``{"messages": [...]}`` -> ids and count."""
+        key = self._authorize(request)
+        raw = await request.body()
+        try:
+            chat = isinstance(json.loads(raw), dict) and "messages" in json.loads(raw)
+        except ValueError:
+            chat = False
+        try:
+            body = (TokenizeChatRequest if chat else TokenizeCompletionRequest).model_validate_json(raw)
+        except ValidationError as e:
+            raise from_validation_error(e)
+        self.planner.limiter.check(key, time.monotonic())
+        version = self._tokenizer_version(body.model)
+        out: TokenizeResponse = self.planner.tokenize_only(body, version)
+        return JSONResponse(out.model_dump(exclude_none=True))
+
+    @api.post("/detokenize")
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's ``/detokenize``: ``{"tokens": [...]}`` -> ``{"prompt": text}``."""
+        key = self._authorize(request)
+        try:
+            body = DetokenizeRequest.model_validate_json(await request.body())
+        except ValidationError as e:
+            raise from_validation_error(e)
+        self.planner.limiter.check(key, time.monotonic())
+        version = self._tokenizer_version(body.model)
+        return JSONResponse(DetokenizeResponse(prompt=self.planner.detokenize(body.tokens, version)).model_dump())
+
+    def _tokenizer_version(self, model: str | None) -> Any:
+        """The version whose tokenizer answers: the pinned one (``name@version``), else the first
+        version with traffic (versions normally share a tokenizer)."""
+        return self.planner._version(self._pinned_version(model), 0.0)
+
     # ---- Python callers (Ray handles) -----------------------------------------------------------
 
     async def generate(
@@ -211,7 +206,7 @@ class Ingress:
         """Stream events for a handle caller (inside the cluster, so no bearer token): ``RouteInfo``,
         then ``TokenDelta``s; or an ``APIError`` (first, or after some deltas). See docs/handle_example.py."""
         try:
-            plan = self.planner.plan(request, None, request_id, self._pinned_version(request))
+            plan = self.planner.plan(request, None, request_id, self._pinned_version(request.model))
         except APIError as e:
             yield e
             return
@@ -227,14 +222,14 @@ class Ingress:
             self.metrics.count("none", 401)
             raise APIError(401, str(e), None, "authentication_error")
 
-    def _pinned_version(self, body: CompletionRequest | ChatCompletionRequest) -> str | None:
+    def _pinned_version(self, model: str | None) -> str | None:
         """``model`` may be absent, the served name, or ``name@version`` to pin a version."""
-        if body.model is None or body.model == self.spec.served_model_name:
+        if model is None or model == self.spec.served_model_name:
             return None
-        name, sep, version = body.model.partition("@")
+        name, sep, version = model.partition("@")
         if sep and name == self.spec.served_model_name and version in self.spec.versions:
             return version
-        raise APIError(404, f"model {body.model!r} does not exist; see GET /v1/models", "model", "model_not_found")
+        raise APIError(404, f"model {model!r} does not exist; see GET /v1/models", "model", "model_not_found")
 
     async def _serve(self, request: Request, cls: type) -> Response:
         t0 = time.perf_counter()
@@ -246,7 +241,7 @@ class Ingress:
             self.metrics.count("none", 400)
             raise from_validation_error(e)
         try:
-            pinned = self._pinned_version(body)
+            pinned = self._pinned_version(body.model)
         except APIError as e:
             self.metrics.count("none", e.status)
             raise
@@ -271,13 +266,13 @@ class Ingress:
         assert isinstance(first, RouteInfo)
         if body.stream:
             return StreamingResponse(
-                self._sse(gen, first, body, chat, t0),
+                self._sse(gen, first, body, chat, t0, plan.request.prompt_token_ids),
                 media_type="text/event-stream",
                 headers={**_route_headers(first), "Cache-Control": "no-cache"},
             )
-        return await self._unary(gen, first, body, chat, t0)
+        return await self._unary(gen, first, body, chat, t0, plan.request.prompt_token_ids)
 
-    def _record(self, pool: str, status: int, acc: _Accumulator) -> None:
+    def _record(self, pool: str, status: int, acc: _Timing) -> None:
         self.metrics.count(pool, status)
         if acc.ttft is not None:
             self.metrics.ttft[pool].observe(acc.ttft)
@@ -285,47 +280,44 @@ class Ingress:
             self.metrics.itl[pool].observe(gap)
         self.metrics.e2e[pool].observe(time.perf_counter() - acc.t0)
 
-    async def _unary(self, gen: Any, info: RouteInfo, body: Any, chat: bool, t0: float) -> Response:
-        acc = _Accumulator(t0)
+    def _choices(self, body: Any, info: RouteInfo, prompt_ids: tuple[int, ...]) -> Choices:
+        echo = None
+        if isinstance(body, CompletionRequest) and body.echo:
+            tok = self.planner.tokenizers[self._model_of(info.version)]
+            text = body.prompt if isinstance(body.prompt, str) else tok.decode(list(prompt_ids))
+            toks = tuple(tok.convert_ids_to_tokens(list(prompt_ids))) if body.wants_logprobs() else ()
+            echo = Echo(text, toks)
+        return Choices(body, info, body.model or self.spec.served_model_name, echo)
+
+    def _model_of(self, version: str) -> str:
+        return next(v.model for v in self.spec.plan.versions if v.name == version)
+
+    async def _unary(self, gen: Any, info: RouteInfo, body: Any, chat: bool, t0: float,
+                     prompt_ids: tuple[int, ...] = ()) -> Response:
+        acc = _Timing(t0)
+        choices = self._choices(body, info, prompt_ids)
         try:
             async for ev in gen:
                 if isinstance(ev, APIError):
                     self.metrics.count(info.pool, ev.status)
                     raise ev
                 acc.add(ev)
+                choices.add(ev)
         except asyncio.CancelledError:
             self.metrics.count(info.pool, 499)  # client went away; stream_plan cancels the pool call
             raise
         self._record(info.pool, 200, acc)
-        route = _route_model(info)
-        text = "".join(acc.text)
-        model = body.model or self.spec.served_model_name
-        if chat:
-            lp = None
-            if body.wants_logprobs():
-                lp = ChatChoiceLogprobs(content=[ChatLogprob(token=t, logprob=v) for t, v in zip(acc.tokens, acc.logprobs)])
-            resp: Any = ChatCompletionResponse(
-                id=info.request_id, model=model, usage=acc.usage(), sinkserve=route,
-                choices=[ChatChoice(message=AssistantMessage(content=text), logprobs=lp, finish_reason=acc.finish_reason)],
-            )
-        else:
-            lp = CompletionLogprobs(tokens=acc.tokens, token_logprobs=acc.logprobs) if body.wants_logprobs() else None
-            resp = CompletionResponse(
-                id=info.request_id, model=model, usage=acc.usage(), sinkserve=route,
-                choices=[CompletionChoice(text=text, logprobs=lp, finish_reason=acc.finish_reason)],
-            )
-        return JSONResponse(json.loads(resp.model_dump_json()), headers=_route_headers(info))
+        return JSONResponse(json.loads(choices.response().model_dump_json()), headers=_route_headers(info))
 
-    async def _sse(self, gen: Any, info: RouteInfo, body: Any, chat: bool, t0: float) -> AsyncIterator[bytes]:
-        acc = _Accumulator(t0)
-        model = body.model or self.spec.served_model_name
-        route = _route_model(info)
+    async def _sse(self, gen: Any, info: RouteInfo, body: Any, chat: bool, t0: float,
+                   prompt_ids: tuple[int, ...] = ()) -> AsyncIterator[bytes]:
+        acc = _Timing(t0)
+        choices = self._choices(body, info, prompt_ids)
         status = 200
         finished = False
         try:
-            if chat:
-                yield sse_event(ChatCompletionChunk(id=info.request_id, model=model, sinkserve=route,
-                                                    choices=[ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))]))
+            for first in choices.first_chunks():
+                yield sse_event(first)
             async for ev in gen:
                 if isinstance(ev, APIError):
                     # Headers are gone already; the error travels as a final SSE event.
@@ -333,31 +325,14 @@ class Ingress:
                     yield sse_event(ev.body())
                     break
                 acc.add(ev)
-                usage = acc.usage() if ev.finished else None
-                n = len(ev.logprobs) if ev.logprobs is not None else 0
-                if chat:
-                    lp = None
-                    if body.wants_logprobs() and ev.logprobs is not None:
-                        lp = ChatChoiceLogprobs(content=[ChatLogprob(token=t, logprob=v) for t, v in
-                                                         zip(acc.tokens[-n:] if n else [], ev.logprobs)])
-                    chunk: Any = ChatCompletionChunk(
-                        id=info.request_id, model=model, usage=usage,
-                        choices=[ChatChunkChoice(delta=ChatDelta(content=ev.text), logprobs=lp,
-                                                 finish_reason=ev.finish_reason if ev.finished else None)],
-                    )
-                else:
-                    lp = None
-                    if body.wants_logprobs() and ev.logprobs is not None:
-                        lp = CompletionLogprobs(tokens=acc.tokens[-n:] if n else [], token_logprobs=list(ev.logprobs))
-                    chunk = CompletionResponse(
-                        id=info.request_id, model=model, usage=usage,
-                        sinkserve=route if ev.finished else None,
-                        choices=[CompletionChoice(text=ev.text, logprobs=lp,
-                                                  finish_reason=ev.finish_reason if ev.finished else None)],
-                    )
-                yield sse_event(chunk)
+                choices.add(ev)
+                chunk = choices.chunk(ev)
+                if chunk is not None:
+                    yield sse_event(chunk)
                 if ev.finished:
                     finished = True
+                    if body.include_usage():
+                        yield sse_event(choices.usage_chunk())
                     break
             yield DONE
         except (asyncio.CancelledError, GeneratorExit):

@@ -14,6 +14,7 @@ buckets) and runs inside every ingress replica::
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import random
 import time
@@ -23,11 +24,12 @@ from typing import Any, Sequence
 from app.errors import APIError
 from app.events import PoolRequest, RouteInfo, RoutePlan
 from app.passages import Trimmed, pinned_token_ranges, trim_passages
-from app.schemas import ChatCompletionRequest, CompletionRequest, TokenRange, new_request_id
+from app.schemas import (ChatCompletionRequest, CompletionRequest, TokenizeChatRequest, TokenizeResponse, TokenRange,
+                         new_request_id)
 from app.settings import BucketSpec, PlanSpec, VersionSpec, pool_deployment_name
 from engine.errors import InvalidRequestError
 from engine.retention import text_anchor_span
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutput
 from engine.tokenization import tokenize_text
 
 Request = CompletionRequest | ChatCompletionRequest
@@ -198,11 +200,34 @@ def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> str:
     return "\n".join(lines) + "\nassistant:"
 
 
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def structured_output(request: Request) -> StructuredOutput | None:
+    """The grammar ``response_format`` asks for (None for ``text`` or no format)."""
+    rf = request.response_format
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return StructuredOutput("json_object")
+    assert rf.json_schema is not None  # the schema model requires it
+    return StructuredOutput("json_schema", json.dumps(rf.json_schema.schema_))
+
+
 def sampling_params(request: Request, vocab_size: int | None = None) -> SamplingParams:
-    """The engine's ``SamplingParams`` for ``request``, validated (a 400 names the field)."""
+    """The engine's ``SamplingParams`` for ``request``, validated (a 400 names the field).
+
+    ``max_tokens`` is ``max_completion_tokens``, else ``max_tokens``, else 16 here; for chat without
+    either, :meth:`Planner.plan` replaces it with what is left of the pool's context.
+    """
     ext = request.sinkserve
+    if isinstance(request, ChatCompletionRequest) and request.top_logprobs and not request.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    if isinstance(request, CompletionRequest) and request.best_of is not None and request.best_of != request.n:
+        raise APIError(400, "best_of other than n is not supported (choices are not ranked)", "best_of")
+    echo_logprobs = isinstance(request, CompletionRequest) and request.echo and request.wants_logprobs()
     params = SamplingParams(
-        max_tokens=request.max_tokens,
+        max_tokens=request.requested_max_tokens() or DEFAULT_COMPLETION_MAX_TOKENS,
         temperature=request.temperature,
         top_p=request.top_p,
         top_k=max(0, request.top_k),
@@ -210,12 +235,30 @@ def sampling_params(request: Request, vocab_size: int | None = None) -> Sampling
         stop=tuple(request.stop_list()),
         logprobs=request.wants_logprobs(),
         ignore_eos=bool(ext and ext.ignore_eos),
+        prompt_logprobs=echo_logprobs,
+        n=request.n,
+        top_logprobs=request.num_top_logprobs() if request.wants_logprobs() else 0,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        repetition_penalty=request.repetition_penalty,
+        logit_bias=tuple(sorted((int(k), float(v)) for k, v in (request.logit_bias or {}).items())),
+        structured_output=structured_output(request),
     )
     try:
         params.validate(vocab_size)
     except InvalidRequestError as e:
         raise APIError.from_engine(e) from None
     return params
+
+
+def default_max_tokens(request: Request, bucket: BucketSpec, num_prompt_tokens: int) -> int | None:
+    """Chat without ``max_tokens``/``max_completion_tokens``: the rest of the pool's context (None
+    when the request set a limit, or for completions, whose default stays OpenAI's 16)."""
+    if not isinstance(request, ChatCompletionRequest) or request.requested_max_tokens() is not None:
+        return None
+    if bucket.max_model_len is None:
+        return None
+    return max(1, bucket.max_model_len - num_prompt_tokens)
 
 
 def anchor_spans(request: Request, tokenizer: Any, text: str | None, num_tokens: int) -> tuple[tuple[int, int], ...]:
@@ -270,6 +313,8 @@ class Planner:
         for v in spec.versions:
             if v.model not in self.tokenizers:
                 self.tokenizers[v.model] = AutoTokenizer.from_pretrained(v.model)
+        # Token ids a request may name (logit_bias, /detokenize): the tokenizer's full size.
+        self.vocab_sizes = {m: len(t) for m, t in self.tokenizers.items()}
         self.limiter = RateLimiter(spec.rate_limit_rps, spec.rate_limit_burst)
         self._rng = random.Random()
 
@@ -309,6 +354,31 @@ class Planner:
             raise APIError(400, "prompt is empty", "prompt" if isinstance(request, CompletionRequest) else "messages")
         return ids, text
 
+    def tokenize_only(self, body: Any, version: VersionSpec) -> TokenizeResponse:
+        """``/tokenize``: the ids a prompt (or chat, rendered with the template) has for ``version``."""
+        tok = self.tokenizers[version.model]
+        if isinstance(body, TokenizeChatRequest):
+            messages = [m.model_dump() for m in body.messages]
+            if getattr(tok, "chat_template", None):
+                text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=body.add_generation_prompt)
+            else:
+                text = render_chat(tok, messages)
+        else:
+            text = body.prompt
+        ids = encode(tok, text, add_special_tokens=body.add_special_tokens) if text else []
+        limits = [b.max_model_len for b in self.spec.buckets if b.max_model_len is not None]
+        max_len = max(limits) if limits else max(b.max_prompt_tokens for b in self.spec.buckets) + 1
+        strs = list(tok.convert_ids_to_tokens(ids)) if body.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=max_len, tokens=ids, token_strs=strs)
+
+    def detokenize(self, ids: list[int], version: VersionSpec) -> str:
+        """``/detokenize``: the text of ``ids`` (special tokens kept, as vLLM does)."""
+        vocab = self.vocab_sizes[version.model]
+        bad = [t for t in ids if t >= vocab]
+        if bad:
+            raise APIError(400, f"token ids must be in [0, {vocab}), got {bad[:5]}", "tokens")
+        return self.tokenizers[version.model].decode(ids)
+
     def plan(self, request: Request, api_key: str | None = None, request_id: str | None = None,
              pinned_version: str | None = None) -> RoutePlan:
         """Decide where ``request`` goes and what the pool receives; raises ``APIError`` if refused."""
@@ -332,6 +402,12 @@ class Planner:
         version = other
         tok = self.tokenizers[version.model]
         anchors = anchor_spans(request, tok, text, len(ids)) + passage_anchor_spans(trimmed, request, tok, text)
+        max_tokens = default_max_tokens(request, bucket, len(ids))
+        if max_tokens is not None:
+            params = replace(params, max_tokens=max_tokens)
+        vocab = self.vocab_sizes.get(version.model)
+        if params.logit_bias and vocab is not None and params.logit_bias[-1][0] >= vocab:
+            raise APIError(400, f"token id {params.logit_bias[-1][0]} is outside the vocabulary [0, {vocab})", "logit_bias")
         name = pool_deployment_name(bucket.name, version.name)
         preq = PoolRequest(request_id, tuple(ids), params, anchors, bucket.timeout_s)
         report = trimmed.report if trimmed else None

@@ -12,7 +12,9 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer, model_validator
+
+from engine.sampling_params import MAX_LOGIT_BIAS, MAX_N, MAX_TOP_LOGPROBS
 
 
 class TokenRange(BaseModel):
@@ -69,19 +71,59 @@ class SinkserveExtension(BaseModel):
     passage_scorer: Literal["bm25"] = "bm25"
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False  # a last chunk with no choices and the request's usage
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    # ``schema`` shadows a BaseModel attribute, hence the alias.
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` or ``json_schema``,
+    enforced by a grammar mask in the sampler (engine/grammar.py)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("json_schema is required when type is 'json_schema'")
+        return self
+
+
 class _RequestBase(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: int = Field(16, ge=1)
+    # None: completions get OpenAI's 16; chat gets what is left of the pool's context (app/planner.py).
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name; wins over max_tokens
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1)  # -1 and 0 both mean "off"
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    # Token id (as a string, as OpenAI sends it) -> bias in [-100, 100].
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    # Accepted and ignored: they change nothing about the output.
     user: str | None = None
-    n: int = Field(1, ge=1, le=1)
+    metadata: dict[str, Any] | None = None
     sinkserve: SinkserveExtension | None = None
 
     @field_validator("stop")
@@ -96,19 +138,46 @@ class _RequestBase(BaseModel):
             raise ValueError("stop string must not be empty")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is None:
+            return v
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries")
+        for key, bias in v.items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids (non-negative integers as strings), got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"biases must be in [-100, 100], got {bias} for token {key}")
+        return v
+
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def requested_max_tokens(self) -> int | None:
+        """``max_completion_tokens`` if given, else ``max_tokens`` (None: the endpoint's default)."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
     def wants_logprobs(self) -> bool:
+        raise NotImplementedError
+
+    def num_top_logprobs(self) -> int:
         raise NotImplementedError
 
 
 class CompletionRequest(_RequestBase):
     prompt: str | list[int]
-    logprobs: int | None = Field(None, ge=0, le=5)
-    echo: Literal[False] = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    # Refused when set (400 naming the field), never silently dropped.
+    suffix: str | None = None
+    best_of: int | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -117,8 +186,18 @@ class CompletionRequest(_RequestBase):
             raise ValueError("token ids must be non-negative")
         return v
 
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise ValueError("suffix (insertion) is not supported")
+        return v
+
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None
+
+    def num_top_logprobs(self) -> int:
+        return self.logprobs or 0
 
 
 class ChatMessage(BaseModel):
@@ -130,10 +209,70 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_RequestBase):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=0)  # only the chosen token's logprob is returned
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # Tool calling is not implemented: a request that offers tools is refused (400 naming the
+    # field) rather than answered as if they were not there. ``tool_choice: "none"`` is fine.
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v: list[Any] | None) -> list[Any] | None:
+        if v:
+            raise ValueError("tool calling is not supported by this server")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v: Any) -> Any:
+        if v is not None and v != "none":
+            raise ValueError("tool calling is not supported by this server (only 'none' is accepted)")
+        return v
 
     def wants_logprobs(self) -> bool:
         return self.logprobs
+
+    def num_top_logprobs(self) -> int:
+        return self.top_logprobs or 0
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """vLLM's ``POST /tokenize`` for a prompt."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """vLLM's ``POST /tokenize`` for chat messages (rendered with the model's template)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 # ---- responses ----------------------------------------------------------------------------------
@@ -184,7 +323,10 @@ class RouteInfoModel(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    # Per token: its ``logprobs`` most likely alternatives, token string -> log-prob.
+    top_logprobs: list[dict[str, float] | None] | None = None
+    text_offset: list[int] | None = None
 
 
 class CompletionChoice(BaseModel):
@@ -204,11 +346,17 @@ class CompletionResponse(BaseModel):
     sinkserve: RouteInfoModel | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
 class ChatLogprob(BaseModel):
     token: str
     logprob: float
     bytes: list[int] | None = None
-    top_logprobs: list[Any] = Field(default_factory=list)
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
 class ChatChoiceLogprobs(BaseModel):

@@ -190,6 +190,9 @@ class BucketSpec:
     max_prompt_tokens: int
     timeout_s: float
     versions: tuple[str, ...] | None = None  # None: every version has a deployment for this bucket
+    # The pool engine's token limit (prompt + output): max_model_len, or max_stream_tokens for a
+    # pool that evicts. Chat's default max_tokens is what a prompt leaves of it (None: unknown).
+    max_model_len: int | None = None
 
 
 @dataclass(frozen=True)

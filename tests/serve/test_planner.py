@@ -72,7 +72,8 @@ def test_rate_limiter_per_key_429():
 
 
 def test_planner_encode_gives_the_tokenizers_own_ids():
-    """app.planner.encode calls a fast tokenizer's backend directly; the ids must be the tokenizer's."""
+    """app.planner.encode calls a fast tokenizer's backend directly; the ids must be the tokenizer's
+    (less the BOS it would add before a text that starts with one: the rendered chat does)."""
     from pathlib import Path
 
     from transformers import AutoTokenizer
@@ -85,7 +86,37 @@ def test_planner_encode_gives_the_tokenizers_own_ids():
     chat = render_chat(tok, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}])
     for text in ("Request 3: the quick brown fox. " * 3, "  leading spaces\nand\ttabs", "naïve café 東京 🙂", chat):
         for special in (True, False):
-            assert encode(tok, text, special) == tok(text, add_special_tokens=special)["input_ids"]
+            want = tok(text, add_special_tokens=special)["input_ids"]
+            if special and text.startswith(tok.bos_token):
+                assert want[:2] == [tok.bos_token_id] * 2
+                want = want[1:]
+            assert encode(tok, text, special) == want
+
+
+@pytest.mark.parametrize("ref", [True, False])
+def test_one_bos_whether_or_not_the_text_has_it(ref, tmp_path):
+    """Both test tokenizers prepend BOS; a text that starts with it gets no second one, in the
+    planner's encode and in the engine's tokenize alike, and the rest of the ids are unchanged."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from app.planner import encode
+    from engine.input_processor import InputProcessor
+    from tests.tiny_models import build_tokenizer
+
+    if ref:
+        tok = AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[2] / "assets" / "reference-model",
+                                            local_files_only=True)
+    else:
+        tok = build_tokenizer()
+    bos = tok.bos_token_id
+    plain = encode(tok, "hello world")
+    assert plain[0] == bos and plain[1] != bos  # the tokenizer adds BOS
+    assert encode(tok, tok.bos_token + "hello world") == plain
+    assert encode(tok, tok.bos_token + tok.bos_token + "hi")[:3] == [bos, bos, encode(tok, "hi")[1]]  # two typed: kept
+    inputs = InputProcessor(tok, len(tok), 16, 512)
+    assert inputs.tokenize(tok.bos_token + "hello world") == inputs.tokenize("hello world") == plain
 
 
 # ---- the Planner on the reference model's tokenizer (what every ingress replica runs) ------------
