@@ -10,6 +10,7 @@ from engine.errors import InvalidRequestError
 
 MAX_N = 8
 MAX_TOP_LOGPROBS = 20
+GREEDY_BELOW = 1e-5
 MAX_LOGIT_BIAS = 300  # entries; OpenAI documents no cap, an unbounded map would be a cheap DoS
 
 
@@ -29,7 +30,7 @@ class StructuredOutput:
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1`` disable those filters. The same
+    ``temperature == 0`` (below 1e-5) is greedy. ``top_k == 0`` and ``top_p == 1`` disable those filters. The same
     ``seed`` gives the same output for the same prompt. Penalties, ``logit_bias`` and
     ``structured_output`` change the logits the token is chosen from (greedy included); reported
     log-probabilities stay those of the model's raw distribution.
@@ -102,7 +103,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, logits / temperature overflows to inf and the softmax to NaN (vLLM uses the same cut).
+        return self.temperature < GREEDY_BELOW
 
     @property
     def penalized(self) -> bool:
