@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from ray import serve
 
 from app import metrics as m
+from app import openapi
 from app.auth import resolve_auth
 from app.errors import APIError, from_validation_error
 from app.events import RouteInfo, TokenDelta
@@ -31,6 +32,7 @@ from app.schemas import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    ErrorResponse,
     ModelCard,
     ModelList,
     TokenizeChatRequest,
@@ -46,6 +48,7 @@ from app.token_bus import TokenInbox
 logger = logging.getLogger("sinkserve.ingress")
 
 api = FastAPI(title="sinkserve", description="OpenAI-compatible long-context inference")
+openapi.install(api, ErrorResponse)
 
 
 @api.exception_handler(APIError)
@@ -155,15 +158,15 @@ class Ingress:
 
     # ---- OpenAI endpoints -----------------------------------------------------------------------
 
-    @api.post("/v1/completions")
+    @api.post("/v1/completions", openapi_extra=openapi.body(CompletionRequest))
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, CompletionRequest)
 
-    @api.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions", openapi_extra=openapi.body(ChatCompletionRequest))
     async def chat_completions(self, request: Request) -> Response:
         return await self._serve(request, ChatCompletionRequest)
 
-    @api.post("/tokenize")
+    @api.post("/tokenize", openapi_extra=openapi.body(TokenizeCompletionRequest, TokenizeChatRequest))
     async def tokenize(self, request: Request) -> Response:
         """vLLM's ``/tokenize``: ``{"prompt": ...}`` or ``{"messages": [...]}`` -> ids and count."""
         key = self._authorize(request)
@@ -181,7 +184,7 @@ class Ingress:
         out: TokenizeResponse = self.planner.tokenize_only(body, version)
         return JSONResponse(out.model_dump(exclude_none=True))
 
-    @api.post("/detokenize")
+    @api.post("/detokenize", openapi_extra=openapi.body(DetokenizeRequest))
     async def detokenize(self, request: Request) -> Response:
         """vLLM's ``/detokenize``: ``{"tokens": [...]}`` -> ``{"prompt": text}``."""
         key = self._authorize(request)
