@@ -97,6 +97,12 @@ def test_grammar_mask_makes_random_logits_valid_json(seed: int) -> None:
     jsonschema.validate(json.loads(tok.decode(out)), SCHEMA)
 
 
+def test_a_tiny_temperature_is_greedy_not_nan() -> None:
+    logits = torch.tensor([[0.0, 3.0, 2.0]])
+    for t in (1e-300, 1e-6):
+        assert Sampler("cpu", seed=0)(logits, [SeqSampling("t", SamplingParams(temperature=t), samples=True)]).tokens == [1]
+
+
 # ---- validation ---------------------------------------------------------------------------------
 
 
