@@ -1,9 +1,10 @@
 """OpenAI-compatible request and response models (pydantic: this is the HTTP edge).
 
 Only what sinkserve can honour is accepted; unknown OpenAI fields are ignored (clients send many),
-while out-of-range values are refused with the field named. What OpenAI lacks lives in the
-``sinkserve`` extension object: anchors to pin, a session id, a pool override, retrieved passages
-to trim to a token budget (``app/passages.py``).
+while out-of-range values are refused with the field named. Request models are strict: ``1.5`` is
+not an ``n``, ``false`` is not a token id and ``"yes"`` is not a boolean (ints still pass as floats).
+What OpenAI lacks lives in the ``sinkserve`` extension object: anchors to pin, a session id, a pool
+override, retrieved passages to trim to a token budget (``app/passages.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from engine.sampling_params import MAX_LOGIT_BIAS, MAX_N, MAX_TOP_LOGPROBS
 class TokenRange(BaseModel):
     """A half-open token range ``[start, end)`` of the prompt to keep across eviction."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     start: int = Field(ge=0)
     end: int = Field(gt=0)
 
@@ -39,7 +40,7 @@ Anchor = Union[Annotated[str, Field(min_length=1)], TokenRange]
 class Passage(BaseModel):
     """One retrieved passage; ``id`` defaults to its index in ``sinkserve.passages``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     text: str = Field(min_length=1)
     id: str | None = Field(None, min_length=1, max_length=256)
     source: str | None = Field(None, max_length=2048)  # the client's own reference (URL, file); not sent to the model
@@ -55,7 +56,7 @@ class Passage(BaseModel):
 class SinkserveExtension(BaseModel):
     """sinkserve-only request options."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     anchors: list[Anchor] = Field(default_factory=list, max_length=256)
     session_id: str | None = Field(None, max_length=256)
     pool: str | None = None  # force a bucket (it must still fit); for debugging and A/B checks
@@ -72,12 +73,12 @@ class SinkserveExtension(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False  # a last chunk with no choices and the request's usage
 
 
 class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, strict=True)
     name: str = Field("response", max_length=64)
     description: str | None = None
     # ``schema`` shadows a BaseModel attribute, hence the alias.
@@ -89,7 +90,7 @@ class ResponseFormat(BaseModel):
     """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` or ``json_schema``,
     enforced by a grammar mask in the sampler (engine/grammar.py)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -101,7 +102,7 @@ class ResponseFormat(BaseModel):
 
 
 class _RequestBase(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     # None: completions get OpenAI's 16; chat gets what is left of the pool's context (app/planner.py).
@@ -117,7 +118,8 @@ class _RequestBase(BaseModel):
     n: int = Field(1, ge=1, le=MAX_N)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    # Bounded below so that dividing a logit by it stays finite (5e-324 made it inf, the softmax NaN).
+    repetition_penalty: float = Field(1.0, ge=0.01, le=10.0)
     # Token id (as a string, as OpenAI sends it) -> bias in [-100, 100].
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
@@ -201,7 +203,7 @@ class CompletionRequest(_RequestBase):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "user", "assistant"]
     content: str
 
@@ -240,7 +242,7 @@ class ChatCompletionRequest(_RequestBase):
 class TokenizeCompletionRequest(BaseModel):
     """vLLM's ``POST /tokenize`` for a prompt."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
@@ -250,7 +252,7 @@ class TokenizeCompletionRequest(BaseModel):
 class TokenizeChatRequest(BaseModel):
     """vLLM's ``POST /tokenize`` for chat messages (rendered with the model's template)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
@@ -266,7 +268,7 @@ class TokenizeResponse(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None
     tokens: list[Annotated[int, Field(ge=0)]]
 

@@ -117,9 +117,13 @@ class LogitsProcessing:
             idx = (torch.tensor(bias_rows, dtype=torch.long, device=dev), torch.tensor(bias_cols, dtype=torch.long, device=dev))
             out.index_put_(idx, torch.tensor(bias_vals, dtype=out.dtype, device=dev), accumulate=True)
         gram = [i for i, p in enumerate(params) if p.structured_output is not None]
-        if gram:
-            matchers = [self._matcher(request_ids[i], params[i], vocab) for i in gram]
-            self.grammar.apply(out, matchers, torch.tensor(gram, dtype=torch.long, device=dev))
+        matchers = [self._matcher(request_ids[i], params[i], vocab) for i in gram]
+        # A terminated grammar (its document ended and EOS was accepted, yet the request goes on:
+        # ``ignore_eos``) allows nothing; masking every token would leave no distribution at all.
+        live = [(i, m) for i, m in zip(gram, matchers) if not m.is_terminated()]
+        if live:
+            rows = torch.tensor([i for i, _ in live], dtype=torch.long, device=dev)
+            self.grammar.apply(out, [m for _, m in live], rows)
         return out
 
     def accept(self, request_ids: Sequence[str], params: Sequence[SamplingParams], tokens: Sequence[int]) -> None:

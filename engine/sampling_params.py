@@ -85,8 +85,9 @@ class SamplingParams:
             if not (isinstance(v, (int, float)) and -2.0 <= v <= 2.0):
                 raise InvalidRequestError(name, f"must be in [-2, 2], got {v!r}")
         r = self.repetition_penalty
-        if not (isinstance(r, (int, float)) and 0.0 < r <= 10.0):
-            raise InvalidRequestError("repetition_penalty", f"must be in (0, 10], got {r!r}")
+        # Bounded below: a logit divided by a denormal is inf, and the softmax of inf is NaN.
+        if not (isinstance(r, (int, float)) and 0.01 <= r <= 10.0):
+            raise InvalidRequestError("repetition_penalty", f"must be in [0.01, 10], got {r!r}")
         self._validate_logit_bias(vocab_size)
         if self.structured_output is not None:
             validate_structured_output(self.structured_output)

@@ -95,6 +95,9 @@ def test_grammar_mask_makes_random_logits_valid_json(seed: int) -> None:
     else:
         pytest.fail("the grammar never allowed EOS")
     jsonschema.validate(json.loads(tok.decode(out)), SCHEMA)
+    # A request that goes on past EOS (ignore_eos) samples unconstrained, never from an empty mask.
+    for _ in range(3):
+        assert 0 <= s(torch.randn(1, VOCAB, generator=gen), [SeqSampling("g", params, samples=True)]).tokens[0] < VOCAB
 
 
 def test_a_tiny_temperature_is_greedy_not_nan() -> None:
