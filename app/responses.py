@@ -100,6 +100,11 @@ class Choices:
     def wants_logprobs(self) -> bool:
         return self.body.wants_logprobs()
 
+    @property
+    def want_top(self) -> bool:
+        """Completions report ``top_logprobs`` only for ``logprobs: k`` with k > 0."""
+        return self.body.num_top_logprobs() > 0
+
     def usage(self) -> Usage:
         done = sum(c.completion_tokens for c in self.choices.values())
         return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=done, total_tokens=self.prompt_tokens + done)
@@ -144,7 +149,7 @@ class Choices:
             etext, etoks, elps, etops = self._echo_parts(c)
             lp = None
             if self.wants_logprobs:
-                lp = _completion_logprobs(etoks + c.tokens, elps + c.logprobs, etops + c.tops, True)
+                lp = _completion_logprobs(etoks + c.tokens, elps + c.logprobs, etops + c.tops, self.want_top)
             out_c.append(CompletionChoice(index=c.index, text=etext + "".join(c.text), logprobs=lp,
                                           finish_reason=c.finish_reason))
         return CompletionResponse(id=self.info.request_id, model=self.model, usage=self.usage(), sinkserve=self.route,
@@ -186,7 +191,7 @@ class Choices:
             c.echoed = True
             etext, etoks, elps, etops = self._echo_parts(c)
             text, toks, lps, tops = etext + text, etoks + toks, elps + lps, etops + tops
-        lp_model = _completion_logprobs(toks, lps, tops, True) if self.wants_logprobs else None
+        lp_model = _completion_logprobs(toks, lps, tops, self.want_top) if self.wants_logprobs else None
         return CompletionResponse(
             id=self.info.request_id, model=self.model, usage=usage,
             sinkserve=self.route if d.finished else None,
