@@ -125,7 +125,7 @@ class _RequestBase(BaseModel):
     response_format: ResponseFormat | None = None
     # Accepted and ignored: they change nothing about the output.
     user: str | None = None
-    metadata: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None  # OpenAI's: string values
     sinkserve: SinkserveExtension | None = None
 
     @field_validator("stop")
@@ -214,13 +214,13 @@ class ChatCompletionRequest(_RequestBase):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     # Tool calling is not implemented: a request that offers tools is refused (400 naming the
     # field) rather than answered as if they were not there. ``tool_choice: "none"`` is fine.
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
 
     @field_validator("tools")
     @classmethod
-    def _tools(cls, v: list[Any] | None) -> list[Any] | None:
+    def _tools(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
         if v:
             raise ValueError("tool calling is not supported by this server")
         return v

@@ -64,8 +64,10 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
         probs = sorted_logits.softmax(-1)
-        # Drop a token when the mass *before* it already reaches top_p; the top token always stays.
+        # Drop a token when the mass *before* it already reaches top_p; the top token always stays --
+        # explicitly: a denormal top_p (5e-324) is 0 in float32, and 0 >= 0 would drop every token.
         drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits

@@ -100,10 +100,12 @@ def test_grammar_mask_makes_random_logits_valid_json(seed: int) -> None:
         assert 0 <= s(torch.randn(1, VOCAB, generator=gen), [SeqSampling("g", params, samples=True)]).tokens[0] < VOCAB
 
 
-def test_a_tiny_temperature_is_greedy_not_nan() -> None:
+def test_a_tiny_temperature_or_top_p_keeps_the_top_token_not_nan() -> None:
+    """Found by schemathesis: either made the step raise, which killed the engine loop."""
     logits = torch.tensor([[0.0, 3.0, 2.0]])
-    for t in (1e-300, 1e-6):
-        assert Sampler("cpu", seed=0)(logits, [SeqSampling("t", SamplingParams(temperature=t), samples=True)]).tokens == [1]
+    for p in (SamplingParams(temperature=1e-300), SamplingParams(temperature=1e-6), SamplingParams(top_p=5e-324),
+              SamplingParams(top_p=5e-324, top_k=1, seed=2**64 - 1)):
+        assert Sampler("cpu", seed=0)(logits, [SeqSampling("t", p, samples=True)]).tokens == [1]
 
 
 # ---- validation ---------------------------------------------------------------------------------
