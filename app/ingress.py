@@ -172,9 +172,10 @@ class Ingress:
         key = self._authorize(request)
         raw = await request.body()
         try:
-            chat = isinstance(json.loads(raw), dict) and "messages" in json.loads(raw)
+            parsed = json.loads(raw)
         except ValueError:
-            chat = False
+            parsed = None  # pydantic names the problem below
+        chat = isinstance(parsed, dict) and "messages" in parsed
         try:
             body = (TokenizeChatRequest if chat else TokenizeCompletionRequest).model_validate_json(raw)
         except ValidationError as e:
