@@ -60,7 +60,7 @@ def start_app(model: str) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--max-examples", type=int, default=40, help="examples per operation and mode")
+    ap.add_argument("--max-examples", type=int, default=200, help="examples per operation and mode")
     ap.add_argument("--seed", type=int, default=20)
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "schemathesis.md")
     ap.add_argument("--phases", default="coverage,fuzzing",
@@ -69,6 +69,8 @@ def main() -> int:
     args = ap.parse_args()
     from tests.serve.tiny_model import make_tiny_model
 
+    # One worker: hypothesis parses lambdas' source with ``ast.parse``, whose recursion-depth guard is
+    # not thread-safe on CPython 3.11 ("AST constructor recursion depth mismatch" with 2 workers).
     with tempfile.TemporaryDirectory() as tmp:
         model = str(make_tiny_model(Path(tmp) / "model"))
         base = start_app(model)
@@ -77,7 +79,7 @@ def main() -> int:
         for phase in args.phases.split(","):
             cmd = [str(Path(sys.executable).with_name("schemathesis")), "run", f"{base}/openapi.json",
                    "-H", f"Authorization: Bearer {KEY}", "--checks", CHECKS, "--mode", "all", "--phases", phase,
-                   "--max-examples", str(args.max_examples), "--seed", str(args.seed), "--workers", "2",
+                   "--max-examples", str(args.max_examples), "--seed", str(args.seed), "--workers", "1",
                    "--request-timeout", "120", "--suppress-health-check", "all", "--continue-on-failure"]
             t0 = time.time()
             proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
@@ -88,7 +90,10 @@ def main() -> int:
     parts = ["# Schemathesis run against /openapi.json\n\n"
              "Made by `bench/schemathesis_run.py` (tiny random Llama, one pool, `max_model_len` 256, CPU), one "
              f"schemathesis run per phase. Checks: {CHECKS.replace(',', ', ')} (the last two: "
-             "`bench/schemathesis_hooks.py`: a 400 names the field in `error.param`; no FastAPI 422).\n"]
+             "`bench/schemathesis_hooks.py`: a 400 names the field in `error.param`; no FastAPI 422). "
+             "A \"schema validation mismatch\" warning on `/v1/completions` is expected: most generated prompts "
+             "are token ids outside the vocabulary or longer than the pool, which only the planner and the "
+             "engine can judge (400 naming `prompt`), not the schema.\n"]
     for phase, cmd, rc, elapsed, output in runs:
         shown = " ".join(c if " " not in c else repr(c) for c in cmd[1:]).replace(base, "$BASE").replace(KEY, "$KEY")
         parts.append(f"\n## Phase `{phase}`: exit status {rc}, {elapsed:.0f} s\n\n    schemathesis {shown}\n\n"
