@@ -27,11 +27,14 @@ class ForwardContext:
     """What one forward pass of a ragged batch needs in every attention layer."""
 
     backend: AttentionBackend
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
+    kv_caches: list  # per layer (k_cache, v_cache), or a kernels.kv_quant.QuantKVCache when quantized
     slot_mapping: torch.Tensor  # [T] flat slot of each new token
     block_tables: torch.Tensor  # [S, max_blocks] int32
     seq_lens: torch.Tensor  # [S] logical tokens in cache after this forward
     query_start_loc: torch.Tensor  # [S + 1]
+    quantized: bool = False
+    # Outlier calibration: per layer, the running max |key| per (KV head, channel); None when not calibrating.
+    key_absmax: list[torch.Tensor | None] | None = None
 
 
 _CONTEXT: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("sinkserve_forward", default=None)
@@ -60,10 +63,20 @@ def paged_attention_forward(
     ctx = _CONTEXT.get()
     if ctx is None:
         raise RuntimeError("sinkserve attention called outside a forward_context (use the engine's model runner)")
-    k_cache, v_cache = ctx.kv_caches[module.layer_idx]
     q = query[0].transpose(0, 1)
-    ctx.backend.write_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, ctx.slot_mapping)
+    k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if ctx.key_absmax is not None:
+        m = k.detach().abs().amax(0).float()  # [Hkv, D]
+        prev = ctx.key_absmax[module.layer_idx]
+        ctx.key_absmax[module.layer_idx] = m if prev is None else torch.maximum(prev, m)
+    if ctx.quantized:
+        cache = ctx.kv_caches[module.layer_idx]
+        ctx.backend.write_kv_quant(k, v, cache, ctx.slot_mapping)
+        out = ctx.backend.paged_attention_quant(q, cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, scale)
+        return out.unsqueeze(0), None
+    k_cache, v_cache = ctx.kv_caches[module.layer_idx]
+    ctx.backend.write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
     out = ctx.backend.paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, scale)
     return out.unsqueeze(0), None
 

@@ -17,6 +17,27 @@ Example (``num_blocks=5``, ``block_size=4``)::
     allocate 2 blocks for seq A  -> table [1, 2], free queue [3, 4]
     free seq A                   -> free queue [3, 4, 2, 1]   (tail blocks first: they are the least
                                                                  likely to be shared)
+
+Quantized KV (``num_fp_blocks`` given): every block id owns packed storage, and a block is *16-bit* while
+it also holds one of ``num_fp_blocks`` slots of the 16-bit side pool (``fp_slot[block] >= 0``)::
+
+    block ids     1    2    3    4    5    6          fp slots   0    1    2
+    fp_slot      [0]  [-1] [-1] [2]  [-1] [-1]        held by    1    -    4      (-1: packed)
+
+* A newly allocated block takes a slot (its tokens are written 16-bit); ``quantize(block)`` gives the slot
+  back once the block is full and outside the high-precision set (the scheduler decides when).
+* A freed 16-bit block that is in the prefix cache keeps its slot (a 16-bit cache hit stays 16-bit)
+  until a slot is needed and none is free; then the oldest such block loses its hash and its slot.
+  A freed 16-bit block that is not cached gives its slot back at once.
+* A quantized block stays quantized through the prefix cache, sharing and copies (``make_private``
+  copies the codes; the copy is quantized too).
+
+Each change is logged in ``kv_ops`` for the model runner, in order: ``("assign", block, slot)`` (slot -1:
+the block reads the packed pool), ``("quantize", block, slot)`` (pack the 16-bit data of ``slot`` into
+``block``), ``("copy", src, dst)``. Example (``num_blocks=5``, ``num_fp_blocks=2``)::
+
+    allocate 2 blocks            -> kv_ops [("assign", 1, 0), ("assign", 2, 1)], fp free []
+    quantize(1)                  -> kv_ops += [("quantize", 1, 0)], fp free [0]
 """
 
 from __future__ import annotations
@@ -37,9 +58,12 @@ def hash_block(parent_hash: int | None, token_ids: Seq[int]) -> int:
 class BlockManager:
     """Allocates KV blocks to sequences and shares identical prompt prefixes between them."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_fp_blocks: int | None = None) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
+        if num_fp_blocks is not None and num_fp_blocks < 1:
+            raise ValueError(f"num_fp_blocks must be >= 1, got {num_fp_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -49,6 +73,80 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
+        # Quantized KV only (see the module docstring); None: every block is 16-bit, nothing is tracked.
+        self.num_fp_blocks = num_fp_blocks
+        self.fp_slot = [-1] * num_blocks
+        self.fp_free: OrderedDict[int, None] = OrderedDict((f, None) for f in range(num_fp_blocks or 0))
+        self.fp_cached_free: OrderedDict[int, None] = OrderedDict()  # freed, hashed, 16-bit: slot kept
+        self.kv_ops: list[tuple[str, int, int]] = []
+        self.blocks_quantized_total = 0
+
+    @property
+    def quantized(self) -> bool:
+        return self.num_fp_blocks is not None
+
+    @property
+    def num_fp_available(self) -> int:
+        """16-bit slots an allocation can get: free ones plus those held by freed cached blocks."""
+        return len(self.fp_free) + len(self.fp_cached_free)
+
+    @property
+    def num_allocatable(self) -> int:
+        """Blocks that can be allocated now (a quantized cache also needs a 16-bit slot per new block)."""
+        if not self.quantized:
+            return len(self.free_queue)
+        return min(len(self.free_queue), self.num_fp_available)
+
+    def is_fp(self, block: int) -> bool:
+        """Whether ``block`` reads 16-bit data (always, when the cache is not quantized)."""
+        return not self.quantized or self.fp_slot[block] >= 0
+
+    def num_fp_live(self) -> int:
+        """16-bit slots held by blocks in use."""
+        if not self.quantized:
+            return 0
+        return (self.num_fp_blocks or 0) - self.num_fp_available
+
+    def take_kv_ops(self) -> list[tuple[str, int, int]]:
+        """The runner's work since the last call (and forget it)."""
+        ops, self.kv_ops = self.kv_ops, []
+        return ops
+
+    def quantize(self, block: int) -> bool:
+        """Pack 16-bit ``block`` and give its slot back; False if it already was packed (shared blocks
+        are packed once, by whichever holder passes them first)."""
+        slot = self.fp_slot[block]
+        if slot < 0:
+            return False
+        self.kv_ops.append(("quantize", block, slot))
+        self.fp_slot[block] = -1
+        self.fp_free[slot] = None
+        self.blocks_quantized_total += 1
+        return True
+
+    def _take_fp_slot(self, block: int) -> None:
+        if self.fp_slot[block] >= 0:
+            return
+        if self.fp_free:
+            slot, _ = self.fp_free.popitem(last=False)
+        elif self.fp_cached_free:
+            # Reclaim the slot of the oldest freed cached 16-bit block; it leaves the prefix cache.
+            other, _ = self.fp_cached_free.popitem(last=False)
+            slot = self.fp_slot[other]
+            self._forget_hash(other)
+            self.fp_slot[other] = -1
+            self.kv_ops.append(("assign", other, -1))
+        else:
+            raise RuntimeError("no free 16-bit KV block (the side pool is full)")
+        self.fp_slot[block] = slot
+        self.kv_ops.append(("assign", block, slot))
+
+    def _drop_fp_slot(self, block: int) -> None:
+        slot = self.fp_slot[block]
+        if slot >= 0:
+            self.fp_slot[block] = -1
+            self.fp_free[slot] = None
+            self.kv_ops.append(("assign", block, -1))
 
     # ------------------------------------------------------------------ counts
     @property
@@ -99,6 +197,7 @@ class BlockManager:
         for b in hits:
             if self.ref_counts[b] == 0:
                 del self.free_queue[b]
+                self.fp_cached_free.pop(b, None)
             self.ref_counts[b] += 1
             parent = self.block_hashes[b]
         seq.block_table = list(hits)
@@ -124,13 +223,13 @@ class BlockManager:
 
     # ------------------------------------------------------------------ allocation
     def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self.free_queue)
+        return num_blocks <= self.num_allocatable
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[int]:
         """Grow ``seq``'s table to cover ``num_new_tokens`` more tokens; returns the new block ids."""
         need = self.num_new_blocks(seq, num_new_tokens)
-        if need > len(self.free_queue):
-            raise RuntimeError(f"need {need} blocks, only {len(self.free_queue)} free")
+        if need > self.num_allocatable:
+            raise RuntimeError(f"need {need} blocks, only {self.num_allocatable} free")
         new = [self._allocate_block() for _ in range(need)]
         seq.block_table.extend(new)
         return new
@@ -167,12 +266,16 @@ class BlockManager:
         block = seq.block_table[logical_index]
         if self.ref_counts[block] == 1 and self.block_hashes[block] is None:
             return None
-        if not self.free_queue:
+        if not self.num_allocatable:
             if self.ref_counts[block] == 1:
                 self._forget_hash(block)
                 return None
             raise RuntimeError(f"no free block to copy shared block {block}")
         new = self._allocate_block()
+        if self.quantized:
+            if self.fp_slot[block] < 0:
+                self._drop_fp_slot(new)  # the copy of a packed block is packed
+            self.kv_ops.append(("copy", block, new))
         self._release_block(block)
         seq.block_table[logical_index] = new
         return block, new
@@ -188,6 +291,9 @@ class BlockManager:
         block, _ = self.free_queue.popitem(last=False)
         self._forget_hash(block)
         self.ref_counts[block] = 1
+        if self.quantized:
+            self.fp_cached_free.pop(block, None)  # keeps its own slot, if it had one
+            self._take_fp_slot(block)
         return block
 
     def _release_block(self, block: int) -> None:
@@ -196,6 +302,11 @@ class BlockManager:
             raise RuntimeError(f"block {block} freed more often than allocated")
         if self.ref_counts[block] == 0:
             self.free_queue[block] = None
+            if self.fp_slot[block] >= 0:
+                if self.block_hashes[block] is not None:
+                    self.fp_cached_free[block] = None
+                else:
+                    self._drop_fp_slot(block)
 
     # ------------------------------------------------------------------ checks
     def check_integrity(self, live: Seq[Sequence] | None = None) -> None:
@@ -210,6 +321,18 @@ class BlockManager:
                 raise AssertionError(f"block {b} is in the free queue with ref count {self.ref_counts[b]}")
         if self.ref_counts[NULL_BLOCK] != 0 or NULL_BLOCK in self.free_queue:
             raise AssertionError("the null block was allocated or freed")
+        if self.quantized:
+            held = [b for b in range(self.num_blocks) if self.fp_slot[b] >= 0]
+            slots = [self.fp_slot[b] for b in held]
+            if len(set(slots)) != len(slots) or set(slots) & set(self.fp_free):
+                raise AssertionError("a 16-bit slot is held twice, or held and free")
+            if len(held) + len(self.fp_free) != self.num_fp_blocks:
+                raise AssertionError(f"16-bit slot leak: {len(held)} held + {len(self.fp_free)} free != {self.num_fp_blocks}")
+            if NULL_BLOCK in held:
+                raise AssertionError("the null block holds a 16-bit slot")
+            for b in self.fp_cached_free:
+                if self.ref_counts[b] or self.fp_slot[b] < 0 or self.block_hashes[b] is None:
+                    raise AssertionError(f"block {b} is listed as a freed cached 16-bit block but is not one")
         if live is None:
             return
         expected = [0] * self.num_blocks

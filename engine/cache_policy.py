@@ -34,6 +34,12 @@ class CachePolicy:
     protected_token_roles: tuple[str, ...] = ("sink",)
     max_protected_tokens: int = 512
     max_stream_tokens: int = 1 << 20
+    # High-precision set of a quantized KV cache (EngineConfig.kv_cache_dtype != "auto"): blocks holding a
+    # protected token stay 16-bit, and so do the blocks holding the newest ``residual_window`` computed
+    # tokens (KIVI's residual). Every other block is quantized once, when it is full and leaves the
+    # residual window. Ignored when the cache is not quantized.
+    residual_window: int = 128
+    keep_protected_16bit: bool = True
 
     def validate(self, block_size: int) -> None:
         """Raise ``ConfigError`` naming the field if the policy cannot work."""
@@ -56,6 +62,8 @@ class CachePolicy:
             )
         if self.max_stream_tokens < 1:
             raise ConfigError("max_stream_tokens", "must be >= 1")
+        if self.residual_window < 0:
+            raise ConfigError("residual_window", f"must be >= 0 (0: no residual window), got {self.residual_window}")
 
     @property
     def evicts(self) -> bool:
@@ -73,5 +81,7 @@ class CachePolicy:
         span = f"[{pos[0]}..{pos[-1]}]" if pos and pos == list(range(pos[0], pos[-1] + 1)) else str(pos)
         return (
             f"protection set active: positions {span}, roles {list(self.protected_token_roles)}, "
-            f"eviction {self.eviction_policy}, window {self.window}, version {self.version}"
+            f"eviction {self.eviction_policy}, window {self.window}, 16-bit when quantized: "
+            f"{'protected blocks + ' if self.keep_protected_16bit else ''}residual {self.residual_window} tokens, "
+            f"version {self.version}"
         )

@@ -17,8 +17,14 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = str(REPO_ROOT / "assets" / "reference-model")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 LOAD_FORMATS = ("auto", "dummy")
+# KV cache storage: "auto" stores K/V in the model dtype; the others pack codes (bits per value).
+KV_CACHE_DTYPES = {"auto": 16, "int8": 8, "int4": 4, "int2": 2}
+KV_KEY_SCHEMES = ("per_channel",)  # one (scale, zero) per channel over a block's tokens (KIVI keys)
+KV_VALUE_SCHEMES = ("per_token",)  # one (scale, zero) per token per value group (KIVI values)
+DEFAULT_KV_VALUE_GROUP = 32
 
-__all__ = ["CachePolicy", "EngineConfig", "DEFAULT_MODEL", "resolve_dtype", "resolve_attention_backend"]
+__all__ = ["CachePolicy", "EngineConfig", "DEFAULT_MODEL", "resolve_dtype", "resolve_attention_backend",
+           "KV_CACHE_DTYPES", "kv_value_group_size", "validate_kv_cache_for_model"]
 
 
 def is_cuda(device: str) -> bool:
@@ -82,6 +88,21 @@ class EngineConfig:
     # "dummy": random weights from config.json alone (benchmarks of a model shape without a checkpoint).
     load_format: str = "auto"
     cache_policy: CachePolicy = field(default_factory=CachePolicy)
+    # KV cache storage (see docs/kv_cache.md). "auto": model dtype, today's layout. "int8" / "int4" / "int2":
+    # a packed pool (every block id) plus a small 16-bit side pool for the blocks the cache policy keeps
+    # 16-bit (protected tokens, the residual window, blocks still being written).
+    kv_cache_dtype: str = "auto"
+    # Keys: one (scale, zero) per channel over the block's tokens; values: one per token per group.
+    kv_key_scheme: str = "per_channel"
+    kv_value_scheme: str = "per_token"
+    # Channels per value group; None: 32, or head_dim/2 when that is smaller (the kernels' half tiles).
+    kv_value_group_size: int | None = None
+    # Key channels per layer and KV head kept 16-bit beside the codes (KVQuant dense-and-sparse), chosen
+    # by a calibration forward at load time. 0 disables. Torch backend only.
+    kv_outlier_channels: int = 0
+    # 16-bit side-pool blocks; None: sized from max_num_seqs, the residual window, the sinks and the
+    # step's new blocks (engine.kv_budget.fp_pool_blocks).
+    kv_fp_pool_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if not (self.device == "cpu" or is_cuda(self.device)):
@@ -109,7 +130,86 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ConfigError("tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
         self.cache_policy.validate(self.block_size)
+        self._validate_kv_cache()
+
+    def _validate_kv_cache(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError("kv_cache_dtype", f"must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_key_scheme not in KV_KEY_SCHEMES:
+            raise ConfigError("kv_key_scheme", f"must be one of {list(KV_KEY_SCHEMES)}, got {self.kv_key_scheme!r}")
+        if self.kv_value_scheme not in KV_VALUE_SCHEMES:
+            raise ConfigError("kv_value_scheme", f"must be one of {list(KV_VALUE_SCHEMES)}, got {self.kv_value_scheme!r}")
+        g = self.kv_value_group_size
+        if g is not None and (g < 1 or g & (g - 1)):
+            raise ConfigError("kv_value_group_size", f"must be a power of two >= 1 (or None for auto), got {g}")
+        if self.kv_outlier_channels < 0:
+            raise ConfigError("kv_outlier_channels", f"must be >= 0 (0 disables), got {self.kv_outlier_channels}")
+        if self.kv_fp_pool_blocks is not None and self.kv_fp_pool_blocks < 1:
+            raise ConfigError("kv_fp_pool_blocks", f"must be >= 1 (or None for auto), got {self.kv_fp_pool_blocks}")
+        if not self.kv_quantized:
+            return
+        p = self.cache_policy
+        if self.kv_cache_dtype == "int2" and not p.keep_protected_16bit and p.residual_window == 0:
+            raise ConfigError(
+                "kv_cache_dtype",
+                "int2 needs a high-precision set: set cache_policy.keep_protected_16bit or a cache_policy."
+                "residual_window > 0 (allowed kv_cache_dtype without one: ['auto', 'int8', 'int4'])",
+            )
+        if self.attention_backend == "triton":
+            if self.kv_cache_dtype == "int2":
+                raise ConfigError("kv_cache_dtype", "int2 runs on the torch backend only; with attention_backend "
+                                  "'triton' choose one of ['auto', 'int8', 'int4']")
+            if self.kv_outlier_channels:
+                raise ConfigError("kv_outlier_channels", "outlier channels run on the torch backend only; "
+                                  "use 0 with attention_backend 'triton'")
+
+    @property
+    def kv_quantized(self) -> bool:
+        """Whether the KV cache stores packed codes (any ``kv_cache_dtype`` but ``"auto"``)."""
+        return self.kv_cache_dtype != "auto"
+
+    @property
+    def kv_bits(self) -> int:
+        return KV_CACHE_DTYPES[self.kv_cache_dtype]
 
     @property
     def on_cuda(self) -> bool:
         return is_cuda(self.device)
+
+
+def kv_value_group_size(config: EngineConfig, head_dim: int) -> int:
+    """The value group size for ``head_dim``: the configured one, else 32 capped at ``head_dim / 2``.
+
+    >>> kv_value_group_size(EngineConfig(kv_cache_dtype="int4"), 128), kv_value_group_size(EngineConfig(), 32)
+    (32, 16)
+    """
+    if config.kv_value_group_size is not None:
+        return config.kv_value_group_size
+    return max(1, min(DEFAULT_KV_VALUE_GROUP, head_dim // 2))
+
+
+def validate_kv_cache_for_model(config: EngineConfig, head_dim: int, num_kv_heads: int) -> None:
+    """Checks that need the model's shape (called before any weight loads): the packing needs an even
+    ``head_dim`` whose half is a power of two (int4 pairs channel c with c + D/2, int2 packs quarters),
+    value groups inside a half, and fewer outlier channels than channels.
+
+    >>> validate_kv_cache_for_model(EngineConfig(kv_cache_dtype="int4"), 96, 2)
+    Traceback (most recent call last):
+    ...
+    engine.errors.ConfigError: kv_cache_dtype: int4 needs head_dim/2 to be a power of two (head_dim 96 cannot be packed: ...
+    """
+    if not config.kv_quantized:
+        return
+    half = head_dim // 2
+    if head_dim % 4 or half & (half - 1):
+        raise ConfigError(
+            "kv_cache_dtype",
+            f"{config.kv_cache_dtype} needs head_dim/2 to be a power of two (head_dim {head_dim} cannot be packed: "
+            f"16, 32, 64, 128, 256 can); allowed kv_cache_dtype for this model: ['auto']",
+        )
+    g = kv_value_group_size(config, head_dim)
+    if half % g:
+        raise ConfigError("kv_value_group_size", f"must divide head_dim/2 = {half} (value groups stay inside one "
+                          f"half tile), got {g}; allowed: {[1 << i for i in range(half.bit_length()) if half % (1 << i) == 0]}")
+    if config.kv_outlier_channels >= head_dim:
+        raise ConfigError("kv_outlier_channels", f"must be < head_dim ({head_dim}), got {config.kv_outlier_channels}")

@@ -21,11 +21,11 @@ from typing import Any
 from engine import retention
 from engine.block_manager import BlockManager
 from engine.cache_policy import CachePolicy
-from engine.config import EngineConfig
+from engine.config import EngineConfig, validate_kv_cache_for_model
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.executor import ExecutorFactory, LocalExecutor
 from engine.input_processor import Anchor, InputProcessor
-from engine.model_runner import ModelInput, read_model_shape
+from engine.model_runner import ModelInput, kv_cache_bytes, num_fp_pool_blocks, read_model_shape
 from engine.output_processor import OutputProcessor
 from engine.outputs import CompletionResult, RequestOutput
 from engine.sampler import SamplerOutput, SeqSampling
@@ -44,6 +44,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, executor_factory: ExecutorFactory | None = None) -> None:
         self.config = config
         self.shape = read_model_shape(config.model)
+        validate_kv_cache_for_model(config, self.shape.head_dim, self.shape.num_kv_heads)  # before any load
         self.tokenizer = self._load_tokenizer()
         self.max_model_len = config.max_model_len or self.shape.max_position_embeddings
         # The executor sizes the KV cache where the model lives, after its weights are loaded; this
@@ -51,7 +52,12 @@ class LLMEngine:
         self.executor = (executor_factory or LocalExecutor)(config)
         self.num_kv_blocks = self.executor.num_kv_blocks
         self.policy = config.cache_policy
-        self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.num_fp_blocks = num_fp_pool_blocks(config, self.max_model_len, self.num_kv_blocks) if config.kv_quantized else None
+        self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                                          self.num_fp_blocks)
+        tp = config.tensor_parallel_size
+        self.kv_bytes_total, self.kv_bytes_quant_block, self.kv_bytes_fp_block = (
+            x * tp for x in kv_cache_bytes(config, self.shape, self.max_model_len, self.num_kv_blocks, tp))
         self.scheduler = Scheduler(self.block_manager, self.policy, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_ids = self._eos_ids()
         self.counters = EngineCounters()
@@ -65,6 +71,7 @@ class LLMEngine:
         self._finished_ids: list[str] = []  # the sampler frees their generators at the next step
         self.eviction_log: deque[retention.EvictionRecord] = deque(maxlen=4096)
         logger.info("%s", self.policy.describe())
+        logger.info("KV cache stores %s", self.describe_kv_cache())
 
     # ------------------------------------------------------------------ set-up
     def _load_tokenizer(self) -> Any:
@@ -74,6 +81,21 @@ class LLMEngine:
             return AutoTokenizer.from_pretrained(self.config.model, local_files_only=True)
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"could not load a tokenizer from {self.config.model!r}: {exc}") from exc
+
+    def describe_kv_cache(self) -> str:
+        """What the KV cache stores, for the start-up log and ``/v1/models``."""
+        c = self.config
+        usable = (self.num_kv_blocks - 1) * c.block_size
+        per_token = self.kv_bytes_total / max(1, usable)
+        if not c.kv_quantized:
+            return f"{c.dtype} K/V, {self.num_kv_blocks} blocks, {per_token:.0f} B/token"
+        from engine.config import kv_value_group_size
+
+        return (f"{c.kv_cache_dtype} K/V (keys {c.kv_key_scheme}, values {c.kv_value_scheme} groups of "
+                f"{kv_value_group_size(c, self.shape.head_dim)}, {c.kv_outlier_channels} outlier key channels 16-bit), "
+                f"{self.num_kv_blocks} packed blocks + {self.num_fp_blocks} {c.dtype} side-pool blocks "
+                f"(protected {'on' if self.policy.keep_protected_16bit else 'off'}, residual "
+                f"{self.policy.residual_window} tokens), {per_token:.0f} B/token")
 
     def block_manager_blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.config.block_size)
@@ -167,7 +189,7 @@ class LLMEngine:
 
     def _model_input(self, sched: SchedulerOutput) -> ModelInput:
         bs = self.config.block_size
-        inp = ModelInput([], [], [], [], [], [0], [], list(sched.copies), list(sched.rotations))
+        inp = ModelInput([], [], [], [], [], [0], [], list(sched.copies), list(sched.rotations), list(sched.kv_ops))
         inp.finished_request_ids, self._finished_ids = self._finished_ids, []
         for item in sched.scheduled:
             seq, n = item.seq, item.num_tokens
@@ -281,6 +303,11 @@ class LLMEngine:
             window_start = retention.first_window_block(seq.num_computed_tokens, self.policy.window, self.config.block_size)
             pinned += sum(1 for i in seq.protected_blocks if i < min(window_start, len(seq.block_table)) and seq.block_table[i])
         c = self.counters
+        if bm.quantized:
+            fp_live = bm.num_fp_live()
+            blocks_fp, blocks_q = fp_live, bm.num_used_blocks - fp_live
+        else:
+            blocks_fp, blocks_q = bm.num_used_blocks, 0
         return EngineStats(
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting) + len(self._pending_adds),
@@ -300,6 +327,10 @@ class LLMEngine:
             nll_sum=c.nll_sum,
             nll_count=c.nll_count,
             steps_total=c.steps_total,
+            kv_cache_bytes_per_token=self.kv_bytes_total / max(1, (bm.num_blocks - 1) * self.config.block_size),
+            blocks_16bit=blocks_fp,
+            blocks_quantized=blocks_q,
+            blocks_protected_quantized=self.scheduler.blocks_protected_quantized,
         )
 
     def check_integrity(self) -> None:

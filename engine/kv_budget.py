@@ -63,6 +63,54 @@ def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_
     return 2 * num_layers * block_size * (num_kv_heads // world_size) * head_dim * DTYPE_BYTES[dtype]
 
 
+def quant_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, bits: int,
+                          group_size: int, outlier_channels: int = 0, outlier_dtype: str = "bfloat16",
+                          world_size: int = 1) -> int:
+    """Bytes of one block id in the packed pool, all layers, per tensor-parallel rank.
+
+    Per layer and KV head (``B`` tokens, ``D`` head dim, ``G`` value group, ``O`` outlier channels)::
+
+        codes          2 * B * D * bits / 8          keys + values, uint8
+        key scales     2 * D * 2                     (scale, zero) fp16 per channel over the block
+        value scales   2 * B * (D / G) * 2           (scale, zero) fp16 per token per group
+        outliers       B * O * s                     16-bit key values of the O outlier channels
+
+    >>> quant_bytes_per_block(1, 8, 128, 16, 4, 32)      # kernels/kv_quant.py: int4 = 22,528 B
+    22528
+    >>> quant_bytes_per_block(1, 8, 128, 16, 8, 32)      # int8 = 38,912 B (bf16: 65,536 B)
+    38912
+    """
+    h = num_kv_heads // world_size
+    codes = 2 * block_size * head_dim * bits // 8
+    k_scales = 2 * head_dim * 2
+    v_scales = 2 * block_size * (head_dim // group_size) * 2
+    outliers = block_size * outlier_channels * DTYPE_BYTES[outlier_dtype]
+    return num_layers * h * (codes + k_scales + v_scales + outliers)
+
+
+def fp_pool_blocks(max_num_seqs: int, max_num_batched_tokens: int, block_size: int, residual_window: int,
+                   num_protected_positions: int, max_model_len: int) -> int:
+    """16-bit side-pool blocks a quantized cache allocates by default.
+
+    Per running sequence: the residual window (``ceil(R / B) + 1`` blocks: it straddles a boundary) and
+    its sinks (``ceil(P / B)``, at least one block when any position is protected); plus the blocks one
+    step can open at once (``ceil(max_num_batched_tokens / B) + max_num_seqs``: a prefill chunk's blocks
+    stay 16-bit until the next step quantizes them), never more than a sequence of ``max_model_len``
+    per slot could use. Protected blocks beyond this (long system prompts, many anchors) are quantized
+    when the pool runs low (counted in ``EngineStats.blocks_protected_quantized``).
+
+    >>> fp_pool_blocks(64, 512, 16, 128, 4, 1024)   # 64 x (9 + 1) + 32 + 64
+    736
+    >>> fp_pool_blocks(1, 512, 64, 128, 4, 16384)   # 1 x (3 + 1) + 8 + 1
+    13
+    """
+    per_seq = -(-residual_window // block_size) + 1 + max(1 if num_protected_positions else 0,
+                                                          -(-num_protected_positions // block_size))
+    step = -(-max_num_batched_tokens // block_size) + max_num_seqs
+    cap = max_num_seqs * -(-max_model_len // block_size)
+    return max(1, min(max_num_seqs * per_seq + step, cap))
+
+
 def gpu_budget_bytes(profile: MemoryProfile, utilization: float) -> int:
     """KV bytes left of ``utilization`` of the device once weights, activations and the rest are paid.
 
@@ -89,10 +137,15 @@ def cpu_budget_bytes(available_bytes: int, fraction: float) -> int:
 
 
 def blocks_for_budget(budget_bytes: int, bytes_per_block: int, block_size: int, max_num_seqs: int,
-                      max_model_len: int) -> KVBudget:
-    """Blocks that fit ``budget_bytes``, capped at ``max_num_seqs`` full-length sequences plus the null
-    block; at least 2 (the null block and one usable block)."""
+                      max_model_len: int, fixed_bytes: int = 0) -> KVBudget:
+    """Blocks that fit ``budget_bytes`` (less ``fixed_bytes``: a quantized cache's 16-bit side pool),
+    capped at ``max_num_seqs`` full-length sequences plus the null block; at least 2 (the null block and
+    one usable block).
+
+    >>> blocks_for_budget(10_000, 100, 16, 64, 1024).num_blocks, blocks_for_budget(10_000, 100, 16, 64, 1024, 2_000).num_blocks
+    (100, 80)
+    """
     cap = max_num_seqs * -(-max_model_len // block_size) + 1
-    fit = budget_bytes // bytes_per_block
+    fit = max(0, budget_bytes - fixed_bytes) // bytes_per_block
     n, by = (cap, "max_num_seqs") if cap <= fit else (fit, "memory")
     return KVBudget(max(2, n), block_size, budget_bytes, bytes_per_block, by)

@@ -19,7 +19,7 @@ import torch
 
 from engine import attention, kv_budget
 from engine.attention_backends import get_backend
-from engine.config import EngineConfig
+from engine.config import EngineConfig, kv_value_group_size, validate_kv_cache_for_model
 from engine.errors import ModelLoadError
 from engine.kv_budget import KVBudget, MemoryProfile
 from engine.rope import rotate_keys
@@ -44,6 +44,9 @@ class ModelInput:
     logits_indices: list[int]
     copies: list[tuple[int, int]] = field(default_factory=list)
     rotations: list[tuple[int, int]] = field(default_factory=list)
+    # Quantized KV: the block manager's ("assign" | "quantize" | "copy", a, b) log, applied in order
+    # before the rotations (engine/block_manager.py).
+    kv_ops: list[tuple[str, int, int]] = field(default_factory=list)
     # What to do with the logits rows, per scheduled sequence (empty: return no samples).
     sampling: list[SeqSampling] = field(default_factory=list)
     # Requests finished since the last step: their sampling generators can go.
@@ -100,6 +103,35 @@ def kv_bytes_per_block(shape: ModelShape, block_size: int, dtype: str, world_siz
     return kv_budget.kv_bytes_per_block(shape.num_layers, shape.num_kv_heads, shape.head_dim, block_size, dtype, world_size)
 
 
+def quant_bytes_per_block(config: EngineConfig, shape: ModelShape, world_size: int = 1) -> int:
+    """Bytes of one block id in the packed pool (all layers, per rank) for ``config.kv_cache_dtype``."""
+    return kv_budget.quant_bytes_per_block(
+        shape.num_layers, shape.num_kv_heads, shape.head_dim, config.block_size, config.kv_bits,
+        kv_value_group_size(config, shape.head_dim), config.kv_outlier_channels, config.dtype, world_size)
+
+
+def num_fp_pool_blocks(config: EngineConfig, max_model_len: int, num_kv_blocks: int | None = None) -> int:
+    """Blocks of the 16-bit side pool of a quantized cache (the config's, or ``kv_budget.fp_pool_blocks``),
+    never more than the usable blocks."""
+    p = config.cache_policy
+    n = config.kv_fp_pool_blocks or kv_budget.fp_pool_blocks(
+        config.max_num_seqs, config.max_num_batched_tokens, config.block_size, p.residual_window,
+        len(set(p.protected_positions)) if "sink" in p.protected_token_roles and p.keep_protected_16bit else 0,
+        max_model_len)
+    return n if num_kv_blocks is None else max(1, min(n, num_kv_blocks - 1))
+
+
+def kv_cache_bytes(config: EngineConfig, shape: ModelShape, max_model_len: int, num_kv_blocks: int,
+                   world_size: int = 1) -> tuple[int, int, int]:
+    """``(total, per quantized block id, per 16-bit block)`` bytes of the KV cache (all layers, per rank).
+    Not quantized: every block is a 16-bit block and the per-quantized-block figure is 0."""
+    fp = kv_bytes_per_block(shape, config.block_size, config.dtype, world_size)
+    if not config.kv_quantized:
+        return num_kv_blocks * fp, 0, fp
+    q = quant_bytes_per_block(config, shape, world_size)
+    return num_kv_blocks * q + num_fp_pool_blocks(config, max_model_len, num_kv_blocks) * fp, q, fp
+
+
 def host_available_bytes() -> int:
     """Host memory available now (``MemAvailable``), 4 GiB if it cannot be read."""
     with open("/proc/meminfo") as f:
@@ -127,6 +159,7 @@ class ModelRunner:
             # tensor, generator and memory query of this runner agrees on one index.
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.shape = read_model_shape(config.model)
+        validate_kv_cache_for_model(config, self.shape.head_dim, self.shape.num_kv_heads)
         self.max_model_len = config.max_model_len or self.shape.max_position_embeddings
         self.backend = get_backend(config.attention_backend, config.device)
         if config.on_cuda:
@@ -139,7 +172,10 @@ class ModelRunner:
         # Only the rank that holds the full logits samples (rank 0; logits are all-reduced to every rank).
         self.sampler = Sampler(self.device, config.seed, tokenizer_path=config.model) if rank == 0 else None
         self.num_kv_blocks = 0
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_fp_blocks = 0
+        self.kv_caches: list = []  # per layer (k, v) tensors, or QuantKVCache when quantized
+        # Outlier key channels per layer [1, Hkv, O] (calibrated once, kept across re-allocations).
+        self.outlier_idx: list[torch.Tensor] | None = None
         if num_kv_blocks is not None:
             self.allocate_kv(num_kv_blocks)
 
@@ -152,11 +188,16 @@ class ModelRunner:
         """What KV cache this rank can afford now that its weights are loaded (see ``engine.kv_budget``)."""
         c = self.config
         per_block = kv_bytes_per_block(self.shape, c.block_size, c.dtype, self.world_size)
+        fixed = 0
+        if c.kv_quantized:
+            # The side pool is a fixed cost; the rest of the budget buys packed blocks.
+            fixed = num_fp_pool_blocks(c, self.max_model_len) * per_block
+            per_block = quant_bytes_per_block(c, self.shape, self.world_size)
         if c.on_cuda:
             budget = kv_budget.gpu_budget_bytes(self.profile_memory(), c.gpu_memory_utilization)
         else:
             budget = kv_budget.cpu_budget_bytes(host_available_bytes(), c.kv_cache_memory_fraction)
-        return kv_budget.blocks_for_budget(budget, per_block, c.block_size, c.max_num_seqs, self.max_model_len)
+        return kv_budget.blocks_for_budget(budget, per_block, c.block_size, c.max_num_seqs, self.max_model_len, fixed)
 
     def profile_memory(self) -> MemoryProfile:
         """CUDA only: weights, peak activations of the largest step and non-torch memory of this process."""
@@ -208,12 +249,79 @@ class ModelRunner:
         self.free_kv()
         kv_heads = self.shape.num_kv_heads // self.world_size
         dtype = torch_dtype(self.config.dtype)
+        if self.config.kv_quantized:
+            self._allocate_quant(num_kv_blocks, kv_heads, dtype)
+            return
         shape = (num_kv_blocks, self.config.block_size, kv_heads, self.shape.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
             for _ in range(self.shape.num_layers)
         ]
         self.num_kv_blocks = num_kv_blocks
+
+    def _allocate_quant(self, num_kv_blocks: int, kv_heads: int, dtype: torch.dtype) -> None:
+        from kernels.kv_quant import QuantKVCache
+
+        c = self.config
+        nf = num_fp_pool_blocks(c, self.max_model_len, num_kv_blocks)
+        # One block -> 16-bit slot map for all layers: the block manager's precision is per block id.
+        fp_index = torch.full((num_kv_blocks,), -1, dtype=torch.int32, device=self.device)
+        self.kv_caches = [
+            QuantKVCache.allocate(num_kv_blocks, nf, c.block_size, kv_heads, self.shape.head_dim, bits=c.kv_bits,
+                                  group_size=kv_value_group_size(c, self.shape.head_dim), dtype=dtype,
+                                  device=self.device, outlier_channels=c.kv_outlier_channels, fp_index=fp_index)
+            for _ in range(self.shape.num_layers)
+        ]
+        self.num_kv_blocks = num_kv_blocks
+        self.num_fp_blocks = nf
+        if c.kv_outlier_channels:
+            if self.outlier_idx is None:
+                self.outlier_idx = self.calibrate_outliers()
+            for cache, idx in zip(self.kv_caches, self.outlier_idx):
+                cache.outlier_idx = idx
+
+    def kv_allocated_bytes(self) -> int:
+        """Bytes the KV tensors of this rank occupy (every layer, every pool)."""
+        seen: set[int] = set()
+        total = 0
+        for layer in self.kv_caches:
+            tensors = vars(layer).values() if not isinstance(layer, tuple) else layer
+            for t in tensors:
+                if isinstance(t, torch.Tensor) and id(t) not in seen and t.dtype is not torch.int32 and t.dtype is not torch.int64:
+                    seen.add(id(t))
+                    total += t.numel() * t.element_size()
+        return total
+
+    @torch.inference_mode()
+    def calibrate_outliers(self, num_tokens: int = 256) -> list[torch.Tensor]:
+        """Find, per layer and KV head, the ``kv_outlier_channels`` key channels of largest magnitude.
+
+        One forward over ``num_tokens`` seeded random token ids (outlier channels are a property of the
+        weights - the k projection and RoPE - far more than of the text), written 16-bit into the side
+        pool; returns the ``[1, Hkv, O]`` channel indices per layer (the largest ``max |k|``).
+        """
+        c = self.config
+        bs = c.block_size
+        n = max(1, min(num_tokens, self.max_model_len, self.num_fp_blocks * bs, (self.num_kv_blocks - 1) * bs))
+        nblk = -(-n // bs)
+        gen = torch.Generator().manual_seed(c.seed)
+        ids = torch.randint(0, self.shape.vocab_size, (n,), generator=gen).tolist()
+        table = list(range(1, nblk + 1))
+        inp = ModelInput(ids, list(range(n)), [table[p // bs] * bs + p % bs for p in range(n)], [table], [n], [0, n], [n - 1])
+        fp_index = self.kv_caches[0].fp_index
+        fp_index[1 : nblk + 1] = torch.arange(nblk, dtype=torch.int32, device=self.device)
+        absmax: list[torch.Tensor | None] = [None] * self.shape.num_layers
+        try:
+            self.execute(inp, key_absmax=absmax)
+        finally:
+            fp_index.fill_(-1)
+        o = c.kv_outlier_channels
+        out = [m.topk(o, dim=-1).indices.sort(dim=-1).values[None].to(self.device) for m in absmax]  # type: ignore[union-attr]
+        ratio = [float(m.topk(o, dim=-1).values.mean() / m.median()) for m in absmax]  # type: ignore[union-attr]
+        logger.info("rank %d: %d outlier key channels per layer and KV head kept 16-bit (calibrated on %d tokens; "
+                    "their max |k| is %.1fx the median channel's, mean over layers)", self.rank, o, n,
+                    sum(ratio) / len(ratio))
+        return out
 
     def free_kv(self) -> None:
         self.kv_caches = []
@@ -288,12 +396,15 @@ class ModelRunner:
         return self.sampler(logits, inp.sampling)
 
     @torch.inference_mode()
-    def execute(self, inp: ModelInput) -> torch.Tensor:
+    def execute(self, inp: ModelInput, key_absmax: list | None = None) -> torch.Tensor:
         """Run one ragged forward; returns float32 logits ``[len(logits_indices), vocab]``."""
+        quantized = self.config.kv_quantized
+        if inp.kv_ops:
+            self._apply_kv_ops(inp.kv_ops)
         if inp.copies:
             self._copy_blocks(inp.copies)
         if inp.rotations:
-            self._rotate_blocks(inp.rotations)
+            (self._rotate_quant_blocks if quantized else self._rotate_blocks)(inp.rotations)
         dev = self.device
         width = max((len(t) for t in inp.block_tables), default=1) or 1
         tables = torch.zeros(len(inp.block_tables), width, dtype=torch.int32)
@@ -306,6 +417,8 @@ class ModelRunner:
             block_tables=tables.to(dev),
             seq_lens=torch.tensor(inp.seq_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(inp.query_start_loc, dtype=torch.int32, device=dev),
+            quantized=quantized,
+            key_absmax=key_absmax,
         )
         input_ids = torch.tensor(inp.input_ids, dtype=torch.long, device=dev)[None]
         positions = torch.tensor(inp.positions, dtype=torch.long, device=dev)[None]
@@ -329,3 +442,66 @@ class ModelRunner:
         inv_freq = self.inv_freq.to(self.device)
         for k_cache, _ in self.kv_caches:
             k_cache[blocks] = rotate_keys(k_cache[blocks], shifts, inv_freq)
+
+    # ------------------------------------------------------------------ quantized KV
+    def _apply_kv_ops(self, ops: list[tuple[str, int, int]]) -> None:
+        """Mirror the block manager's precision changes, in its order (consecutive packs batched)."""
+        fp_index = self.kv_caches[0].fp_index  # shared by every layer
+        pending: list[tuple[int, int]] = []
+
+        def flush() -> None:
+            if not pending:
+                return
+            blocks = torch.tensor([b for b, _ in pending], dtype=torch.long, device=self.device)
+            slots = torch.tensor([f for _, f in pending], dtype=torch.long, device=self.device)
+            for cache in self.kv_caches:
+                self.backend.quantize_blocks(cache, blocks, slots)
+            fp_index[blocks] = -1
+            pending.clear()
+
+        for op, a, b in ops:
+            if op == "quantize":
+                pending.append((a, b))
+                continue
+            flush()
+            if op == "assign":
+                fp_index[a] = b
+            elif op == "copy":
+                self._copy_quant_block(a, b)
+            else:
+                raise ValueError(f"unknown KV op {op!r}")
+        flush()
+
+    def _copy_quant_block(self, src: int, dst: int) -> None:
+        fs, fd = int(self.kv_caches[0].fp_index[src]), int(self.kv_caches[0].fp_index[dst])
+        for cache in self.kv_caches:
+            if fs >= 0 and fd >= 0:
+                cache.fp_k[fd] = cache.fp_k[fs]
+                cache.fp_v[fd] = cache.fp_v[fs]
+            for t in (cache.k_codes, cache.v_codes, cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero, cache.k_outlier):
+                if t is not None:
+                    t[dst] = t[src]
+
+    def _rotate_quant_blocks(self, rotations: list[tuple[int, int]]) -> None:
+        """Rotate kept keys of a quantized cache: 16-bit blocks in the side pool as usual; a packed key
+        block is dequantized, rotated in float32 and packed again with fresh per-channel scales (RoPE
+        mixes channel c with c + D/2, so a rotation cannot be applied to codes)."""
+        from kernels import reference
+
+        if self.inv_freq is None:
+            raise RuntimeError("model has no rotary embedding; sliding-window retention needs RoPE")
+        fp_index = self.kv_caches[0].fp_index
+        inv_freq = self.inv_freq.to(self.device)
+        slots = [int(fp_index[b]) for b, _ in rotations]
+        fp_rot = [(s, sh) for (_, sh), s in zip(rotations, slots) if s >= 0]
+        q_rot = [(b, sh) for (b, sh), s in zip(rotations, slots) if s < 0]
+        for cache in self.kv_caches:
+            if fp_rot:
+                idx = torch.tensor([s for s, _ in fp_rot], dtype=torch.long, device=self.device)
+                shifts = torch.tensor([sh for _, sh in fp_rot], dtype=torch.long, device=self.device)
+                cache.fp_k[idx] = rotate_keys(cache.fp_k[idx], shifts, inv_freq)
+            if q_rot:
+                idx = torch.tensor([b for b, _ in q_rot], dtype=torch.long, device=self.device)
+                shifts = torch.tensor([sh for _, sh in q_rot], dtype=torch.long, device=self.device)
+                k, _ = reference.dequantize_blocks(cache, idx)
+                reference.requantize_keys(cache, idx, rotate_keys(k, shifts, inv_freq))

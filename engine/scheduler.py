@@ -6,6 +6,18 @@ Each step fills a token budget (``max_num_batched_tokens``) in this order:
 2. running sequences part-way through a prefill (one chunk each);
 3. waiting sequences, oldest first, while blocks and sequence slots remain (after a prefix-cache lookup).
 
+A quantized KV cache (the block manager tracks 16-bit slots) packs each block exactly once, at the start
+of the first step after it became immutable: full, and older than the policy's ``residual_window`` newest
+computed tokens. Blocks holding a protected token stay 16-bit (``keep_protected_16bit``) while the side
+pool has room for the step's new blocks::
+
+    residual_window 8, block_size 4, protected {0}, 21 tokens computed (last 8: 13..20)
+
+    logical block:   0      1      2      3      4      5
+    tokens:         0-3    4-7    8-11  12-15  16-19   20
+                    16-bit packed packed 16-bit 16-bit 16-bit (being written)
+                    (sink)               (holds 13..15: in the residual window)
+
 When a running sequence needs a block and none is free, the most recently arrived sequence not yet
 scheduled this step is preempted: its blocks are freed and it goes back to the front of the queue to be
 recomputed later (its tokens are kept, so the output is unchanged). Pure Python: no torch.
@@ -44,6 +56,8 @@ class SchedulerOutput:
     rotations: list[tuple[int, int]] = field(default_factory=list)
     evictions: list[retention.EvictionRecord] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Quantized KV: the block manager's ("assign" | "quantize" | "copy", a, b) log, in order.
+    kv_ops: list[tuple[str, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -72,6 +86,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.tokens_evicted = 0
+        self.blocks_protected_quantized = 0
 
     # ------------------------------------------------------------------ queue
     def add(self, seq: Sequence) -> None:
@@ -123,6 +138,10 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled_ids: set[int] = set()
+        if self.bm.quantized:
+            # First, so every later operation of this step (copies, new blocks) sees the final precision.
+            for seq in self.running:
+                self._quantize_immutable(seq)
 
         # Decodes first (stable sort keeps arrival order inside each group).
         for seq in sorted(self.running, key=lambda s: s.in_prefill):
@@ -150,7 +169,7 @@ class Scheduler:
             cached = len(hits) * self.bm.block_size
             n = min(seq.num_tokens - cached, budget)
             need = self.bm.num_hits_in_free_queue(hits) + self.bm.blocks_for_tokens(cached + n) - len(hits)
-            if need > self.bm.num_free_blocks:
+            if need > self.bm.num_allocatable:
                 break
             del self.waiting[i]
             self.bm.take_prefix(seq, hits)
@@ -165,6 +184,8 @@ class Scheduler:
                 h = self._next_block_hash(seq, seq.num_hashed_blocks, seq.last_block_hash)
                 if h is not None:
                     pending.add(h)
+        if self.bm.quantized:
+            out.kv_ops = self.bm.take_kv_ops()
         return out
 
     def _next_block_hash(self, seq: Sequence, index: int, parent: int | None) -> int | None:
@@ -189,6 +210,28 @@ class Scheduler:
         pending.discard(None)
         return pending
 
+    def _quantize_immutable(self, seq: Sequence) -> None:
+        """Pack the blocks of ``seq`` that became full and left the residual window since last time."""
+        bs = self.bm.block_size
+        stop = min(max(0, seq.num_computed_tokens - self.policy.residual_window) // bs, len(seq.block_table))
+        if stop <= seq.quant_cursor:
+            return
+        # Headroom for the step's new blocks (at most a quarter of the side pool); below it a protected
+        # block is packed rather than starve them (preemption would not help: protected blocks stay).
+        reserve = min(-(-self.max_num_batched_tokens // bs) + len(self.running), (self.bm.num_fp_blocks or 0) // 4)
+        for i in range(seq.quant_cursor, stop):
+            block = seq.block_table[i]
+            if block == 0 or not self.bm.is_fp(block):
+                continue
+            if self.policy.keep_protected_16bit and i in seq.protected_blocks:
+                if self.bm.num_fp_available >= reserve:
+                    continue
+                self.blocks_protected_quantized += 1
+                logger.warning("16-bit side pool low (%d free): packing protected block %d of request %s",
+                               self.bm.num_fp_available, i, seq.request_id)
+            self.bm.quantize(block)
+        seq.quant_cursor = stop
+
     def _make_room(self, seq: Sequence, need: int, scheduled_ids: set[int], out: SchedulerOutput) -> bool:
         """Preempt until ``need`` blocks are free. Returns False if ``seq`` itself had to go."""
         while not self.bm.can_allocate(need):
@@ -209,6 +252,7 @@ class Scheduler:
         seq.num_cached_tokens = 0
         seq.num_evicted_blocks = 0
         seq.eviction_cursor = 0
+        seq.quant_cursor = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -229,7 +273,7 @@ class Scheduler:
         freed = self.bm.evict_blocks(seq, logical)
         for index, shift in retention.rotation_shifts(seq.block_table, logical, bs):
             copy = self.bm.make_private(seq, index)
-            if copy is not None:
+            if copy is not None and not self.bm.quantized:  # a quantized cache logs it in kv_ops
                 out.copies.append(copy)
             out.rotations.append((seq.block_table[index], shift))
         self.tokens_evicted += len(logical) * bs

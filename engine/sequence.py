@@ -45,6 +45,8 @@ class Sequence:
     # Logical blocks below this index were already considered for eviction.
     eviction_cursor: int = 0
     num_preemptions: int = 0
+    # Quantized KV: logical blocks below this index were already considered for packing.
+    quant_cursor: int = 0
     # Prompt tokens (from index 1) whose log-probability was already reported; survives preemption.
     num_prompt_logprobs: int = 0
 

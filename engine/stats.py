@@ -45,6 +45,12 @@ class EngineStats:
     nll_sum: float = 0.0
     nll_count: int = 0
     steps_total: int = 0
+    # KV storage: allocated KV bytes (packed pool + 16-bit side pool, all ranks) per token slot; blocks in
+    # use by precision (a quantized cache; otherwise every used block counts as 16-bit).
+    kv_cache_bytes_per_token: float = 0.0
+    blocks_16bit: int = 0
+    blocks_quantized: int = 0
+    blocks_protected_quantized: int = 0  # protected blocks packed because the side pool ran low
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -28,21 +28,37 @@ class AttentionBackend:
     paged_attention: Callable[..., Any]
     # (num_q_heads, num_kv_heads, head_dim, block_size, dtype, device, max_model_len); None: nothing to compile
     warm_up: Callable[..., None] | None = None
+    # Quantized KV (``kernels.kv_quant.QuantKVCache`` in place of the two tensors):
+    #   write_kv_quant(key, value, cache, slot_mapping)          new tokens into their 16-bit blocks
+    #   paged_attention_quant(query, cache, block_tables, seq_lens, query_start_loc, scale)
+    #   quantize_blocks(cache, block_ids, fp_slots)              pack 16-bit slots into blocks, once
+    write_kv_quant: Callable[..., None] | None = None
+    paged_attention_quant: Callable[..., Any] | None = None
+    quantize_blocks: Callable[..., None] | None = None
 
 
 def torch_backend() -> AttentionBackend:
     from kernels import reference
 
-    return AttentionBackend("torch", reference.write_kv, reference.paged_attention)
+    return AttentionBackend("torch", reference.write_kv, reference.paged_attention,
+                            write_kv_quant=reference.write_kv_quant,
+                            paged_attention_quant=reference.paged_attention_quant,
+                            quantize_blocks=reference.quantize_fp_slots)
 
 
 def triton_backend() -> AttentionBackend:
     """The Triton ``write_kv`` and ``paged_attention`` (reference signatures), and ``warm_up``, which
     compiles every configuration they can launch for a model shape (CUDA only). Without CUDA the kernels
     run in Triton's interpreter (``kernels._triton`` sets ``TRITON_INTERPRET=1``): exact, but slow."""
+    from kernels import kv_quant as kq
     from kernels import paged_attention as pa
 
-    return AttentionBackend("triton", pa.write_kv, pa.paged_attention, warm_up=pa.warm_up)
+    def attention_quant(query, cache, block_tables, seq_lens, query_start_loc, scale):  # type: ignore[no-untyped-def]
+        return kq.paged_attention_quant(query, cache, block_tables, seq_lens, query_start_loc, scale)
+
+    return AttentionBackend("triton", pa.write_kv, pa.paged_attention, warm_up=pa.warm_up,
+                            write_kv_quant=kq.write_kv_fp, paged_attention_quant=attention_quant,
+                            quantize_blocks=kq.quantize_fp_slots)
 
 
 # name -> zero-argument factory

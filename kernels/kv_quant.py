@@ -79,6 +79,10 @@ class QuantKVCache:
     fp_k: torch.Tensor  # 16-bit [NF, B, H, D]
     fp_v: torch.Tensor
     fp_index: torch.Tensor  # int32 [NB], -1 = quantized
+    # Outlier key channels kept 16-bit (torch reference path only): per KV head the O channel indices
+    # [1, H, O] (long) and, per block, their 16-bit values [NB, B, H, O]. None: no outlier channels.
+    outlier_idx: torch.Tensor | None = None
+    k_outlier: torch.Tensor | None = None
 
     @classmethod
     def allocate(
@@ -92,10 +96,17 @@ class QuantKVCache:
         group_size: int = 32,
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
+        outlier_channels: int = 0,
+        fp_index: torch.Tensor | None = None,
     ) -> "QuantKVCache":
-        """Allocate an empty cache; every block starts quantized (``fp_index == -1``)."""
-        if bits not in (8, 4):
-            raise ValueError(f"bits must be 8 or 4, got {bits}")
+        """Allocate an empty cache; every block starts quantized (``fp_index == -1``).
+
+        ``bits`` 2 (four codes a byte, ``reference.pack_codes``) is read by the torch reference only, as are
+        ``outlier_channels`` (their indices start as channels ``0..O-1``; the engine calibrates them).
+        ``fp_index`` may be passed to share one block -> 16-bit slot map between the layers of a model.
+        """
+        if bits not in (8, 4, 2):
+            raise ValueError(f"bits must be 8, 4 or 2, got {bits}")
         if block_size & (block_size - 1):
             raise ValueError(f"quantized blocks need a power-of-two block_size, got {block_size}")
         if head_dim % 2 or (head_dim // 2) % group_size or group_size & (group_size - 1):
@@ -116,7 +127,9 @@ class QuantKVCache:
             v_zero=torch.zeros(nb, b, h, d // group_size, **f16),
             fp_k=torch.zeros(num_fp_blocks, b, h, d, dtype=dtype, device=device),
             fp_v=torch.zeros(num_fp_blocks, b, h, d, dtype=dtype, device=device),
-            fp_index=torch.full((nb,), -1, dtype=torch.int32, device=device),
+            fp_index=fp_index if fp_index is not None else torch.full((nb,), -1, dtype=torch.int32, device=device),
+            outlier_idx=torch.arange(outlier_channels, device=device).repeat(1, h, 1) if outlier_channels else None,
+            k_outlier=torch.zeros(nb, b, h, outlier_channels, dtype=dtype, device=device) if outlier_channels else None,
         )
 
     @property
@@ -137,7 +150,9 @@ class QuantKVCache:
 
     def quantized_bytes_per_block(self) -> int:
         """Bytes the allocated tensors spend per quantized block (must equal ``bytes_per_block``)."""
-        per_block = (self.k_codes, self.v_codes, self.k_scale, self.k_zero, self.v_scale, self.v_zero)
+        per_block = [self.k_codes, self.v_codes, self.k_scale, self.k_zero, self.v_scale, self.v_zero]
+        if self.k_outlier is not None:
+            per_block.append(self.k_outlier)
         total = sum(t.numel() * t.element_size() for t in per_block)
         return total // self.num_blocks
 
@@ -237,6 +252,9 @@ def _launch_quantize(
     n = int(block_ids.shape[0])
     if n == 0:
         return
+    if cache.bits not in (8, 4) or cache.outlier_idx is not None:
+        raise ValueError("the Triton kernels read int8 / int4 without outlier channels; int2 and outlier "
+                         "channels run on the torch reference (kernels.reference)")
     check_device(src_k, cache.k_codes)
     d, g = cache.head_dim, cache.group_size
     if d // 2 != next_pow2(d // 2):
@@ -274,6 +292,12 @@ def quantize_fp_blocks(cache: QuantKVCache, block_ids: torch.Tensor) -> None:
     """
     rows = cache.fp_index[block_ids.long()].long() * cache.block_size
     _launch_quantize(cache.fp_k, cache.fp_v, rows, cache, block_ids)
+
+
+def quantize_fp_slots(cache: QuantKVCache, block_ids: torch.Tensor, fp_slots: torch.Tensor) -> None:
+    """Like ``quantize_fp_blocks`` with the 16-bit slots given (``fp_index`` may be shared by layers and
+    already updated by an earlier layer); the engine's entry point (``AttentionBackend.quantize_blocks``)."""
+    _launch_quantize(cache.fp_k, cache.fp_v, fp_slots.long() * cache.block_size, cache, block_ids)
 
 
 def write_kv_fp(

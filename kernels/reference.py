@@ -167,22 +167,162 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([packed & 15, packed >> 4], dim=-1)
 
 
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes ``[..., D]`` -> bytes ``[..., D * bits / 8]``. int4 as ``pack_int4``; int2 packs the four
+    quarters of the channels into one byte, the same split-the-head idea without an interleave::
+
+        byte c (c < D/4) = code[c] | code[c + D/4] << 2 | code[c + D/2] << 4 | code[c + 3D/4] << 6
+
+    >>> pack_codes(torch.tensor([[1, 2, 3, 0, 3, 3, 1, 2]]), 2).tolist()    # D = 8
+    [[241, 182]]
+    """
+    if bits == 8:
+        return codes.to(torch.uint8)
+    if bits == 4:
+        return pack_int4(codes)
+    q = codes.shape[-1] // 4
+    c = codes.to(torch.uint8)
+    return c[..., :q] | (c[..., q : 2 * q] << 2) | (c[..., 2 * q : 3 * q] << 4) | (c[..., 3 * q :] << 6)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of ``pack_codes``."""
+    if bits == 8:
+        return packed
+    if bits == 4:
+        return unpack_int4(packed)
+    return torch.cat([packed & 3, (packed >> 2) & 3, (packed >> 4) & 3, packed >> 6], dim=-1)
+
+
+def _quantize_keys(k: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys ``[n, B, H, D]``: one (scale, zero) per channel over the block's tokens (fp16-rounded first)."""
+    qmax = (1 << bits) - 1
+    k = k.float()
+    kz = k.amin(1).half().float()
+    ks = ((k.amax(1) - kz) / qmax).half().float()
+    kc = ((k - kz[:, None]) / torch.where(ks > 0, ks, 1.0)[:, None] + 0.5).floor().clamp(0, qmax)
+    return kc, ks, kz
+
+
+def _quantize_values(v: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Values ``[n, B, H, D]``: one (scale, zero) per token per ``group_size`` channels."""
+    qmax = (1 << bits) - 1
+    v = v.float().unflatten(-1, (-1, group_size))
+    vz = v.amin(-1).half().float()
+    vs = ((v.amax(-1) - vz) / qmax).half().float()
+    vc = ((v - vz[..., None]) / torch.where(vs > 0, vs, 1.0)[..., None] + 0.5).floor().clamp(0, qmax).flatten(-2)
+    return vc, vs, vz
+
+
+def quantize_blocks(
+    k_blocks: torch.Tensor, v_blocks: torch.Tensor, bits: int, group_size: int
+) -> tuple[torch.Tensor, ...]:
+    """Asymmetric quantization of whole blocks ``[n, B, H, D]`` (layout of ``kernels.kv_quant``).
+
+    Keys: one (scale, zero) per channel over the block's tokens -> ``[n, H, D]``. Values: one per token per
+    ``group_size`` channels -> ``[n, B, H, D / G]``. Scales/zeros are rounded to fp16 first and the codes
+    computed against the rounded values. Returns unpacked codes ``(kc, ks, kz, vc, vs, vz)`` (codes as float).
+    """
+    return (*_quantize_keys(k_blocks, bits), *_quantize_values(v_blocks, bits, group_size))
+
+
+def _store_keys(cache, block_ids: torch.Tensor, k: torch.Tensor) -> None:
+    kc, ks, kz = _quantize_keys(k, cache.bits)
+    cache.k_codes[block_ids] = pack_codes(kc, cache.bits)
+    cache.k_scale[block_ids] = ks.half()
+    cache.k_zero[block_ids] = kz.half()
+    if cache.outlier_idx is not None:
+        # Dense-and-sparse: the outlier channels' 16-bit values replace their codes on dequantization.
+        idx = cache.outlier_idx.expand(k.shape[0], k.shape[1], -1, -1)
+        cache.k_outlier[block_ids] = k.gather(-1, idx).to(cache.k_outlier.dtype)
+
+
+def quantize_into(cache, block_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Pack 16-bit blocks ``k, v [n, B, H, D]`` into ``cache`` (a ``kv_quant.QuantKVCache``) at
+    ``block_ids`` and mark them quantized (``fp_index = -1``)."""
+    block_ids = block_ids.long()
+    _store_keys(cache, block_ids, k)
+    vc, vs, vz = _quantize_values(v, cache.bits, cache.group_size)
+    cache.v_codes[block_ids] = pack_codes(vc, cache.bits)
+    cache.v_scale[block_ids] = vs.half()
+    cache.v_zero[block_ids] = vz.half()
+    cache.fp_index[block_ids] = -1
+
+
+def quantize_fp_slots(cache, block_ids: torch.Tensor, fp_slots: torch.Tensor) -> None:
+    """Pack the 16-bit pool's blocks ``fp_slots`` into ``block_ids`` (a block leaving the high-precision
+    set); the caller reuses the slots. Slots are explicit because ``fp_index`` may be shared by layers."""
+    slots = fp_slots.long()
+    quantize_into(cache, block_ids, cache.fp_k[slots], cache.fp_v[slots])
+
+
+def dequantize_blocks(cache, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``(k, v) [n, B, H, D]`` of ``block_ids``: 16-bit-resident blocks from the 16-bit pool, the
+    others ``code * scale + zero`` (outlier channels from their 16-bit copies)."""
+    ids = block_ids.long()
+    bits, g = cache.bits, cache.group_size
+    k = unpack_codes(cache.k_codes[ids], bits).float() * cache.k_scale[ids].float()[:, None] + cache.k_zero[ids].float()[:, None]
+    if cache.outlier_idx is not None:
+        idx = cache.outlier_idx.expand(k.shape[0], k.shape[1], -1, -1)
+        k.scatter_(-1, idx, cache.k_outlier[ids].float())
+    vs = cache.v_scale[ids].float().repeat_interleave(g, dim=-1)
+    vz = cache.v_zero[ids].float().repeat_interleave(g, dim=-1)
+    v = unpack_codes(cache.v_codes[ids], bits).float() * vs + vz
+    fp = cache.fp_index[ids].long()
+    is_fp = fp >= 0
+    if bool(is_fp.any()):
+        k[is_fp] = cache.fp_k[fp[is_fp]].float()
+        v[is_fp] = cache.fp_v[fp[is_fp]].float()
+    return k, v
+
+
 def dequantize_cache(cache) -> tuple[torch.Tensor, torch.Tensor]:
     """Full fp32 ``(k_cache, v_cache) [NB, B, H, D]`` of a ``kv_quant.QuantKVCache``: 16-bit-resident blocks
     (``fp_index >= 0``) come from the 16-bit pool, the others are dequantized ``code * scale + zero``."""
-    kc, vc = cache.k_codes, cache.v_codes
-    if cache.bits == 4:
-        kc, vc = unpack_int4(kc), unpack_int4(vc)
-    g = cache.group_size
-    k = kc.float() * cache.k_scale.float()[:, None] + cache.k_zero.float()[:, None]
-    vs = cache.v_scale.float().repeat_interleave(g, dim=-1)
-    vz = cache.v_zero.float().repeat_interleave(g, dim=-1)
-    v = vc.float() * vs + vz
-    fp = cache.fp_index.long()
-    is_fp = fp >= 0
-    k[is_fp] = cache.fp_k[fp[is_fp]].float()
-    v[is_fp] = cache.fp_v[fp[is_fp]].float()
-    return k, v
+    return dequantize_blocks(cache, torch.arange(cache.num_blocks, device=cache.k_codes.device))
+
+
+def requantize_keys(cache, block_ids: torch.Tensor, k: torch.Tensor) -> None:
+    """Replace the keys of packed blocks (e.g. after a RoPE rotation); values are left as they are."""
+    _store_keys(cache, block_ids.long(), k)
+
+
+def write_kv_quant(key: torch.Tensor, value: torch.Tensor, cache, slot_mapping: torch.Tensor) -> None:
+    """``write_kv`` into a quantized cache: new tokens land in their blocks' 16-bit pool slots (tokens of a
+    packed block, or slot < 0, are skipped: packed blocks are immutable)."""
+    b = cache.block_size
+    slots = slot_mapping.long()
+    blk = torch.where(slots >= 0, slots // b, 0)
+    fp = cache.fp_index[blk].long()
+    fp_slots = torch.where((slots >= 0) & (fp >= 0), fp * b + slots % b, -1)
+    write_kv(key, value, cache.fp_k, cache.fp_v, fp_slots)
+
+
+def paged_attention_quant(
+    query: torch.Tensor,
+    cache,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``paged_attention`` over a quantized cache, dequantizing on gather: the blocks the tables name are
+    dequantized once into a compact cache (row 0 stays the null block) and the tables are renumbered::
+
+        block_tables [[5, 0, 9], [9, 2]]  ->  used [2, 5, 9] -> compact rows 1, 2, 3
+                                              tables [[2, 0, 3], [3, 1]]
+    """
+    width = -(-int(seq_lens.max()) // cache.block_size)
+    tables = block_tables[:, :width].long()
+    used = torch.unique(tables)
+    used = used[used != NULL_BLOCK]
+    k, v = dequantize_blocks(cache, used)
+    pad = torch.zeros((1, *k.shape[1:]), dtype=query.dtype, device=query.device)
+    k_compact = torch.cat([pad, k.to(query.dtype)])
+    v_compact = torch.cat([pad, v.to(query.dtype)])
+    lookup = torch.zeros(cache.num_blocks, dtype=torch.long, device=query.device)
+    lookup[used] = torch.arange(1, used.numel() + 1, device=query.device)
+    return paged_attention(query, k_compact, v_compact, lookup[tables], seq_lens, query_start_loc, scale)
 
 
 def _token_positions(
