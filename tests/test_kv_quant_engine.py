@@ -1,0 +1,245 @@
+"""Quantized KV in the engine (torch reference path): config errors, allocation size, the 16-bit set,
+prefix sharing, preemption, rotation of packed keys, outlier channels. Bookkeeping: test_kv_precision.py."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import CachePolicy, EngineConfig, LLMEngine, SamplingParams
+from engine.config import validate_kv_cache_for_model
+from engine.config_io import engine_config_from_dict
+from engine.errors import ConfigError
+from engine.rope import rotate_keys
+from kernels import reference
+from kernels.kv_quant import QuantKVCache
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+def rand_prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(0, 250) for _ in range(n)]
+
+
+def make(model: Path, **kw) -> LLMEngine:
+    kw.setdefault("num_kv_blocks", 96)
+    kw.setdefault("block_size", 4)
+    return LLMEngine(EngineConfig(model=str(model), **kw))
+
+
+def agreement(a: list, b: list) -> float:
+    pairs = [(x, y) for ra, rb in zip(a, b) for x, y in zip(ra.token_ids, rb.token_ids)]
+    return sum(x == y for x, y in pairs) / len(pairs)
+
+
+# ---------------------------------------------------------------------------------------------- config
+def test_bad_kv_cache_settings_name_the_field_and_the_choices(tiny_llama: Path) -> None:
+    with pytest.raises(ConfigError, match=r"kv_cache_dtype: must be one of \['auto', 'int8', 'int4', 'int2'\]"):
+        EngineConfig(kv_cache_dtype="int3")
+    with pytest.raises(ConfigError, match="kv_cache_dtype: int2 needs a high-precision set"):
+        EngineConfig(kv_cache_dtype="int2", cache_policy=CachePolicy(residual_window=0, keep_protected_16bit=False))
+    EngineConfig(kv_cache_dtype="int4", cache_policy=CachePolicy(residual_window=0, keep_protected_16bit=False))
+    with pytest.raises(ConfigError, match="kv_cache_dtype: int2 runs on the torch backend only"):
+        EngineConfig(kv_cache_dtype="int2", attention_backend="triton")
+    with pytest.raises(ConfigError, match="kv_key_scheme"):
+        EngineConfig(kv_key_scheme="per_token")
+    with pytest.raises(ConfigError, match="cache_policy.residual_window"):
+        engine_config_from_dict({"kv_cache_dtype": "int4", "cache_policy": {"residual_window": -1}})
+    # A pool's yaml gets the field through config_io.
+    assert engine_config_from_dict({"kv_cache_dtype": "int4"}).kv_cache_dtype == "int4"
+    with pytest.raises(ConfigError, match="kv_cache_dtype: must be one of"):
+        engine_config_from_dict({"kv_cache_dtype": "fp8"})
+    # head_dim the packing cannot take.
+    with pytest.raises(ConfigError, match=r"kv_cache_dtype: int4 needs head_dim/2 to be a power of two \(head_dim 96"):
+        validate_kv_cache_for_model(EngineConfig(kv_cache_dtype="int4"), 96, 8)
+    validate_kv_cache_for_model(EngineConfig(), 96, 8)  # unquantized: any head_dim
+    # The tiny model has head_dim 16: value groups of 16 straddle its halves. Refused before any load.
+    with pytest.raises(ConfigError, match=r"kv_value_group_size: must divide head_dim/2 = 8.*allowed: \[1, 2, 4, 8\]"):
+        make(tiny_llama, kv_cache_dtype="int8", kv_value_group_size=16)
+
+
+# ---------------------------------------------------------------------------------------------- memory
+def test_packed_pool_is_allocated_at_its_packed_size(tiny_llama: Path) -> None:
+    full = make(tiny_llama)
+    q4 = make(tiny_llama, kv_cache_dtype="int4", kv_fp_pool_blocks=8)
+    runner = q4.executor.runner
+    # Allocated tensors == the budget arithmetic (engine.kv_budget), codes + scales + side pool.
+    assert runner.kv_allocated_bytes() == q4.kv_bytes_total
+    assert full.executor.runner.kv_allocated_bytes() == full.kv_bytes_total
+    cache = runner.kv_caches[0]
+    assert cache.k_codes.dtype == torch.uint8 and cache.k_codes.shape == (96, 4, 2, 8)  # 16 channels in 8 bytes
+    assert cache.fp_k.shape[0] == 8
+    # float32 model: 16 channels x 4 B x 2 (K, V) x 2 heads x 2 layers = 512 B per token for "auto".
+    assert full.stats().kv_cache_bytes_per_token == pytest.approx(96 * 512 / 95)
+    assert q4.stats().kv_cache_bytes_per_token < 0.45 * full.stats().kv_cache_bytes_per_token
+
+
+def test_quantized_engine_with_everything_16bit_matches_exactly(tiny_llama: Path) -> None:
+    prompts = [rand_prompt(30, i) for i in range(3)]
+    ref = make(tiny_llama).generate(prompts, GREEDY)
+    # A residual window longer than every sequence: no block is ever packed, so outputs are identical.
+    engine = make(tiny_llama, kv_cache_dtype="int4", cache_policy=CachePolicy(residual_window=64))
+    out = engine.generate(prompts, GREEDY)
+    assert [r.token_ids for r in out] == [r.token_ids for r in ref]
+    assert engine.block_manager.blocks_quantized_total == 0
+
+
+def test_int8_follows_16bit_and_reports_blocks_by_precision(tiny_llama: Path) -> None:
+    prompts = [rand_prompt(40, 10 + i) for i in range(4)]
+    ref = make(tiny_llama).generate(prompts, GREEDY)
+    engine = make(tiny_llama, kv_cache_dtype="int8", max_num_batched_tokens=32,
+                  cache_policy=CachePolicy(residual_window=8))
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, GREEDY)
+    seen = []
+    while engine.has_unfinished():
+        engine.step()
+        st = engine.stats()
+        assert st.blocks_16bit + st.blocks_quantized == st.blocks_used
+        seen.append((st.blocks_16bit, st.blocks_quantized))
+        engine.check_integrity()
+    assert max(q for _, q in seen) > 0
+    out = engine.generate(prompts, GREEDY)
+    assert agreement(out, ref) >= 0.95
+    # Prompt log-probs: packed int8 KV moves them by little (the logit error the docs report).
+    lp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=True)
+    long = [rand_prompt(120, 99)]
+    a = torch.tensor(make(tiny_llama).generate(long, lp)[0].prompt_logprobs)
+    b = torch.tensor(engine.generate(long, lp)[0].prompt_logprobs)
+    assert a.shape == b.shape == (119,)
+    assert 0 < (a - b).abs().max() < 0.05
+
+
+# ---------------------------------------------------------------------------------------------- features
+def test_prefix_cache_shares_packed_blocks(tiny_llama: Path) -> None:
+    engine = make(tiny_llama, kv_cache_dtype="int4", cache_policy=CachePolicy(residual_window=4))
+    prompt = rand_prompt(40, 3)
+    engine.add_request("a", prompt, GREEDY)
+    for _ in range(3):
+        engine.step()
+    a = engine.scheduler.find("a")
+    bm = engine.block_manager
+    packed = [b for b in a.block_table[:8] if not bm.is_fp(b)]
+    assert len(packed) >= 6
+    engine.add_request("b", prompt, GREEDY)
+    engine.step()
+    b = engine.scheduler.find("b")
+    shared = [x for x in b.block_table if x in packed]
+    assert shared == packed and all(bm.ref_counts[x] == 2 for x in shared)
+    assert engine.stats().prefix_cache_hit_tokens >= 36
+    while engine.has_unfinished():
+        engine.step()
+    engine.check_integrity()
+
+
+def test_preemption_with_a_quantized_cache(tiny_llama: Path) -> None:
+    batch = [rand_prompt(40, i) for i in range(6)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    kw = dict(kv_cache_dtype="int8", block_size=8, cache_policy=CachePolicy(residual_window=8))
+    roomy = make(tiny_llama, num_kv_blocks=128, **kw).generate(batch, params)
+    tight = make(tiny_llama, num_kv_blocks=13, **kw)
+    results = tight.generate(batch, params)
+    assert tight.stats().preemptions > 0
+    # A recomputed prefill attends to 16-bit KV where the first pass read packed blocks: near, not equal.
+    assert agreement(results, roomy) >= 0.9
+    tight.check_integrity()
+    assert tight.stats().blocks_used == 0 and tight.block_manager.num_fp_live() == 0
+
+
+def test_rotating_a_packed_key_block_matches_packing_the_rotated_keys() -> None:
+    torch.manual_seed(0)
+    h, d, b = 2, 16, 4
+    cache = QuantKVCache.allocate(3, 1, b, h, d, bits=8, group_size=8, dtype=torch.float32)
+    k = torch.randn(1, b, h, d)
+    v = torch.randn(1, b, h, d)
+    reference.quantize_into(cache, torch.tensor([1]), k, v)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    shift = torch.tensor([12])
+    before_v = cache.v_codes[1].clone()
+    kd, _ = reference.dequantize_blocks(cache, torch.tensor([1]))
+    reference.requantize_keys(cache, torch.tensor([1]), rotate_keys(kd, shift, inv_freq))
+    got, _ = reference.dequantize_blocks(cache, torch.tensor([1]))
+    want = rotate_keys(k, shift, inv_freq)
+    # Two roundings (pack, then re-pack after the rotation): within 2 int8 steps of the per-channel range.
+    step = (want.amax(1) - want.amin(1)) / 255
+    assert ((got - want).abs() <= 2 * step[:, None] + 1e-6).all()
+    assert (got - want).abs().max() > 0  # really packed, not passed through
+    assert torch.equal(cache.v_codes[1], before_v)
+
+
+def test_streaming_with_packed_window_and_rotation(tiny_llama: Path) -> None:
+    """Sliding window past the context: the older part of the window is packed; with protection off the
+    sink block is packed and then rotated as a packed block on every eviction."""
+    prompt = rand_prompt(24, 5)
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+
+    def run(**kw) -> tuple[LLMEngine, list]:
+        policy = kw.pop("policy")
+        engine = LLMEngine(EngineConfig(model=str(tiny_llama), block_size=4, num_kv_blocks=64, max_num_batched_tokens=8,
+                                        cache_policy=CachePolicy(eviction_policy="sliding_window", window=24, **policy), **kw))
+        return engine, engine.generate([prompt], params)
+
+    _, ref = run(policy={})
+    prot, out_p = run(kv_cache_dtype="int8", policy={"residual_window": 8})
+    unprot, out_u = run(kv_cache_dtype="int8", policy={"residual_window": 8, "keep_protected_16bit": False})
+    for e in (prot, unprot):
+        assert e.stats().tokens_evicted > 0 and e.block_manager.blocks_quantized_total > 0
+        e.check_integrity()
+    assert agreement(out_p, ref) >= 0.9
+    assert agreement(out_u, ref) >= 0.8
+
+
+# ---------------------------------------------------------------------------------------------- outliers
+def test_planted_outlier_channels_kept_16bit_cut_the_error() -> None:
+    """Keys with two planted outlier channels (a RoPE pair, 40x the rest). Per-channel scales already
+    isolate them, but their quantization step is 40x larger and q.k sums it: the attention error that
+    keys cause (reference: 16-bit keys, the cache's own dequantized values) drops ~6-9x when they are kept."""
+    torch.manual_seed(1)
+    nb, b, h, d, hq = 9, 16, 2, 32, 4
+    k = torch.randn(nb - 1, b, h, d)
+    planted = torch.tensor([3, 19])
+    k[..., planted] *= 40
+    v = torch.randn(nb - 1, b, h, d)
+    q = torch.randn(1, hq, d) * 0.3
+    ids = torch.arange(1, nb)
+    full_k = torch.cat([torch.zeros(1, b, h, d), k])
+    tables = ids[None].int()
+    lens = torch.tensor([(nb - 1) * b], dtype=torch.int32)
+    qsl = torch.tensor([0, 1], dtype=torch.int32)
+    errors = {}
+    for bits in (8, 4, 2):
+        for kept in (0, 2):
+            cache = QuantKVCache.allocate(nb, 1, b, h, d, bits=bits, group_size=16, dtype=torch.float32, outlier_channels=kept)
+            if kept:
+                cache.outlier_idx = planted.repeat(1, h, 1)
+            reference.quantize_into(cache, ids, k, v)
+            _, v_deq = reference.dequantize_cache(cache)
+            want = reference.paged_attention(q, full_k, v_deq, tables, lens, qsl, d ** -0.5)
+            got = reference.paged_attention_quant(q, cache, tables, lens, qsl, d ** -0.5)
+            errors[bits, kept] = float((got - want).norm() / want.norm())
+    for bits in (8, 4, 2):
+        assert errors[bits, 2] < 0.25 * errors[bits, 0], errors
+
+
+def test_calibration_finds_planted_outlier_channels(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from tests.tiny_models import build_model
+
+    path = build_model(tmp_path / "outliers", "llama", seed=3)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        for layer in model.model.layers:  # k_proj rows of channel 5 of each KV head, 30x
+            w = layer.self_attn.k_proj.weight.view(2, 16, -1)
+            w[:, 5] *= 30
+    model.save_pretrained(path)
+    engine = make(path, kv_cache_dtype="int4", kv_outlier_channels=2)
+    for idx in engine.executor.runner.outlier_idx:
+        # RoPE spreads channel 5 over its pair (5, 13): both are kept.
+        assert idx.tolist() == [[[5, 13], [5, 13]]]
+    out = engine.generate([rand_prompt(30, 1)], GREEDY)
+    assert len(out[0].token_ids) == GREEDY.max_tokens
