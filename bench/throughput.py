@@ -173,8 +173,9 @@ def _progress(total: int, desc: str, quiet: bool) -> Any:
 
 
 def run_engine(model_dir: Path, reqs: list[Request], concurrency: int, max_num_batched_tokens: int,
-               block_size: int = 16, quiet: bool = False) -> Result:
-    """All requests added up front; the engine admits ``concurrency`` at a time."""
+               block_size: int = 16, quiet: bool = False, kv_cache_dtype: str = "auto") -> Result:
+    """All requests added up front; the engine admits ``concurrency`` at a time. ``kv_cache_dtype``
+    other than ``"auto"``: the same number of blocks, packed (the default protection set)."""
     from engine import EngineConfig, LLMEngine, SamplingParams
 
     longest = max(len(r.prompt) + r.max_tokens for r in reqs)
@@ -182,7 +183,8 @@ def run_engine(model_dir: Path, reqs: list[Request], concurrency: int, max_num_b
     num_kv_blocks = min(32, len(reqs)) * -(-longest // block_size) + 1
     config = EngineConfig(model=str(model_dir), dtype="float32", device="cpu", block_size=block_size,
                           num_kv_blocks=num_kv_blocks, max_num_seqs=concurrency,
-                          max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False)
+                          max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False,
+                          kv_cache_dtype=kv_cache_dtype)
     engine = LLMEngine(config)
     # Warm-up (allocator, first-call overheads) outside the timed region.
     engine.generate([reqs[0].prompt[:8]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
@@ -203,7 +205,8 @@ def run_engine(model_dir: Path, reqs: list[Request], concurrency: int, max_num_b
     engine.shutdown()
     outputs = [tokens[rid] for rid in ids]
     return Result(SYSTEM_ENGINE, str(concurrency), sum(map(len, outputs)), sum(len(r.prompt) for r in reqs), seconds,
-                  load_before, _load1(), note=f"max_num_batched_tokens={max_num_batched_tokens}, {steps} steps",
+                  load_before, _load1(), note=f"max_num_batched_tokens={max_num_batched_tokens}, {steps} steps"
+                  + (f", kv_cache_dtype={kv_cache_dtype}" if kv_cache_dtype != "auto" else ""),
                   outputs=outputs)
 
 
@@ -422,6 +425,7 @@ def run_benchmark(
     systems: tuple[str, ...] = SYSTEMS,
     model_dir: Path | None = None,
     quiet: bool = False,
+    kv_cache_dtypes: tuple[str, ...] = (),
 ) -> Benchmark:
     """Build the model, run every system on ``workload``, and compare outputs with one-at-a-time ``generate``.
 
@@ -452,6 +456,9 @@ def run_benchmark(
                 results.append(_logged(in_worker(run_engine, model_dir, workload, c, batched_tokens[0], quiet=quiet)))
             for b in batched_tokens[1:]:
                 results.append(_logged(in_worker(run_engine, model_dir, workload, max(concurrencies), b, quiet=quiet)))
+            for dt in kv_cache_dtypes:  # the --kv-cache-dtype axis: at the largest concurrency
+                results.append(_logged(in_worker(run_engine, model_dir, workload, max(concurrencies), batched_tokens[0],
+                                                 quiet=quiet, kv_cache_dtype=dt)))
         want = [r.max_tokens for r in workload]
         for r in results:  # equal work or no comparison
             got = [len(o) for o in r.outputs]
@@ -565,6 +572,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--systems", default=",".join(["engine", "sequential", "static", "cb"]),
                    help="subset of engine,sequential,static,cb")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-cache-dtype", default="",
+                   help="comma-separated packed KV dtypes (int8,int4,int2) run as extra engine rows at the largest "
+                        "concurrency, beside the 16-bit engine")
     return p.parse_args(argv)
 
 
@@ -585,7 +595,8 @@ def main(argv: list[str] | None = None) -> int:
     names = {"engine": SYSTEM_ENGINE, "sequential": SYSTEM_SEQUENTIAL, "static": SYSTEM_STATIC, "cb": SYSTEM_CB}
     systems = tuple(names[s] for s in args.systems.split(","))
     workload = make_workload(n, prompt_range, output_range, spec.vocab_size, args.seed)
-    bench = run_benchmark(spec, workload, concurrencies, batched, systems)
+    kv_dtypes = tuple(d for d in args.kv_cache_dtype.split(",") if d and d != "auto")
+    bench = run_benchmark(spec, workload, concurrencies, batched, systems, kv_cache_dtypes=kv_dtypes)
     command = "python " + " ".join(shlex.quote(a) for a in ["bench/throughput.py", *(sys.argv[1:] if argv is None else argv)])
     text = report(bench, command, args)
     print(text)

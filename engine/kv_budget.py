@@ -93,20 +93,21 @@ def fp_pool_blocks(max_num_seqs: int, max_num_batched_tokens: int, block_size: i
     """16-bit side-pool blocks a quantized cache allocates by default.
 
     Per running sequence: the residual window (``ceil(R / B) + 1`` blocks: it straddles a boundary) and
-    its sinks (``ceil(P / B)``, at least one block when any position is protected); plus the blocks one
-    step can open at once (``ceil(max_num_batched_tokens / B) + max_num_seqs``: a prefill chunk's blocks
-    stay 16-bit until the next step quantizes them), never more than a sequence of ``max_model_len``
-    per slot could use. Protected blocks beyond this (long system prompts, many anchors) are quantized
+    its sinks (``ceil(P / B)``, at least one block when any position is protected); plus the blocks of
+    one prefill chunk (``ceil(max_num_batched_tokens / B)``: they stay 16-bit until the next step packs
+    them), never more than a sequence of ``max_model_len`` per slot could use. The side pool is sized for
+    ``max_num_seqs`` running sequences: set it to the concurrency the budget should hold (a larger one
+    spends budget on 16-bit slots that stay idle; a smaller one makes sequences wait for slots). Protected blocks beyond this (long system prompts, many anchors) are quantized
     when the pool runs low (counted in ``EngineStats.blocks_protected_quantized``).
 
-    >>> fp_pool_blocks(64, 512, 16, 128, 4, 1024)   # 64 x (9 + 1) + 32 + 64
-    736
-    >>> fp_pool_blocks(1, 512, 64, 128, 4, 16384)   # 1 x (3 + 1) + 8 + 1
-    13
+    >>> fp_pool_blocks(64, 512, 16, 128, 4, 1024)   # 64 x (9 + 1) + 32
+    672
+    >>> fp_pool_blocks(1, 512, 64, 128, 4, 16384)   # 1 x (3 + 1) + 8
+    12
     """
     per_seq = -(-residual_window // block_size) + 1 + max(1 if num_protected_positions else 0,
                                                           -(-num_protected_positions // block_size))
-    step = -(-max_num_batched_tokens // block_size) + max_num_seqs
+    step = -(-max_num_batched_tokens // block_size)
     cap = max_num_seqs * -(-max_model_len // block_size)
     return max(1, min(max_num_seqs * per_seq + step, cap))
 

@@ -131,3 +131,41 @@ def test_fp_window_lifecycle(device: torch.device) -> None:
     dense_v.view(-1, hkv, d)[slots] = value
     full = paged_attention(q, dense_k, dense_v, tables, seq_lens, qsl, d**-0.5)
     assert rel_err(out, full) < 1e-2
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_engine_entry_points_agree_between_backends(bits: int, device: torch.device) -> None:
+    """What the engine calls (``AttentionBackend.quantize_blocks``, ``write_kv_quant``,
+    ``paged_attention_quant``) gives the same codes and, in float32, attention within 1e-5 (relative) on
+    the torch reference and on the Triton kernels: blocks packed from 16-bit slots, the sink block and
+    the last block of each sequence left 16-bit, new tokens written into 16-bit blocks."""
+    from kernels.backend import torch_backend, triton_backend
+
+    hkv, d, bs = 2, 32, 16
+    b = make_batch([1, 1, 5], [1, 40, 37], 4, hkv, d, bs, torch.float32, device=device, seed=5 + bits)
+    nb = b.k_cache.shape[0]
+    g = torch.Generator().manual_seed(bits)
+    t = int(b.query_start_loc[-1])
+    key, value = torch.randn(t, hkv, d, generator=g).to(device), torch.randn(t, hkv, d, generator=g).to(device)
+    slots = []
+    for s, n in enumerate(b.seq_lens.tolist()):
+        q_len = int(b.query_start_loc[s + 1] - b.query_start_loc[s])
+        slots += [int(b.block_tables[s, p // bs]) * bs + p % bs for p in range(n - q_len, n)]
+    slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+    outs, codes = {}, {}
+    for name, backend in (("torch", torch_backend()), ("triton", triton_backend())):
+        cache = QuantKVCache.allocate(nb, nb, bs, hkv, d, bits=bits, group_size=16, dtype=torch.float32, device=device)
+        cache.fp_k.copy_(b.k_cache)
+        cache.fp_v.copy_(b.v_cache)
+        cache.fp_index.copy_(torch.arange(nb, dtype=torch.int32))
+        keep = set()
+        for s, n in enumerate(b.seq_lens.tolist()):
+            keep |= {int(b.block_tables[s, 0]), int(b.block_tables[s, -(-n // bs) - 1])}
+        pack = torch.tensor(sorted(set(range(1, nb)) - keep), dtype=torch.long, device=device)
+        backend.quantize_blocks(cache, pack, pack.clone())
+        assert (cache.fp_index[pack] == -1).all()
+        backend.write_kv_quant(key, value, cache, slot_mapping)
+        out = backend.paged_attention_quant(b.query, cache, b.block_tables, b.seq_lens, b.query_start_loc, d ** -0.5)
+        outs[name], codes[name] = out, (cache.k_codes[pack].clone(), cache.v_codes[pack].clone())
+    assert torch.equal(codes["torch"][0], codes["triton"][0]) and torch.equal(codes["torch"][1], codes["triton"][1])
+    assert rel_err(outs["triton"], outs["torch"]) < 1e-5
