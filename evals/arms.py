@@ -39,16 +39,22 @@ class Arm:
     sinks: bool
     anchor: bool
     evicts: bool = True
+    # KV storage (evals.kv_quant): "auto" = the model dtype; a packed dtype keeps the high-precision set
+    # (protected blocks + a 128-token residual window) 16-bit when ``kv_protect``, else packs everything.
+    kv_cache_dtype: str = "auto"
+    kv_protect: bool = True
 
     def policy(self, window: int) -> CachePolicy:
+        hp = dict(residual_window=128 if self.kv_protect else 0, keep_protected_16bit=self.kv_protect)
         if not self.evicts:
-            return CachePolicy(eviction_policy="none")
+            return CachePolicy(eviction_policy="none", **hp)
         return CachePolicy(
             eviction_policy="sliding_window",
             window=window,
             protected_positions=SINK_POSITIONS if self.sinks else (),
             protected_token_roles=("sink",),
             max_stream_tokens=1 << 22,
+            **hp,
         )
 
 
@@ -94,7 +100,8 @@ def model_fingerprint(model: str | Path) -> str:
     return h.hexdigest()[:16] if files else "unknown"
 
 
-def make_engine(model: str | Path, policy: CachePolicy, chunk: int, num_kv_blocks: int, max_num_seqs: int = 64) -> LLMEngine:
+def make_engine(model: str | Path, policy: CachePolicy, chunk: int, num_kv_blocks: int, max_num_seqs: int = 64,
+                kv_cache_dtype: str = "auto") -> LLMEngine:
     """An engine for one arm.
 
     Prefix caching is off so every request is computed from its own tokens under the arm's policy; the
@@ -111,6 +118,7 @@ def make_engine(model: str | Path, policy: CachePolicy, chunk: int, num_kv_block
         enable_prefix_caching=False,
         attention_backend=backend,
         cache_policy=policy,
+        kv_cache_dtype=kv_cache_dtype,
     )
     return LLMEngine(config)
 

@@ -43,6 +43,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         p.add_argument("--with", dest="with_protection", action="store_true", help="run the protected arm")
         p.add_argument("--without", dest="without_protection", action="store_true", help="run the unprotected arm")
         p.add_argument("--threads", type=int, default=1, help="torch threads per process (1: see evals.arms)")
+        p.add_argument("--kv-cache-dtype", choices=("int8", "int4", "int2"),
+                       help="run the KV-storage A/B instead (16-bit vs packed with protection vs packed everything; "
+                            "writes <name>_kv_<dtype>.*; evals.kv_quant)")
         if name == "long-ppl":
             p.add_argument("--tokens", type=int, help="stream length (default 16x ctx; quick 2x)")
             p.add_argument("--text", default="corpus", choices=("corpus", "licenses"), help="held-out text source")
@@ -131,12 +134,30 @@ def _retrieval(args: argparse.Namespace, ctx: int) -> EvalResult:
 EVALS = {"long-ppl": _long_ppl, "needle": _needle, "retrieval": _retrieval}
 
 
+def _kv_ab(args: argparse.Namespace, ctx: int) -> EvalResult:
+    """``--kv-cache-dtype``: the KV-storage A/B (evals.kv_quant); ``--quick`` keeps it to minutes on 2 cores."""
+    from evals import kv_quant
+
+    window, chunk = _settings(args, ctx)
+    if args.eval_name == "long-ppl":
+        tokens = args.tokens or (2 if args.quick else 16) * ctx
+        return kv_quant.run_kv_long_ppl(args.model, args.kv_cache_dtype, tokens, window, chunk,
+                                        context_tokens=(2 if args.quick else 4) * ctx, text=args.text,
+                                        smooth=args.smooth or max(16, ctx // 4))
+    mults = tuple(float(x) for x in (args.lengths or ("2" if args.quick else "16")).split(",") if float(x) != 1)
+    return kv_quant.run_kv_needle(args.model, args.kv_cache_dtype, args.docs or (4 if args.quick else 12), mults,
+                                  window, chunk)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the chosen eval, write its files, print the table(s). Returns the exit code."""
     A.setup_torch(args.threads)
     t0 = time.perf_counter()
     ctx = A.trained_context(args.model)
-    result = EVALS[args.eval_name](args, ctx)
+    if getattr(args, "kv_cache_dtype", None):
+        result = _kv_ab(args, ctx)
+    else:
+        result = EVALS[args.eval_name](args, ctx)
     result.meta["command"] = "sinkserve eval " + args.eval_name + _flags(args)
     result.meta["model_sha256"] = A.model_fingerprint(args.model)
     paths = write_report(result, Path(args.out))
