@@ -161,8 +161,9 @@ def main(argv: list[str] | None = None) -> int:
               "out of the same budget; residual window 128, sinks 0..3).", "",
               "| shape | block | group | seq tokens | budget | max_num_seqs | bf16 | int8 | int4 | int2 | int4 x bf16 (target >= 3.3) |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
-    cases = [(SHAPES[0], 16, 16, 4096, 256 << 20, 64), (SHAPES[0], 64, 16, 16384, 1 << 30, 64),
-             (SHAPES[1], 64, 64, 16384, 32 << 30, 64), (SHAPES[1], 64, 64, 16384, 32 << 30, 56)]
+    cases = [(SHAPES[0], 16, 16, 4096, 256 << 20, 64), (SHAPES[0], 16, 16, 4096, 256 << 20, 128),
+             (SHAPES[0], 64, 16, 16384, 1 << 30, 160), (SHAPES[1], 16, 32, 16384, 32 << 30, 64),
+             (SHAPES[1], 64, 64, 16384, 32 << 30, 64)]
     for shape, bs, g, n, budget, max_seqs in cases:
         counts = {dt: admitted(shape, dt, budget, n, bs, g, args.residual, max_seqs) for dt in ("bf16", "int8", "int4", "int2")}
         r = counts["int4"] / counts["bf16"]

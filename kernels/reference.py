@@ -174,7 +174,7 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
         byte c (c < D/4) = code[c] | code[c + D/4] << 2 | code[c + D/2] << 4 | code[c + 3D/4] << 6
 
     >>> pack_codes(torch.tensor([[1, 2, 3, 0, 3, 3, 1, 2]]), 2).tolist()    # D = 8
-    [[241, 182]]
+    [[125, 178]]
     """
     if bits == 8:
         return codes.to(torch.uint8)
