@@ -34,7 +34,8 @@ it also holds one of ``num_fp_blocks`` slots of the 16-bit side pool (``fp_slot[
 
 Each change is logged in ``kv_ops`` for the model runner, in order: ``("assign", block, slot)`` (slot -1:
 the block reads the packed pool), ``("quantize", block, slot)`` (pack the 16-bit data of ``slot`` into
-``block``), ``("copy", src, dst)``. Example (``num_blocks=5``, ``num_fp_blocks=2``)::
+``block``), ``("dequantize", block, slot)`` (the reverse, ``promote``: a packed block about to be rotated),
+``("copy", src, dst)``. Example (``num_blocks=5``, ``num_fp_blocks=2``)::
 
     allocate 2 blocks            -> kv_ops [("assign", 1, 0), ("assign", 2, 1)], fp free []
     quantize(1)                  -> kv_ops += [("quantize", 1, 0)], fp free [0]
@@ -124,7 +125,18 @@ class BlockManager:
         self.blocks_quantized_total += 1
         return True
 
-    def _take_fp_slot(self, block: int) -> None:
+    def promote(self, block: int) -> bool:
+        """Give packed ``block`` a 16-bit slot holding its dequantized data (``("dequantize", block, slot)``),
+        e.g. before its keys are rotated: a rotation of packed keys would re-pack them at every eviction and
+        the roundings would add up. True if the block is 16-bit now; False if no slot is free."""
+        if self.fp_slot[block] >= 0:
+            return True
+        if not self.num_fp_available:
+            return False
+        self._take_fp_slot(block, op="dequantize")
+        return True
+
+    def _take_fp_slot(self, block: int, op: str = "assign") -> None:
         if self.fp_slot[block] >= 0:
             return
         if self.fp_free:
@@ -139,7 +151,7 @@ class BlockManager:
         else:
             raise RuntimeError("no free 16-bit KV block (the side pool is full)")
         self.fp_slot[block] = slot
-        self.kv_ops.append(("assign", block, slot))
+        self.kv_ops.append((op, block, slot))
 
     def _drop_fp_slot(self, block: int) -> None:
         slot = self.fp_slot[block]

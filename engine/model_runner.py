@@ -466,6 +466,15 @@ class ModelRunner:
             flush()
             if op == "assign":
                 fp_index[a] = b
+            elif op == "dequantize":
+                from kernels import reference
+
+                idx = torch.tensor([a], dtype=torch.long, device=self.device)
+                for cache in self.kv_caches:
+                    k, v = reference.dequantize_blocks(cache, idx)
+                    cache.fp_k[b] = k[0].to(cache.fp_k.dtype)
+                    cache.fp_v[b] = v[0].to(cache.fp_v.dtype)
+                fp_index[a] = b
             elif op == "copy":
                 self._copy_quant_block(a, b)
             else:
@@ -483,8 +492,9 @@ class ModelRunner:
                     t[dst] = t[src]
 
     def _rotate_quant_blocks(self, rotations: list[tuple[int, int]]) -> None:
-        """Rotate kept keys of a quantized cache: 16-bit blocks in the side pool as usual; a packed key
-        block is dequantized, rotated in float32 and packed again with fresh per-channel scales (RoPE
+        """Rotate kept keys of a quantized cache: 16-bit blocks in the side pool as usual (the scheduler
+        promotes a packed block to 16-bit before its first rotation). Only when no slot was free is a packed
+        key block dequantized, rotated in float32 and packed again with fresh per-channel scales (RoPE
         mixes channel c with c + D/2, so a rotation cannot be applied to codes)."""
         from kernels import reference
 

@@ -275,6 +275,9 @@ class Scheduler:
             copy = self.bm.make_private(seq, index)
             if copy is not None and not self.bm.quantized:  # a quantized cache logs it in kv_ops
                 out.copies.append(copy)
+            if self.bm.quantized:
+                # A rotated block becomes 16-bit for good (one rounding, not one per eviction event).
+                self.bm.promote(seq.block_table[index])
             out.rotations.append((seq.block_table[index], shift))
         self.tokens_evicted += len(logical) * bs
         record = retention.EvictionRecord(

@@ -155,3 +155,25 @@ def test_side_pool_pressure_packs_protected_blocks_and_counts_them() -> None:
 def test_bad_side_pool_size() -> None:
     with pytest.raises(ValueError, match="num_fp_blocks"):
         BlockManager(4, 4, num_fp_blocks=0)
+
+
+def test_a_packed_block_is_promoted_to_16bit_once_before_its_first_rotation() -> None:
+    # Protection off: the sink block is packed like any other, then kept by the window's rotation.
+    policy = CachePolicy(eviction_policy="sliding_window", window=8, residual_window=0, keep_protected_16bit=False,
+                         protected_positions=(0,))
+    bm, sched = make(num_blocks=12, num_fp=5, block_size=4, budget=4, policy=policy)
+    s = seq("s", 40)
+    sched.add(s)
+    ops = []
+    while s.num_computed_tokens < 40:
+        out = sched.schedule()
+        ops += out.kv_ops
+        step(sched, out)
+        bm.check_integrity(sched.live_sequences())
+    sink = s.block_table[0]
+    # Block 1 held the sink, was packed once when full, and (being in the prefix cache) was copied before
+    # the first rotation; the packed copy is promoted to 16-bit, once.
+    assert ("quantize", 1, 0) in ops and ("copy", 1, sink) in ops
+    promoted = [op for op in ops if op[0] == "dequantize"]
+    assert promoted == [("dequantize", sink, promoted[0][2])]  # once, at the first eviction
+    assert bm.is_fp(sink) and [op for op in ops if op[1] == sink][-1][0] == "dequantize"  # never re-packed
