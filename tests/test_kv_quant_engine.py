@@ -243,3 +243,21 @@ def test_calibration_finds_planted_outlier_channels(tmp_path: Path) -> None:
         assert idx.tolist() == [[[5, 13], [5, 13]]]
     out = engine.generate([rand_prompt(30, 1)], GREEDY)
     assert len(out[0].token_ids) == GREEDY.max_tokens
+
+
+async def test_engine_process_streams_the_quantized_engine_tokens(tiny_llama: Path) -> None:
+    from engine.engine_process import EngineProcess
+    from tests.engine_streams import collect
+
+    config = EngineConfig(model=str(tiny_llama), num_kv_blocks=64, block_size=4, kv_cache_dtype="int4",
+                          kv_fp_pool_blocks=8, cache_policy=CachePolicy(residual_window=8))
+    prompt = rand_prompt(30, 7)
+    offline = LLMEngine(config).generate([prompt], GREEDY)[0]
+    engine = EngineProcess(config)
+    toks, _, reason, _ = await collect(engine, prompt, GREEDY)
+    # The child runs the same packed cache: the same tokens, and it reports its storage.
+    assert toks == offline.token_ids and reason == "length"
+    stats = engine.stats()
+    # float32 "auto" stores 512 B/token; int4 codes + scales 160 B/token + an 8-block float32 side pool.
+    assert stats.blocks_used == 0 and stats.kv_cache_bytes_per_token == pytest.approx((64 * 640 + 8 * 2048) / 252)
+    await engine.shutdown()
