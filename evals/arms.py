@@ -45,7 +45,10 @@ class Arm:
     kv_protect: bool = True
 
     def policy(self, window: int) -> CachePolicy:
-        hp = dict(residual_window=128 if self.kv_protect else 0, keep_protected_16bit=self.kv_protect)
+        # int2 refuses an empty high-precision set (ConfigError): its "everything" ablation keeps a 1-token
+        # residual, which is the block being written anyway.
+        residual = 128 if self.kv_protect else (1 if self.kv_cache_dtype == "int2" else 0)
+        hp = dict(residual_window=residual, keep_protected_16bit=self.kv_protect)
         if not self.evicts:
             return CachePolicy(eviction_policy="none", **hp)
         return CachePolicy(
