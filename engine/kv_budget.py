@@ -92,21 +92,22 @@ def fp_pool_blocks(max_num_seqs: int, max_num_batched_tokens: int, block_size: i
                    num_protected_positions: int, max_model_len: int) -> int:
     """16-bit side-pool blocks a quantized cache allocates by default.
 
-    Per running sequence: the residual window (``ceil(R / B) + 1`` blocks: it straddles a boundary) and
-    its sinks (``ceil(P / B)``, at least one block when any position is protected); plus the blocks of
+    Per running sequence: the residual window (``ceil(R / B) + 1`` blocks: it straddles a boundary), its
+    sinks (``ceil(P / B)``, at least one block when any position is protected) and 2 blocks for
+    per-request protection (anchors, roles) and rotated blocks kept 16-bit; plus the blocks of
     one prefill chunk (``ceil(max_num_batched_tokens / B)``: they stay 16-bit until the next step packs
     them), never more than a sequence of ``max_model_len`` per slot could use. The side pool is sized for
     ``max_num_seqs`` running sequences: set it to the concurrency the budget should hold (a larger one
     spends budget on 16-bit slots that stay idle; a smaller one makes sequences wait for slots). Protected blocks beyond this (long system prompts, many anchors) are quantized
     when the pool runs low (counted in ``EngineStats.blocks_protected_quantized``).
 
-    >>> fp_pool_blocks(64, 512, 16, 128, 4, 1024)   # 64 x (9 + 1) + 32
-    672
-    >>> fp_pool_blocks(1, 512, 64, 128, 4, 16384)   # 1 x (3 + 1) + 8
-    12
+    >>> fp_pool_blocks(64, 512, 16, 128, 4, 1024)   # 64 x (9 + 1 + 2) + 32
+    800
+    >>> fp_pool_blocks(1, 512, 64, 128, 4, 16384)   # 1 x (3 + 1 + 2) + 8
+    14
     """
-    per_seq = -(-residual_window // block_size) + 1 + max(1 if num_protected_positions else 0,
-                                                          -(-num_protected_positions // block_size))
+    per_seq = -(-residual_window // block_size) + 1 + 2 + max(1 if num_protected_positions else 0,
+                                                              -(-num_protected_positions // block_size))
     step = -(-max_num_batched_tokens // block_size)
     cap = max_num_seqs * -(-max_model_len // block_size)
     return max(1, min(max_num_seqs * per_seq + step, cap))

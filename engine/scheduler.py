@@ -210,15 +210,20 @@ class Scheduler:
         pending.discard(None)
         return pending
 
+    def _fp_reserve(self) -> int:
+        """Side-pool headroom kept for the step's new blocks (at most a quarter of the pool). Below it a
+        protected block is packed and a rotated block stays packed rather than starve new blocks
+        (preemption would not help: long-lived 16-bit blocks stay)."""
+        bs = self.bm.block_size
+        return min(-(-self.max_num_batched_tokens // bs) + len(self.running), (self.bm.num_fp_blocks or 0) // 4)
+
     def _quantize_immutable(self, seq: Sequence) -> None:
         """Pack the blocks of ``seq`` that became full and left the residual window since last time."""
         bs = self.bm.block_size
         stop = min(max(0, seq.num_computed_tokens - self.policy.residual_window) // bs, len(seq.block_table))
         if stop <= seq.quant_cursor:
             return
-        # Headroom for the step's new blocks (at most a quarter of the side pool); below it a protected
-        # block is packed rather than starve them (preemption would not help: protected blocks stay).
-        reserve = min(-(-self.max_num_batched_tokens // bs) + len(self.running), (self.bm.num_fp_blocks or 0) // 4)
+        reserve = self._fp_reserve()
         for i in range(seq.quant_cursor, stop):
             block = seq.block_table[i]
             if block == 0 or not self.bm.is_fp(block):
@@ -275,8 +280,9 @@ class Scheduler:
             copy = self.bm.make_private(seq, index)
             if copy is not None and not self.bm.quantized:  # a quantized cache logs it in kv_ops
                 out.copies.append(copy)
-            if self.bm.quantized:
-                # A rotated block becomes 16-bit for good (one rounding, not one per eviction event).
+            if self.bm.quantized and self.bm.num_fp_available > self._fp_reserve():
+                # A rotated block becomes 16-bit for good (one rounding, not one per eviction event); when
+                # the side pool is low it stays packed and is re-packed after each rotation instead.
                 self.bm.promote(seq.block_table[index])
             out.rotations.append((seq.block_table[index], shift))
         self.tokens_evicted += len(logical) * bs

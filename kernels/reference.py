@@ -42,6 +42,24 @@ def write_kv(
     v_cache.view(num_blocks * block_size, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
+def _compact_tables(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Each row's live blocks moved to the front in logical order: ``(compact block ids [S, W], valid
+    [S, W*B], positions [S, W*B], order, W)`` (see ``gather_kv``)."""
+    num_table_blocks = -(-int(seq_lens.max()) // block_size)
+    table = block_tables[:, :num_table_blocks].long()
+    live = table != NULL_BLOCK
+    # Stable sort moves each row's live blocks to the front, in logical order.
+    order = torch.argsort((~live).to(torch.int8), dim=1, stable=True)
+    width = max(int(live.sum(dim=1).max()), 1)
+    order = order[:, :width]
+    compact = table.gather(1, order)
+    offsets = torch.arange(block_size, device=block_tables.device)
+    positions = (order[:, :, None] * block_size + offsets).flatten(1)
+    valid = (positions < seq_lens[:, None].long()) & (compact != NULL_BLOCK).repeat_interleave(block_size, dim=1)
+    return compact, valid, positions, order, width
+
+
 def gather_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -55,21 +73,11 @@ def gather_kv(
     null costs what its kept blocks cost, not what its whole history would.
     """
     block_size = k_cache.shape[1]
-    num_table_blocks = -(-int(seq_lens.max()) // block_size)
-    table = block_tables[:, :num_table_blocks].long()
-    live = table != NULL_BLOCK
-    # Stable sort moves each row's live blocks to the front, in logical order.
-    order = torch.argsort((~live).to(torch.int8), dim=1, stable=True)
-    width = max(int(live.sum(dim=1).max()), 1)
-    order = order[:, :width]
-    compact = table.gather(1, order)
+    compact, valid, positions, _, width = _compact_tables(block_tables, seq_lens, block_size)
     # index_select on a [num_blocks, block_size * Hkv * D] view: ~2x faster than advanced indexing on CPU.
     flat = compact.flatten()
     keys = k_cache.flatten(1).index_select(0, flat).view(compact.shape[0], width * block_size, *k_cache.shape[2:])
     values = v_cache.flatten(1).index_select(0, flat).view(compact.shape[0], width * block_size, *v_cache.shape[2:])
-    offsets = torch.arange(block_size, device=k_cache.device)
-    positions = (order[:, :, None] * block_size + offsets).flatten(1)
-    valid = (positions < seq_lens[:, None].long()) & (compact != NULL_BLOCK).repeat_interleave(block_size, dim=1)
     return keys, values, valid, positions
 
 
@@ -86,6 +94,13 @@ def paged_attention(
 
     Grouped-query attention: query head ``h`` reads KV head ``h // (Hq // Hkv)``.
     """
+    return _paged_attention(query, lambda t, n: gather_kv(k_cache, v_cache, t, n), block_tables, seq_lens,
+                            query_start_loc, scale)
+
+
+def _paged_attention(query: torch.Tensor, gather, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                     query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+    """``paged_attention`` with the KV fetch ``gather(block_tables, seq_lens)`` (``gather_kv``'s contract)."""
     num_seqs = int(seq_lens.shape[0])
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
@@ -97,7 +112,7 @@ def paged_attention(
         # Single-token queries batch into one call: padding only along the key axis, and every valid
         # key precedes the query, so no causal mask is needed.
         idx = torch.tensor(decode, dtype=torch.long, device=query.device)
-        keys, values, valid, _ = gather_kv(k_cache, v_cache, block_tables[idx], seq_lens[idx])
+        keys, values, valid, _ = gather(block_tables[idx], seq_lens[idx])
         tok = query_start_loc[idx].long()
         # Fold each KV head's query heads into the query-row axis: [B, Hkv, Hq/Hkv, D]. With one query token
         # per sequence that is exact (no causal mask), and SDPA then reads K/V once per KV head instead of
@@ -111,7 +126,7 @@ def paged_attention(
         n = q_lens[i]
         if n <= 1:
             continue
-        keys, values, valid, k_pos = gather_kv(k_cache, v_cache, block_tables[i : i + 1], seq_lens[i : i + 1])
+        keys, values, valid, k_pos = gather(block_tables[i : i + 1], seq_lens[i : i + 1])
         q_pos = torch.arange(lens[i] - n, lens[i], device=query.device)
         mask = valid[:, None, :] & (k_pos[:, None, :] <= q_pos[None, :, None])
         q = query[starts[i] : starts[i + 1]].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
@@ -298,6 +313,60 @@ def write_kv_quant(key: torch.Tensor, value: torch.Tensor, cache, slot_mapping: 
     write_kv(key, value, cache.fp_k, cache.fp_v, fp_slots)
 
 
+def _dequantize_packed_into(cache, ids: torch.Tensor, out_k: torch.Tensor, out_v: torch.Tensor) -> None:
+    """Dequantize packed blocks ``ids`` into ``out_k, out_v [n, B, H, D]`` (any float dtype) with one float
+    pass each: the ``P = 8 / bits`` codes of a byte are channel parts ``c + j * D/P`` (``pack_codes``), so
+    the unpacked codes viewed ``[n, B, H, P, D/P]`` are in channel order and one ``addcmul`` applies
+    ``code * scale + zero`` against scales viewed the same way."""
+    n = int(ids.numel())
+    if n == 0:
+        return
+    bits, g = cache.bits, cache.group_size
+    parts = 8 // bits
+    b, h, d = cache.block_size, cache.num_kv_heads, cache.head_dim
+    mask = (1 << bits) - 1
+
+    def unpack(packed: torch.Tensor) -> torch.Tensor:  # [n, B, H, D/P] uint8 -> [n, B, H, P, D/P]
+        if parts == 1:
+            return packed.view(n, b, h, 1, d)
+        return torch.stack([(packed >> (bits * j)) & mask for j in range(parts)], dim=3)
+
+    kc = unpack(cache.k_codes.index_select(0, ids))
+    ks = cache.k_scale.index_select(0, ids).float().view(n, 1, h, parts, d // parts)
+    kz = cache.k_zero.index_select(0, ids).float().view(n, 1, h, parts, d // parts)
+    k5 = out_k.view(n, b, h, parts, d // parts)
+    torch.addcmul(kz, kc, ks, out=k5) if out_k.dtype is torch.float32 else k5.copy_(torch.addcmul(kz, kc, ks))
+    vc = unpack(cache.v_codes.index_select(0, ids)).view(n, b, h, d // g, g)
+    vs = cache.v_scale.index_select(0, ids).float()[..., None]
+    vz = cache.v_zero.index_select(0, ids).float()[..., None]
+    v5 = out_v.view(n, b, h, d // g, g)
+    torch.addcmul(vz, vc, vs, out=v5) if out_v.dtype is torch.float32 else v5.copy_(torch.addcmul(vz, vc, vs))
+    if cache.outlier_idx is not None:
+        idx = cache.outlier_idx.expand(n, b, -1, -1)
+        out_k.scatter_(-1, idx, cache.k_outlier.index_select(0, ids).to(out_k.dtype))
+
+
+def gather_kv_quant(cache, block_tables: torch.Tensor, seq_lens: torch.Tensor, dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``gather_kv`` over a quantized cache, dequantizing as it gathers: every gathered block is decoded
+    from its codes straight into the gathered tensor (one float pass), then the 16-bit blocks' rows are
+    overwritten from the side pool (a pass over those rows only)."""
+    b = cache.block_size
+    compact, valid, positions, _, width = _compact_tables(block_tables, seq_lens, b)
+    flat = compact.flatten()
+    shape = (flat.numel(), b, cache.num_kv_heads, cache.head_dim)
+    keys = torch.empty(shape, dtype=dtype, device=flat.device)
+    values = torch.empty(shape, dtype=dtype, device=flat.device)
+    _dequantize_packed_into(cache, flat, keys, values)
+    slot = cache.fp_index.index_select(0, flat).long()
+    rows = (slot >= 0).nonzero().flatten()
+    if rows.numel():
+        keys.index_copy_(0, rows, cache.fp_k.index_select(0, slot[rows]).to(dtype))
+        values.index_copy_(0, rows, cache.fp_v.index_select(0, slot[rows]).to(dtype))
+    s = compact.shape[0]
+    return keys.view(s, width * b, *shape[2:]), values.view(s, width * b, *shape[2:]), valid, positions
+
+
 def paged_attention_quant(
     query: torch.Tensor,
     cache,
@@ -306,23 +375,11 @@ def paged_attention_quant(
     query_start_loc: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """``paged_attention`` over a quantized cache, dequantizing on gather: the blocks the tables name are
-    dequantized once into a compact cache (row 0 stays the null block) and the tables are renumbered::
-
-        block_tables [[5, 0, 9], [9, 2]]  ->  used [2, 5, 9] -> compact rows 1, 2, 3
-                                              tables [[2, 0, 3], [3, 1]]
-    """
-    width = -(-int(seq_lens.max()) // cache.block_size)
-    tables = block_tables[:, :width].long()
-    used = torch.unique(tables)
-    used = used[used != NULL_BLOCK]
-    k, v = dequantize_blocks(cache, used)
-    pad = torch.zeros((1, *k.shape[1:]), dtype=query.dtype, device=query.device)
-    k_compact = torch.cat([pad, k.to(query.dtype)])
-    v_compact = torch.cat([pad, v.to(query.dtype)])
-    lookup = torch.zeros(cache.num_blocks, dtype=torch.long, device=query.device)
-    lookup[used] = torch.arange(1, used.numel() + 1, device=query.device)
-    return paged_attention(query, k_compact, v_compact, lookup[tables], seq_lens, query_start_loc, scale)
+    """``paged_attention`` over a quantized cache (a ``kv_quant.QuantKVCache``), dequantizing on gather
+    (``gather_kv_quant``): packed blocks are decoded once per layer and step into the gathered keys and
+    values, 16-bit blocks are read from the side pool; null blocks are skipped as everywhere."""
+    return _paged_attention(query, lambda t, n: gather_kv_quant(cache, t, n, query.dtype), block_tables, seq_lens,
+                            query_start_loc, scale)
 
 
 def _token_positions(
