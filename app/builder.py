@@ -162,7 +162,8 @@ def build_app(args: AppArgs) -> Application:
         max_passages=args.ingress.max_passages,
     )
     ingress = IngressSpec(auth=args.auth, served_model_name=args.served_model_name, plan=plan,
-                          pool_deployments=tuple(pools), stats_push_interval_s=args.stats_push_interval_s)
+                          pool_deployments=tuple(pools), stats_push_interval_s=args.stats_push_interval_s,
+                          kv_cache=tuple((p.name, str(p.engine.get("kv_cache_dtype", "auto"))) for p in pool_args))
     return serve.deployment(Ingress).options(
         name="Ingress",
         num_replicas=args.ingress.num_replicas,

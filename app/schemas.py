@@ -419,6 +419,9 @@ class ModelCard(BaseModel):
     # versions can be compared with what was verified at load.
     fingerprint: str | None = None
     weight: float | None = None  # the version's share of traffic on the replica that answered
+    # On the served name's card: what each pool's KV cache stores ("auto": the model dtype, else
+    # int8 / int4 / int2 packed with sinks, protected tokens and the newest tokens kept 16-bit).
+    kv_cache: dict[str, str] | None = None
 
 
 class ModelList(BaseModel):

@@ -241,6 +241,7 @@ class IngressSpec:
     plan: PlanSpec
     pool_deployments: tuple[str, ...]
     stats_push_interval_s: float = 1.0
+    kv_cache: tuple[tuple[str, str], ...] = ()  # (pool, kv_cache_dtype), for /v1/models
 
     @property
     def versions(self) -> tuple[str, ...]:
