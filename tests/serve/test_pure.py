@@ -72,7 +72,12 @@ def test_a_typo_in_a_serve_config_fails_the_serve_command_before_anything_starts
 
     monkeypatch.setenv("SINKSERVE_API_KEYS", "k")
     bad = tmp_path / "prod.yaml"
-    bad.write_text((REPO / "serve_configs" / "prod.yaml").read_text().replace("window: 4096", "windw: 4096"))
+    import re
+
+    text = (REPO / "serve_configs" / "prod.yaml").read_text()
+    typo = re.sub(r"\bwindow: (\d+)", r"windw: \1", text)
+    assert typo != text  # else the command below would start a real server
+    bad.write_text(typo)
     assert main(["serve", str(bad), "--key-file", str(tmp_path / "keys")]) == 2
     err = capsys.readouterr().err
     assert "pools.1.engine" in err and "engine.cache_policy.windw: unknown field" in err
