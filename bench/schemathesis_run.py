@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,32 +29,11 @@ ENGINE = {"num_kv_blocks": 160, "max_model_len": 256, "max_num_seqs": 16, "max_n
 
 
 def start_app(model: str) -> str:
-    import httpx
-    import ray
-    from ray import serve
+    from bench.local_app import start_local_app
 
-    from app.builder import build_app
-    from app.cli_serve import haproxy_env
-
-    os.environ["SINKSERVE_API_KEYS"] = KEY
-    with socket.socket() as a, socket.socket() as b:
-        a.bind(("127.0.0.1", 0)), b.bind(("127.0.0.1", 0))
-        os.environ.update(haproxy_env(a.getsockname()[1], b.getsockname()[1]))
-    os.environ["PYTHONPATH"] = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
     args = {"model": model, "served_model_name": "tiny", "ingress": {"num_replicas": 1, "num_cpus": 0.1},
             "pools": [{"name": "short", "max_prompt_tokens": 200, "timeout_s": 60, "num_cpus": 0.1, "engine": ENGINE}]}
-    serve.run(build_app(args), name="sinkserve", route_prefix="/", logging_config={"enable_access_log": False})
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(480):
-        if httpx.get(base + "/readyz").status_code == 200:
-            return base
-        time.sleep(0.25)
-    raise RuntimeError("the application did not become ready")
+    return start_local_app(args, KEY, ready_timeout_s=120.0)
 
 
 def main() -> int:

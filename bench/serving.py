@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import socket
 import sys
 import tempfile
 import time
@@ -211,37 +209,14 @@ async def run_http(base: str, prompts: list[str], conc: int, max_tokens: int, mo
 
 
 def start_app(model: str, ingress_replicas: int = 1) -> str:
-    import ray
-    from ray import serve
+    from bench.local_app import start_local_app
 
-    from app.builder import build_app
-    from app.cli_serve import haproxy_env
-
-    os.environ["SINKSERVE_API_KEYS"] = KEY
-    # The same environment `sinkserve serve` sets; Serve reads it when Ray starts, so before ray.init.
-    with socket.socket() as a, socket.socket() as b:  # HAProxy's side listeners: ports of their own
-        a.bind(("127.0.0.1", 0)), b.bind(("127.0.0.1", 0))
-        os.environ.update(haproxy_env(a.getsockname()[1], b.getsockname()[1]))
-    os.environ["PYTHONPATH"] = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
     args = {
         "model": model, "ingress": {"num_replicas": ingress_replicas},
         "pools": [{"name": "short", "max_prompt_tokens": 900, "num_cpus": 0.5, "engine": ENGINE}],
         "stats_push_interval_s": 2.0,
     }
-    serve.run(build_app(args), name="sinkserve", route_prefix="/", logging_config={"enable_access_log": False})
-    import httpx
-
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(240):
-        if httpx.get(base + "/readyz").status_code == 200:
-            break
-        time.sleep(0.25)
-    return base
+    return start_local_app(args, KEY, ready_timeout_s=60.0)
 
 
 def main() -> int:
