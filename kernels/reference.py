@@ -149,27 +149,6 @@ def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch
 # --------------------------------------------------------------------------------------------------------
 
 
-def quantize_blocks(
-    k_blocks: torch.Tensor, v_blocks: torch.Tensor, bits: int, group_size: int
-) -> tuple[torch.Tensor, ...]:
-    """Asymmetric quantization of whole blocks ``[n, B, H, D]`` (layout of ``kernels.kv_quant``).
-
-    Keys: one (scale, zero) per channel over the block's tokens -> ``[n, H, D]``. Values: one per token per
-    ``group_size`` channels -> ``[n, B, H, D / G]``. Scales/zeros are rounded to fp16 first and the codes
-    computed against the rounded values. Returns unpacked codes ``(kc, ks, kz, vc, vs, vz)`` (codes as float).
-    """
-    qmax = (1 << bits) - 1
-    k = k_blocks.float()
-    kz = k.amin(1).half().float()
-    ks = ((k.amax(1) - kz) / qmax).half().float()
-    kc = ((k - kz[:, None]) / torch.where(ks > 0, ks, 1.0)[:, None] + 0.5).floor().clamp(0, qmax)
-    v = v_blocks.float().unflatten(-1, (-1, group_size))
-    vz = v.amin(-1).half().float()
-    vs = ((v.amax(-1) - vz) / qmax).half().float()
-    vc = ((v - vz[..., None]) / torch.where(vs > 0, vs, 1.0)[..., None] + 0.5).floor().clamp(0, qmax).flatten(-2)
-    return kc, ks, kz, vc, vs, vz
-
-
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """Pack ``[..., D]`` codes in 0..15 into ``[..., D/2]`` bytes: low nibble channel c, high nibble c + D/2."""
     half = codes.shape[-1] // 2
