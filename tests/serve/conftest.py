@@ -58,7 +58,7 @@ def app_args(model: str, long_tp: int) -> dict:
     return {
         "model": model,
         "served_model_name": "tiny",
-        "ingress": {"num_replicas": 1, "num_cpus": 0.05, "rate_limit_rps": 5.0, "rate_limit_burst": 60,
+        "ingress": {"num_replicas": 1, "num_cpus": 0.05, "rate_limit_rps": 10.0, "rate_limit_burst": 60,  # the suite's own traffic stays well under it
                     "max_passages": 16},
         "versions": [{"name": "v1", "weight": 1.0}, {"name": "v2", "weight": 0.0}],
         "pools": [

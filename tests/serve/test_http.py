@@ -325,7 +325,7 @@ def test_rate_limit_429(server):
             import asyncio
 
             return await asyncio.gather(*[c.post("/v1/completions", json={"prompt": [3], "max_tokens": 1})
-                                          for _ in range(100)])  # burst is 60, refill 5/s
+                                          for _ in range(100)])  # burst is 60, refill 10/s: 100 arriving within 4 s overflow it
 
     import asyncio
 
