@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence as Seq
 from typing import Any
 
-from engine import retention
+from engine import retention, sparse
 from engine.block_manager import BlockManager
 from engine.cache_policy import CachePolicy
 from engine.config import EngineConfig, validate_kv_cache_for_model
@@ -32,6 +32,7 @@ from engine.sampler import SamplerOutput, SeqSampling
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
+from engine.sparse_config import policy_version as sparse_policy_version
 from engine.stats import EngineCounters, EngineStats
 
 __all__ = ["Anchor", "LLMEngine"]
@@ -47,6 +48,7 @@ class LLMEngine:
         validate_kv_cache_for_model(config, self.shape.head_dim, self.shape.num_kv_heads)  # before any load
         self.tokenizer = self._load_tokenizer()
         self.max_model_len = config.max_model_len or self.shape.max_position_embeddings
+        config.sparse.validate(config.block_size, max_model_len=self.max_model_len)  # top_k within the context
         # The executor sizes the KV cache where the model lives, after its weights are loaded; this
         # process may not own that device (a tensor-parallel driver), so it never measures memory.
         self.executor = (executor_factory or LocalExecutor)(config)
@@ -71,6 +73,9 @@ class LLMEngine:
         self._finished_ids: list[str] = []  # the sampler frees their generators at the next step
         self.eviction_log: deque[retention.EvictionRecord] = deque(maxlen=4096)
         logger.info("%s", self.policy.describe())
+        if config.sparse.enabled:
+            logger.info("%s; forced set = the protection set above (%s), version %s", config.sparse.describe(),
+                        self.policy.describe().split(", eviction")[0], self.policy_version)
         logger.info("KV cache stores %s", self.describe_kv_cache())
 
     # ------------------------------------------------------------------ set-up
@@ -148,6 +153,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self._pending_adds or self._pending_aborts or self.scheduler.has_unfinished())
 
+    @property
+    def policy_version(self) -> str:
+        """The cache policy's version, combined with the sparse-attention settings when those are on."""
+        return sparse_policy_version(self.policy.version, self.config.sparse)
+
     def set_cache_policy(self, policy: CachePolicy) -> str:
         """Swap the retention policy for future steps; returns its version."""
         policy.validate(self.config.block_size)
@@ -155,7 +165,7 @@ class LLMEngine:
             self.policy = policy
             self.scheduler.policy = policy
         logger.info("cache policy changed: %s", policy.describe())
-        return policy.version
+        return self.policy_version
 
     # ------------------------------------------------------------------ step
     def _apply_pending(self) -> list[RequestOutput]:
@@ -207,6 +217,8 @@ class LLMEngine:
                 inp.logits_indices.append(first_row + p - start)
             if item.samples:
                 inp.logits_indices.append(inp.query_start_loc[-1] - 1)
+            if self.config.sparse.enabled:
+                self._plan_sparse(inp, seq, start + n, n)
             if len(scored) or item.samples:  # what the sampler does with this sequence's rows
                 targets = tuple(seq.token_ids[scored.start + 1 : scored.stop + 1])
                 # A penalized request's prompt goes to the sampler once, with its first sampled token.
@@ -214,6 +226,14 @@ class LLMEngine:
                 inp.sampling.append(SeqSampling(seq.request_id, seq.params, targets, item.samples,
                                                 tuple(seq.prompt_token_ids) if first else ()))
         return inp
+
+    def _plan_sparse(self, inp: ModelInput, seq: Sequence, seq_len: int, n: int) -> None:
+        """This sequence's forced blocks (None: dense this step) and its attended tokens for the stats."""
+        bs = self.config.block_size
+        forced = sparse.forced_blocks(seq.protected_blocks, seq_len, bs) if sparse.applies(self.config.sparse, seq_len, n) else None
+        inp.sparse_forced.append(forced)
+        attended, visible = sparse.attended_tokens(seq.block_table, seq_len, forced, self.config.sparse, bs)
+        self.counters.observe_sparse(attended, visible, forced is not None)
 
     @staticmethod
     def _scored_prompt_positions(seq: Sequence, n: int) -> range:
@@ -320,7 +340,7 @@ class LLMEngine:
             tokens_evicted=self.scheduler.tokens_evicted,
             tokens_protected=c.tokens_protected_total,
             preemptions=self.scheduler.num_preemptions,
-            policy_version=self.policy.version,
+            policy_version=self.policy_version,
             prompt_tokens_total=c.prompt_tokens_total,
             generation_tokens_total=c.generation_tokens_total,
             requests_finished_total=c.requests_finished_total,
@@ -331,6 +351,11 @@ class LLMEngine:
             blocks_16bit=blocks_fp,
             blocks_quantized=blocks_q,
             blocks_protected_quantized=self.scheduler.blocks_protected_quantized,
+            sparse_attended_tokens_buckets=tuple(c.sparse_attended_counts) if self.config.sparse.enabled else (),
+            sparse_attended_tokens_total=c.sparse_attended_tokens_total,
+            sparse_context_tokens_total=c.sparse_context_tokens_total,
+            sparse_sequence_steps_total=c.sparse_sequence_steps_total,
+            sparse_attended_fraction=c.sparse_step_attended / c.sparse_step_context if c.sparse_step_context else 1.0,
         )
 
     def check_integrity(self) -> None:
