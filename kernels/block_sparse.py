@@ -134,14 +134,19 @@ def block_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, scale:
     return (ub * scale).reshape(g, hq, -1)
 
 
+Score = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
 def select_blocks(q_groups: torch.Tensor, bounds: BlockBounds, table: torch.Tensor, forced_row: torch.Tensor,
                   first_pos: torch.Tensor, last_pos: torch.Tensor, top_blocks: int, window: int, block_size: int,
-                  scale: float) -> torch.Tensor:
+                  scale: float, score: Score = block_scores) -> torch.Tensor:
     """Selected logical blocks ``[G, N]`` (bool) of one sequence's query groups.
 
     ``q_groups [G, Hq, D]`` (one representative query per group), ``table [N]`` physical ids of the
     sequence's logical blocks, ``forced_row [N]`` its protected blocks, ``first_pos / last_pos [G]`` the
-    positions of each group's first and last query. ``top_blocks < 0``: every visible block.
+    positions of each group's first and last query. ``top_blocks < 0``: every visible block. ``score``
+    maps ``(q_groups, kmin, kmax, scale)`` to per-head block logits ``[G, Hq, N]`` (``block_scores``; the
+    evals swap in a random control).
     """
     n = table.shape[0]
     j = torch.arange(n, device=table.device)
@@ -154,7 +159,7 @@ def select_blocks(q_groups: torch.Tensor, bounds: BlockBounds, table: torch.Tens
     if top_blocks == 0 or not bool(cand.any()):
         return forced
     ids = table.long()
-    logits = block_scores(q_groups, bounds.kmin.index_select(0, ids), bounds.kmax.index_select(0, ids), scale)
+    logits = score(q_groups, bounds.kmin.index_select(0, ids), bounds.kmax.index_select(0, ids), scale)
     logits = logits.masked_fill(~cand[:, None, :], float("-inf"))
     prob = torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(1)  # [G, N] head-summed mass estimate
     prob = prob.masked_fill(~cand, -1.0)
@@ -233,7 +238,8 @@ def attend_slots_triton(query: torch.Tensor, q_pos: torch.Tensor, kv, table: tor
 
 def block_sparse_attention(query: torch.Tensor, kv, bounds: BlockBounds, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, query_start_loc: torch.Tensor, plan: SparsePlan, scale: float,
-                           attend: Attend = attend_gather, selections: list | None = None) -> torch.Tensor:
+                           attend: Attend = attend_gather, selections: list | None = None,
+                           score: Score = block_scores) -> torch.Tensor:
     """Attention of packed queries ``[T, Hq, D]`` over each sequence's forced + selected blocks.
 
     ``kv`` is ``(k_cache, v_cache)`` or a ``QuantKVCache``; ``attend`` is the backend's attention over a
@@ -265,7 +271,7 @@ def block_sparse_attention(query: torch.Tensor, kv, bounds: BlockBounds, block_t
             counts = torch.clamp(n - torch.arange(g, device=query.device) * group, max=group).float()
             q_groups = qp.sum(1) / counts[:, None, None]
         sel = select_blocks(q_groups, bounds, table, plan.forced[s, :nb], first, last, plan.top_blocks[s],
-                            plan.window, block_size, scale)
+                            plan.window, block_size, scale, score)
         if selections is not None:
             selections.append(sel)
         out[r0:r1] = attend(q, q_pos, kv, table, sel, seq_len, block_size, group, scale)
