@@ -74,8 +74,9 @@ class LLMEngine:
         self.eviction_log: deque[retention.EvictionRecord] = deque(maxlen=4096)
         logger.info("%s", self.policy.describe())
         if config.sparse.enabled:
-            logger.info("%s; forced set = the protection set above (%s), version %s", config.sparse.describe(),
-                        self.policy.describe().split(", eviction")[0], self.policy_version)
+            logger.info("%s; forced set: protected positions %s, roles %s, per-request anchors, local window %d; "
+                        "version %s", config.sparse.describe(), list(self.policy.protected_positions),
+                        list(self.policy.protected_token_roles), config.sparse.local_window, self.policy_version)
         logger.info("KV cache stores %s", self.describe_kv_cache())
 
     # ------------------------------------------------------------------ set-up

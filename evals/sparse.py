@@ -60,8 +60,8 @@ def use_selector(engine: Any, selector: str, seed: int = 0) -> None:
         raise ValueError(f"unknown selector {selector!r}")
     gen = torch.Generator().manual_seed(seed)
 
-    def random_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, scale: float) -> torch.Tensor:
-        return torch.rand(q.shape[0], 1, kmin.shape[0], generator=gen).expand(-1, q.shape[1], -1).to(q.device)
+    def random_scores(q: torch.Tensor, bounds: torch.Tensor, scale: float) -> torch.Tensor:
+        return torch.rand(q.shape[0], 1, bounds.shape[0], generator=gen).expand(-1, q.shape[1], -1).to(q.device)
 
     runner = engine.executor.runner
     runner.backend = dataclasses.replace(runner.backend, block_sparse_attention=functools.partial(
@@ -181,7 +181,7 @@ def attention_recall(q: torch.Tensor, k: torch.Tensor, scale: float, queries: to
     inf = torch.tensor(float("inf"))
     kmin = torch.where(valid[None, :, :, None], kb, inf).amin(2).transpose(0, 1)  # [nb, Hkv, D]
     kmax = torch.where(valid[None, :, :, None], kb, -inf).amax(2).transpose(0, 1)
-    bounds = bs.BlockBounds(torch.cat([kmin[:1], kmin]), torch.cat([kmax[:1], kmax]))  # physical 0 = null
+    bounds = bs.BlockBounds.of(torch.cat([kmin[:1], kmin]), torch.cat([kmax[:1], kmax]))  # physical 0 = null
     table = torch.arange(1, nb + 1)
     forced_row = torch.zeros(nb, dtype=torch.bool)
     forced_row[[p // block_size for p in A.SINK_POSITIONS]] = True
@@ -199,11 +199,11 @@ def attention_recall(q: torch.Tensor, k: torch.Tensor, scale: float, queries: to
 
     oracle_mass = mass.clone()
 
-    def oracle(qg, lo, hi, sc):  # type: ignore[no-untyped-def]
+    def oracle(qg, b, sc):  # type: ignore[no-untyped-def]
         return torch.log(oracle_mass.clamp(min=1e-30))[:, None, :].expand(-1, hq, -1)
 
-    def rand(qg, lo, hi, sc):  # type: ignore[no-untyped-def]
-        return torch.rand(qg.shape[0], 1, lo.shape[0], generator=gen).expand(-1, hq, -1)
+    def rand(qg, b, sc):  # type: ignore[no-untyped-def]
+        return torch.rand(qg.shape[0], 1, b.shape[0], generator=gen).expand(-1, hq, -1)
 
     forced_sel = bs.select_blocks(qs, bounds, table, forced_row, queries, queries, 0, window, block_size, scale)
     forced = float((mass * forced_sel).sum(1).mean())

@@ -46,16 +46,31 @@ MEMORY_BUDGET = 64 << 20
 
 @dataclass
 class BlockBounds:
-    """Per-channel key bounds of every cached block of one layer: ``kmin, kmax [num_blocks, Hkv, D]``."""
+    """Per-channel key bounds of every cached block of one layer, head-major: ``packed [Hkv, num_blocks, 2,
+    D]`` holds ``kmax`` then ``kmin``, so a sequence's bounds gather into one contiguous ``[Hkv, N, 2D]``
+    operand and one matrix product per KV head scores a query against both (``kmin``/``kmax``: views)."""
 
-    kmin: torch.Tensor
-    kmax: torch.Tensor
+    packed: torch.Tensor
+
+    @property
+    def kmax(self) -> torch.Tensor:
+        """``[num_blocks, Hkv, D]`` view."""
+        return self.packed[:, :, 0].transpose(0, 1)
+
+    @property
+    def kmin(self) -> torch.Tensor:
+        """``[num_blocks, Hkv, D]`` view."""
+        return self.packed[:, :, 1].transpose(0, 1)
 
     @classmethod
     def allocate(cls, num_blocks: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device | str) -> "BlockBounds":
-        shape = (num_blocks, num_kv_heads, head_dim)
-        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        return cls(torch.zeros(num_kv_heads, num_blocks, 2, head_dim, dtype=dtype, device=device))
+
+    @classmethod
+    def of(cls, kmin: torch.Tensor, kmax: torch.Tensor) -> "BlockBounds":
+        """Bounds from ``kmin, kmax [num_blocks, Hkv, D]`` (tests, evals)."""
+        return cls(torch.stack([kmax, kmin], dim=2).transpose(0, 1).contiguous())
 
 
 @dataclass(frozen=True)
@@ -84,23 +99,21 @@ def update_bounds(bounds: BlockBounds, key: torch.Tensor, slot_mapping: torch.Te
     blk = slot_mapping.long() // block_size
     fresh = blk[slot_mapping.long() % block_size == 0]
     if fresh.numel():
-        bounds.kmin[fresh] = float("inf")
-        bounds.kmax[fresh] = float("-inf")
+        bounds.packed[:, fresh, 1] = float("inf")
+        bounds.packed[:, fresh, 0] = float("-inf")
     idx = blk[:, None, None].expand(key.shape)
-    k = key.to(bounds.kmin.dtype)
+    k = key.to(bounds.packed.dtype)
     bounds.kmin.scatter_reduce_(0, idx, k, "amin", include_self=True)
     bounds.kmax.scatter_reduce_(0, idx, k, "amax", include_self=True)
 
 
 def copy_bounds(bounds: BlockBounds, src: torch.Tensor, dst: torch.Tensor) -> None:
-    bounds.kmin[dst] = bounds.kmin[src]
-    bounds.kmax[dst] = bounds.kmax[src]
+    bounds.packed[:, dst] = bounds.packed[:, src]
 
 
 def set_bounds(bounds: BlockBounds, block_ids: torch.Tensor, keys: torch.Tensor) -> None:
     """Bounds of whole blocks from their keys ``[n, block_size, Hkv, D]`` (after a rotation)."""
-    bounds.kmin[block_ids] = keys.amin(1).to(bounds.kmin.dtype)
-    bounds.kmax[block_ids] = keys.amax(1).to(bounds.kmax.dtype)
+    bounds.packed[:, block_ids] = torch.stack([keys.amax(1), keys.amin(1)], dim=2).transpose(0, 1).to(bounds.packed.dtype)
 
 
 def gather_blocks(kv, block_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,18 +136,20 @@ def gather_blocks(kv, block_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torc
     return keys, values
 
 
-def block_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, scale: float) -> torch.Tensor:
-    """Quest upper bounds ``scale * ub`` per (query row, query head, block): ``q [G, Hq, D]``,
-    ``kmin/kmax [N, Hkv, D]`` -> ``[G, Hq, N]`` (GQA: query head h reads KV head h // (Hq / Hkv))."""
+def block_scores(q: torch.Tensor, bounds: torch.Tensor, scale: float) -> torch.Tensor:
+    """Quest upper bounds ``scale * ub`` per (query row, query head, block): ``q [G, Hq, D]``, ``bounds
+    [Hkv, N, 2, D]`` (kmax, kmin) -> ``[G, Hq, N]`` (GQA: query head h reads KV head h // (Hq / Hkv)).
+    ``ub = [relu(q), min(q, 0)] . [kmax, kmin]``: one batched product per KV head."""
     g, hq, d = q.shape
-    hkv = kmin.shape[1]
+    hkv, n = bounds.shape[:2]
     qf = q.float().view(g, hkv, hq // hkv, d)
-    ub = torch.einsum("gkrd,nkd->gkrn", qf.clamp(min=0), kmax.float()) + torch.einsum(
-        "gkrd,nkd->gkrn", qf.clamp(max=0), kmin.float())
-    return (ub * scale).reshape(g, hq, -1)
+    qq = torch.cat([qf.clamp(min=0), qf.clamp(max=0)], dim=-1)  # [G, Hkv, r, 2D]
+    qq = qq.permute(1, 0, 2, 3).reshape(hkv, -1, 2 * d)  # [Hkv, G*r, 2D]
+    ub = torch.matmul(qq, bounds.float().view(hkv, n, 2 * d).transpose(1, 2))  # [Hkv, G*r, N]
+    return (ub * scale).view(hkv, g, hq // hkv, n).permute(1, 0, 2, 3).reshape(g, hq, n)
 
 
-Score = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+Score = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 def select_blocks(q_groups: torch.Tensor, bounds: BlockBounds, table: torch.Tensor, forced_row: torch.Tensor,
@@ -145,8 +160,8 @@ def select_blocks(q_groups: torch.Tensor, bounds: BlockBounds, table: torch.Tens
     ``q_groups [G, Hq, D]`` (one representative query per group), ``table [N]`` physical ids of the
     sequence's logical blocks, ``forced_row [N]`` its protected blocks, ``first_pos / last_pos [G]`` the
     positions of each group's first and last query. ``top_blocks < 0``: every visible block. ``score``
-    maps ``(q_groups, kmin, kmax, scale)`` to per-head block logits ``[G, Hq, N]`` (``block_scores``; the
-    evals swap in a random control).
+    maps ``(q_groups, bounds, scale)`` to per-head block logits ``[G, Hq, N]`` (``block_scores``; the
+    evals swap in a random control); ``bounds`` arrive gathered in logical order ``[Hkv, N, 2, D]``.
     """
     n = table.shape[0]
     j = torch.arange(n, device=table.device)
@@ -159,7 +174,12 @@ def select_blocks(q_groups: torch.Tensor, bounds: BlockBounds, table: torch.Tens
     if top_blocks == 0 or not bool(cand.any()):
         return forced
     ids = table.long()
-    logits = score(q_groups, bounds.kmin.index_select(0, ids), bounds.kmax.index_select(0, ids), scale)
+    if 2 * n >= bounds.packed.shape[1]:
+        # The sequence spans most of the cache: score every physical block in place and pick its columns,
+        # rather than copy its bounds first (decode is bound by the bytes it reads).
+        logits = score(q_groups, bounds.packed, scale).index_select(2, ids)
+    else:
+        logits = score(q_groups, bounds.packed.index_select(1, ids), scale)
     logits = logits.masked_fill(~cand[:, None, :], float("-inf"))
     prob = torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(1)  # [G, N] head-summed mass estimate
     prob = prob.masked_fill(~cand, -1.0)

@@ -127,3 +127,14 @@ def test_block_bounds_follow_blocks_through_eviction_and_quantization(tiny_llama
         else:  # packed blocks: bounds of the 16-bit keys they were packed from, within the codes' error
             err = (keys.amax(1) - keys.amin(1)).amax() / 255 * 2 + 1e-3
             assert float((layer.kmax[ids] - keys.amax(1)).abs().max()) <= err
+
+
+def test_start_up_log_names_the_sparse_settings_and_the_protection_set(tiny_llama: Path, caplog) -> None:
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="engine.engine"):
+        engine = _engine(tiny_llama, SparseAttention(enabled=True, top_k=64, min_context=128, local_window=32),
+                         cache_policy=CachePolicy(protected_positions=(0, 1, 2, 3)))
+    line = next(r.getMessage() for r in caplog.records if "sparse attention on" in r.getMessage())
+    assert "top_k 64" in line and "protected positions [0, 1, 2, 3]" in line and "local window 32" in line
+    assert engine.stats().policy_version in line

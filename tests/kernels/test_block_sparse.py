@@ -16,7 +16,7 @@ BS = 16
 
 
 def _bounds_of(k_cache: torch.Tensor) -> bs.BlockBounds:
-    return bs.BlockBounds(k_cache.amin(1).clone(), k_cache.amax(1).clone())
+    return bs.BlockBounds.of(k_cache.amin(1), k_cache.amax(1))
 
 
 def _plan(b, top_blocks: int, window: int = 16, forced: dict[int, list[int]] | None = None) -> bs.SparsePlan:
