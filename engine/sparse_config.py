@@ -4,9 +4,9 @@ Two stages per query: an indexer scores every cached block, the top ``top_k`` to
 selected, and the *forced set* is always added on top (it never counts against ``top_k``)::
 
     logical blocks:  [ 0 ][ 1 ][ 2 ][ 3 ][ 4 ][ 5 ][ 6 ][ 7 ][ 8 ][ 9 ]     block_size 16, query at 150
-    forced:           sink           anchor                   [ window  ]   protected blocks + local_window 32
+    forced:           sink           anchor                   [ window  ]   protected blocks + local_window 16
     top_k 32:                   [2]            [5]                          2 best-scoring other blocks
-    attended:         0, 2, 3, 5, 8, 9   (6 blocks: ~90 of 151 tokens)
+    attended:         0, 2, 3, 5, 8, 9   (5 full blocks + 7 tokens of block 9: 87 of 151 tokens)
 
 The forced set is the sequence's protection set (``CachePolicy`` positions and roles, per-request
 anchors: the blocks retention pins) plus the blocks holding the newest ``local_window`` tokens before

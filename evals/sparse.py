@@ -61,7 +61,7 @@ def use_selector(engine: Any, selector: str, seed: int = 0) -> None:
     gen = torch.Generator().manual_seed(seed)
 
     def random_scores(q: torch.Tensor, bounds: torch.Tensor, scale: float) -> torch.Tensor:
-        return torch.rand(q.shape[0], 1, bounds.shape[0], generator=gen).expand(-1, q.shape[1], -1).to(q.device)
+        return torch.rand(q.shape[0], 1, bounds.shape[1], generator=gen).expand(-1, q.shape[1], -1).to(q.device)
 
     runner = engine.executor.runner
     runner.backend = dataclasses.replace(runner.backend, block_sparse_attention=functools.partial(
@@ -200,10 +200,12 @@ def attention_recall(q: torch.Tensor, k: torch.Tensor, scale: float, queries: to
     oracle_mass = mass.clone()
 
     def oracle(qg, b, sc):  # type: ignore[no-untyped-def]
-        return torch.log(oracle_mass.clamp(min=1e-30))[:, None, :].expand(-1, hq, -1)
+        # ``b`` is every physical block (block 0 = null, then the logical blocks) or the gathered logical ones.
+        m = oracle_mass if b.shape[1] == nb else torch.nn.functional.pad(oracle_mass, (1, 0))
+        return torch.log(m.clamp(min=1e-30))[:, None, :].expand(-1, hq, -1)
 
     def rand(qg, b, sc):  # type: ignore[no-untyped-def]
-        return torch.rand(qg.shape[0], 1, b.shape[0], generator=gen).expand(-1, hq, -1)
+        return torch.rand(qg.shape[0], 1, b.shape[1], generator=gen).expand(-1, hq, -1)
 
     forced_sel = bs.select_blocks(qs, bounds, table, forced_row, queries, queries, 0, window, block_size, scale)
     forced = float((mass * forced_sel).sum(1).mean())
