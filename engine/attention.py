@@ -17,6 +17,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from engine import importance
 from engine.attention_backends import AttentionBackend
 from kernels import block_sparse as _sparse
 
@@ -41,6 +42,9 @@ class ForwardContext:
     # when sparsity is configured; the step's selection rules when some sequence attends sparsely now.
     block_bounds: list | None = None  # per layer kernels.block_sparse.BlockBounds
     sparse_plan: object | None = None  # kernels.block_sparse.SparsePlan
+    # ``importance`` eviction: per scheduled sequence and logical block, the attention mass its observation
+    # queries put there, summed over layers (engine/importance.py); None when the policy does not score.
+    block_importance: torch.Tensor | None = None
 
 
 _CONTEXT: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("sinkserve_forward", default=None)
@@ -81,16 +85,24 @@ def paged_attention_forward(
     if ctx.quantized:
         cache = ctx.kv_caches[module.layer_idx]
         ctx.backend.write_kv_quant(k, v, cache, ctx.slot_mapping)
+        _score(ctx, q, cache, scale)
         if ctx.sparse_plan is not None:
             return _sparse_forward(ctx, module.layer_idx, q, cache, scale), None
         out = ctx.backend.paged_attention_quant(q, cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, scale)
         return out.unsqueeze(0), None
     k_cache, v_cache = ctx.kv_caches[module.layer_idx]
     ctx.backend.write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+    _score(ctx, q, (k_cache, v_cache), scale)
     if ctx.sparse_plan is not None:
         return _sparse_forward(ctx, module.layer_idx, q, (k_cache, v_cache), scale), None
     out = ctx.backend.paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, scale)
     return out.unsqueeze(0), None
+
+
+def _score(ctx: ForwardContext, q: torch.Tensor, kv: object, scale: float) -> None:
+    if ctx.block_importance is not None:
+        importance.accumulate(ctx.block_importance, q, kv, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
+                              scale, ctx.block_size)
 
 
 def _sparse_forward(ctx: ForwardContext, layer: int, q: torch.Tensor, kv: object, scale: float) -> torch.Tensor:

@@ -54,6 +54,8 @@ class ModelInput:
     # Sparse attention: per scheduled sequence, its protected logical blocks when it attends sparsely this
     # step, None when it attends densely (empty list: every sequence dense). See engine/sparse.py.
     sparse_forced: list[list[int] | None] = field(default_factory=list)
+    # ``importance`` eviction: score each scheduled sequence's blocks this step (engine/importance.py).
+    score_importance: bool = False
 
 
 @dataclass(frozen=True)
@@ -177,6 +179,7 @@ class ModelRunner:
         self.num_kv_blocks = 0
         self.num_fp_blocks = 0
         self.kv_caches: list = []  # per layer (k, v) tensors, or QuantKVCache when quantized
+        self.last_block_importance: list[list[float]] | None = None  # the last step's (engine/importance.py)
         self.block_bounds: list | None = None  # per layer kernels.block_sparse.BlockBounds (sparse attention)
         # Outlier key channels per layer [1, Hkv, O] (calibrated once, kept across re-allocations).
         self.outlier_idx: list[torch.Tensor] | None = None
@@ -401,7 +404,9 @@ class ModelRunner:
         if self.sampler is None:
             return None
         self.sampler.release(inp.finished_request_ids)
-        return self.sampler(logits, inp.sampling)
+        out = self.sampler(logits, inp.sampling)
+        out.block_importance = self.last_block_importance
+        return out
 
     @torch.inference_mode()
     def execute(self, inp: ModelInput, key_absmax: list | None = None) -> torch.Tensor:
@@ -432,12 +437,18 @@ class ModelRunner:
             block_size=self.config.block_size,
             block_bounds=self.block_bounds,
             sparse_plan=sparse_runtime.plan(inp.sparse_forced, self.config, tables.shape[1], dev),
+            block_importance=torch.zeros(tables.shape, dtype=torch.float32, device=dev) if inp.score_importance else None,
         )
         input_ids = torch.tensor(inp.input_ids, dtype=torch.long, device=dev)[None]
         positions = torch.tensor(inp.positions, dtype=torch.long, device=dev)[None]
         keep = torch.tensor(inp.logits_indices, dtype=torch.long, device=dev)
         with attention.forward_context(ctx):
             out = self.model(input_ids=input_ids, position_ids=positions, logits_to_keep=keep, use_cache=False)
+        self.last_block_importance = None
+        if ctx.block_importance is not None:
+            bs = self.config.block_size
+            rows = ctx.block_importance.cpu().tolist()
+            self.last_block_importance = [r[: -(-n // bs)] for r, n in zip(rows, inp.seq_lens)]
         return out.logits[0].to(torch.float32)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
