@@ -121,3 +121,29 @@ def test_stream_never_evicts_protected_or_window_and_stays_within_budget(tiny_ll
     assert sum(e - s for r in evicted for s, e in r.evicted_ranges) == engine.stats().tokens_evicted > 0
     # the budget beyond the protected blocks and the window holds scored blocks (a sliding window keeps none)
     assert kept_outside >= budget - 2 - (window // bs + 1) - 1
+
+
+def test_per_request_budget_is_checked_against_the_pool(tiny_llama: Path) -> None:
+    from engine.errors import InvalidRequestError
+
+    def engine_with(policy: CachePolicy) -> LLMEngine:
+        return LLMEngine(EngineConfig(model=str(tiny_llama), block_size=4, num_kv_blocks=64, max_num_batched_tokens=8,
+                                      cache_policy=policy))
+
+    sliding = engine_with(CachePolicy(eviction_policy="sliding_window", window=16))
+    with pytest.raises(InvalidRequestError, match="kv_budget_blocks: needs a pool with eviction_policy 'importance'"):
+        sliding.add_request("a", list(range(10)), SamplingParams(kv_budget_blocks=8))
+    engine = engine_with(CachePolicy(eviction_policy="importance", window=16, block_budget=12))
+    with pytest.raises(InvalidRequestError, match="kv_budget_blocks: at most the pool's block_budget 12"):
+        engine.add_request("a", list(range(10)), SamplingParams(kv_budget_blocks=13))
+    with pytest.raises(InvalidRequestError, match="kv_budget_blocks: must be >= 6"):
+        engine.add_request("a", list(range(10)), SamplingParams(kv_budget_blocks=5))
+    engine.add_request("a", list(range(60)), SamplingParams(kv_budget_blocks=8, max_tokens=40, ignore_eos=True))
+    engine.step()
+    seq = engine.scheduler.find("a")
+    held = []
+    while engine.has_unfinished():
+        engine.step()
+        if engine.has_unfinished() and seq.num_output_tokens > 1:  # decoding: one new block at a time
+            held.append(sum(1 for b in seq.block_table if b))
+    assert max(held) <= 8 + 1 and min(held) >= 8 - 1
