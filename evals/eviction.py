@@ -8,7 +8,8 @@ Arms, per budget ``B`` % of the document's tokens (``K = B/100 * doc_tokens`` ke
     importance_<B>        sinks pinned + a LOCAL_WINDOW-token window + the best-scored blocks,
                           block_budget = K / block_size blocks (engine ``eviction_policy: importance``)
 
-The prefill runs in one chunk (``chunk`` >= the document, the default), then the first decode step
+The prefill runs in one step (``chunk`` >= the document, the default; one document at a time, so no
+prompt is split across steps by the batch's token budget), then the first decode step
 evicts down to the budget: the same order as kvpress, which prefills densely and then compresses, so the
 question at the end is in view when blocks are scored. Peak memory during that prefill is the document;
 from the first decode on, a sequence holds at most ``block_budget + 1`` blocks. ``--chunk 128`` measures
@@ -51,8 +52,12 @@ def run_budget_needle(model: str, budgets: tuple[int, ...], docs: int, chunk: in
 
     t0 = time.perf_counter()
     ctx = A.trained_context(model)
+    one_chunk = chunk is None or chunk >= doc_tokens
     chunk = chunk or ctx
-    cfg = NeedleConfig(model=model, lengths=(1.0,), docs=docs, window=ctx, chunk=chunk)
+    # One chunk means one *step*: with several documents in flight, the token budget would split a later
+    # prompt across steps and evict before its question arrives, so that mode runs one document at a time.
+    cfg = NeedleConfig(model=model, lengths=(1.0,), docs=docs, window=ctx, chunk=chunk,
+                       max_num_seqs=1 if one_chunk else 8)
     dset = build_docs(_tokenizer(model), cfg, doc_tokens)
     rows, rates = [], {}
     for arm in budget_arms(doc_tokens, budgets):
@@ -84,7 +89,7 @@ def run_budget_needle(model: str, budgets: tuple[int, ...], docs: int, chunk: in
         title="Needle retrieval at a fixed KV budget: score-driven eviction vs sliding window (no hint)",
         columns=["arm", "kept tokens", "correct", "rate", "x dense", "wall s"], rows=rows, panels=[panel],
         notes=notes,
-        meta={"model": model, "trained_context": ctx, "doc_tokens": doc_tokens, "docs": docs, "prefill_chunk": chunk,
+        meta={"model": model, "trained_context": ctx, "doc_tokens": doc_tokens, "docs": docs, "prefill_chunk": chunk, "max_num_seqs": cfg.max_num_seqs,
               "local_window": LOCAL_WINDOW, "sinks": list(A.SINK_POSITIONS), "block_size": A.BLOCK_SIZE,
               "anchor": "none", "scores": "attention mass of the last 32 queries of each step (engine/importance.py)",
               "wall_s": round(time.perf_counter() - t0, 1)})
