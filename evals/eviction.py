@@ -8,10 +8,11 @@ Arms, per budget ``B`` % of the document's tokens (``K = B/100 * doc_tokens`` ke
     importance_<B>        sinks pinned + a LOCAL_WINDOW-token window + the best-scored blocks,
                           block_budget = K / block_size blocks (engine ``eviction_policy: importance``)
 
-The prefill runs in one step (``chunk`` >= the document, the default; one document at a time, so no
-prompt is split across steps by the batch's token budget), then the first decode step
-evicts down to the budget: the same order as kvpress, which prefills densely and then compresses, so the
-question at the end is in view when blocks are scored. Peak memory during that prefill is the document;
+By default the prefill runs in one step up to the prompt's last few tokens (chunk = the shortest
+document - 1; one document at a time, so no prompt is split earlier by the batch's token budget); the
+next step evicts down to the budget before those last tokens run, so every answer token is computed from
+the evicted cache: the same order as kvpress, which prefills the context densely and then compresses, with
+the question in view when blocks are scored. Peak memory during that prefill is the document;
 from the first decode on, a sequence holds at most ``block_budget + 1`` blocks. ``--chunk 128`` measures
 the streaming case instead (eviction during the prefill, before the question is seen).
 """
@@ -53,12 +54,15 @@ def run_budget_needle(model: str, budgets: tuple[int, ...], docs: int, chunk: in
     t0 = time.perf_counter()
     ctx = A.trained_context(model)
     one_chunk = chunk is None or chunk >= doc_tokens
-    chunk = chunk or ctx
-    # One chunk means one *step*: with several documents in flight, the token budget would split a later
-    # prompt across steps and evict before its question arrives, so that mode runs one document at a time.
-    cfg = NeedleConfig(model=model, lengths=(1.0,), docs=docs, window=ctx, chunk=chunk,
-                       max_num_seqs=1 if one_chunk else 8)
+    cfg = NeedleConfig(model=model, lengths=(1.0,), docs=docs, window=ctx, chunk=chunk or ctx)
     dset = build_docs(_tokenizer(model), cfg, doc_tokens)
+    if one_chunk:
+        # The prompt but its last few tokens in one step, then the rest: the first answer token must come
+        # from the evicted cache (a whole-prompt step would sample it densely). One document at a time: with
+        # several in flight the batch's token budget would split a later prompt before its question arrives.
+        chunk = min(d.n_tokens for d in dset) - 1
+        cfg = dataclasses.replace(cfg, chunk=chunk, max_num_seqs=1)
+    chunk = cfg.chunk
     rows, rates = [], {}
     for arm in budget_arms(doc_tokens, budgets):
         texts, wall = run_arm(cfg, arm, dset, "1x", progress=False)
@@ -85,7 +89,7 @@ def run_budget_needle(model: str, budgets: tuple[int, ...], docs: int, chunk: in
                       for kind, style in (("importance", "-o"), ("sinks_window", ":^"))],
                   hlines=[(dense, "dense")], ylim=(-0.03, 1.03))
     return EvalResult(
-        name="needle_budget" if chunk >= doc_tokens else f"needle_budget_chunk{chunk}",
+        name="needle_budget" if one_chunk else f"needle_budget_chunk{chunk}",
         title="Needle retrieval at a fixed KV budget: score-driven eviction vs sliding window (no hint)",
         columns=["arm", "kept tokens", "correct", "rate", "x dense", "wall s"], rows=rows, panels=[panel],
         notes=notes,
