@@ -87,7 +87,10 @@ class CachePolicy:
     @property
     def version(self) -> str:
         """Short content hash: equal policies have equal versions, so re-applying a config rolls back."""
-        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        fields = asdict(self)
+        if self.eviction_policy != "importance":
+            del fields["block_budget"]  # unused there: existing pools keep the versions they had
+        blob = json.dumps(fields, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
 
     def describe(self) -> str:

@@ -47,12 +47,14 @@ def budget_arms(doc_tokens: int, budgets: tuple[int, ...]) -> list[A.Arm]:
 
 
 def run_budget_needle(model: str, budgets: tuple[int, ...], docs: int, chunk: int | None = None,
-                      doc_tokens: int = DOC_TOKENS) -> EvalResult:
-    """Answer the same ``docs`` documents of ``doc_tokens`` tokens under every arm; rates vs dense."""
+                      doc_tokens: int | None = None) -> EvalResult:
+    """Answer the same ``docs`` documents of ``doc_tokens`` tokens (default ``DOC_TOKENS``, at most 7/8 of
+    the trained context) under every arm; rates vs dense."""
     from evals.needle import NeedleConfig, _tokenizer, build_docs, run_arm
 
     t0 = time.perf_counter()
     ctx = A.trained_context(model)
+    doc_tokens = doc_tokens or min(DOC_TOKENS, ctx * 7 // 8)
     one_chunk = chunk is None or chunk >= doc_tokens
     cfg = NeedleConfig(model=model, lengths=(1.0,), docs=docs, window=ctx, chunk=chunk or ctx)
     dset = build_docs(_tokenizer(model), cfg, doc_tokens)

@@ -76,6 +76,10 @@ def test_policy_validation_and_yaml() -> None:
     cfg = engine_config_from_dict({"model": "m", "block_size": 16, "cache_policy": {
         "eviction_policy": "importance", "window": 64, "block_budget": 16}})
     assert cfg.cache_policy.evicts and cfg.cache_policy.block_budget == 16
+    # the budget is part of the version only where it is used (other pools keep their versions)
+    assert CachePolicy(block_budget=8).version == CachePolicy(block_budget=9).version
+    imp = dict(eviction_policy="importance", window=64)
+    assert CachePolicy(block_budget=8, **imp).version != CachePolicy(block_budget=9, **imp).version
 
 
 def test_scores_are_the_softmax_mass_per_block() -> None:
