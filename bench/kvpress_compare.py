@@ -91,6 +91,8 @@ def answer(lm, ids, press, max_new_tokens: int) -> list[int]:  # type: ignore[no
             logits = lm(input_ids=nxt, past_key_values=cache, use_cache=True,
                         position_ids=torch.tensor([[pos]])).logits[0, -1]
             tok = int(logits.argmax())
+            if tok == lm.config.eos_token_id:  # the engine stops there too
+                break
             out.append(tok)
             nxt, pos = torch.tensor([[tok]]), pos + 1
     return out
@@ -116,7 +118,7 @@ def worker(docs_path: str, out_path: str, model: str, budgets: list[int], presse
                 # keep B% of the whole prompt's tokens, all of them from the n - 1 prefilled ones
                 press = None if name == "none" else make_press(name, 1 - (b / 100) * n / (n - 1))
                 try:
-                    texts.append(tok.decode(answer(lm, ids, press, 6)))
+                    texts.append(tok.decode(answer(lm, ids, press, 6), skip_special_tokens=True))
                 except Exception as e:  # noqa: BLE001 - a press that cannot run this model is reported, not fatal
                     texts.append(f"<error {type(e).__name__}: {e}>"[:200])
             out[f"{name}_{b}"] = texts
@@ -161,18 +163,38 @@ def main() -> int:
                     args.budgets, "--presses", args.presses, "--threads", str(args.threads)], check=True,
                    env={**os.environ, "PYTHONPATH": ""})
     answers = json.loads(ans_path.read_text())
-    rows = []
+    rows, notes_extra = [], []
     for key, texts in answers.items():
         ok = [longmem.check_answer(t, d.doc.answer) for t, d in zip(texts, dset)]
         errors = sum(t.startswith("<error") for t in texts)
         rows.append({"press": key.rsplit("_", 1)[0], "budget %": int(key.rsplit("_", 1)[1]),
                      "correct": f"{sum(ok)}/{len(ok)}", "rate": round(sum(ok) / len(ok), 3), "errors": errors})
+    # sinkserve's arms on the same documents and budgets (sinkserve eval needle --kv-budget), when present
+    ours = ROOT / "docs" / "evals" / "needle_budget.json"
+    if ours.exists():
+        blob = json.loads(ours.read_text())
+        for r in blob["rows"]:
+            arm = r["arm"]
+            budget = 100 if arm == "dense" else int(arm.rsplit("_", 1)[1])
+            rows.append({"press": f"sinkserve {arm.rsplit('_', 1)[0] if arm != 'dense' else 'dense'}",
+                         "budget %": budget, "correct": r["correct"], "rate": r["rate"], "errors": 0})
+        rows.sort(key=lambda r: (r["budget %"], -r["rate"]))
+        for b in budgets:
+            mine = next((r["rate"] for r in rows if r["press"] == "sinkserve importance" and r["budget %"] == b), None)
+            best = max((r for r in rows if r["budget %"] == b and not r["press"].startswith("sinkserve")),
+                       key=lambda r: r["rate"])
+            if mine is not None:
+                verdict = "more than every press" if mine > best["rate"] else "NOT more than every press"
+                notes_extra.append(f"{b}%: sinkserve importance {mine:.2f} vs best press {best['press']} "
+                                   f"{best['rate']:.2f}: {verdict}")
     load = os.getloadavg()
     result = EvalResult(
         name="kvpress_compare", title="Needle at a fixed KV budget: kvpress presses (same documents and budget)",
         columns=["press", "budget %", "correct", "rate", "errors"], rows=rows,
-        notes=["sinkserve's arms on the same documents: docs/evals/needle_budget.md",
-               "budget: compression_ratio = 1 - B/100 over the whole prompt (question included)"],
+        notes=[*notes_extra, "sinkserve rows: docs/evals/needle_budget.md (same documents, same kept tokens)",
+               "budget: B% of the whole prompt's tokens kept, chosen from the prompt but its last token (question "
+               "in view); kvpress selects per token and KV head, sinkserve whole 16-token blocks for all heads",
+               "none = dense through transformers (kvpress's venv, transformers 5.2): the same model without a press"],
         meta={"model": model, "docs": len(dset), "doc_tokens": DOC_TOKENS, "kvpress": "0.5.5",
               "wall_s": round(time.perf_counter() - t0, 1), "load_avg": [round(x, 2) for x in load],
               "command": "python bench/kvpress_compare.py " + " ".join(sys.argv[1:])})
