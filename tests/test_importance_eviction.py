@@ -151,3 +151,20 @@ def test_per_request_budget_is_checked_against_the_pool(tiny_llama: Path) -> Non
         if engine.has_unfinished() and seq.num_output_tokens > 1:  # decoding: one new block at a time
             held.append(sum(1 for b in seq.block_table if b))
     assert max(held) <= 8 + 1 and min(held) >= 8 - 1
+
+
+def test_http_extension_carries_the_budget_and_errors_name_it() -> None:
+    from pydantic import ValidationError
+
+    from app.errors import APIError
+    from app.planner import sampling_params
+    from app.schemas import CompletionRequest
+    from engine.errors import InvalidRequestError
+
+    req = CompletionRequest.model_validate({"model": "m", "prompt": "hi", "sinkserve": {"kv_budget_blocks": 8}})
+    assert sampling_params(req).kv_budget_blocks == 8
+    assert sampling_params(CompletionRequest.model_validate({"model": "m", "prompt": "hi"})).kv_budget_blocks is None
+    with pytest.raises(ValidationError, match="kv_budget_blocks"):
+        CompletionRequest.model_validate({"model": "m", "prompt": "hi", "sinkserve": {"kv_budget_blocks": 0}})
+    err = APIError.from_engine(InvalidRequestError("kv_budget_blocks", "at most the pool's block_budget 12, got 13"))
+    assert (err.status, err.param) == (400, "sinkserve.kv_budget_blocks")
