@@ -184,3 +184,18 @@ def test_hook_refuses_a_window_other_than_the_layouts(models: dict[str, Path]) -
     assert check_hook_window(layout, 2, None).window is None
     with pytest.raises(RuntimeError, match="layer 2.*sliding_window=64"):
         check_hook_window(layout, 2, WINDOW)
+
+
+def test_all_sliding_model_with_retention_window_frees_blocks_and_stays_exact(models: dict[str, Path]) -> None:
+    # Mistral with window 64 under the engine's own eviction (window 64, nothing protected): blocks the
+    # model can no longer see are freed, and the output is still transformers' (docs/models.md).
+    from engine.cache_policy import CachePolicy
+
+    batch = _prompts(seed=3)[-2:]
+    want_tokens, want_logits = reference(models["mistral_window64"], batch)
+    policy = CachePolicy(eviction_policy="sliding_window", window=WINDOW, protected_positions=(), protected_token_roles=())
+    tokens, logits, engine = run_engine(models["mistral_window64"], batch, staggered=False, cache_policy=policy,
+                                        max_num_batched_tokens=64)
+    assert tokens == want_tokens
+    assert max((torch.stack(g) - w).abs().max().item() for g, w in zip(logits, want_logits)) < 1e-4
+    assert engine.scheduler.tokens_evicted > 0
