@@ -34,8 +34,6 @@ from engine.weights import verify_model_dir
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "ModelInput", "ModelRunner", "ModelShape", "read_model_shape"]
-
 
 @dataclass
 class ModelInput:
