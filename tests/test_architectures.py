@@ -43,6 +43,9 @@ CASES = {
     # Qwen2's use_sliding_window: layers >= max_window_layers slide, the others are full (hybrid).
     "qwen2_hybrid_window64": ("qwen2", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1), {},
                               (1, 1)),
+    # Qwen3 with explicit layer_types (sliding first, then full) and tied embeddings.
+    "qwen3_layer_types_tied": ("qwen3", dict(use_sliding_window=True, sliding_window=WINDOW, tie_word_embeddings=True,
+                                             layer_types=["sliding_attention", "full_attention"]), {}, (1, 1)),
     # Phi-3: window, tied embeddings, partial rotary and longrope (served below its switch at 256 positions).
     "phi3_window64_tied_longrope": ("phi3", dict(sliding_window=WINDOW, tie_word_embeddings=True,
                                                  original_max_position_embeddings=256,
