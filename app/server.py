@@ -144,6 +144,7 @@ class LLMServer:
             index=index,
             top_logprobs=tops,
             prompt_logprobs=tuple(out.prompt_logprobs) if out.prompt_logprobs else None,
+            cached_tokens=out.cached_tokens,
         )
 
     # ---- control path ---------------------------------------------------------------------------
