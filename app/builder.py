@@ -156,13 +156,18 @@ def build_app(args: AppArgs) -> Application:
     model_len = min((n for n in (model_max_len(v.model) for v in versions) if n), default=None)
     pool_args = [clamp_pool(p, model_len) for p in args.pools]
     pools: dict[str, Application] = {}
+    store = StoreSpec(**args.store.model_dump())
+    tenants = tuple((t, TenantLimits(**lim.model_dump())) for t, lim in args.tenants.items())
     for pool in pool_args:
         device = pool_device(pool, gpus)
         for v in versions:
             if pool.versions is not None and v.name not in pool.versions:
                 continue
-            spec = PoolSpec(bucket=pool.name, version=v.name, engine=pool.engine_config(v.model, device),
-                            stats_push_interval_s=args.stats_push_interval_s, worker_num_cpus=pool.worker_num_cpus)
+            engine = pool.engine_config(v.model, device)
+            slots = max(1, int(engine.max_num_seqs * args.jobs.max_share)) if pool.name == args.jobs_pool else 0
+            spec = PoolSpec(bucket=pool.name, version=v.name, engine=engine, stats_push_interval_s=args.stats_push_interval_s,
+                            worker_num_cpus=pool.worker_num_cpus, job_slots=slots, store=store if slots else None,
+                            tenants=tenants if slots else ())
             dep = serve.deployment(LLMServer).options(name=spec.deployment_name, **pool_options(pool, device))
             pools[spec.deployment_name] = dep.bind(spec, hub)
             logger.info("pool %s: model %s, tp=%d on %s, weight %g", spec.deployment_name, v.model,
@@ -177,8 +182,7 @@ def build_app(args: AppArgs) -> Application:
     ingress = IngressSpec(auth=args.auth, served_model_name=args.served_model_name, plan=plan,
                           pool_deployments=tuple(pools), stats_push_interval_s=args.stats_push_interval_s,
                           kv_cache=tuple((p.name, str(p.engine.get("kv_cache_dtype", "auto"))) for p in pool_args),
-                          store=StoreSpec(**args.store.model_dump()),
-                          tenants=tuple((t, TenantLimits(**lim.model_dump())) for t, lim in args.tenants.items()),
+                          store=store, tenants=tenants, jobs_pool=args.jobs_pool,
                           session_ttl_s=args.sessions.ttl_s, session_max_tokens=args.sessions.max_tokens,
                           keepalive_s=args.ingress.keepalive_s, audit_path=args.audit.path,
                           audit_text=args.audit.include_text)

@@ -27,6 +27,7 @@ from app.conversations import HEADER as CONVERSATION_HEADER
 from app.conversations import ID_PATTERN, Conversation, ConversationStore, Turn
 from app.errors import APIError, from_validation_error
 from app.events import RouteInfo, RoutePlan, TokenDelta
+from app.jobs import JobQueue
 from app.quotas import Quotas
 from app.store import StoreError, open_store
 from app.store.base import call as store_call
@@ -40,6 +41,7 @@ from app.schemas import (
     DetokenizeResponse,
     ErrorResponse,
     ModelCard,
+    SinkserveExtension,
     ModelList,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
@@ -146,6 +148,7 @@ class Ingress:
         self.store = open_store(spec.store)
         self.conversations = ConversationStore(self.store, spec.session_ttl_s, spec.session_max_tokens)
         self.quotas = Quotas(self.store, dict(spec.tenants))
+        self.jobs = JobQueue(self.store)
         self.audit = AuditLog(spec.audit_path, spec.audit_text) if spec.audit_path else None
         # Deltas and errors come back on the token bus, one frame per engine step (app/token_bus.py).
         self.inbox = TokenInbox()
@@ -461,6 +464,54 @@ class Ingress:
         if not await self._store(self.conversations.delete, conversation_id, tenant):
             raise APIError(404, f"conversation {conversation_id!r} does not exist (or has expired)", "conversation_id", "not_found")
         return JSONResponse({"id": conversation_id, "object": "conversation", "deleted": True})
+
+    # ---- asynchronous jobs (app/jobs.py) ---------------------------------------------------------
+
+    @api.post("/v1/jobs", status_code=202)
+    async def submit_job(self, request: Request) -> JSONResponse:
+        """``{"endpoint": "/v1/completions" | "/v1/chat/completions", "body": {...}}`` -> a job id.
+        The body is planned now (a 4xx names its field) and runs later on the jobs pool."""
+        key = self._authorize(request)
+        tenant = self.auth.tenant_of(key)
+        try:
+            raw = json.loads(await request.body())
+        except ValueError:
+            raise APIError(400, "body must be a JSON object", "body")
+        endpoint = raw.get("endpoint") if isinstance(raw, dict) else None
+        cls = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}.get(endpoint)
+        if cls is None:
+            raise APIError(400, "endpoint must be '/v1/completions' or '/v1/chat/completions'", "endpoint")
+        try:
+            body = cls.model_validate(raw.get("body"))
+        except ValidationError as e:
+            err = from_validation_error(e)
+            raise APIError(400, err.message, f"body.{err.param}")
+        if body.stream or body.n != 1 or (body.sinkserve and body.sinkserve.conversation_id):
+            raise APIError(400, "a job is one choice, not streamed, outside conversations (stream, n, conversation_id)", "body")
+        pool = self.spec.jobs_pool
+        ext = (body.sinkserve or SinkserveExtension()).model_copy(update={"pool": pool})
+        body = body.model_copy(update={"sinkserve": ext})
+        plan = self.planner.plan(body, key, new_request_id("job"), self._pinned_version(body.model))
+        await store_call(self.quotas.check, tenant, plan.info.prompt_tokens)
+        job = await self._store(self.jobs.submit, tenant, plan.info.deployment, plan.info.pool, plan.request)
+        return JSONResponse(job.view(), status_code=202)
+
+    @api.get("/v1/jobs/{job_id}")
+    async def get_job(self, job_id: str, request: Request) -> JSONResponse:
+        """The job's status; its result once it succeeded, the reason once it failed."""
+        tenant = self.auth.tenant_of(self._authorize(request))
+        job = await self._store(self.jobs.get, job_id, tenant)
+        if job is None:
+            raise APIError(404, f"job {job_id!r} does not exist (or has expired)", "job_id", "not_found")
+        return JSONResponse(job.view())
+
+    @api.post("/v1/jobs/{job_id}/cancel")
+    async def cancel_job(self, job_id: str, request: Request) -> JSONResponse:
+        tenant = self.auth.tenant_of(self._authorize(request))
+        job = await self._store(self.jobs.cancel, job_id, tenant)
+        if job is None:
+            raise APIError(404, f"job {job_id!r} does not exist (or has expired)", "job_id", "not_found")
+        return JSONResponse(job.view())
 
     @api.get("/v1/tenant/usage")
     async def tenant_usage(self, request: Request) -> JSONResponse:

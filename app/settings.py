@@ -173,6 +173,14 @@ class SessionArgs(_Strict):
     max_tokens: int = Field(1_000_000, gt=0)  # history kept per session (token ids)
 
 
+class JobsArgs(_Strict):
+    """The asynchronous job API (``app/jobs.py``): which pool runs jobs and how much of it they may take."""
+
+    pool: str | None = None  # None: the pool with the largest prompt bound
+    # Of each replica's sequence slots (engine.max_num_seqs), the share jobs may hold at once (at least one).
+    max_share: float = Field(0.25, gt=0, le=1)
+
+
 class AuditArgs(_Strict):
     """The request audit log (``app/audit.py``): JSON lines; never the API key."""
 
@@ -201,6 +209,7 @@ class AppArgs(_Strict):
     tenants: dict[str, TenantArgs] = Field(default_factory=dict)
     sessions: SessionArgs = SessionArgs()
     audit: AuditArgs = AuditArgs()
+    jobs: JobsArgs = JobsArgs()
 
     @field_validator("tenants")
     @classmethod
@@ -233,6 +242,17 @@ class AppArgs(_Strict):
         if sum(v.weight for v in versions) <= 0:
             raise ValueError("at least one version needs a weight above 0")
         return versions
+
+    @model_validator(mode="after")
+    def _jobs_pool(self) -> "AppArgs":
+        names = [p.name for p in self.pools]
+        if self.jobs.pool is not None and self.jobs.pool not in names:
+            raise ValueError(f"jobs.pool: unknown pool {self.jobs.pool!r}; pools are {names}")
+        return self
+
+    @property
+    def jobs_pool(self) -> str:
+        return self.jobs.pool or self.pools[-1].name  # pools are sorted by prompt bound
 
     @model_validator(mode="after")
     def _pool_versions(self) -> "AppArgs":
@@ -281,6 +301,10 @@ class PoolSpec:
     engine: EngineConfig
     stats_push_interval_s: float = 1.0
     worker_num_cpus: float = 0.1
+    # The job pool's replicas run queued jobs (app/jobs.py), at most job_slots at once; 0: none.
+    job_slots: int = 0
+    store: StoreSpec | None = None
+    tenants: tuple[tuple[str, TenantLimits], ...] = ()  # to charge a finished job to its tenant
 
     @property
     def deployment_name(self) -> str:
@@ -331,6 +355,7 @@ class IngressSpec:
     keepalive_s: float = 2.0
     audit_path: str | None = None
     audit_text: bool = False
+    jobs_pool: str | None = None
 
     @property
     def versions(self) -> tuple[str, ...]:

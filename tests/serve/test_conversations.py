@@ -284,6 +284,46 @@ def test_slow_start_stream_is_kept_alive_and_soft_timeout_ends_cleanly(conv):
     assert 0 < r.json()["usage"]["completion_tokens"] < 50000
 
 
+def wait_job(c: httpx.Client, job_id: str, statuses: tuple[str, ...], timeout_s: float = 120.0) -> dict:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        view = c.get(f"/v1/jobs/{job_id}").json()
+        if view["status"] in statuses:
+            return view
+        time.sleep(0.25)
+    raise AssertionError(f"job {job_id} still {view}")
+
+
+def test_job_survives_kill_9_of_its_replica_and_cancel_stops_one(conv):
+    """A job runs on the jobs pool (``long``); its replica is killed with SIGKILL while it runs; the
+    restarted replica's runner finds the lapsed lease, runs it again (attempt 2) and stores the result.
+    A second job is cancelled while it runs."""
+    if conv["store"] != "sqlite":
+        pytest.skip("store-independent: runs once, on the SQLite deployment")
+    with client(conv) as c:
+        body = {"prompt": "def f(x):", "max_tokens": 300, "temperature": 0, "sinkserve": {"ignore_eos": True}}
+        r = c.post("/v1/jobs", json={"endpoint": "/v1/completions", "body": body})
+        assert r.status_code == 202, r.text
+        job = r.json()
+        assert job["status"] == "queued" and job["pool"] == "long"
+        wait_job(c, job["id"], ("running",))
+        kill_tree(next(iter(pool_replicas("pool-long-v1", 1).values())))
+        done = wait_job(c, job["id"], ("succeeded", "failed"), timeout_s=240)
+        assert done["status"] == "succeeded" and done["attempts"] == 2, done
+        assert done["result"]["usage"]["completion_tokens"] == 300 and done["result"]["finish_reason"] == "length"
+        bad = c.post("/v1/jobs", json={"endpoint": "/v1/completions", "body": {"prompt": "x", "temperature": 9}})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "body.temperature"
+        long_job = c.post("/v1/jobs", json={"endpoint": "/v1/completions", "body": {**body, "max_tokens": 100000}}).json()
+        wait_job(c, long_job["id"], ("running",))
+        assert c.post(f"/v1/jobs/{long_job['id']}/cancel").json()["status"] == "cancelled"
+        time.sleep(6.0)  # the runner sees it at its next lease renewal and aborts it in the engine
+        r = c.post("/v1/completions", json={"prompt": "import os", "max_tokens": 3, "sinkserve": {"pool": "long"}})
+        assert r.status_code == 200, r.text  # the slot it held is free again
+        assert c.get(f"/v1/jobs/{long_job['id']}").json()["status"] == "cancelled"
+    with client(conv, ACME_KEY) as other:
+        assert other.get(f"/v1/jobs/{job['id']}").status_code == 404
+
+
 def test_store_unreachable_readiness_false_sessionless_requests_work(conv):
     if conv["store"] != "redis":
         pytest.skip("stops the Redis server: runs on the Redis deployment (the SQLite corrupt file: test_store.py)")

@@ -135,3 +135,76 @@ def test_chat_continuation_matches_the_whole_rendering():
                                     tokenize=False, add_generation_prompt=True)
     turn1 = tok.apply_chat_template(first, tokenize=False, add_generation_prompt=True)
     assert turn1 + answer + chat_continuation(tok, [{"role": "user", "content": "and?"}]) == whole
+
+
+# ---- jobs ---------------------------------------------------------------------------------------
+
+from app.events import PoolRequest, TokenDelta  # noqa: E402
+from app.jobs import JobQueue, JobRunner  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+
+
+def _preq(n: int = 3) -> PoolRequest:
+    return PoolRequest("job-req", tuple(range(n)), SamplingParams(max_tokens=4), ((0, 1),), 60.0, reply_to=("h", 1, b"s"))
+
+
+def test_job_requeued_once_after_its_replica_stops_then_failed_with_reason(store, monkeypatch):
+    import app.jobs as jobs
+
+    monkeypatch.setattr(jobs, "LEASE_S", 0.05)
+    q = JobQueue(store)
+    job = q.submit("acme", "pool-long-v1", "long", _preq())
+    assert q.get(job.id, "beta") is None and q.get(job.id, "acme").status == "queued"
+    assert q.get(job.id).pool_request().anchors == ((0, 1),) and q.get(job.id).pool_request().reply_to is None
+    claimed = q.claim("pool-long-v1")
+    assert claimed.id == job.id and claimed.status == "running" and claimed.attempts == 1
+    assert q.claim("pool-long-v1") is None
+    assert q.reap("pool-long-v1") == []  # lease alive: nothing changes
+    import time
+
+    time.sleep(0.15)  # the replica died: the lease lapses
+    [requeued] = q.reap("pool-long-v1")
+    assert requeued.status == "queued"
+    again = q.claim("pool-long-v1")
+    assert again.attempts == 2
+    time.sleep(0.15)
+    [failed] = q.reap("pool-long-v1")
+    assert failed.status == "failed" and "stopped before it finished (2 attempts)" in failed.error
+    assert q.get(job.id).view()["error"] == failed.error and q.claim("pool-long-v1") is None
+
+
+def test_job_cancel_while_queued_is_never_run(store):
+    q = JobQueue(store)
+    job = q.submit("acme", "d", "long", _preq())
+    assert q.cancel(job.id, "beta") is None
+    assert q.cancel(job.id, "acme").status == "cancelled"
+    assert q.claim("d") is None
+
+
+async def test_job_runner_runs_within_its_slots_and_stores_the_result(store):
+    import asyncio
+
+    q = JobQueue(store)
+    ids = [q.submit("acme", "d", "long", _preq()).id for _ in range(3)]
+    peak, live = [0], [0]
+
+    async def run(req):
+        live[0] += 1
+        peak[0] = max(peak[0], live[0])
+        for i in range(3):
+            await asyncio.sleep(0.02)
+            yield TokenDelta(f"t{i}", (i,), None, i == 2, "length" if i == 2 else None, 3, i + 1)
+        live[0] -= 1
+
+    charged = []
+    runner = JobRunner(q, "d", slots=2, run=run, poll_s=0.01, on_finish=lambda j: charged.append(j.completion_tokens))
+    task = asyncio.get_running_loop().create_task(runner.forever())
+    for _ in range(200):
+        await asyncio.sleep(0.02)
+        if all(q.get(i).status == "succeeded" for i in ids):
+            break
+    task.cancel()
+    views = [q.get(i).view() for i in ids]
+    assert [v["result"]["text"] for v in views] == ["t0t1t2"] * 3 and peak[0] == 2, (views, peak)
+    assert views[0]["result"]["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert charged == [3, 3, 3]
