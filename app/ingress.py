@@ -320,7 +320,8 @@ class Ingress:
         request_id = new_request_id("chatcmpl" if chat else "cmpl")
         try:
             plan = self.planner.plan(body, key, request_id, pinned, history=conv)
-            await store_call(self.quotas.check, tenant, plan.info.prompt_tokens)
+            if self.quotas.limited(tenant):
+                await store_call(self.quotas.check, tenant, plan.info.prompt_tokens)
         except APIError as e:
             self.metrics.count("none", e.status)
             if conv is not None:
@@ -428,7 +429,8 @@ class Ingress:
                     logger.warning("conversation %s: turn %s not saved: %s", c.id, info.request_id, e)
             await self._release(turn.conv.id)
         if status == 200 or completion:
-            await store_call(self.quotas.charge, turn.tenant, turn.tokens)
+            if self.quotas.limited(turn.tenant):
+                await store_call(self.quotas.charge, turn.tenant, turn.tokens)
             self.metrics.tenant_usage(turn.tenant, turn.prompt_tokens, completion)
         if self.audit is not None:
             text = None
@@ -492,7 +494,8 @@ class Ingress:
         ext = (body.sinkserve or SinkserveExtension()).model_copy(update={"pool": pool})
         body = body.model_copy(update={"sinkserve": ext})
         plan = self.planner.plan(body, key, new_request_id("job"), self._pinned_version(body.model))
-        await store_call(self.quotas.check, tenant, plan.info.prompt_tokens)
+        if self.quotas.limited(tenant):
+            await store_call(self.quotas.check, tenant, plan.info.prompt_tokens)
         job = await self._store(self.jobs.submit, tenant, plan.info.deployment, plan.info.pool, plan.request)
         return JSONResponse(job.view(), status_code=202)
 
@@ -562,16 +565,41 @@ class Ingress:
 
     async def _sse(self, gen: Any, info: RouteInfo, body: Any, chat: bool, t0: float, turn: _Turn,
                    prompt_ids: tuple[int, ...] = (), pending: "asyncio.Future[Any] | None" = None) -> AsyncIterator[bytes]:
-        """The SSE body. ``pending``: the stream's first event, still awaited when the headers went out
-        (a slow prefill); until it and between events, a keep-alive comment every ``keepalive_s``."""
+        """The SSE body. ``pending``: the stream's first event, still awaited when the headers went out.
+        Until the first token (prefill, a wait for a slot) a keep-alive comment goes out every
+        ``keepalive_s`` of silence; after it the events are read directly (a task per read costs
+        ~16 us a delta, too much for every token of every stream)."""
         acc = _Timing(t0)
         choices = self._choices(body, info, prompt_ids)
         status = 200
         nxt = pending
+
+        async def handle(ev: Any) -> tuple[list[bytes], bool]:
+            """The SSE bytes for one event, and whether the stream ends with it."""
+            nonlocal status
+            if isinstance(ev, RouteInfo):
+                return [], False  # the headers already carried it
+            if isinstance(ev, APIError):
+                # Headers are gone already; the error travels as a final SSE event.
+                status = ev.status
+                await self._settle(turn, status, acc)
+                return [sse_event(ev.body())], True
+            acc.add(ev)
+            choices.add(ev)
+            turn.add(ev)
+            chunk = choices.chunk(ev)
+            out = [sse_event(chunk)] if chunk is not None else []
+            if ev.finished:
+                await self._settle(turn, 200, acc)  # the turn is stored before the client sees the end
+                if body.include_usage():
+                    out.append(sse_event(choices.usage_chunk()))
+            return out, ev.finished
+
         try:
             for first in choices.first_chunks():
                 yield sse_event(first)
-            while True:
+            stop = False
+            while not stop and acc.ttft is None:  # until the first token: reads with keep-alives
                 if nxt is None:
                     nxt = asyncio.ensure_future(gen.__anext__())
                 done, _ = await asyncio.wait({nxt}, timeout=self.spec.keepalive_s)
@@ -581,28 +609,20 @@ class Ingress:
                 try:
                     ev = nxt.result()
                 except StopAsyncIteration:
+                    stop = True
                     break
                 finally:
                     nxt = None
-                if isinstance(ev, RouteInfo):
-                    continue  # the headers already carried it
-                if isinstance(ev, APIError):
-                    # Headers are gone already; the error travels as a final SSE event.
-                    status = ev.status
-                    await self._settle(turn, status, acc)
-                    yield sse_event(ev.body())
-                    break
-                acc.add(ev)
-                choices.add(ev)
-                turn.add(ev)
-                chunk = choices.chunk(ev)
-                if chunk is not None:
-                    yield sse_event(chunk)
-                if ev.finished:
-                    await self._settle(turn, 200, acc)  # the turn is stored before the client sees the end
-                    if body.include_usage():
-                        yield sse_event(choices.usage_chunk())
-                    break
+                out, stop = await handle(ev)
+                for b in out:
+                    yield b
+            if not stop:
+                async for ev in gen:
+                    out, stop = await handle(ev)
+                    for b in out:
+                        yield b
+                    if stop:
+                        break
             yield DONE
         except (asyncio.CancelledError, GeneratorExit):
             status = 499  # client disconnected mid-stream

@@ -66,6 +66,10 @@ class Quotas:
         self.limits = dict(limits)
         self.clock = clock
 
+    def limited(self, tenant: str) -> bool:
+        """Whether ``tenant`` has any quota (callers skip the store entirely when not)."""
+        return bool(self._windows(tenant))
+
     def _windows(self, tenant: str) -> list[tuple[Window, int]]:
         lim = self.limits.get(tenant)
         if lim is None:
