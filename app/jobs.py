@@ -215,10 +215,21 @@ class JobRunner:
                     logger.info("job %s: running on %s (attempt %d)", job.id, self.deployment, job.attempts)
                     self.running[job.id] = asyncio.get_running_loop().create_task(self._one(job))
             except asyncio.CancelledError:
+                self.stop()
                 raise
             except StoreError as e:
                 logger.warning("job runner on %s: store unavailable: %s", self.deployment, e)
-            await asyncio.sleep(self.poll_s)
+            try:
+                await asyncio.sleep(self.poll_s)
+            except asyncio.CancelledError:
+                self.stop()
+                raise
+
+    def stop(self) -> None:
+        """The replica is stopping: abort the running jobs in the engine (their leases lapse and a
+        runner queues them again) rather than hold the shutdown until they finish."""
+        for task in list(self.running.values()):
+            task.cancel()
 
     async def _one(self, job: Job) -> None:
         task = asyncio.get_running_loop().create_task(self._generate(job))
