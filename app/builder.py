@@ -183,7 +183,7 @@ def build_app(args: AppArgs) -> Application:
                           pool_deployments=tuple(pools), stats_push_interval_s=args.stats_push_interval_s,
                           kv_cache=tuple((p.name, str(p.engine.get("kv_cache_dtype", "auto"))) for p in pool_args),
                           store=store, tenants=tenants, jobs_pool=args.jobs_pool,
-                          session_ttl_s=args.sessions.ttl_s, session_max_tokens=args.sessions.max_tokens,
+                          session_ttl_s=args.sessions.ttl_s,
                           keepalive_s=args.ingress.keepalive_s, audit_path=args.audit.path,
                           audit_text=args.audit.include_text)
     return serve.deployment(Ingress).options(

@@ -84,10 +84,9 @@ class ConversationStore:
     their last turn. A conversation belongs to the tenant that created it; to any other it does
     not exist."""
 
-    def __init__(self, store: Store, ttl_s: float, max_tokens: int) -> None:
+    def __init__(self, store: Store, ttl_s: float) -> None:
         self.store = store
         self.ttl_s = ttl_s
-        self.max_tokens = max_tokens
 
     def create(self, tenant: str) -> Conversation:
         conv = Conversation(id="conv-" + secrets.token_hex(12), tenant=tenant, created=time.time())

@@ -146,7 +146,7 @@ class Ingress:
         # Sessions, quotas (and jobs) live in the store; it connects on first use, and a store that
         # fails shows in /readyz while requests without a conversation keep working.
         self.store = open_store(spec.store)
-        self.conversations = ConversationStore(self.store, spec.session_ttl_s, spec.session_max_tokens)
+        self.conversations = ConversationStore(self.store, spec.session_ttl_s)
         self.quotas = Quotas(self.store, dict(spec.tenants))
         self.jobs = JobQueue(self.store)
         self.audit = AuditLog(spec.audit_path, spec.audit_text) if spec.audit_path else None

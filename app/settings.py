@@ -167,10 +167,9 @@ class TenantArgs(_Strict):
 
 
 class SessionArgs(_Strict):
-    """Server-side conversations (``app/sessions.py``)."""
+    """Server-side conversations (``app/conversations.py``); ``sessions:`` in the yaml."""
 
     ttl_s: float = Field(7 * 86400.0, gt=0)  # a session unused this long is forgotten
-    max_tokens: int = Field(1_000_000, gt=0)  # history kept per session (token ids)
 
 
 class JobsArgs(_Strict):
@@ -351,7 +350,6 @@ class IngressSpec:
     store: StoreSpec = StoreSpec()
     tenants: tuple[tuple[str, TenantLimits], ...] = ()
     session_ttl_s: float = 7 * 86400.0
-    session_max_tokens: int = 1_000_000
     keepalive_s: float = 2.0
     audit_path: str | None = None
     audit_text: bool = False

@@ -108,7 +108,7 @@ def test_quota_refusal_names_quota_used_and_reset(store):
 
 
 def test_conversations_round_trip_and_tenant_isolation(store):
-    cs = ConversationStore(store, ttl_s=60, max_tokens=1000)
+    cs = ConversationStore(store, ttl_s=60)
     c = cs.create("acme")
     assert cs.load(c.id, "acme") == c
     assert cs.load(c.id, "beta") is None  # another tenant's conversation does not exist for it
