@@ -226,8 +226,11 @@ class LLMServer:
             self._jobs_task.cancel()
         if self.hub is not None:
             try:
-                await self.hub.forget.remote(f"pool/{self.replica}")
-            except Exception:
+                # Bounded: when the whole app is deleted the hub goes first, and a handle call to a
+                # deployment with no replicas waits for one forever -- the replica was force-killed
+                # after its 60 s grace period instead of shutting its engine down.
+                await asyncio.wait_for(self.hub.forget.remote(f"pool/{self.replica}"), 2.0)
+            except Exception:  # noqa: BLE001 - the hub's entry expires on its own (ttl)
                 pass
         await self.engine.shutdown()
         await self.outbox.close()
