@@ -93,10 +93,10 @@ class LLMEngine:
         per_token = self.kv_bytes_total / max(1, usable)
         if not c.kv_quantized:
             return f"{c.dtype} K/V, {self.num_kv_blocks} blocks, {per_token:.0f} B/token"
-        from engine.config import kv_value_group_size
+        from engine.config import kv_outlier_channels, kv_value_group_size
 
         return (f"{c.kv_cache_dtype} K/V (keys {c.kv_key_scheme}, values {c.kv_value_scheme} groups of "
-                f"{kv_value_group_size(c, self.shape.head_dim)}, {c.kv_outlier_channels} outlier key channels 16-bit), "
+                f"{kv_value_group_size(c, self.shape.head_dim)}, {kv_outlier_channels(c, self.shape.head_dim)} outlier key channels 16-bit), "
                 f"{self.num_kv_blocks} packed blocks + {self.num_fp_blocks} {c.dtype} side-pool blocks "
                 f"(protected {'on' if self.policy.keep_protected_16bit else 'off'}, residual "
                 f"{self.policy.residual_window} tokens), {per_token:.0f} B/token")

@@ -25,7 +25,7 @@ from engine.architectures import (
     validate_for_engine,
 )
 from engine.attention_backends import get_backend
-from engine.config import EngineConfig, kv_value_group_size, validate_kv_cache_for_model
+from engine.config import EngineConfig, kv_outlier_channels, kv_value_group_size, validate_kv_cache_for_model
 from engine.errors import ModelLoadError
 from engine.kv_budget import KVBudget, MemoryProfile
 from engine.rope import rotate_keys
@@ -111,7 +111,7 @@ def quant_bytes_per_block(config: EngineConfig, shape: ModelShape, world_size: i
     """Bytes of one block id in the packed pool (all layers, per rank) for ``config.kv_cache_dtype``."""
     return kv_budget.quant_bytes_per_block(
         shape.num_layers, shape.num_kv_heads, shape.head_dim, config.block_size, config.kv_bits,
-        kv_value_group_size(config, shape.head_dim), config.kv_outlier_channels, config.dtype, world_size)
+        kv_value_group_size(config, shape.head_dim), kv_outlier_channels(config, shape.head_dim), config.dtype, world_size)
 
 
 def num_fp_pool_blocks(config: EngineConfig, max_model_len: int, num_kv_blocks: int | None = None) -> int:
@@ -276,12 +276,12 @@ class ModelRunner:
         self.kv_caches = [
             QuantKVCache.allocate(num_kv_blocks, nf, c.block_size, kv_heads, self.shape.head_dim, bits=c.kv_bits,
                                   group_size=kv_value_group_size(c, self.shape.head_dim), dtype=dtype,
-                                  device=self.device, outlier_channels=c.kv_outlier_channels, fp_index=fp_index)
+                                  device=self.device, outlier_channels=kv_outlier_channels(c, self.shape.head_dim), fp_index=fp_index)
             for _ in range(self.shape.num_layers)
         ]
         self.num_kv_blocks = num_kv_blocks
         self.num_fp_blocks = nf
-        if c.kv_outlier_channels:
+        if kv_outlier_channels(c, self.shape.head_dim):
             if self.outlier_idx is None:
                 self.outlier_idx = self.calibrate_outliers()
             for cache, idx in zip(self.kv_caches, self.outlier_idx):
@@ -322,7 +322,7 @@ class ModelRunner:
             self.execute(inp, key_absmax=absmax)
         finally:
             fp_index.fill_(-1)
-        o = c.kv_outlier_channels
+        o = kv_outlier_channels(c, self.shape.head_dim)
         out = [m.topk(o, dim=-1).indices.sort(dim=-1).values[None].to(self.device) for m in absmax]  # type: ignore[union-attr]
         ratio = [float(m.topk(o, dim=-1).values.mean() / m.median()) for m in absmax]  # type: ignore[union-attr]
         logger.info("rank %d: %d outlier key channels per layer and KV head kept 16-bit (calibrated on %d tokens; "
