@@ -18,6 +18,8 @@ from prometheus_client.core import (
     InfoMetricFamily,
 )
 
+from engine.stats import SPARSE_TOKEN_BUCKETS
+
 PREFIX = "sinkserve_"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -124,6 +126,12 @@ ENGINE_STATS: tuple[tuple[str, str, str, str], ...] = (
     # Summed (not averaged) so alerts can take a windowed, replica-weighted perplexity proxy:
     # rate(nll) / rate(generation_tokens). The mean gauge below is lifetime and dilutes a regression.
     ("nll_sum", "generation_nll_total", "counter", "Sum of negative log-likelihood (nats) of generated tokens"),
+    # Sparse attention (engine/sparse.py): attended / context tokens of each sequence's last query per step;
+    # rate(attended) / rate(context) is the fraction of the context attended over a window.
+    ("sparse_attended_tokens_total", "sparse_attended_tokens_sum_total", "counter", "Tokens attended by sequences' last queries (sparse attention configured)"),
+    ("sparse_context_tokens_total", "sparse_context_tokens_total", "counter", "Tokens those queries could see (the dense context)"),
+    ("sparse_sequence_steps_total", "sparse_sequence_steps_total", "counter", "Sequence-steps that attended sparsely"),
+    ("sparse_attended_fraction", "sparse_attended_fraction", "gauge", "Fraction of the context attended in the last step (all scheduled sequences)"),
     # The pool replica's own counters, beside the engine's (app/token_bus.py).
     ("token_bus_frames", "token_bus_frames_total", "counter", "Token-bus frames sent to ingress replicas"),
     ("token_bus_deltas", "token_bus_deltas_total", "counter", "Token deltas sent on the token bus (deltas / frames = streams per frame)"),
@@ -204,6 +212,9 @@ class SnapshotCollector:
             labels=labels + ["policy_version"],
         )
         info = InfoMetricFamily(PREFIX + "pool", "Pool replica settings", labels=labels)
+        sparse = HistogramMetricFamily(PREFIX + "sparse_attended_tokens",
+                                       "Tokens a sequence's last query attended in one engine step (sparse attention on)",
+                                       labels=labels)
         for s in pools:
             lv = [s["pool"], s["version"], s["replica"]]
             stats = s["data"].get("stats", {})
@@ -212,6 +223,13 @@ class SnapshotCollector:
                 if v is not None:
                     fam.add_metric(lv, v)
             ready.add_metric(lv, 1.0 if s["data"].get("ready") else 0.0)
+            counts = stats.get("sparse_attended_tokens_buckets") or ()
+            if counts:
+                cum, buckets = 0, []
+                for bound, c in zip(list(SPARSE_TOKEN_BUCKETS) + [math.inf], counts):
+                    cum += c
+                    buckets.append(("+Inf" if bound == math.inf else repr(float(bound)), cum))
+                sparse.add_metric(lv, buckets, float(stats.get("sparse_attended_tokens_total", 0)))
             nc, ns = _num(stats.get("nll_count")), _num(stats.get("nll_sum"))
             if nc and ns is not None:
                 nll.add_metric(lv, ns / nc)
@@ -220,7 +238,7 @@ class SnapshotCollector:
                                  "model": str(s["data"].get("model", "")),
                                  "weights_fingerprint": str(s["data"].get("weights_fingerprint", ""))})
         yield from fams.values()
-        yield from (ready, nll, pver, info)
+        yield from (ready, nll, pver, info, sparse)
 
 
 def _tenant_families(ingress: list[Mapping[str, Any]]) -> Iterable[Any]:

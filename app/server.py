@@ -50,7 +50,7 @@ class LLMServer:
 
         self.weights_fingerprint = fingerprint(spec.engine.model) or ""
         self.policy = self.engine.config.cache_policy
-        self.policy_version = self.policy.version
+        self.policy_version = self.engine.stats().policy_version  # includes the sparse-attention settings
         self.ready = True
         logger.info("pool %s ready; %s", spec.deployment_name, self.policy.describe())
         self._push_task = None

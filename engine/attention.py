@@ -19,6 +19,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from engine.architectures import AttentionLayout, check_hook_window
 from engine.attention_backends import AttentionBackend
+from kernels import block_sparse as _sparse
 
 ATTN_IMPLEMENTATION = "sinkserve_paged"
 
@@ -34,8 +35,13 @@ class ForwardContext:
     seq_lens: torch.Tensor  # [S] logical tokens in cache after this forward
     query_start_loc: torch.Tensor  # [S + 1]
     quantized: bool = False
+    block_size: int = 16  # the cache's block size (slot -> block for the block bounds)
     # Outlier calibration: per layer, the running max |key| per (KV head, channel); None when not calibrating.
     key_absmax: list[torch.Tensor | None] | None = None
+    # Sparse attention (engine/sparse_config.py): per layer block key bounds, kept current on every write
+    # when sparsity is configured; the step's selection rules when some sequence attends sparsely now.
+    block_bounds: list | None = None  # per layer kernels.block_sparse.BlockBounds
+    sparse_plan: object | None = None  # kernels.block_sparse.SparsePlan
     # Per-layer attention (window, sinks) of the model; None: every layer full (kernel tests, tools).
     layout: AttentionLayout | None = None
 
@@ -83,17 +89,33 @@ def paged_attention_forward(
         m = k.detach().abs().amax(0).float()  # [Hkv, D]
         prev = ctx.key_absmax[module.layer_idx]
         ctx.key_absmax[module.layer_idx] = m if prev is None else torch.maximum(prev, m)
+    if ctx.block_bounds is not None:
+        _sparse.update_bounds(ctx.block_bounds[module.layer_idx], k, ctx.slot_mapping, ctx.block_size)
+    # Sparse selection on full-attention layers without learned sinks: a sliding-window layer is already
+    # bounded by its window, and the block-sparse path has no sink logit (such layers stay on the paged path).
+    sparse = ctx.sparse_plan is not None and window is None and sinks is None
     if ctx.quantized:
         cache = ctx.kv_caches[module.layer_idx]
         ctx.backend.write_kv_quant(k, v, cache, ctx.slot_mapping)
+        if sparse:
+            return _sparse_forward(ctx, module.layer_idx, q, cache, scale), None
         out = ctx.backend.paged_attention_quant(q, cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, scale,
                                                 window=window, sinks=sinks)
         return out.unsqueeze(0), None
     k_cache, v_cache = ctx.kv_caches[module.layer_idx]
     ctx.backend.write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+    if sparse:
+        return _sparse_forward(ctx, module.layer_idx, q, (k_cache, v_cache), scale), None
     out = ctx.backend.paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, scale,
                                       window=window, sinks=sinks)
     return out.unsqueeze(0), None
+
+
+def _sparse_forward(ctx: ForwardContext, layer: int, q: torch.Tensor, kv: object, scale: float) -> torch.Tensor:
+    assert ctx.block_bounds is not None and ctx.backend.block_sparse_attention is not None
+    out = ctx.backend.block_sparse_attention(q, kv, ctx.block_bounds[layer], ctx.block_tables, ctx.seq_lens,
+                                             ctx.query_start_loc, ctx.sparse_plan, scale)
+    return out.unsqueeze(0)
 
 
 def _no_mask(*args: object, **kwargs: object) -> None:

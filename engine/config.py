@@ -12,6 +12,7 @@ from pathlib import Path
 
 from engine.cache_policy import CachePolicy
 from engine.errors import ConfigError
+from engine.sparse_config import SparseAttention
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = str(REPO_ROOT / "assets" / "reference-model")
@@ -31,8 +32,9 @@ DEFAULT_PACKED_BLOCK_SIZE = 64
 DEFAULT_KV_VALUE_GROUP = 64
 DEFAULT_INT2_OUTLIER_CHANNELS = 8
 
-__all__ = ["CachePolicy", "EngineConfig", "DEFAULT_MODEL", "resolve_dtype", "resolve_attention_backend",
-           "KV_CACHE_DTYPES", "kv_value_group_size", "kv_outlier_channels", "validate_kv_cache_for_model"]
+__all__ = ["CachePolicy", "EngineConfig", "SparseAttention", "DEFAULT_MODEL", "resolve_dtype",
+           "resolve_attention_backend", "KV_CACHE_DTYPES", "kv_value_group_size", "kv_outlier_channels",
+           "validate_kv_cache_for_model"]
 
 
 def is_cuda(device: str) -> bool:
@@ -113,6 +115,8 @@ class EngineConfig:
     # 16-bit side-pool blocks; None: sized from max_num_seqs, the residual window, the sinks and the
     # step's new blocks (engine.kv_budget.fp_pool_blocks).
     kv_fp_pool_blocks: int | None = None
+    # Sparse attention for long sequences: indexer, top_k, forced set (engine/sparse_config.py).
+    sparse: SparseAttention = field(default_factory=SparseAttention)
 
     def __post_init__(self) -> None:
         if not (self.device == "cpu" or is_cuda(self.device)):
@@ -144,6 +148,7 @@ class EngineConfig:
             raise ConfigError("tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
         self.cache_policy.validate(self.block_size)
         self._validate_kv_cache()
+        self.sparse.validate(self.block_size, self.model, self.max_model_len)
 
     def _validate_kv_cache(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -17,6 +17,7 @@ from typing import Any
 from engine.cache_policy import CachePolicy
 from engine.config import EngineConfig
 from engine.errors import ConfigError
+from engine.sparse_config import SparseAttention
 
 
 def _check_keys(cls: type, d: Mapping[str, Any], prefix: str) -> None:
@@ -39,6 +40,22 @@ def cache_policy_from_dict(d: Mapping[str, Any] | CachePolicy) -> CachePolicy:
         raise ConfigError(f"cache_policy.{e.field}", e.message) from None
 
 
+def sparse_from_dict(d: Mapping[str, Any] | SparseAttention) -> SparseAttention:
+    """A ``SparseAttention`` from config values; unknown keys are refused with their path named.
+
+    >>> sparse_from_dict({"enabled": True, "topk": 64})
+    Traceback (most recent call last):
+    ...
+    engine.errors.ConfigError: sparse.topk: unknown field; did you mean 'top_k'? ...
+    """
+    if isinstance(d, SparseAttention):
+        return d
+    if not isinstance(d, Mapping):
+        raise ConfigError("sparse", f"must be a mapping of sparse-attention settings, got {d!r}")
+    _check_keys(SparseAttention, d, "sparse.")
+    return SparseAttention(**d)
+
+
 def engine_config_from_dict(d: Mapping[str, Any], **overrides: Any) -> EngineConfig:
     """An ``EngineConfig`` from config values plus ``overrides`` (e.g. the model a version serves).
     Validates everything ``EngineConfig`` and ``CachePolicy`` validate, including the policy
@@ -47,6 +64,8 @@ def engine_config_from_dict(d: Mapping[str, Any], **overrides: Any) -> EngineCon
     _check_keys(EngineConfig, values, "")
     if "cache_policy" in values:
         values["cache_policy"] = cache_policy_from_dict(values["cache_policy"])
+    if "sparse" in values:
+        values["sparse"] = sparse_from_dict(values["sparse"])
     try:
         return EngineConfig(**values)
     except ConfigError as e:

@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence as Seq
 from typing import Any
 
-from engine import retention
+from engine import retention, sparse
 from engine.architectures import read_attention_layout, validate_for_engine
 from engine.block_manager import BlockManager
 from engine.cache_policy import CachePolicy
@@ -33,6 +33,7 @@ from engine.sampler import SamplerOutput, SeqSampling
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
+from engine.sparse_config import policy_version as sparse_policy_version
 from engine.stats import EngineCounters, EngineStats
 
 __all__ = ["Anchor", "LLMEngine"]
@@ -50,6 +51,7 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or self.shape.max_position_embeddings
         self.layout = read_attention_layout(config.model)
         validate_for_engine(self.layout, self.max_model_len, config.tensor_parallel_size)  # before any load
+        config.sparse.validate(config.block_size, max_model_len=self.max_model_len)  # top_k within the context
         # The executor sizes the KV cache where the model lives, after its weights are loaded; this
         # process may not own that device (a tensor-parallel driver), so it never measures memory.
         self.executor = (executor_factory or LocalExecutor)(config)
@@ -74,6 +76,10 @@ class LLMEngine:
         self._finished_ids: list[str] = []  # the sampler frees their generators at the next step
         self.eviction_log: deque[retention.EvictionRecord] = deque(maxlen=4096)
         logger.info("%s", self.policy.describe())
+        if config.sparse.enabled:
+            logger.info("%s; forced set: protected positions %s, roles %s, per-request anchors, local window %d; "
+                        "version %s", config.sparse.describe(), list(self.policy.protected_positions),
+                        list(self.policy.protected_token_roles), config.sparse.local_window, self.policy_version)
         logger.info("model attention: %s", self.layout.describe())
         logger.info("KV cache stores %s", self.describe_kv_cache())
 
@@ -152,6 +158,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self._pending_adds or self._pending_aborts or self.scheduler.has_unfinished())
 
+    @property
+    def policy_version(self) -> str:
+        """The cache policy's version, combined with the sparse-attention settings when those are on."""
+        return sparse_policy_version(self.policy.version, self.config.sparse)
+
     def set_cache_policy(self, policy: CachePolicy) -> str:
         """Swap the retention policy for future steps; returns its version."""
         policy.validate(self.config.block_size)
@@ -159,7 +170,7 @@ class LLMEngine:
             self.policy = policy
             self.scheduler.policy = policy
         logger.info("cache policy changed: %s", policy.describe())
-        return policy.version
+        return self.policy_version
 
     # ------------------------------------------------------------------ step
     def _apply_pending(self) -> list[RequestOutput]:
@@ -211,6 +222,8 @@ class LLMEngine:
                 inp.logits_indices.append(first_row + p - start)
             if item.samples:
                 inp.logits_indices.append(inp.query_start_loc[-1] - 1)
+            if self.config.sparse.enabled:
+                self._plan_sparse(inp, seq, start + n, n)
             if len(scored) or item.samples:  # what the sampler does with this sequence's rows
                 targets = tuple(seq.token_ids[scored.start + 1 : scored.stop + 1])
                 # A penalized request's prompt goes to the sampler once, with its first sampled token.
@@ -218,6 +231,14 @@ class LLMEngine:
                 inp.sampling.append(SeqSampling(seq.request_id, seq.params, targets, item.samples,
                                                 tuple(seq.prompt_token_ids) if first else ()))
         return inp
+
+    def _plan_sparse(self, inp: ModelInput, seq: Sequence, seq_len: int, n: int) -> None:
+        """This sequence's forced blocks (None: dense this step) and its attended tokens for the stats."""
+        bs = self.config.block_size
+        forced = sparse.forced_blocks(seq.protected_blocks, seq_len, bs) if sparse.applies(self.config.sparse, seq_len, n) else None
+        inp.sparse_forced.append(forced)
+        attended, visible = sparse.attended_tokens(seq.block_table, seq_len, forced, self.config.sparse, bs)
+        self.counters.observe_sparse(attended, visible, forced is not None)
 
     @staticmethod
     def _scored_prompt_positions(seq: Sequence, n: int) -> range:
@@ -329,7 +350,7 @@ class LLMEngine:
             tokens_evicted=self.scheduler.tokens_evicted,
             tokens_protected=c.tokens_protected_total,
             preemptions=self.scheduler.num_preemptions,
-            policy_version=self.policy.version,
+            policy_version=self.policy_version,
             prompt_tokens_total=c.prompt_tokens_total,
             generation_tokens_total=c.generation_tokens_total,
             requests_finished_total=c.requests_finished_total,
@@ -340,6 +361,11 @@ class LLMEngine:
             blocks_16bit=blocks_fp,
             blocks_quantized=blocks_q,
             blocks_protected_quantized=self.scheduler.blocks_protected_quantized,
+            sparse_attended_tokens_buckets=tuple(c.sparse_attended_counts) if self.config.sparse.enabled else (),
+            sparse_attended_tokens_total=c.sparse_attended_tokens_total,
+            sparse_context_tokens_total=c.sparse_context_tokens_total,
+            sparse_sequence_steps_total=c.sparse_sequence_steps_total,
+            sparse_attended_fraction=c.sparse_step_attended / c.sparse_step_context if c.sparse_step_context else 1.0,
             sliding_layers=self.layout.sliding_layers,
             blocks_needed_sliding=sliding_needed if model_window is not None else bm.num_used_blocks,
         )

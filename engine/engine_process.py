@@ -46,6 +46,7 @@ from engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError, 
 from engine.input_processor import Anchor
 from engine.outputs import RequestOutput, next_delta
 from engine.sampling_params import SamplingParams
+from engine.sparse_config import policy_version as sparse_policy_version
 from engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
@@ -219,8 +220,9 @@ class EngineProcess:
         self._attach()
         self._send(SetPolicy(policy))
         # Messages are ordered: every step after this one runs under ``policy``, so say so now.
-        self._stats = replace(self._stats, policy_version=policy.version)
-        return policy.version
+        version = sparse_policy_version(policy.version, self._config.sparse)
+        self._stats = replace(self._stats, policy_version=version)
+        return version
 
     async def shutdown(self, drain_timeout: float = 30.0) -> None:
         """Let running requests finish (up to ``drain_timeout`` seconds), then stop the child."""

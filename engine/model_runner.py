@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from engine import attention, kv_budget
+from engine import attention, kv_budget, sparse_runtime
 from engine.architectures import (
     SUPPORTED_ARCHITECTURES,
     layer_inv_freqs,
@@ -55,6 +55,9 @@ class ModelInput:
     sampling: list[SeqSampling] = field(default_factory=list)
     # Requests finished since the last step: their sampling generators can go.
     finished_request_ids: list[str] = field(default_factory=list)
+    # Sparse attention: per scheduled sequence, its protected logical blocks when it attends sparsely this
+    # step, None when it attends densely (empty list: every sequence dense). See engine/sparse.py.
+    sparse_forced: list[list[int] | None] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -181,6 +184,7 @@ class ModelRunner:
         self.num_kv_blocks = 0
         self.num_fp_blocks = 0
         self.kv_caches: list = []  # per layer (k, v) tensors, or QuantKVCache when quantized
+        self.block_bounds: list | None = None  # per layer kernels.block_sparse.BlockBounds (sparse attention)
         # Outlier key channels per layer [1, Hkv, O] (calibrated once, kept across re-allocations).
         self.outlier_idx: list[torch.Tensor] | None = None
         if num_kv_blocks is not None:
@@ -256,6 +260,9 @@ class ModelRunner:
         self.free_kv()
         kv_heads = self.shape.num_kv_heads // self.world_size
         dtype = torch_dtype(self.config.dtype)
+        if self.config.sparse.enabled:
+            self.block_bounds = sparse_runtime.allocate_bounds(self.shape.num_layers, num_kv_blocks, kv_heads,
+                                                               self.shape.head_dim, dtype, self.device)
         if self.config.kv_quantized:
             self._allocate_quant(num_kv_blocks, kv_heads, dtype)
             return
@@ -332,6 +339,7 @@ class ModelRunner:
 
     def free_kv(self) -> None:
         self.kv_caches = []
+        self.block_bounds = None
         self.num_kv_blocks = 0
         if self.config.on_cuda:
             torch.cuda.empty_cache()
@@ -412,6 +420,8 @@ class ModelRunner:
             self._copy_blocks(inp.copies)
         if inp.rotations:
             (self._rotate_quant_blocks if quantized else self._rotate_blocks)(inp.rotations)
+        if self.block_bounds is not None:
+            sparse_runtime.apply_block_ops(self.block_bounds, self.kv_caches, inp, self.device)
         dev = self.device
         width = max((len(t) for t in inp.block_tables), default=1) or 1
         tables = torch.zeros(len(inp.block_tables), width, dtype=torch.int32)
@@ -426,6 +436,9 @@ class ModelRunner:
             query_start_loc=torch.tensor(inp.query_start_loc, dtype=torch.int32, device=dev),
             quantized=quantized,
             key_absmax=key_absmax,
+            block_size=self.config.block_size,
+            block_bounds=self.block_bounds,
+            sparse_plan=sparse_runtime.plan(inp.sparse_forced, self.config, tables.shape[1], dev),
             layout=self.layout,
         )
         input_ids = torch.tensor(inp.input_ids, dtype=torch.long, device=dev)[None]

@@ -6,8 +6,12 @@ mapping the Prometheus collector walks (``app/metrics.py`` names the metric for 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import bisect
+from dataclasses import asdict, dataclass, field
 from typing import Any
+
+# Upper bounds of the ``sparse_attended_tokens`` histogram (tokens a sequence's last query attends in a step).
+SPARSE_TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 
 @dataclass
@@ -21,6 +25,26 @@ class EngineCounters:
     nll_sum: float = 0.0  # negative log-likelihood of sampled tokens: the perplexity proxy
     nll_count: int = 0
     steps_total: int = 0
+    # Sparse attention (only counted when EngineConfig.sparse is enabled): per scheduled sequence and step,
+    # the tokens its last query attends and the tokens it could see (engine/sparse.py).
+    sparse_attended_counts: list[int] = field(default_factory=lambda: [0] * (len(SPARSE_TOKEN_BUCKETS) + 1))
+    sparse_attended_tokens_total: int = 0
+    sparse_context_tokens_total: int = 0
+    sparse_sequence_steps_total: int = 0  # sequence-steps that attended sparsely
+    sparse_step_attended: int = 0  # the current step's sums (the fraction gauge)
+    sparse_step_context: int = 0
+    sparse_step: int = -1
+
+    def observe_sparse(self, attended: int, visible: int, is_sparse: bool) -> None:
+        """One scheduled sequence of the current step (``steps_total`` identifies the step)."""
+        self.sparse_attended_counts[bisect.bisect_left(SPARSE_TOKEN_BUCKETS, attended)] += 1
+        self.sparse_attended_tokens_total += attended
+        self.sparse_context_tokens_total += visible
+        self.sparse_sequence_steps_total += int(is_sparse)
+        if self.sparse_step != self.steps_total:
+            self.sparse_step, self.sparse_step_attended, self.sparse_step_context = self.steps_total, 0, 0
+        self.sparse_step_attended += attended
+        self.sparse_step_context += visible
 
 
 @dataclass(frozen=True)
@@ -51,6 +75,13 @@ class EngineStats:
     blocks_16bit: int = 0
     blocks_quantized: int = 0
     blocks_protected_quantized: int = 0  # protected blocks packed because the side pool ran low
+    # Sparse attention: histogram of attended tokens per sequence-step (counts per SPARSE_TOKEN_BUCKETS
+    # bound, last = above), its sum, the context those queries could see, and the last step's fraction.
+    sparse_attended_tokens_buckets: tuple[int, ...] = ()
+    sparse_attended_tokens_total: int = 0
+    sparse_context_tokens_total: int = 0
+    sparse_sequence_steps_total: int = 0
+    sparse_attended_fraction: float = 1.0
     # Per layer type (engine/architectures.py): full-attention layers read every used block; the model's
     # sliding-window layers only the blocks inside their window (the rest they have left behind, kept
     # for the full layers). Equal to blocks_used when the model has no sliding layer.

@@ -23,6 +23,7 @@ import torch
 
 from engine import CachePolicy, EngineConfig, LLMEngine
 from engine.config import DEFAULT_MODEL
+from engine.sparse_config import SparseAttention
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,10 @@ class Arm:
     # (protected blocks + a 128-token residual window) 16-bit when ``kv_protect``, else packs everything.
     kv_cache_dtype: str = "auto"
     kv_protect: bool = True
+    # Sparse attention (evals.sparse): the engine's settings, and which selector ranks the blocks:
+    # "block_bounds" (the engine's own) or "random" (the control: same budget, same forced set).
+    sparse: SparseAttention | None = None
+    selector: str = "block_bounds"
     # Key channels per layer and KV head kept 16-bit beside the codes (0: none) and the value group size
     # (None: the engine's default), for ``--kv-outlier-channels`` / ``--kv-value-group-size``.
     # (None: the engine's defaults). ``block_size`` None: BLOCK_SIZE; the KV A/B runs all its arms at the
@@ -117,7 +122,8 @@ def model_fingerprint(model: str | Path) -> str:
 
 def make_engine(model: str | Path, policy: CachePolicy, chunk: int, num_kv_blocks: int, max_num_seqs: int = 64,
                 kv_cache_dtype: str = "auto", kv_outlier_channels: int | None = None,
-                kv_value_group_size: int | None = None, block_size: int = BLOCK_SIZE) -> LLMEngine:
+                kv_value_group_size: int | None = None, block_size: int = BLOCK_SIZE,
+                sparse: SparseAttention | None = None, selector: str = "block_bounds") -> LLMEngine:
     """An engine for one arm.
 
     Prefix caching is off so every request is computed from its own tokens under the arm's policy; the
@@ -137,8 +143,14 @@ def make_engine(model: str | Path, policy: CachePolicy, chunk: int, num_kv_block
         kv_cache_dtype=kv_cache_dtype,
         kv_outlier_channels=kv_outlier_channels,
         kv_value_group_size=kv_value_group_size,
+        sparse=sparse or SparseAttention(),
     )
-    return LLMEngine(config)
+    engine = LLMEngine(config)
+    if selector != "block_bounds":
+        from evals.sparse import use_selector
+
+        use_selector(engine, selector)
+    return engine
 
 
 def blocks_for_stream(window: int, chunk: int, protected_blocks: int = 2) -> int:

@@ -2,6 +2,7 @@
 
     sinkserve eval long-ppl  [--quick] [--with] [--without] [--out docs/evals]
     sinkserve eval needle    [--quick] [--with] [--without] [--workers 2] [--out docs/evals]
+    sinkserve eval needle|long-ppl --sparse 8,16 [--quick]   (dense vs block_bounds vs random selection)
     sinkserve eval retrieval [--quick] [--docs 400] [--mixes 4,16] [--budgets 32,64] [--out docs/evals]
 
 Each writes ``<out>/<name>.{md,json,png}`` and prints the table. ``--with`` / ``--without`` run only the
@@ -46,6 +47,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         p.add_argument("--kv-cache-dtype", choices=("int8", "int4", "int2"),
                        help="run the KV-storage A/B instead (16-bit vs packed with protection vs packed everything; "
                             "writes <name>_kv_<dtype>.*; evals.kv_quant)")
+        p.add_argument("--sparse", metavar="N,M", help="run the sparse-attention A/B instead: dense vs the block_bounds "
+                       "indexer vs a random control with top_k = ctx/N (comma-separated N, e.g. 8,16), inside the "
+                       "trained context (writes <name>_sparse.*; long-ppl adds sparse_recall.*; evals.sparse)")
         p.add_argument("--kv-outlier-channels", type=int,
                        help="key channels per layer and KV head kept 16-bit in the packed arms (default: the "
                             "engine's, 8 for int2 and 0 otherwise; 0 disables)")
@@ -153,6 +157,22 @@ def _kv_ab(args: argparse.Namespace, ctx: int) -> EvalResult:
                                   window, chunk, outlier_channels=args.kv_outlier_channels)
 
 
+def _sparse_ab(args: argparse.Namespace, ctx: int) -> EvalResult:
+    """``--sparse 8,16``: dense vs block_bounds vs random selection inside the trained context (evals.sparse)."""
+    from evals import sparse
+
+    denoms = tuple(int(x) for x in args.sparse.split(","))
+    chunk = args.chunk or ctx // 8
+    if args.eval_name == "needle":
+        return sparse.run_sparse_needle(args.model, denoms, args.docs or (4 if args.quick else 50), chunk)
+    recall = sparse.run_recall(args.model, denoms, docs=2 if args.quick else 8)
+    recall.meta["command"] = "sinkserve eval long-ppl" + _flags(args)
+    write_report(recall, Path(args.out))
+    print(markdown_table(recall.columns, recall.rows))
+    tokens = args.tokens or (2 if args.quick else 8) * ctx
+    return sparse.run_sparse_long_ppl(args.model, denoms, tokens, chunk, text=args.text)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the chosen eval, write its files, print the table(s). Returns the exit code."""
     A.setup_torch(args.threads)
@@ -160,6 +180,8 @@ def run(args: argparse.Namespace) -> int:
     ctx = A.trained_context(args.model)
     if getattr(args, "kv_cache_dtype", None):
         result = _kv_ab(args, ctx)
+    elif getattr(args, "sparse", None):
+        result = _sparse_ab(args, ctx)
     else:
         result = EVALS[args.eval_name](args, ctx)
     result.meta["command"] = "sinkserve eval " + args.eval_name + _flags(args)

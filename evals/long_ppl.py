@@ -147,7 +147,7 @@ def score_dense(cfg: PplConfig, ids: list[int], ctx: int, arm: A.Arm = A.DENSE) 
     wins = dense_windows(len(ids), ctx - 1, stride)  # one position is left for the sampled output token
     per_seq = -(-ctx // A.BLOCK_SIZE) + 1
     engine = A.make_engine(cfg.model, arm.policy(cfg.window), max(cfg.chunk, 256), 4 * per_seq + 1, max_num_seqs=4,
-                           **arm.kv_storage())
+                           sparse=arm.sparse, selector=arm.selector, **arm.kv_storage())
     prompts: dict[str, tuple[list[int], int, int, int]] = {}
     for k, (s, lo, hi) in enumerate(wins):
         prompt = ids[0:hi] if s == 0 else [ids[0]] + ids[s:hi]

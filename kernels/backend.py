@@ -19,6 +19,7 @@ so no request pays a JIT compile.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -39,15 +40,21 @@ class AttentionBackend:
     write_kv_quant: Callable[..., None] | None = None
     paged_attention_quant: Callable[..., Any] | None = None
     quantize_blocks: Callable[..., None] | None = None
+    # Sparse attention (``kernels/block_sparse.py``): block_sparse_attention(query, kv, bounds, block_tables,
+    # seq_lens, query_start_loc, plan, scale) over 16-bit or quantized KV. Both backends share the block
+    # selection (so their selections are identical); they differ in the attention over it.
+    block_sparse_attention: Callable[..., Any] | None = None
 
 
 def torch_backend() -> AttentionBackend:
+    from kernels import block_sparse as bs
     from kernels import reference
 
     return AttentionBackend("torch", reference.write_kv, reference.paged_attention,
                             write_kv_quant=reference.write_kv_quant,
                             paged_attention_quant=reference.paged_attention_quant,
-                            quantize_blocks=reference.quantize_fp_slots)
+                            quantize_blocks=reference.quantize_fp_slots,
+                            block_sparse_attention=functools.partial(bs.block_sparse_attention, attend=bs.attend_gather))
 
 
 def triton_backend() -> AttentionBackend:
@@ -57,9 +64,13 @@ def triton_backend() -> AttentionBackend:
     from kernels import kv_quant as kq
     from kernels import paged_attention as pa
 
+    from kernels import block_sparse as bs
+
     return AttentionBackend("triton", pa.write_kv, pa.paged_attention, warm_up=pa.warm_up,
                             write_kv_quant=kq.write_kv_fp, paged_attention_quant=kq.paged_attention_quant,
-                            quantize_blocks=kq.quantize_fp_slots)
+                            quantize_blocks=kq.quantize_fp_slots,
+                            block_sparse_attention=functools.partial(bs.block_sparse_attention,
+                                                                     attend=bs.attend_slots_triton))
 
 
 # name -> zero-argument factory

@@ -105,6 +105,27 @@ def test_render_parses_and_labels():
     assert ready_pools(snap, ["pool-short-v1", "pool-long-v1"]) == {"pool-short-v1": True, "pool-long-v1": False}
 
 
+def test_render_sparse_attention_histogram_per_pool():
+    from engine.stats import EngineCounters, SPARSE_TOKEN_BUCKETS
+
+    c = EngineCounters()
+    for attended, visible in ((100, 400), (300, 3000), (5000, 20000)):
+        c.observe_sparse(attended, visible, True)
+    stats = {"sparse_attended_tokens_buckets": list(c.sparse_attended_counts),
+             "sparse_attended_tokens_total": c.sparse_attended_tokens_total,
+             "sparse_context_tokens_total": c.sparse_context_tokens_total,
+             "sparse_attended_fraction": c.sparse_step_attended / c.sparse_step_context}
+    snap = {"pool-l": {"kind": "pool", "pool": "long", "version": "v1", "replica": "r1", "deployment": "pool-long-v1",
+                       "data": {"ready": True, "stats": stats}}}
+    fams = {f.name: f for f in text_string_to_metric_families(render(snap).decode())}
+    buckets = {s.labels["le"]: s.value for s in fams["sinkserve_sparse_attended_tokens"].samples
+               if s.name.endswith("_bucket")}
+    assert buckets[repr(float(SPARSE_TOKEN_BUCKETS[0]))] == 0  # 64
+    assert buckets["128.0"] == 1 and buckets["512.0"] == 2 and buckets["8192.0"] == 3 and buckets["+Inf"] == 3
+    assert fams["sinkserve_sparse_attended_fraction"].samples[0].value == pytest.approx(5400 / 23400)
+    assert fams["sinkserve_sparse_attended_fraction"].samples[0].labels["pool"] == "long"
+
+
 def test_builder_refuses_to_build_without_keys(monkeypatch):
     from app.builder import build_app, clamp_pool
     from app.settings import PoolArgs
@@ -142,6 +163,9 @@ def test_prod_and_local_configs_validate():
     assert all(p.tensor_parallel_size == 2 and p.autoscaling for p in prod.pools)
     assert prod.ingress.num_replicas == 2 and prod.ingress.rate_limit_rps == 20
     assert prod.pools[1].cache_policy["eviction_policy"] == "sliding_window"
+    # Sparse attention: the long pool selects with the training-free block bounds, the short pool is dense.
+    short, long = (p.engine_config("assets/reference-model", "cpu").sparse for p in prod.pools)
+    assert long.enabled and long.indexer == "block_bounds" and not short.enabled
     # The switches of the alternative request paths are gone: a config that still sets one is refused.
     for gone in ({"router": {"plan_in": "ingress"}}, {"token_bus": True}, {"grpc_handles": True}, {"low_latency": True}):
         with pytest.raises(ValidationError, match="Extra inputs are not permitted"):

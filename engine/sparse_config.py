@@ -1,0 +1,99 @@
+"""Sparse-attention settings (``EngineConfig.sparse``): which positions a long sequence's queries attend.
+
+Two stages per query: an indexer scores every cached block, the top ``top_k`` tokens' worth of blocks is
+selected, and the *forced set* is always added on top (it never counts against ``top_k``)::
+
+    logical blocks:  [ 0 ][ 1 ][ 2 ][ 3 ][ 4 ][ 5 ][ 6 ][ 7 ][ 8 ][ 9 ]     block_size 16, query at 150
+    forced:           sink           anchor                   [ window  ]   protected blocks + local_window 16
+    top_k 32:                   [2]            [5]                          2 best-scoring other blocks
+    attended:         0, 2, 3, 5, 8, 9   (5 full blocks + 7 tokens of block 9: 87 of 151 tokens)
+
+The forced set is the sequence's protection set (``CachePolicy`` positions and roles, per-request
+anchors: the blocks retention pins) plus the blocks holding the newest ``local_window`` tokens before
+the query. Sequences shorter than ``min_context`` attend densely. Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from engine.errors import ConfigError
+
+INDEXERS = ("block_bounds", "trained")
+# Trained lightning-indexer weights ship beside the model's weights under this name.
+INDEXER_WEIGHTS = "indexer.safetensors"
+
+
+@dataclass(frozen=True)
+class SparseAttention:
+    """Sparse attention for long sequences (off by default).
+
+    ``top_k``: tokens selected by the indexer per query, beyond the forced set; selection is block
+    granular (``top_k // block_size`` blocks). ``min_context``: a sequence attends sparsely once its
+    context (cached + new tokens) reaches this many tokens. ``indexer``: ``block_bounds`` (per-block
+    per-channel key min/max, Quest's upper bound; training-free, any model) or ``trained`` (a lightning
+    indexer shipped as ``indexer.safetensors`` in the model directory). ``decode`` / ``prefill``: which
+    steps select (a prefill chunk's queries select in groups of 64 that share one selection).
+    """
+
+    enabled: bool = False
+    indexer: str = "block_bounds"
+    top_k: int = 2048
+    min_context: int = 4096
+    local_window: int = 256
+    decode: bool = True
+    prefill: bool = True
+
+    def validate(self, block_size: int, model_dir: str | None = None, max_model_len: int | None = None) -> None:
+        """Raise ``ConfigError`` naming the field (``sparse.<name>``) if these settings cannot work."""
+        if self.indexer not in INDEXERS:
+            raise ConfigError("sparse.indexer", f"unknown indexer {self.indexer!r}; choose one of {list(INDEXERS)}")
+        if self.top_k < block_size:
+            raise ConfigError("sparse.top_k", f"must be at least one block ({block_size} tokens), got {self.top_k}")
+        if self.enabled and max_model_len is not None and self.top_k > max_model_len:
+            raise ConfigError("sparse.top_k", f"{self.top_k} exceeds the context ({max_model_len} tokens)")
+        if self.min_context < 1:
+            raise ConfigError("sparse.min_context", f"must be >= 1, got {self.min_context}")
+        if self.local_window < 1:
+            raise ConfigError("sparse.local_window", f"must be >= 1 (the query's own block), got {self.local_window}")
+        if self.enabled and not (self.decode or self.prefill):
+            raise ConfigError("sparse.decode", "sparse attention is enabled but neither decode nor prefill selects")
+        if self.enabled and self.indexer == "trained" and model_dir is not None:
+            path = Path(model_dir) / INDEXER_WEIGHTS
+            if not path.is_file():
+                raise ConfigError("sparse.indexer", f"'trained' needs indexer weights at {path} (none found); "
+                                  "use 'block_bounds' for a model without a trained indexer")
+            raise ConfigError("sparse.indexer", "the trained lightning indexer is not wired into the engine yet; "
+                              "use 'block_bounds'")
+
+    def top_blocks(self, block_size: int) -> int:
+        """Blocks the indexer selects per query (block granular ``top_k``)."""
+        return self.top_k // block_size
+
+    def describe(self) -> str:
+        """One line for the start-up log (beside the protection set)."""
+        if not self.enabled:
+            return "sparse attention off"
+        steps = [s for s, on in (("decode", self.decode), ("prefill", self.prefill)) if on]
+        return (f"sparse attention on: indexer {self.indexer}, top_k {self.top_k} tokens + forced set "
+                f"(protection set, anchors, local window {self.local_window}) from {self.min_context} tokens of "
+                f"context, steps {steps}")
+
+
+def policy_version(policy_version: str, sparse: SparseAttention) -> str:
+    """The version metrics and logs report: the cache policy's own content hash while sparse attention is
+    off (unchanged versions for existing pools), else a hash of both, so turning sparsity on or changing
+    its budget is a new version.
+
+    >>> policy_version("abc", SparseAttention())
+    'abc'
+    >>> policy_version("abc", SparseAttention(enabled=True)) != policy_version("abc", SparseAttention(enabled=True, top_k=1024))
+    True
+    """
+    if not sparse.enabled:
+        return policy_version
+    blob = json.dumps({"policy": policy_version, "sparse": asdict(sparse)}, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]

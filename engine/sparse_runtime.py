@@ -1,0 +1,57 @@
+"""The model runner's side of sparse attention: block bounds storage and upkeep, and a step's plan.
+
+The bounds (``kernels.block_sparse.BlockBounds``, one per layer) share the KV cache's block ids, so they
+follow their blocks through every block operation of a step: the quantized cache's ``copy`` ops and
+copy-on-write copies copy them; retention's rotations change the keys, so the rotated blocks' bounds are
+recomputed from the rotated keys; evicted or freed blocks need nothing (the next owner's first write, at
+offset 0, resets them); prefix-cache sharing reads the same block id, hence the same bounds.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import EngineConfig
+from kernels import block_sparse
+
+
+def allocate_bounds(num_layers: int, num_blocks: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                    device: torch.device) -> list[block_sparse.BlockBounds]:
+    """Zeroed bounds for every layer (``2 * Hkv * D`` values per block and layer: ``2 / block_size`` of
+    the block's 16-bit K/V)."""
+    return [block_sparse.BlockBounds.allocate(num_blocks, num_kv_heads, head_dim, dtype, device)
+            for _ in range(num_layers)]
+
+
+def apply_block_ops(bounds: list[block_sparse.BlockBounds], kv_caches: list, inp, device: torch.device) -> None:
+    """Mirror a step's block copies and rotations (``ModelInput``; already applied to the K/V) on the bounds."""
+    copies = [(a, b) for op, a, b in inp.kv_ops if op == "copy"] + list(inp.copies)
+    if copies:
+        src = torch.tensor([a for a, _ in copies], dtype=torch.long, device=device)
+        dst = torch.tensor([b for _, b in copies], dtype=torch.long, device=device)
+        for layer in bounds:  # in order: a chain of copies must see its predecessors (rare; loop is cheap)
+            for i in range(len(copies)):
+                block_sparse.copy_bounds(layer, src[i : i + 1], dst[i : i + 1])
+    if inp.rotations:
+        ids = torch.tensor(sorted({b for b, _ in inp.rotations}), dtype=torch.long, device=device)
+        for layer, kv in zip(bounds, kv_caches):
+            keys, _ = block_sparse.gather_blocks(kv, ids, torch.float32)
+            block_sparse.set_bounds(layer, ids, keys)
+
+
+def plan(sparse_forced: list[list[int] | None], config: EngineConfig, table_width: int,
+         device: torch.device) -> block_sparse.SparsePlan | None:
+    """The step's selection rules, or None when every sequence attends densely (the plain paged path)."""
+    if not sparse_forced or all(f is None for f in sparse_forced):
+        return None
+    forced = torch.zeros(len(sparse_forced), table_width, dtype=torch.bool)
+    top = []
+    for i, blocks in enumerate(sparse_forced):
+        if blocks is None:
+            top.append(-1)
+            continue
+        top.append(config.sparse.top_blocks(config.block_size))
+        ids = [b for b in blocks if b < table_width]
+        if ids:
+            forced[i, ids] = True
+    return block_sparse.SparsePlan(forced.to(device), top, config.sparse.local_window)

@@ -1,0 +1,260 @@
+"""The sparse-attention evals (``sinkserve eval needle|long-ppl --sparse 8,16``).
+
+Arms, inside the trained context (no eviction; sinks 0..3 protected, as the dense arm)::
+
+    dense               full attention
+    block_bounds 1/N    the engine's sparse attention: forced set (sink block + newest LOCAL_WINDOW tokens)
+                        + top_k = ctx/N tokens of blocks ranked by the block-bounds indexer
+    random 1/N          the control: the same forced set and budget, the blocks drawn at random
+
+needle answers ~1,000-token documents (fact ~48 tokens in, question at the end; no anchor: the indexer
+must find the fact). long-ppl scores held-out text in trained-context windows with the prompts' own
+log-probabilities (every prompt token is a query of a sparse prefill chunk). ``recall`` measures, per
+layer, the share of the model's dense attention mass (summed over heads) that falls in the attended set,
+for the indexer, the random control and an oracle that picks the heaviest blocks with the same budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.sparse_config import SparseAttention
+from evals import arms as A
+from evals import longmem
+from evals.report import EvalResult, Panel, Series
+from kernels import block_sparse as bs
+
+logger = logging.getLogger(__name__)
+
+LOCAL_WINDOW = 64
+SELECTORS = ("block_bounds", "random")
+
+
+def sparse_settings(ctx: int, denom: int) -> SparseAttention:
+    """Budget ``ctx / denom`` tokens beyond the forced set, sparse from the first full block on."""
+    return SparseAttention(enabled=True, indexer="block_bounds", top_k=ctx // denom, min_context=A.BLOCK_SIZE,
+                           local_window=LOCAL_WINDOW)
+
+
+def sparse_arms(ctx: int, denoms: tuple[int, ...]) -> list[A.Arm]:
+    """Dense, then per budget the indexer and the random control."""
+    out = [A.DENSE]
+    for d in denoms:
+        for sel in SELECTORS:
+            out.append(dataclasses.replace(A.DENSE, name=f"{sel}_1/{d}", label=f"{sel}, top_k ctx/{d}",
+                                           sparse=sparse_settings(ctx, d), selector=sel))
+    return out
+
+
+def use_selector(engine: Any, selector: str, seed: int = 0) -> None:
+    """Swap the engine's block ranking for a control (``random``): same forced set, same budget. The
+    backend instance of this engine's runner is replaced; nothing global changes."""
+    if selector != "random":
+        raise ValueError(f"unknown selector {selector!r}")
+    gen = torch.Generator().manual_seed(seed)
+
+    def random_scores(q: torch.Tensor, bounds: torch.Tensor, scale: float) -> torch.Tensor:
+        return torch.rand(q.shape[0], 1, bounds.shape[1], generator=gen).expand(-1, q.shape[1], -1).to(q.device)
+
+    runner = engine.executor.runner
+    runner.backend = dataclasses.replace(runner.backend, block_sparse_attention=functools.partial(
+        bs.block_sparse_attention, attend=bs.attend_gather, score=random_scores))
+
+
+# ------------------------------------------------------------------------------------------- needle
+def run_sparse_needle(model: str, denoms: tuple[int, ...], docs: int, chunk: int) -> EvalResult:
+    from evals.needle import NeedleConfig, _tokenizer, build_docs, run_arm
+
+    t0 = time.perf_counter()
+    ctx = A.trained_context(model)
+    cfg = NeedleConfig(model=model, lengths=(1.0,), docs=docs, window=ctx, chunk=chunk)
+    dset = build_docs(_tokenizer(model), cfg, ctx - cfg.max_new_tokens - 1)
+    rows, rates = [], {}
+    for arm in sparse_arms(ctx, denoms):
+        texts, wall = run_arm(cfg, arm, dset, "1x", progress=False)
+        ok = [longmem.check_answer(t, d.doc.answer) for t, d in zip(texts, dset)]
+        rates[arm.name] = sum(ok) / len(ok)
+        logger.info("sparse needle %s: %d/%d (%.0fs)", arm.name, sum(ok), len(ok), wall)
+        rows.append({"arm": arm.name, "top_k": arm.sparse.top_k if arm.sparse else "-",
+                     "attended (approx.)": _attended_label(arm, ctx), "correct": f"{sum(ok)}/{len(ok)}",
+                     "rate": round(rates[arm.name], 3), "wall s": round(wall, 1)})
+    dense = rates[A.DENSE.name]
+    notes = []
+    for row in rows:
+        row["x dense"] = round(row["rate"] / dense, 3) if dense else "-"
+    for d in denoms:
+        bb, rnd = rates[f"block_bounds_1/{d}"], rates[f"random_1/{d}"]
+        rel = bb / dense if dense else float("nan")
+        target = f" (target >= 0.90 of dense: {'MET' if rel >= 0.9 else 'MISSED'})" if d == 8 else ""
+        notes.append(f"budget ctx/{d}: block_bounds {bb:.2f} = {rel:.2f} x dense{target}; random control {rnd:.2f}")
+    panel = Panel("needle retrieval inside the trained context", "selected budget (tokens, beyond the forced set)",
+                  "retrieval rate", [
+                      Series(sel, [ctx / d for d in denoms], [rates[f"{sel}_1/{d}"] for d in denoms], "-o")
+                      for sel in SELECTORS], logx=True, hlines=[(dense, "dense")], ylim=(-0.03, 1.03))
+    return EvalResult(
+        name="needle_sparse", title="Needle retrieval with sparse attention (inside the trained context)",
+        columns=["arm", "top_k", "attended (approx.)", "correct", "rate", "x dense", "wall s"], rows=rows,
+        panels=[panel], notes=notes,
+        meta={"model": model, "trained_context": ctx, "doc_tokens": ctx - cfg.max_new_tokens - 1, "docs": docs,
+              "prefill_chunk": chunk, "local_window": LOCAL_WINDOW, "sinks": list(A.SINK_POSITIONS),
+              "block_size": A.BLOCK_SIZE, "anchor": "none (the indexer must find the fact)",
+              "wall_s": round(time.perf_counter() - t0, 1)})
+
+
+def _attended_label(arm: A.Arm, ctx: int) -> str:
+    if arm.sparse is None:
+        return str(ctx)
+    # sink block + window blocks (+ the query's partial block) + selected budget
+    forced = A.BLOCK_SIZE + LOCAL_WINDOW + A.BLOCK_SIZE
+    return f"~{arm.sparse.top_k + forced} ({(arm.sparse.top_k + forced) / ctx:.0%})"
+
+
+# ------------------------------------------------------------------------------------------- long-ppl
+def run_sparse_long_ppl(model: str, denoms: tuple[int, ...], n_tokens: int, chunk: int, text: str = "corpus"
+                        ) -> EvalResult:
+    from transformers import AutoTokenizer
+
+    from evals.long_ppl import PplConfig, heldout_stream, ppl, score_dense
+
+    t0 = time.perf_counter()
+    ctx = A.trained_context(model)
+    ids = heldout_stream(AutoTokenizer.from_pretrained(model), n_tokens, text)
+    cfg = PplConfig(model=model, n_tokens=n_tokens, window=ctx, chunk=chunk, text=text)
+    rows, ref = [], None
+    for arm in sparse_arms(ctx, denoms):
+        sc = score_dense(cfg, ids, ctx, arm)
+        p = ppl(sc.nll[~np.isnan(sc.nll)])
+        ref = p if ref is None else ref
+        rows.append({"arm": arm.name, "top_k": arm.sparse.top_k if arm.sparse else "-", "ppl": round(p, 4),
+                     "vs dense": f"{100 * (p / ref - 1):+.2f}%", "wall s": round(sc.wall_s, 1)})
+        logger.info("sparse long-ppl %s: %.4f (%.0fs)", arm.name, p, sc.wall_s)
+    return EvalResult(
+        name="long_ppl_sparse", title="Perplexity with sparse attention (trained-context windows)",
+        columns=["arm", "top_k", "ppl", "vs dense", "wall s"], rows=rows,
+        notes=[f"held-out {text} text, {n_tokens} tokens, windows of {ctx} tokens (stride {ctx // 2}); prompt "
+               f"log-probabilities, so every scored token is a query of a sparse prefill chunk ({chunk} tokens, "
+               f"groups of {bs.PREFILL_GROUP} queries share a selection)"],
+        meta={"model": model, "trained_context": ctx, "tokens": n_tokens, "local_window": LOCAL_WINDOW,
+              "wall_s": round(time.perf_counter() - t0, 1)})
+
+
+# ------------------------------------------------------------------------------------------- recall
+@torch.inference_mode()
+def capture_qk(model: str, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+    """Per layer ``(q [Hq, T, D], k [Hkv, T, D], scale)`` after RoPE, from one plain causal forward."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    captured: list[tuple[torch.Tensor, torch.Tensor, float]] = []
+
+    def capture(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):  # type: ignore[no-untyped-def]
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        captured.append((query[0].float(), key[0].float(), scale))
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale,
+                                                               enable_gqa=key.shape[1] != query.shape[1])
+        return out.transpose(1, 2), None
+
+    AttentionInterface.register("sinkserve_capture", capture)
+    m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="sinkserve_capture")
+    m.eval()
+    m(input_ids=torch.tensor([ids]))
+    return captured
+
+
+def attention_recall(q: torch.Tensor, k: torch.Tensor, scale: float, queries: torch.Tensor, top_blocks: int,
+                     window: int, block_size: int, gen: torch.Generator) -> dict[str, float]:
+    """Mean share of head-summed dense attention mass inside the attended blocks of each query in
+    ``queries`` (positions), for the block-bounds indexer, a random draw and the oracle (same forced set and
+    budget); ``forced`` is the mass of the forced set alone."""
+    hq, t, d = q.shape
+    hkv = k.shape[0]
+    nb = -(-t // block_size)
+    pad = nb * block_size - t
+    kb = torch.nn.functional.pad(k, (0, 0, 0, pad)).view(hkv, nb, block_size, d)
+    valid = (torch.arange(nb * block_size) < t).view(nb, block_size)
+    inf = torch.tensor(float("inf"))
+    kmin = torch.where(valid[None, :, :, None], kb, inf).amin(2).transpose(0, 1)  # [nb, Hkv, D]
+    kmax = torch.where(valid[None, :, :, None], kb, -inf).amax(2).transpose(0, 1)
+    bounds = bs.BlockBounds.of(torch.cat([kmin[:1], kmin]), torch.cat([kmax[:1], kmax]))  # physical 0 = null
+    table = torch.arange(1, nb + 1)
+    forced_row = torch.zeros(nb, dtype=torch.bool)
+    forced_row[[p // block_size for p in A.SINK_POSITIONS]] = True
+    qs = q[:, queries].transpose(0, 1)  # [G, Hq, D]
+    rep = hq // hkv
+    scores = torch.einsum("ghd,htd->ght", qs, k.repeat_interleave(rep, 0)) * scale
+    causal = torch.arange(t)[None, None, :] <= queries[:, None, None]
+    probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1).sum(1) / hq  # [G, T]
+    mass = torch.nn.functional.pad(probs, (0, pad)).view(len(queries), nb, block_size).sum(-1)  # [G, nb]
+
+    def sel_mass(score) -> float:  # type: ignore[no-untyped-def]
+        sel = bs.select_blocks(qs, bounds, table, forced_row, queries, queries, top_blocks, window, block_size, scale,
+                               score)
+        return float((mass * sel).sum(1).mean())
+
+    oracle_mass = mass.clone()
+
+    def oracle(qg, b, sc):  # type: ignore[no-untyped-def]
+        # ``b`` is every physical block (block 0 = null, then the logical blocks) or the gathered logical ones.
+        m = oracle_mass if b.shape[1] == nb else torch.nn.functional.pad(oracle_mass, (1, 0))
+        return torch.log(m.clamp(min=1e-30))[:, None, :].expand(-1, hq, -1)
+
+    def rand(qg, b, sc):  # type: ignore[no-untyped-def]
+        return torch.rand(qg.shape[0], 1, b.shape[1], generator=gen).expand(-1, hq, -1)
+
+    forced_sel = bs.select_blocks(qs, bounds, table, forced_row, queries, queries, 0, window, block_size, scale)
+    forced = float((mass * forced_sel).sum(1).mean())
+    out = {"block_bounds": sel_mass(bs.block_scores), "random": sel_mass(rand), "oracle": sel_mass(oracle),
+           "forced": forced}
+    # Recall of the mass outside the forced set: what the selector itself finds (1 = as good as the oracle could).
+    rest = max(1e-9, 1.0 - forced)
+    out.update({f"{k} beyond forced": (out[k] - forced) / rest for k in ("block_bounds", "random", "oracle")})
+    return out
+
+
+def run_recall(model: str, denoms: tuple[int, ...], docs: int, stride: int = 8) -> EvalResult:
+    """Per layer and budget: recall of dense attention mass, averaged over queries ``ctx/4 .. ctx`` (every
+    ``stride``-th position) of ``docs`` held-out windows of the trained context."""
+    from transformers import AutoTokenizer
+
+    from evals.long_ppl import heldout_stream
+
+    t0 = time.perf_counter()
+    ctx = A.trained_context(model)
+    ids = heldout_stream(AutoTokenizer.from_pretrained(model), docs * ctx, "corpus")
+    gen = torch.Generator().manual_seed(0)
+    acc: dict[tuple[int, int], dict[str, list[float]]] = {}
+    for i in range(docs):
+        window_ids = ids[i * ctx : (i + 1) * ctx]
+        window_ids[0] = ids[0]  # BOS first, as the model always saw
+        layers = capture_qk(model, window_ids)
+        queries = torch.arange(ctx // 4, ctx, stride)
+        for li, (q, k, scale) in enumerate(layers):
+            for d in denoms:
+                r = attention_recall(q, k, scale, queries, (ctx // d) // A.BLOCK_SIZE, LOCAL_WINDOW, A.BLOCK_SIZE, gen)
+                for key, v in r.items():
+                    acc.setdefault((li, d), {}).setdefault(key, []).append(v)
+    rows = []
+    for (li, d), r in sorted(acc.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        rows.append({"budget": f"ctx/{d} ({ctx // d} tokens)", "layer": li,
+                     **{k: round(float(np.mean(v)), 3) for k, v in r.items()}})
+    panels = [Panel(f"recall of the attention mass outside the forced set, budget ctx/{d}", "layer",
+                    "share of the non-forced mass attended",
+                    [Series(k, [float(r["layer"]) for r in rows if r["budget"].startswith(f"ctx/{d} ")],
+                            [r[f"{k} beyond forced"] for r in rows if r["budget"].startswith(f"ctx/{d} ")], "-o")
+                     for k in ("oracle", "block_bounds", "random")], ylim=(0, 1.02)) for d in denoms]
+    return EvalResult(
+        name="sparse_recall", title="Top-k recall of dense attention mass per layer",
+        columns=["budget", "layer", "block_bounds", "random", "oracle", "forced", "block_bounds beyond forced",
+                 "random beyond forced", "oracle beyond forced"], rows=rows, panels=panels,
+        notes=["mass = softmax attention summed over heads / heads, of queries at positions ctx/4 .. ctx (every "
+               f"{stride}th) in {docs} held-out windows of {ctx} tokens; the attended set is the forced set (sink block, "
+               f"newest {LOCAL_WINDOW} tokens) + top_k tokens of blocks (block_size {A.BLOCK_SIZE}); 'forced' = the "
+               "forced set alone, 'oracle' = the heaviest blocks (an upper bound for any block selector); 'beyond forced' = "
+               "(attended - forced) / (1 - forced): the share of the mass outside the forced set the selector finds"],
+        meta={"model": model, "trained_context": ctx, "docs": docs, "wall_s": round(time.perf_counter() - t0, 1)})
