@@ -18,6 +18,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from engine import importance
+from engine.architectures import AttentionLayout, check_hook_window
 from engine.attention_backends import AttentionBackend
 from kernels import block_sparse as _sparse
 
@@ -42,6 +43,8 @@ class ForwardContext:
     # when sparsity is configured; the step's selection rules when some sequence attends sparsely now.
     block_bounds: list | None = None  # per layer kernels.block_sparse.BlockBounds
     sparse_plan: object | None = None  # kernels.block_sparse.SparsePlan
+    # Per-layer attention (window, sinks) of the model; None: every layer full (kernel tests, tools).
+    layout: AttentionLayout | None = None
     # ``importance`` eviction: per scheduled sequence and logical block, the attention mass its observation
     # queries put there, summed over layers (engine/importance.py); None when the policy does not score.
     block_importance: torch.Tensor | None = None
@@ -69,10 +72,20 @@ def paged_attention_forward(
     dropout: float = 0.0,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention interface: ``query [1, Hq, T, D]``, ``key/value [1, Hkv, T, D]`` -> ``[1, T, Hq, D]``."""
+    """transformers attention interface: ``query [1, Hq, T, D]``, ``key/value [1, Hkv, T, D]`` -> ``[1, T, Hq, D]``.
+
+    Per layer, ``sliding_window`` (checked against the engine's layout, ``engine/architectures.py``) limits
+    what each query sees, and ``s_aux`` (gpt-oss) carries the learned sink logits ``[Hq]``.
+    """
     ctx = _CONTEXT.get()
     if ctx is None:
         raise RuntimeError("sinkserve attention called outside a forward_context (use the engine's model runner)")
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError("attention logit softcapping is not supported by the sinkserve attention backends")
+    window = None
+    if ctx.layout is not None:
+        window = check_hook_window(ctx.layout, module.layer_idx, kwargs.get("sliding_window")).window  # type: ignore[arg-type]
+    sinks = kwargs.get("s_aux")
     q = query[0].transpose(0, 1)
     k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -82,25 +95,31 @@ def paged_attention_forward(
         ctx.key_absmax[module.layer_idx] = m if prev is None else torch.maximum(prev, m)
     if ctx.block_bounds is not None:
         _sparse.update_bounds(ctx.block_bounds[module.layer_idx], k, ctx.slot_mapping, ctx.block_size)
+    # Sparse selection on full-attention layers without learned sinks: a sliding-window layer is already
+    # bounded by its window, and the block-sparse path has no sink logit (such layers stay on the paged path).
+    sparse = ctx.sparse_plan is not None and window is None and sinks is None
     if ctx.quantized:
         cache = ctx.kv_caches[module.layer_idx]
         ctx.backend.write_kv_quant(k, v, cache, ctx.slot_mapping)
-        _score(ctx, q, cache, scale)
-        if ctx.sparse_plan is not None:
+        _score(ctx, q, cache, scale, window)
+        if sparse:
             return _sparse_forward(ctx, module.layer_idx, q, cache, scale), None
-        out = ctx.backend.paged_attention_quant(q, cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, scale)
+        out = ctx.backend.paged_attention_quant(q, cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, scale,
+                                                window=window, sinks=sinks)
         return out.unsqueeze(0), None
     k_cache, v_cache = ctx.kv_caches[module.layer_idx]
     ctx.backend.write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
-    _score(ctx, q, (k_cache, v_cache), scale)
-    if ctx.sparse_plan is not None:
+    _score(ctx, q, (k_cache, v_cache), scale, window)
+    if sparse:
         return _sparse_forward(ctx, module.layer_idx, q, (k_cache, v_cache), scale), None
-    out = ctx.backend.paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, scale)
+    out = ctx.backend.paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, scale,
+                                      window=window, sinks=sinks)
     return out.unsqueeze(0), None
 
 
-def _score(ctx: ForwardContext, q: torch.Tensor, kv: object, scale: float) -> None:
-    if ctx.block_importance is not None:
+def _score(ctx: ForwardContext, q: torch.Tensor, kv: object, scale: float, window: int | None) -> None:
+    # Full-attention layers only: a sliding-window layer never reads the blocks eviction chooses between.
+    if ctx.block_importance is not None and window is None:
         importance.accumulate(ctx.block_importance, q, kv, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
                               scale, ctx.block_size)
 

@@ -82,6 +82,11 @@ class EngineStats:
     sparse_context_tokens_total: int = 0
     sparse_sequence_steps_total: int = 0
     sparse_attended_fraction: float = 1.0
+    # Per layer type (engine/architectures.py): full-attention layers read every used block; the model's
+    # sliding-window layers only the blocks inside their window (the rest they have left behind, kept
+    # for the full layers). Equal to blocks_used when the model has no sliding layer.
+    sliding_layers: int = 0
+    blocks_needed_sliding: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
