@@ -54,8 +54,10 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_model(path: Path, family: str = "llama", seed: int = 0, layers: int = 2, max_pos: int = 512) -> Path:
-    """Save a tiny seeded model of ``family``: ``llama``/``mistral`` (GQA), ``qwen2`` (q/k/v biases), ``qwen3`` (q/k norms)."""
+def build_model(path: Path, family: str = "llama", seed: int = 0, layers: int = 2, max_pos: int = 512,
+                **overrides: object) -> Path:
+    """Save a tiny seeded model of ``family``: ``llama``/``mistral`` (GQA), ``qwen2`` (q/k/v biases), ``qwen3`` (q/k norms).
+    ``overrides`` replace config fields (tied embeddings, rope scaling, biases)."""
     torch.manual_seed(seed)
     common = dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
@@ -70,7 +72,7 @@ def build_model(path: Path, family: str = "llama", seed: int = 0, layers: int = 
     }
     config_cls, model_cls = families[family]
     extra = {"sliding_window": None} if family == "mistral" else {}
-    model = model_cls(config_cls(**common, **extra))
+    model = model_cls(config_cls(**{**common, **extra, **overrides}))
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
