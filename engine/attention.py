@@ -35,6 +35,8 @@ class ForwardContext:
     quantized: bool = False
     # Outlier calibration: per layer, the running max |key| per (KV head, channel); None when not calibrating.
     key_absmax: list[torch.Tensor | None] | None = None
+    # The backend's per-step plan (``AttentionBackend.plan``), shared by every layer; None: none.
+    plan: object = None
 
 
 _CONTEXT: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("sinkserve_forward", default=None)
@@ -70,14 +72,17 @@ def paged_attention_forward(
         m = k.detach().abs().amax(0).float()  # [Hkv, D]
         prev = ctx.key_absmax[module.layer_idx]
         ctx.key_absmax[module.layer_idx] = m if prev is None else torch.maximum(prev, m)
+    plan = {} if ctx.plan is None else {"plan": ctx.plan}
     if ctx.quantized:
         cache = ctx.kv_caches[module.layer_idx]
         ctx.backend.write_kv_quant(k, v, cache, ctx.slot_mapping)
-        out = ctx.backend.paged_attention_quant(q, cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, scale)
+        out = ctx.backend.paged_attention_quant(q, cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, scale,
+                                                **plan)
         return out.unsqueeze(0), None
     k_cache, v_cache = ctx.kv_caches[module.layer_idx]
     ctx.backend.write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
-    out = ctx.backend.paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, scale)
+    out = ctx.backend.paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, scale,
+                                      **plan)
     return out.unsqueeze(0), None
 
 

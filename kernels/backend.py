@@ -35,6 +35,10 @@ class AttentionBackend:
     write_kv_quant: Callable[..., None] | None = None
     paged_attention_quant: Callable[..., Any] | None = None
     quantize_blocks: Callable[..., None] | None = None
+    # plan(block_tables, seq_lens, query_start_loc, block_size) -> what paged_attention(_quant) derive from
+    # the step's metadata (gather indices, masks), built once per forward and passed to every layer as
+    # ``plan=``; None: the backend takes no plan.
+    plan: Callable[..., Any] | None = None
 
 
 def torch_backend() -> AttentionBackend:
@@ -43,7 +47,7 @@ def torch_backend() -> AttentionBackend:
     return AttentionBackend("torch", reference.write_kv, reference.paged_attention,
                             write_kv_quant=reference.write_kv_quant,
                             paged_attention_quant=reference.paged_attention_quant,
-                            quantize_blocks=reference.quantize_fp_slots)
+                            quantize_blocks=reference.quantize_fp_slots, plan=reference.plan_attention)
 
 
 def triton_backend() -> AttentionBackend:
