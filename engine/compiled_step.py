@@ -44,6 +44,8 @@ class CompiledDecode:
         import torch._dynamo
 
         self.buckets = buckets
+        # Attention stays eager (graph breaks around it); set on the instance so an uncompiled model pays nothing.
+        model.attend = torch.compiler.disable(type(model).attend)
         # One graph per bucket and per graph-break segment; never recompile past that.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(buckets) + 2)
         self.fn = torch.compile(model.forward, dynamic=False)

@@ -263,7 +263,7 @@ class LlamaForward(nn.Module):
             if layer.qk_norm is not None:
                 qk = layer.qk_norm * rms_norm(qk, None, eps)
             q, k = apply_rope(qk, cos, sin).split((layer.num_heads, layer.num_kv_heads), dim=1)
-            o = self._attend(layer, q, k, v.view(t, -1, d))
+            o = self.attend(layer, q, k, v.view(t, -1, d))
             o = self._reduce(F.linear(o.reshape(t, -1), layer.o_w))
             h = h + (o if layer.o_b is None else o + layer.o_b)
             x = rms_norm(h, layer.post_norm, eps)
@@ -274,8 +274,7 @@ class LlamaForward(nn.Module):
         return F.linear(h, self.lm_head).float()
 
     @staticmethod
-    @torch.compiler.disable
-    def _attend(layer: DecoderLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(layer: DecoderLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The transformers attention-interface call (``[1, H, T, D]`` views in, ``[1, T, Hq, D]`` out)."""
         kwargs = {} if layer.sliding_window is None else {"sliding_window": layer.sliding_window}
         out, _ = attention.paged_attention_forward(layer, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
