@@ -58,15 +58,18 @@ out = {"version": llama_cpp.__version__, "system_info": llama_cpp.llama_print_sy
 llm.reset(); llm.eval(work["prefill"][:8])  # warm-up
 llm.reset()
 t = time.perf_counter(); llm.eval(work["prefill"]); out["prefill_s"] = time.perf_counter() - t
+n_vocab = llm.n_vocab()
+def last_logits():  # the last evaluated token's row (without logits_all, eval keeps no scores)
+    return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))
 llm.reset()
 llm.eval(work["prompt"])
-tok = int(np.argmax(llm.scores[llm.n_tokens - 1])); toks = [tok]
+tok = int(np.argmax(last_logits())); toks = [tok]
 t = None
 for i in range(work["decode"] - 1):
     if i == 0:
         t = time.perf_counter()
     llm.eval([tok])
-    tok = int(np.argmax(llm.scores[llm.n_tokens - 1])); toks.append(tok)
+    tok = int(np.argmax(last_logits())); toks.append(tok)
 out["decode_s"] = time.perf_counter() - t
 out["tokens"] = toks
 print("RESULT " + json.dumps(out))
