@@ -36,10 +36,12 @@ def reference(model_dir: Path, batch: list[list[int]]) -> tuple[list[list[int]],
     return tokens, logits
 
 
-def run_engine(model_dir: Path, batch: list[list[int]], staggered: bool, model_impl: str = "auto"
+def run_engine(model_dir: Path, batch: list[list[int]], staggered: bool, **config: object
                ) -> tuple[list[list[int]], list[list[torch.Tensor]], LLMEngine]:
-    engine = LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=256, block_size=16, max_num_batched_tokens=256,
-                                    model_impl=model_impl))
+    """Greedy tokens and the logits of every sampled position from the engine (``config``: EngineConfig
+    overrides)."""
+    settings: dict = dict(num_kv_blocks=256, block_size=16, max_num_batched_tokens=256) | config
+    engine = LLMEngine(EngineConfig(model=str(model_dir), **settings))
     seen: dict[str, list[torch.Tensor]] = {}
     runner = engine.executor.runner
     execute = runner.execute
@@ -82,7 +84,7 @@ def test_greedy_tokens_and_logits_match_transformers(family: str, staggered: boo
     model_dir = request.getfixturevalue(family)
     batch = prompts(seed=len(family))
     ref_tokens, ref_logits = reference(model_dir, batch)
-    tokens, logits, engine = run_engine(model_dir, batch, staggered, impl)
+    tokens, logits, engine = run_engine(model_dir, batch, staggered, model_impl=impl)
     assert type(engine.executor.runner.model).__name__ == {"native": "LlamaForward", "transformers": "HFForward"}[impl]
     assert tokens == ref_tokens
     for got, want in zip(logits, ref_logits):

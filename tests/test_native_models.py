@@ -69,7 +69,7 @@ def test_dummy_weights_build_the_native_shapes_without_reading_the_checkpoint(ti
     assert not torch.equal(dummy.layers[0].qkv_w, loaded.layers[0].qkv_w)
 
 
-def _tp_rank(rank: int, world_size: int, port: int, model_dir: str, impl: str, out: str) -> None:
+def _tp_rank(rank: int, world_size: int, store: str, model_dir: str, impl: str, out: str) -> None:
     """One tensor-parallel rank over gloo: the step's logits (every rank holds the full logits)."""
     import torch.distributed as dist
 
@@ -77,7 +77,8 @@ def _tp_rank(rank: int, world_size: int, port: int, model_dir: str, impl: str, o
     from tests.test_native_models import tp_input
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    # A file rendezvous: no port to race other jobs for.
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     try:
         runner = ModelRunner(EngineConfig(model=model_dir, model_impl=impl, num_kv_blocks=16), 16, rank, world_size)
         logits = [runner.execute(inp) for inp in tp_input()]
@@ -100,14 +101,13 @@ def tp_input() -> list:
 def test_tensor_parallel_native_shards_match_one_rank(tmp_path: Path) -> None:
     import torch.multiprocessing as mp
 
-    from app.tp_executor import free_port
     from engine.model_runner import ModelRunner
 
     model_dir = str(build_model(tmp_path / "m", "qwen2", seed=2, attention_bias=True))
     single = ModelRunner(EngineConfig(model=model_dir, num_kv_blocks=16), 16)
     want = [single.execute(inp) for inp in tp_input()]
     out = str(tmp_path / "tp.pt")
-    mp.start_processes(_tp_rank, args=(2, free_port(), model_dir, "native", out), nprocs=2, start_method="spawn")
+    mp.start_processes(_tp_rank, args=(2, str(tmp_path / "store"), model_dir, "native", out), nprocs=2, start_method="spawn")
     got = torch.load(out)
     for g, w in zip(got, want):
         assert (g - w).abs().max().item() < 1e-4

@@ -24,19 +24,11 @@ class HFForward(nn.Module):
         super().__init__()
         self.model = model
         self.config = model.config
-        self.inv_freq = _find_inv_freq(model)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         out = self.model(input_ids=input_ids[None], position_ids=positions[None], logits_to_keep=logits_indices,
                          use_cache=False)
         return out.logits[0].to(torch.float32)
-
-
-def _find_inv_freq(model: nn.Module) -> torch.Tensor | None:
-    for name, module in model.named_modules():
-        if name.endswith("rotary_emb") and hasattr(module, "inv_freq"):
-            return module.inv_freq.detach().to(torch.float32)
-    return None
 
 
 def load_hf(model_dir: str, load_format: str, dtype: torch.dtype, device: torch.device, world_size: int) -> HFForward:

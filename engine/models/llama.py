@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import attention
+from engine.architectures import attention_layout
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -78,7 +79,7 @@ class LlamaSpec:
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
             qk_norm=model_type == "qwen3",
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-            sliding_windows=tuple(_sliding_window(cfg, i) for i in range(n)),
+            sliding_windows=tuple(layer.window for layer in attention_layout(cfg).layers),
         )
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -110,22 +111,15 @@ class LlamaSpec:
         return shapes
 
 
-def _sliding_window(cfg: Any, layer: int) -> int | None:
-    """The window transformers passes to this layer's attention: per ``layer_types`` where the config has
-    them (Qwen2/Qwen3), else the config's ``sliding_window`` (Mistral), else none (Llama)."""
-    types = getattr(cfg, "layer_types", None)
-    window = getattr(cfg, "sliding_window", None)
-    if types:
-        return window if types[layer] == "sliding_attention" else None
-    return window
-
-
-class Rope:
-    """Rotary embedding: ``inv_freq`` and the attention scaling exactly as transformers computes them."""
+class Rope(nn.Module):
+    """Rotary embedding: ``inv_freq`` and the attention scaling exactly as transformers computes them (a
+    ``rotary_emb`` submodule with an ``inv_freq`` buffer, where ``engine.architectures.layer_inv_freqs``
+    finds the table that eviction rotations of cached keys use)."""
 
     def __init__(self, cfg: Any, device: torch.device) -> None:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+        super().__init__()
         params = getattr(cfg, "rope_parameters", None) or {"rope_type": "default"}
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type not in STATIC_ROPE_TYPES:
@@ -136,7 +130,7 @@ class Rope:
             inv_freq, scaling = LlamaRotaryEmbedding.compute_default_rope_parameters(cfg)
         else:
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, device=None)
-        self.inv_freq = inv_freq.to(device=device, dtype=torch.float32)
+        self.register_buffer("inv_freq", inv_freq.to(device=device, dtype=torch.float32), persistent=False)
         self.scaling = float(scaling)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,8 +204,7 @@ class LlamaForward(nn.Module):
         self.spec = spec
         self.rank, self.world_size = rank, world_size
         self.all_reduce = all_reduce if world_size > 1 else None
-        self.rope = Rope(config, device)
-        self.inv_freq = self.rope.inv_freq
+        self.rotary_emb = Rope(config, device)
         self.embed = nn.Parameter(get("model.embed_tokens.weight"), requires_grad=False)
         self.norm = nn.Parameter(get("model.norm.weight"), requires_grad=False)
         self.lm_head = self.embed if spec.tie_word_embeddings else nn.Parameter(get("lm_head.weight"), requires_grad=False)
@@ -253,7 +246,7 @@ class LlamaForward(nn.Module):
         an ``engine.attention.forward_context`` (the paged KV metadata of the step)."""
         eps, d = self.spec.rms_norm_eps, self.spec.head_dim
         h = F.embedding(input_ids, self.embed)
-        cos, sin = self.rope.cos_sin(positions, h.dtype)
+        cos, sin = self.rotary_emb.cos_sin(positions, h.dtype)
         t = h.shape[0]
         for layer in self.layers:
             x = rms_norm(h, layer.input_norm, eps)
