@@ -28,7 +28,10 @@ from engine.weights import verify_model_dir
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# AttnResForCausalLM: engine.attnres (Llama attention, Attention-Residuals depth mixing).
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "AttnResForCausalLM",
+)
 
 
 @dataclass
@@ -343,6 +346,8 @@ class ModelRunner:
 
     def _load_model(self) -> torch.nn.Module:
         from transformers import AutoConfig, AutoModelForCausalLM
+
+        import engine.attnres  # noqa: F401  registers model_type attnres_llama with the Auto classes
 
         attention.register()
         dtype = torch_dtype(self.config.dtype)

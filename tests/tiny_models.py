@@ -23,6 +23,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from engine.attnres import AttnResConfig, AttnResForCausalLM
+
 VOCAB = 256
 
 
@@ -55,7 +57,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def build_model(path: Path, family: str = "llama", seed: int = 0, layers: int = 2, max_pos: int = 512) -> Path:
-    """Save a tiny seeded model of ``family``: ``llama``/``mistral`` (GQA), ``qwen2`` (q/k/v biases), ``qwen3`` (q/k norms)."""
+    """Save a tiny seeded model of ``family``: ``llama``/``mistral`` (GQA), ``qwen2`` (q/k/v biases), ``qwen3`` (q/k norms),
+    ``attnres_full`` / ``attnres_block`` (Attention Residuals, engine.attnres: every sub-layer a source / blocks of
+    two sub-layers), whose pseudo-queries are random (zero, their init, would make every mix a plain mean)."""
     torch.manual_seed(seed)
     common = dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
@@ -67,14 +71,19 @@ def build_model(path: Path, family: str = "llama", seed: int = 0, layers: int = 
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "mistral": (MistralConfig, MistralForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "attnres_full": (AttnResConfig, AttnResForCausalLM),
+        "attnres_block": (AttnResConfig, AttnResForCausalLM),
     }
     config_cls, model_cls = families[family]
-    extra = {"sliding_window": None} if family == "mistral" else {}
+    extra = {"mistral": {"sliding_window": None}, "attnres_block": {"attn_res_num_blocks": layers}}.get(family, {})
     model = model_cls(config_cls(**common, **extra))
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
                 p.mul_(3.0)
+        for name, p in model.named_parameters():
+            if name.endswith("mix.query"):
+                p.normal_(0.0, 0.25)  # mix logits ~N(0, 2): peaked, not one-hot
     model.save_pretrained(path)
     build_tokenizer().save_pretrained(path)
     return path

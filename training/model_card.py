@@ -38,6 +38,8 @@ PPL_LENGTHS = (256, 1024)
 def load(model_dir: str, attn: str = "sdpa"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    import engine.attnres  # noqa: F401  AttnRes directories load with the Auto classes
+
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attn, dtype=torch.float32)
     model.eval()
