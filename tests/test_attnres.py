@@ -42,9 +42,9 @@ def test_depth_sources_follow_the_worked_example() -> None:
     seen = []
 
     class Recorder(DepthMix):
-        def forward(self, values, keys):
+        def forward(self, values, inv_rms):
             seen.append(values[:, 0, 0].tolist())
-            return super().forward(values, keys)
+            return super().forward(values, inv_rms)
 
     mix = Recorder(2)
     src = DepthSources(e, block_size=2, eps=0.0)
@@ -59,13 +59,13 @@ def test_depth_sources_follow_the_worked_example() -> None:
                     [[1, 0], b0, b1, b2]]
     # A zero query is a uniform mean; a query along x prefers the source whose RMS-normalised x is largest.
     v = torch.tensor([[[[2.0, 0.0]]], [[[0.0, 4.0]]]])
-    k = v / v.pow(2).mean(-1, keepdim=True).sqrt()
-    assert torch.equal(DepthMix(2)(v, k), torch.tensor([[[1.0, 2.0]]]))
+    inv_rms = v.pow(2).mean(-1).rsqrt()  # [2, 1, 1]: rms(v) = v * inv_rms
+    assert torch.equal(DepthMix(2)(v, inv_rms), torch.tensor([[[1.0, 2.0]]]))
     m = DepthMix(2)
     with torch.no_grad():
         m.query.copy_(torch.tensor([1.0, 0.0]))
-    w = torch.softmax(torch.tensor([2.0 ** 0.5, 0.0]), 0)
-    assert torch.allclose(m(v, k), (w[0] * v[0] + w[1] * v[1]))
+    w = torch.softmax(torch.tensor([2.0 ** 0.5, 0.0]), 0)  # w . rms(v_0) = 2 / sqrt(2); w . rms(v_1) = 0
+    assert torch.allclose(m(v, inv_rms), (w[0] * v[0] + w[1] * v[1]))
 
 
 def test_full_is_block_with_one_sub_layer_per_block() -> None:
