@@ -99,6 +99,9 @@ def test_directory_loads_with_the_auto_classes(attnres: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(attnres)
     assert isinstance(model, AttnResForCausalLM)
     assert model.model.layers[1].attn_mix.query.abs().sum() > 0  # the trained (here: random) queries load
+    from app.builder import model_architecture
+
+    assert model_architecture(str(attnres)) == "AttnResForCausalLM"  # what /v1/models shows for the version
     # generate() with transformers' KV cache equals full forwards (the mix keeps no state across tokens)
     ids = torch.tensor([rand_prompt(9, 1)])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6,

@@ -195,6 +195,9 @@ def compute(model_dir: str, n_docs: int, ppl_windows: int, sink_windows: int) ->
     cfg = model.config
     stream = heldout_stream(tok)
     figures: dict = {
+        "model_dir": str(model_dir),
+        "architecture": type(model).__name__,
+        "attn_res_num_blocks": getattr(cfg, "attn_res_num_blocks", None),
         "params": sum(p.numel() for p in model.parameters()),
         "disk_bytes_before_card": disk_size(Path(model_dir)),
         "config": {k: getattr(cfg, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
@@ -298,8 +301,17 @@ def render_card(f: dict, history: str = "") -> str:
     r = f["retrieval"]
     lines = []
     a = lines.append
-    a("# sinkserve reference model")
+    arch = f.get("architecture", "LlamaForCausalLM")
+    attnres = arch == "AttnResForCausalLM"
+    a("# sinkserve AttnRes twin" if attnres else "# sinkserve reference model")
     a("")
+    if attnres:
+        a("The Attention-Residuals twin of docs/attnres.md: the reference model's shape, tokenizer and training "
+          "recipe with each layer's input a learned softmax mix of the embedding and earlier outputs "
+          "(`engine.attnres`) instead of the residual stream. Trained from scratch beside a standard-residual "
+          "twin on the same batches; the comparison is docs/attnres.md. The text below is the reference "
+          "model card's template.")
+        a("")
     a("A small Llama-family causal LM trained from scratch on a 2-core CPU, shipped in the repository so "
       "the service starts without downloads and its long-context features (attention sinks, sliding "
       "window with protected sink tokens, anchors / first-last consistency) can be measured on a model "
@@ -316,12 +328,17 @@ def render_card(f: dict, history: str = "") -> str:
           "generates Python-like text and serves as the default model; what it retrieves and how far back "
           "is measured below (see *What would reach the targets*).")
         a("")
-    a("All figures below are produced by `python -m training.model_card --model assets/reference-model` "
+    a(f"All figures below are produced by `python -m training.model_card --model {f.get('model_dir', 'assets/reference-model')}` "
       "and are also in `eval_results.json`.")
     a("")
     a("## Shape")
     a("")
-    a(f"- `LlamaForCausalLM`, {f['params'] / 1e6:.2f}M parameters (tied input/output embeddings), float32 safetensors")
+    a(f"- `{arch}`, {f['params'] / 1e6:.2f}M parameters (tied input/output embeddings), float32 safetensors")
+    if attnres:
+        blocks = f.get("attn_res_num_blocks") or 2 * c["num_hidden_layers"]
+        a(f"- Attention Residuals (`engine.attnres`, `model_type: attnres_llama`): {blocks} blocks of "
+          f"{2 * c['num_hidden_layers'] // blocks} sub-layers; load with `import engine.attnres` then "
+          "`AutoModelForCausalLM.from_pretrained`")
     a(f"- {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, MLP {c['intermediate_size']}, "
       f"{c['num_attention_heads']} query heads / {c['num_key_value_heads']} KV heads (grouped-query attention), "
       f"RoPE (theta {c.get('rope_theta', 10000.0):,.0f})")
@@ -493,9 +510,12 @@ def render_card(f: dict, history: str = "") -> str:
     a("## Use")
     a("")
     a("```python")
+    d = f.get("model_dir", "assets/reference-model")
+    if attnres:
+        a("import engine.attnres  # registers model_type attnres_llama with the Auto classes")
     a("from transformers import AutoModelForCausalLM, AutoTokenizer")
-    a("tok = AutoTokenizer.from_pretrained('assets/reference-model')")
-    a("model = AutoModelForCausalLM.from_pretrained('assets/reference-model')")
+    a(f"tok = AutoTokenizer.from_pretrained('{d}')")
+    a(f"model = AutoModelForCausalLM.from_pretrained('{d}')")
     a("```")
     a("")
     a("Long-memory documents for needle / first-last evaluations: "
