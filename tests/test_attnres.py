@@ -199,3 +199,31 @@ def test_sliding_window_retention_matches_the_streaming_reference(attnres: Path,
     assert got.shape == ref.shape
     assert (got - ref).abs().max().item() < 1e-4
     assert engine.stats().tokens_evicted > 0
+
+
+def test_tensor_parallel_2_equals_1(tmp_path: Path) -> None:
+    """TP=2 (DeepSpeed AutoTP over gloo, the served TP pools' worker code) equals TP=1: prefill and decode
+    logits of two sequences within 1e-4. AutoTP shards LlamaAttention / LlamaMLP inside the AttnRes layer;
+    the pseudo-queries stay replicated, and every rank mixes the same all-reduced outputs."""
+    import os
+    import subprocess
+    import sys
+
+    from app.tp_executor import free_port
+
+    model = build_model(tmp_path / "m", "attnres_block", seed=5, layers=3)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+
+    def ranks(world: int) -> Path:
+        out, port = tmp_path / f"tp{world}.pt", free_port()
+        procs = [subprocess.Popen([sys.executable, "-m", "tests.tp_worker", str(r), str(world), str(port), str(model),
+                                   str(out)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                 for r in range(world)]
+        for p in procs:
+            _, err = p.communicate(timeout=600)
+            assert p.returncode == 0, err.decode()[-2000:]
+        return out
+
+    tp1, tp2 = torch.load(ranks(1)), torch.load(ranks(2))
+    assert tp1.shape == (4, 256)
+    assert (tp1 - tp2).abs().max().item() < 1e-4
