@@ -81,13 +81,15 @@ def mix_weights(model: torch.nn.Module, wins: list[list[int]]) -> list[list[floa
     return [[1.0]] + [[round(v, 4) for v in (sums[i] / len(wins)).tolist()] for i in sorted(sums)]
 
 
-def decode_latency(models: list[str], batches: tuple[int, ...], prompt_len: int, steps: int, rounds: int) -> dict:
-    """Median per-step wall time (ms) of decode steps, per model and batch, over alternating rounds."""
+def decode_latency(models: list[str], batches: tuple[int, ...], prompt_len: int, steps: int, rounds: int,
+                   load_format: str = "auto") -> dict:
+    """Median per-step wall time (ms) of decode steps, per model and batch, over alternating rounds
+    (``load_format="dummy"``: random weights from the directory's config, for width sweeps)."""
     from engine import EngineConfig, LLMEngine, SamplingParams
 
     engines = {m: LLMEngine(EngineConfig(model=m, block_size=A.BLOCK_SIZE, num_kv_blocks=1 + max(batches) * (
         -(-(prompt_len + steps + 2) // A.BLOCK_SIZE)), max_num_batched_tokens=max(512, prompt_len),
-        max_num_seqs=max(batches), enable_prefix_caching=False)) for m in models}
+        max_num_seqs=max(batches), enable_prefix_caching=False, load_format=load_format)) for m in models}
     params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
     times: dict[tuple[str, int], list[float]] = {(m, b): [] for m in models for b in batches}
     g = torch.Generator().manual_seed(0)
