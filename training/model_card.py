@@ -258,7 +258,9 @@ def _render_stage(a, tr: dict) -> None:
       f"({tr.get('total_seconds_including_data', 0) / 60:.1f} min including data preparation), "
       f"final training loss (EMA) {tr.get('final_loss_ema')}")
     a(f"- AdamW (betas 0.9/0.95, weight decay {tr.get('weight_decay', 0.1)}), peak LR {tr.get('lr')}, linear warmup + cosine decay to 10%, "
-      "gradient clipping 1.0; the schedule is a function of elapsed wall time so the run ends on time")
+      "gradient clipping 1.0; " + (f"the schedule is a function of tokens seen ({tr['token_budget'] / 1e6:.2f}M-token "
+      "budget, `--tokens`), so runs of different speed see the same batches" if tr.get("token_budget") else
+      "the schedule is a function of elapsed wall time so the run ends on time"))
     a(f"- sequence-length curriculum (fraction of wall time, length, batch): {tr.get('curriculum')}; "
       "batch x length = 2,048 tokens per step")
     copy = tr.get("copy_frac", 0.0)
@@ -303,14 +305,18 @@ def render_card(f: dict, history: str = "") -> str:
     a = lines.append
     arch = f.get("architecture", "LlamaForCausalLM")
     attnres = arch == "AttnResForCausalLM"
-    a("# sinkserve AttnRes twin" if attnres else "# sinkserve reference model")
+    name = Path(f.get("model_dir", "assets/reference-model")).name
+    twin = name.startswith("twin-")  # the AttnRes / standard-residual twins of docs/attnres.md
+    a(f"# sinkserve {name.replace('-', ' ')}")
     a("")
-    if attnres:
-        a("The Attention-Residuals twin of docs/attnres.md: the reference model's shape, tokenizer and training "
-          "recipe with each layer's input a learned softmax mix of the embedding and earlier outputs "
-          "(`engine.attnres`) instead of the residual stream. Trained from scratch beside a standard-residual "
-          "twin on the same batches; the comparison is docs/attnres.md. The text below is the reference "
-          "model card's template.")
+    if twin:
+        a(("The Attention-Residuals twin of docs/attnres.md: the reference model's shape, tokenizer and training "
+           "recipe with each layer's input a learned softmax mix of the embedding and earlier outputs "
+           "(`engine.attnres`) instead of the residual stream." if attnres else
+           "The standard-residual twin of docs/attnres.md: the reference model's shape, tokenizer and training "
+           "recipe, trained from scratch as the baseline of the AttnRes twin.") +
+          " Both twins were trained on the same batches with the same token budget; the comparison is "
+          "docs/attnres.md. The text below is the reference model card's template.")
         a("")
     a("A small Llama-family causal LM trained from scratch on a 2-core CPU, shipped in the repository so "
       "the service starts without downloads and its long-context features (attention sinks, sliding "
@@ -325,7 +331,8 @@ def render_card(f: dict, history: str = "") -> str:
           f"{acc_1000 * 100:.0f}% vs 80%; sink mass on position 0 >= 0.3 in "
           f"{sum(v >= 0.3 for v in sink[1:])} of {len(sink) - 1} layers past the first"
           f"{', met' if sinks_ok else ''}). It loads, tokenizes, "
-          "generates Python-like text and serves as the default model; what it retrieves and how far back "
+          "generates Python-like text" + ("" if twin else " and serves as the default model") +
+          "; what it retrieves and how far back "
           "is measured below (see *What would reach the targets*).")
         a("")
     a(f"All figures below are produced by `python -m training.model_card --model {f.get('model_dir', 'assets/reference-model')}` "
@@ -373,7 +380,8 @@ def render_card(f: dict, history: str = "") -> str:
             a("")
         _render_stage(a, st)
         a("")
-    a("The run is sized by wall time, so figures vary with the machine's speed and load.")
+    if not any(st.get("token_budget") for st in _stages(tr)):
+        a("The run is sized by wall time, so figures vary with the machine's speed and load.")
     a("")
     a("### Data sources and licences")
     a("")
