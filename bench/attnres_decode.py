@@ -6,7 +6,7 @@ Depth mixing costs a handful of small tensor ops per sub-layer whatever the widt
 matrix products grow with the width squared; on CPU at hidden 128 the fixed per-op cost dominates.
 This sweep builds a standard Llama and a Block AttnRes model (6 layers, 6 blocks, the twins' shape scaled
 in width; head_dim 32 as the twins, MLP 3.5x) from config only (``load_format=dummy``) and measures
-decode steps side by side with ``evals.twins.decode_latency`` (alternating rounds).
+decode steps side by side with ``evals.twins.decode_latency`` (lockstep, paired ratios).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
             lat = decode_latency([std, ar], (1, 8), 256, args.steps, args.rounds, load_format="dummy")
             s, a = lat["per_model"][std], lat["per_model"][ar]
             rows.append({"hidden": h, "llama_ms": s, "attnres_ms": a,
-                         "overhead_pct": {b: round(100 * (a[b] / s[b] - 1), 1) for b in s}, "loadavg": os.getloadavg()[0]})
+                         "overhead_pct": lat["paired_overhead_pct"][ar], "loadavg": os.getloadavg()[0]})
             logging.info("hidden %d: %s", h, rows[-1])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

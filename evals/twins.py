@@ -10,7 +10,7 @@ docs/attnres.md, or any two causal LMs sharing a tokenizer):
   the first (position 0 carries the sink's outlier norm, reported apart);
 - depth-mix weights (AttnRes only): per sub-layer, the mean softmax weight on each source;
 - decode latency in the engine: per-step wall time of decode steps at batch 1 and 8 after a prompt of
-  ``ctx/4`` tokens, the models measured in alternating rounds so the host's load drifts alike on both.
+  ``ctx/4`` tokens, the models stepping in lockstep so each pair of steps shares the host's load.
 """
 
 from __future__ import annotations
@@ -83,8 +83,10 @@ def mix_weights(model: torch.nn.Module, wins: list[list[int]]) -> list[list[floa
 
 def decode_latency(models: list[str], batches: tuple[int, ...], prompt_len: int, steps: int, rounds: int,
                    load_format: str = "auto") -> dict:
-    """Median per-step wall time (ms) of decode steps, per model and batch, over alternating rounds
-    (``load_format="dummy"``: random weights from the directory's config, for width sweeps)."""
+    """Per-step wall time (ms) of decode steps, per model and batch, and the paired overhead of each model
+    over the first. The models decode in lockstep (one step of each in turn, the order alternating), so
+    every pair of steps ran under the same host load; the overhead is the median of the per-pair ratios.
+    ``load_format="dummy"``: random weights from the directory's config, for width sweeps."""
     from engine import EngineConfig, LLMEngine, SamplingParams
 
     engines = {m: LLMEngine(EngineConfig(model=m, block_size=A.BLOCK_SIZE, num_kv_blocks=1 + max(batches) * (
@@ -95,23 +97,30 @@ def decode_latency(models: list[str], batches: tuple[int, ...], prompt_len: int,
     g = torch.Generator().manual_seed(0)
     for r in range(rounds):
         for b in batches:
-            order = models if r % 2 == 0 else models[::-1]
-            for m in order:
+            prompts = [torch.randint(10, 4000, (prompt_len,), generator=g).tolist() for _ in range(b)]
+            for m in models:
                 eng = engines[m]
-                for i in range(b):
-                    ids = torch.randint(10, 4000, (prompt_len,), generator=g).tolist()
+                for i, ids in enumerate(prompts):
                     eng.add_request(f"r{r}-{b}-{i}", ids, params)
                 started: set[str] = set()
                 while len(started) < b:  # prefill (untimed) until every request has its first token
                     started.update(o.request_id for o in eng.step() if o.token_ids)
-                while eng.has_unfinished():
+            for k in range(steps):
+                for m in (models if k % 2 == 0 else models[::-1]):
                     t0 = time.perf_counter()
-                    eng.step()
+                    engines[m].step()
                     times[(m, b)].append(time.perf_counter() - t0)
+            for m in models:
+                while engines[m].has_unfinished():
+                    engines[m].step()
+    base = models[0]
     out: dict[str, Any] = {"batches": list(batches), "prompt_len": prompt_len, "steps_per_round": steps,
-                           "rounds": rounds, "per_model": {}}
+                           "rounds": rounds, "per_model": {}, "paired_overhead_pct": {}}
     for m in models:
         out["per_model"][m] = {str(b): round(1000 * statistics.median(times[(m, b)]), 3) for b in batches}
+        out["paired_overhead_pct"][m] = {
+            str(b): round(100 * (statistics.median(x / y for x, y in zip(times[(m, b)], times[(base, b)])) - 1), 1)
+            for b in batches}
     for e in engines.values():
         e.shutdown()
     return out
@@ -142,7 +151,6 @@ def run_twins(models: list[str], n_windows: int, latency_rounds: int, latency_st
                     per[m]["hidden_norm"]["per_layer"])
     ctx = A.trained_context(models[0])
     lat = decode_latency(models, (1, 8), ctx // 4, latency_steps, latency_rounds)
-    base = lat["per_model"][models[0]]
     rows = []
     for m in models:
         d = per[m]
@@ -155,8 +163,8 @@ def run_twins(models: list[str], n_windows: int, latency_rounds: int, latency_st
             "sink mass L1..": round(sum(d["sink_mass"][1:]) / max(1, len(d["sink_mass"]) - 1), 3),
             "|h| first layer": norms[0], "|h| final": norms[-1], "growth": round(norms[-1] / norms[0], 2),
             "decode ms b=1": ms["1"], "decode ms b=8": ms["8"],
-            "vs baseline b=1": f"{100 * (ms['1'] / base['1'] - 1):+.1f}%",
-            "vs baseline b=8": f"{100 * (ms['8'] / base['8'] - 1):+.1f}%",
+            "vs baseline b=1": f"{lat['paired_overhead_pct'][m]['1']:+.1f}%",
+            "vs baseline b=8": f"{lat['paired_overhead_pct'][m]['8']:+.1f}%",
         })
     depth = list(range(len(per[models[0]]["hidden_norm"]["per_layer"])))
     panels = [
@@ -171,7 +179,8 @@ def run_twins(models: list[str], n_windows: int, latency_rounds: int, latency_st
     load = os.getloadavg()
     meta = {"models": models, "windows": n_windows, "wall_s": round(time.time() - t0, 1),
             "loadavg": [round(x, 2) for x in load], "latency": lat, "torch_threads": torch.get_num_threads()}
-    notes = [f"decode latency: {latency_rounds} alternating rounds x {latency_steps} decode steps per model and batch "
-             f"after a {ctx // 4}-token prompt; median step time; host load average {load[0]:.1f} at the end"]
+    notes = [f"decode latency: {latency_rounds} rounds x {latency_steps} decode steps per model and batch after a "
+             f"{ctx // 4}-token prompt, the models stepping in lockstep (order alternating); ms = median step time, "
+             f"overhead = median of the paired step-time ratios; host load average {load[0]:.1f} at the end"]
     return EvalResult(name="twins", title="AttnRes vs standard residual: same inputs", columns=list(rows[0]),
                       rows=rows, meta=meta, notes=notes, panels=panels, extra={"per_model": per})
