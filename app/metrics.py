@@ -84,6 +84,7 @@ ENGINE_STATS: tuple[tuple[str, str, str, str], ...] = (
     ("blocks_16bit", "kv_blocks_16bit", "gauge", "KV cache blocks in use stored 16-bit (protected, residual window, being written)"),
     ("blocks_quantized", "kv_blocks_quantized", "gauge", "KV cache blocks in use stored packed (kv_cache_dtype int8/int4/int2)"),
     ("blocks_protected_quantized", "kv_blocks_protected_quantized_total", "counter", "Protected KV blocks packed because the 16-bit side pool ran low"),
+    ("blocks_needed_sliding", "kv_blocks_needed_sliding_layers", "gauge", "KV cache blocks in use that the model's sliding-window layers still read (the rest only full-attention layers read)"),
     ("prefix_cache_hit_tokens", "prefix_cache_hit_tokens_total", "counter", "Prompt tokens served from the prefix cache"),
     ("tokens_evicted", "tokens_evicted_total", "counter", "Tokens evicted from the KV cache"),
     ("tokens_protected", "tokens_protected_total", "counter", "Tokens protected from eviction (sinks, anchors)"),

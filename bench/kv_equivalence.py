@@ -28,7 +28,7 @@ MAX_TOKENS = 32
 
 def run(dtype: str, prompts: list[list[int]], protect: bool = True) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
     policy = CachePolicy(residual_window=128 if protect else 0, keep_protected_16bit=protect)
-    engine = LLMEngine(EngineConfig(model=DEFAULT_MODEL, num_kv_blocks=1024, block_size=16, max_num_batched_tokens=256,
+    engine = LLMEngine(EngineConfig(model=DEFAULT_MODEL, num_kv_blocks=1024, max_num_batched_tokens=256,
                                     kv_cache_dtype=dtype, cache_policy=policy))
     runner = engine.executor.runner
     execute = runner.execute

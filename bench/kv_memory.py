@@ -83,8 +83,19 @@ def held_bytes_per_token(shape: Shape, dtype: str, tokens: int, bs: int, group: 
     return (len(s.block_table) * q_block + fp * fp_block) / tokens, fp, q
 
 
+def packed_defaults(shape: Shape, dtype: str, block_size: int | None = None) -> tuple[int, int, int]:
+    """``(block size, value group, outlier channels)`` the engine uses for ``dtype`` on ``shape`` when a
+    pool sets nothing but ``kv_cache_dtype`` (and optionally ``block_size``): engine.config's defaults."""
+    from engine.config import EngineConfig, kv_outlier_channels, kv_value_group_size
+
+    cfg = EngineConfig(kv_cache_dtype="auto" if dtype == "bf16" else dtype, block_size=block_size)
+    if dtype == "bf16":
+        return cfg.block_size, 0, 0
+    return cfg.block_size, kv_value_group_size(cfg, shape.head_dim), kv_outlier_channels(cfg, shape.head_dim)
+
+
 def admitted(shape: Shape, dtype: str, budget: int, seq_len: int, bs: int, group: int, residual: int,
-             max_seqs: int) -> int:
+             max_seqs: int, outliers: int = 0) -> int:
     """Sequences of ``seq_len`` tokens held whole at once within ``budget`` bytes; a packed cache pays its
     default side pool (sized for ``max_seqs``) out of the same budget."""
     fp_block = kv_budget.kv_bytes_per_block(shape.layers, shape.kv_heads, shape.head_dim, bs, "bfloat16")
@@ -93,7 +104,8 @@ def admitted(shape: Shape, dtype: str, budget: int, seq_len: int, bs: int, group
         nb, nf = kv_budget.blocks_for_budget(budget, fp_block, bs, max_seqs, seq_len).num_blocks, None
     else:
         nf = kv_budget.fp_pool_blocks(max_seqs, batched, bs, residual, 4, seq_len)
-        q_block = kv_budget.quant_bytes_per_block(shape.layers, shape.kv_heads, shape.head_dim, bs, BITS[dtype], group)
+        q_block = kv_budget.quant_bytes_per_block(shape.layers, shape.kv_heads, shape.head_dim, bs, BITS[dtype], group,
+                                                  outliers)
         nb = kv_budget.blocks_for_budget(budget, q_block, bs, max_seqs, seq_len, nf * fp_block).num_blocks
     bm = BlockManager(nb, bs, enable_prefix_caching=False, num_fp_blocks=nf)
     sched = Scheduler(bm, CachePolicy(residual_window=residual), max_seqs, batched)
@@ -103,14 +115,14 @@ def admitted(shape: Shape, dtype: str, budget: int, seq_len: int, bs: int, group
     return sum(1 for s in sched.running if s.num_computed_tokens == seq_len)
 
 
-def measured_reference_bytes(dtype: str, bs: int, blocks: int) -> int | None:
+def measured_reference_bytes(dtype: str, blocks: int) -> int | None:
     """The reference model's runner, dummy weights in bf16: the bytes its KV tensors really occupy."""
     try:
         from engine.config import DEFAULT_MODEL, EngineConfig
         from engine.model_runner import ModelRunner
     except ImportError:  # no torch
         return None
-    cfg = EngineConfig(model=DEFAULT_MODEL, load_format="dummy", dtype="bfloat16", block_size=bs,
+    cfg = EngineConfig(model=DEFAULT_MODEL, load_format="dummy", dtype="bfloat16", block_size=64,
                        kv_cache_dtype="auto" if dtype == "bf16" else dtype, kv_fp_pool_blocks=1)
     runner = ModelRunner(cfg, num_kv_blocks=blocks)
     return runner.kv_allocated_bytes()
@@ -121,53 +133,58 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=16384, help="context held whole (default 16K)")
     p.add_argument("--residual", type=int, default=128, help="residual window kept 16-bit (default 128)")
-    p.add_argument("--block-sizes", default="16,64")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     lines = ["# KV cache memory: packed dtypes vs bf16", "",
              f"Command: `python -m bench.kv_memory {' '.join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))}`", "",
              f"One context of {args.tokens} tokens held whole (no eviction); sinks 0..3 and a {args.residual}-token "
-             "residual window 16-bit, everything else packed; value groups of 32 channels capped at D/2 "
-             "(the kernels' half tiles): 16 at D=32, 32 at D=128 (64 with `kv_value_group_size: 64`). "
-             "Bytes per token include codes, scales, and the 16-bit blocks (side-pool slot + their packed storage).", "",
-             "| shape | block | dtype | group | 16-bit blocks | packed blocks | B/token | x bf16 | target |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "residual window 16-bit, everything else packed. **default**: what a pool gets from `kv_cache_dtype` "
+             "alone (engine.config: 64-token blocks, value groups of 64 channels capped at D/2, int2 keeps 8 outlier "
+             "key channels capped at D/4); **block 16**: the same with `block_size: 16`. Bytes per token include "
+             "codes, scales, outlier channels and the 16-bit blocks (side-pool slot + their packed storage).", "",
+             "| shape | setting | dtype | block | group | outliers | 16-bit blocks | packed blocks | B/token | x bf16 | target |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for shape in SHAPES:
-        for bs in [int(b) for b in args.block_sizes.split(",")]:
-            groups = [min(32, shape.head_dim // 2)] + ([shape.head_dim // 2] if shape.head_dim // 2 > 32 else [])
-            base, _, _ = held_bytes_per_token(shape, "bf16", args.tokens, bs, 0, args.residual, 0)
-            lines.append(f"| {shape.name} | {bs} | bf16 | - | all | 0 | {base:.0f} | 1.000 | |")
-            for dtype in ("int8", "int4", "int2"):
-                for g in groups:
-                    bpt, fp, q = held_bytes_per_token(shape, dtype, args.tokens, bs, g, args.residual, 0)
-                    r = bpt / base
-                    ok = "met" if r <= TARGET[dtype] else "missed"
-                    lines.append(f"| {shape.name} | {bs} | {dtype} | {g} | {fp} | {q} | {bpt:.0f} | {r:.3f} | "
-                                 f"<= {TARGET[dtype]} {ok} |")
+        for setting, block in (("default", None), ("block 16", 16)):
+            for dtype in ("bf16", "int8", "int4", "int2"):
+                bs, g, o = packed_defaults(shape, dtype, block)
+                base, _, _ = held_bytes_per_token(shape, "bf16", args.tokens, bs, 0, args.residual, 0)
+                if dtype == "bf16":
+                    lines.append(f"| {shape.name} | {setting} | bf16 | {bs} | - | - | all | 0 | {base:.0f} | 1.000 | |")
+                    continue
+                bpt, fp, q = held_bytes_per_token(shape, dtype, args.tokens, bs, g, args.residual, o)
+                r = bpt / base
+                ok = "met" if r <= TARGET[dtype] else "missed"
+                lines.append(f"| {shape.name} | {setting} | {dtype} | {bs} | {g} | {o} | {fp} | {q} | {bpt:.0f} | "
+                             f"{r:.3f} | <= {TARGET[dtype]} {ok} |")
     ref = SHAPES[0]
-    lines += ["", "Allocated by the model runner (reference model, dummy weights, bf16 side pool of 1 block, "
-              "1,025 block ids of 16 tokens): the tensors' bytes vs the arithmetic above.", "",
+    lines += ["", "Allocated by the model runner (reference model, dummy weights, engine defaults with 64-token "
+              "blocks, bf16 side pool of 1 block, 257 block ids): the tensors' bytes vs the arithmetic above.", "",
               "| dtype | allocated bytes | arithmetic | x bf16 |", "|---|---|---|---|"]
     base_alloc = None
     for dtype in ("bf16", "int8", "int4", "int2"):
-        got = measured_reference_bytes(dtype, 16, 1025)
-        fp_block = kv_budget.kv_bytes_per_block(ref.layers, ref.kv_heads, ref.head_dim, 16, "bfloat16")
-        want = 1025 * fp_block if dtype == "bf16" else (
-            1025 * kv_budget.quant_bytes_per_block(ref.layers, ref.kv_heads, ref.head_dim, 16, BITS[dtype], 16) + fp_block)
+        got = measured_reference_bytes(dtype, 257)
+        bs, g, o = packed_defaults(ref, dtype, 64)
+        fp_block = kv_budget.kv_bytes_per_block(ref.layers, ref.kv_heads, ref.head_dim, bs, "bfloat16")
+        want = 257 * fp_block if dtype == "bf16" else (
+            257 * kv_budget.quant_bytes_per_block(ref.layers, ref.kv_heads, ref.head_dim, bs, BITS[dtype], g, o) + fp_block)
         base_alloc = base_alloc or got
         lines.append(f"| {dtype} | {got} | {want} | {got / base_alloc:.3f} |" if got else f"| {dtype} | - | {want} | |")
     lines += ["", "Capacity: sequences held whole at once in one KV budget (the scheduler admits until packed blocks "
               "or side-pool slots run out; the packed cache's default side pool, sized for `max_num_seqs`, is paid "
-              "out of the same budget; residual window 128, sinks 0..3).", "",
-              "| shape | block | group | seq tokens | budget | max_num_seqs | bf16 | int8 | int4 | int2 | int4 x bf16 (target >= 3.3) |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    cases = [(SHAPES[0], 16, 16, 4096, 256 << 20, 64), (SHAPES[0], 16, 16, 4096, 256 << 20, 128),
-             (SHAPES[0], 64, 16, 16384, 1 << 30, 160), (SHAPES[1], 16, 32, 16384, 32 << 30, 64),
-             (SHAPES[1], 64, 64, 16384, 32 << 30, 64)]
-    for shape, bs, g, n, budget, max_seqs in cases:
-        counts = {dt: admitted(shape, dt, budget, n, bs, g, args.residual, max_seqs) for dt in ("bf16", "int8", "int4", "int2")}
+              "out of the same budget; residual window 128, sinks 0..3). Each dtype at its setting's defaults; bf16 "
+              "at the same block size.", "",
+              "| shape | setting | seq tokens | budget | max_num_seqs | bf16 | int8 | int4 | int2 | int4 x bf16 (target >= 3.3) |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    cases = [(SHAPES[0], "default", None, 16384, 1 << 30, 160), (SHAPES[0], "block 16", 16, 4096, 256 << 20, 160),
+             (SHAPES[1], "default", None, 16384, 32 << 30, 64), (SHAPES[1], "block 16", 16, 16384, 32 << 30, 64)]
+    for shape, setting, block, n, budget, max_seqs in cases:
+        counts = {}
+        for dt in ("bf16", "int8", "int4", "int2"):
+            bs, g, o = packed_defaults(shape, dt, block if dt != "bf16" else (block or 64))
+            counts[dt] = admitted(shape, dt, budget, n, bs, g, args.residual, max_seqs, o)
         r = counts["int4"] / counts["bf16"]
-        lines.append(f"| {shape.name} | {bs} | {g} | {n} | {budget / (1 << 30):g} GiB | {max_seqs} | "
+        lines.append(f"| {shape.name} | {setting} | {n} | {budget / (1 << 30):g} GiB | {max_seqs} | "
                      + " | ".join(str(counts[d]) for d in ("bf16", "int8", "int4", "int2"))
                      + f" | {r:.2f} {'met' if r >= 3.3 else 'missed'} |")
     text = "\n".join(lines) + "\n"

@@ -173,11 +173,13 @@ def _progress(total: int, desc: str, quiet: bool) -> Any:
 
 
 def run_engine(model_dir: Path, reqs: list[Request], concurrency: int, max_num_batched_tokens: int,
-               block_size: int = 16, quiet: bool = False, kv_cache_dtype: str = "auto") -> Result:
+               block_size: int | None = None, quiet: bool = False, kv_cache_dtype: str = "auto") -> Result:
     """All requests added up front; the engine admits ``concurrency`` at a time. ``kv_cache_dtype``
-    other than ``"auto"``: the same number of blocks, packed (the default protection set)."""
+    other than ``"auto"``: the same number of tokens, packed with the engine's defaults (64-token blocks,
+    the default protection set). ``block_size`` None: the engine's default for the dtype."""
     from engine import EngineConfig, LLMEngine, SamplingParams
 
+    block_size = block_size or EngineConfig(kv_cache_dtype=kv_cache_dtype).block_size
     longest = max(len(r.prompt) + r.max_tokens for r in reqs)
     # Enough blocks for 32 (or all, if fewer) full-length requests at once, plus the null block.
     num_kv_blocks = min(32, len(reqs)) * -(-longest // block_size) + 1

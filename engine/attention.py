@@ -17,6 +17,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from engine.architectures import AttentionLayout, check_hook_window
 from engine.attention_backends import AttentionBackend
 
 ATTN_IMPLEMENTATION = "sinkserve_paged"
@@ -35,6 +36,8 @@ class ForwardContext:
     quantized: bool = False
     # Outlier calibration: per layer, the running max |key| per (KV head, channel); None when not calibrating.
     key_absmax: list[torch.Tensor | None] | None = None
+    # Per-layer attention (window, sinks) of the model; None: every layer full (kernel tests, tools).
+    layout: AttentionLayout | None = None
 
 
 _CONTEXT: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("sinkserve_forward", default=None)
@@ -59,10 +62,20 @@ def paged_attention_forward(
     dropout: float = 0.0,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention interface: ``query [1, Hq, T, D]``, ``key/value [1, Hkv, T, D]`` -> ``[1, T, Hq, D]``."""
+    """transformers attention interface: ``query [1, Hq, T, D]``, ``key/value [1, Hkv, T, D]`` -> ``[1, T, Hq, D]``.
+
+    Per layer, ``sliding_window`` (checked against the engine's layout, ``engine/architectures.py``) limits
+    what each query sees, and ``s_aux`` (gpt-oss) carries the learned sink logits ``[Hq]``.
+    """
     ctx = _CONTEXT.get()
     if ctx is None:
         raise RuntimeError("sinkserve attention called outside a forward_context (use the engine's model runner)")
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError("attention logit softcapping is not supported by the sinkserve attention backends")
+    window = None
+    if ctx.layout is not None:
+        window = check_hook_window(ctx.layout, module.layer_idx, kwargs.get("sliding_window")).window  # type: ignore[arg-type]
+    sinks = kwargs.get("s_aux")
     q = query[0].transpose(0, 1)
     k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -73,11 +86,13 @@ def paged_attention_forward(
     if ctx.quantized:
         cache = ctx.kv_caches[module.layer_idx]
         ctx.backend.write_kv_quant(k, v, cache, ctx.slot_mapping)
-        out = ctx.backend.paged_attention_quant(q, cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, scale)
+        out = ctx.backend.paged_attention_quant(q, cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, scale,
+                                                window=window, sinks=sinks)
         return out.unsqueeze(0), None
     k_cache, v_cache = ctx.kv_caches[module.layer_idx]
     ctx.backend.write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
-    out = ctx.backend.paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, scale)
+    out = ctx.backend.paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, scale,
+                                      window=window, sinks=sinks)
     return out.unsqueeze(0), None
 
 

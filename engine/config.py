@@ -21,10 +21,18 @@ LOAD_FORMATS = ("auto", "dummy")
 KV_CACHE_DTYPES = {"auto": 16, "int8": 8, "int4": 4, "int2": 2}
 KV_KEY_SCHEMES = ("per_channel",)  # one (scale, zero) per channel over a block's tokens (KIVI keys)
 KV_VALUE_SCHEMES = ("per_token",)  # one (scale, zero) per token per value group (KIVI values)
-DEFAULT_KV_VALUE_GROUP = 32
+# Defaults of a packed KV cache (docs/kv_cache.md, "Defaults"): the per-channel key scales cost
+# 2 x fp16 per channel per block, so a packed cache amortises them over 64-token blocks (at 16 they alone
+# are 2 bits per key value); values get one (scale, zero) per 64 channels (capped at head_dim/2); int2
+# keeps 8 key channels per layer and KV head 16-bit (capped at head_dim/4), which brings its ppl cost
+# on the reference model from +26% to +1.6% at 64-token blocks (measured: docs/kv_cache.md).
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_PACKED_BLOCK_SIZE = 64
+DEFAULT_KV_VALUE_GROUP = 64
+DEFAULT_INT2_OUTLIER_CHANNELS = 8
 
 __all__ = ["CachePolicy", "EngineConfig", "DEFAULT_MODEL", "resolve_dtype", "resolve_attention_backend",
-           "KV_CACHE_DTYPES", "kv_value_group_size", "validate_kv_cache_for_model"]
+           "KV_CACHE_DTYPES", "kv_value_group_size", "kv_outlier_channels", "validate_kv_cache_for_model"]
 
 
 def is_cuda(device: str) -> bool:
@@ -72,7 +80,8 @@ class EngineConfig:
     model: str = DEFAULT_MODEL
     dtype: str = "auto"
     device: str = "cpu"
-    block_size: int = 16
+    # Tokens per KV block; None: 16, or 64 with a packed kv_cache_dtype (DEFAULT_PACKED_BLOCK_SIZE).
+    block_size: int | None = None
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_fraction: float = 0.1
@@ -95,11 +104,12 @@ class EngineConfig:
     # Keys: one (scale, zero) per channel over the block's tokens; values: one per token per group.
     kv_key_scheme: str = "per_channel"
     kv_value_scheme: str = "per_token"
-    # Channels per value group; None: 32, or head_dim/2 when that is smaller (the kernels' half tiles).
+    # Channels per value group; None: 64, or head_dim/2 when that is smaller (the kernels' half tiles).
     kv_value_group_size: int | None = None
     # Key channels per layer and KV head kept 16-bit beside the codes (KVQuant dense-and-sparse), chosen
-    # by a calibration forward at load time. 0 disables. Torch backend only.
-    kv_outlier_channels: int = 0
+    # by a calibration forward at load time. 0 disables; None: 8 for int2 (capped at head_dim/4), else 0.
+    # Torch backend only.
+    kv_outlier_channels: int | None = None
     # 16-bit side-pool blocks; None: sized from max_num_seqs, the residual window, the sinks and the
     # step's new blocks (engine.kv_budget.fp_pool_blocks).
     kv_fp_pool_blocks: int | None = None
@@ -113,6 +123,9 @@ class EngineConfig:
             raise ConfigError("dtype", f"must be 'auto' or one of {list(DTYPES)}, got {self.dtype!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError("load_format", f"must be one of {list(LOAD_FORMATS)}, got {self.load_format!r}")
+        if self.block_size is None:
+            packed = self.kv_cache_dtype in KV_CACHE_DTYPES and self.kv_cache_dtype != "auto"
+            object.__setattr__(self, "block_size", DEFAULT_PACKED_BLOCK_SIZE if packed else DEFAULT_BLOCK_SIZE)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError("block_size", f"must be a power of two >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
@@ -142,7 +155,7 @@ class EngineConfig:
         g = self.kv_value_group_size
         if g is not None and (g < 1 or g & (g - 1)):
             raise ConfigError("kv_value_group_size", f"must be a power of two >= 1 (or None for auto), got {g}")
-        if self.kv_outlier_channels < 0:
+        if self.kv_outlier_channels is not None and self.kv_outlier_channels < 0:
             raise ConfigError("kv_outlier_channels", f"must be >= 0 (0 disables), got {self.kv_outlier_channels}")
         if self.kv_fp_pool_blocks is not None and self.kv_fp_pool_blocks < 1:
             raise ConfigError("kv_fp_pool_blocks", f"must be >= 1 (or None for auto), got {self.kv_fp_pool_blocks}")
@@ -159,7 +172,7 @@ class EngineConfig:
             if self.kv_cache_dtype == "int2":
                 raise ConfigError("kv_cache_dtype", "int2 runs on the torch backend only; with attention_backend "
                                   "'triton' choose one of ['auto', 'int8', 'int4']")
-            if self.kv_outlier_channels:
+            if self.kv_outlier_channels:  # None (auto) is 0 for int8 / int4
                 raise ConfigError("kv_outlier_channels", "outlier channels run on the torch backend only; "
                                   "use 0 with attention_backend 'triton'")
 
@@ -178,14 +191,28 @@ class EngineConfig:
 
 
 def kv_value_group_size(config: EngineConfig, head_dim: int) -> int:
-    """The value group size for ``head_dim``: the configured one, else 32 capped at ``head_dim / 2``.
+    """The value group size for ``head_dim``: the configured one, else 64 capped at ``head_dim / 2``.
 
     >>> kv_value_group_size(EngineConfig(kv_cache_dtype="int4"), 128), kv_value_group_size(EngineConfig(), 32)
-    (32, 16)
+    (64, 16)
     """
     if config.kv_value_group_size is not None:
         return config.kv_value_group_size
     return max(1, min(DEFAULT_KV_VALUE_GROUP, head_dim // 2))
+
+
+def kv_outlier_channels(config: EngineConfig, head_dim: int) -> int:
+    """Key channels kept 16-bit per layer and KV head: the configured number, else 8 for int2 (capped at
+    ``head_dim / 4``) and 0 for every other dtype.
+
+    >>> [kv_outlier_channels(EngineConfig(kv_cache_dtype=d), 32) for d in ("auto", "int8", "int4", "int2")]
+    [0, 0, 0, 8]
+    >>> kv_outlier_channels(EngineConfig(kv_cache_dtype="int2"), 16), kv_outlier_channels(EngineConfig(kv_cache_dtype="int2", kv_outlier_channels=0), 32)
+    (4, 0)
+    """
+    if config.kv_outlier_channels is not None:
+        return config.kv_outlier_channels
+    return min(DEFAULT_INT2_OUTLIER_CHANNELS, head_dim // 4) if config.kv_cache_dtype == "int2" else 0
 
 
 def validate_kv_cache_for_model(config: EngineConfig, head_dim: int, num_kv_heads: int) -> None:
@@ -211,5 +238,5 @@ def validate_kv_cache_for_model(config: EngineConfig, head_dim: int, num_kv_head
     if half % g:
         raise ConfigError("kv_value_group_size", f"must divide head_dim/2 = {half} (value groups stay inside one "
                           f"half tile), got {g}; allowed: {[1 << i for i in range(half.bit_length()) if half % (1 << i) == 0]}")
-    if config.kv_outlier_channels >= head_dim:
+    if kv_outlier_channels(config, head_dim) >= head_dim:
         raise ConfigError("kv_outlier_channels", f"must be < head_dim ({head_dim}), got {config.kv_outlier_channels}")

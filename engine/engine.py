@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence as Seq
 from typing import Any
 
 from engine import retention
+from engine.architectures import read_attention_layout, validate_for_engine
 from engine.block_manager import BlockManager
 from engine.cache_policy import CachePolicy
 from engine.config import EngineConfig, validate_kv_cache_for_model
@@ -47,6 +48,8 @@ class LLMEngine:
         validate_kv_cache_for_model(config, self.shape.head_dim, self.shape.num_kv_heads)  # before any load
         self.tokenizer = self._load_tokenizer()
         self.max_model_len = config.max_model_len or self.shape.max_position_embeddings
+        self.layout = read_attention_layout(config.model)
+        validate_for_engine(self.layout, self.max_model_len, config.tensor_parallel_size)  # before any load
         # The executor sizes the KV cache where the model lives, after its weights are loaded; this
         # process may not own that device (a tensor-parallel driver), so it never measures memory.
         self.executor = (executor_factory or LocalExecutor)(config)
@@ -71,6 +74,7 @@ class LLMEngine:
         self._finished_ids: list[str] = []  # the sampler frees their generators at the next step
         self.eviction_log: deque[retention.EvictionRecord] = deque(maxlen=4096)
         logger.info("%s", self.policy.describe())
+        logger.info("model attention: %s", self.layout.describe())
         logger.info("KV cache stores %s", self.describe_kv_cache())
 
     # ------------------------------------------------------------------ set-up
@@ -89,10 +93,10 @@ class LLMEngine:
         per_token = self.kv_bytes_total / max(1, usable)
         if not c.kv_quantized:
             return f"{c.dtype} K/V, {self.num_kv_blocks} blocks, {per_token:.0f} B/token"
-        from engine.config import kv_value_group_size
+        from engine.config import kv_outlier_channels, kv_value_group_size
 
         return (f"{c.kv_cache_dtype} K/V (keys {c.kv_key_scheme}, values {c.kv_value_scheme} groups of "
-                f"{kv_value_group_size(c, self.shape.head_dim)}, {c.kv_outlier_channels} outlier key channels 16-bit), "
+                f"{kv_value_group_size(c, self.shape.head_dim)}, {kv_outlier_channels(c, self.shape.head_dim)} outlier key channels 16-bit), "
                 f"{self.num_kv_blocks} packed blocks + {self.num_fp_blocks} {c.dtype} side-pool blocks "
                 f"(protected {'on' if self.policy.keep_protected_16bit else 'off'}, residual "
                 f"{self.policy.residual_window} tokens), {per_token:.0f} B/token")
@@ -299,9 +303,14 @@ class LLMEngine:
         bm = self.block_manager
         live = self.scheduler.running
         pinned = 0
+        sliding_needed = 0
+        model_window = self.layout.max_window
         for seq in live:
             window_start = retention.first_window_block(seq.num_computed_tokens, self.policy.window, self.config.block_size)
             pinned += sum(1 for i in seq.protected_blocks if i < min(window_start, len(seq.block_table)) and seq.block_table[i])
+            if model_window is not None:
+                sliding_needed += retention.blocks_in_model_window(seq.block_table, seq.num_computed_tokens, model_window,
+                                                                   self.config.block_size)
         c = self.counters
         if bm.quantized:
             fp_live = bm.num_fp_live()
@@ -331,6 +340,8 @@ class LLMEngine:
             blocks_16bit=blocks_fp,
             blocks_quantized=blocks_q,
             blocks_protected_quantized=self.scheduler.blocks_protected_quantized,
+            sliding_layers=self.layout.sliding_layers,
+            blocks_needed_sliding=sliding_needed if model_window is not None else bm.num_used_blocks,
         )
 
     def check_integrity(self) -> None:

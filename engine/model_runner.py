@@ -18,8 +18,14 @@ from pathlib import Path
 import torch
 
 from engine import attention, kv_budget
+from engine.architectures import (
+    SUPPORTED_ARCHITECTURES,
+    layer_inv_freqs,
+    read_attention_layout,
+    validate_for_engine,
+)
 from engine.attention_backends import get_backend
-from engine.config import EngineConfig, kv_value_group_size, validate_kv_cache_for_model
+from engine.config import EngineConfig, kv_outlier_channels, kv_value_group_size, validate_kv_cache_for_model
 from engine.errors import ModelLoadError
 from engine.kv_budget import KVBudget, MemoryProfile
 from engine.rope import rotate_keys
@@ -27,11 +33,6 @@ from engine.sampler import Sampler, SamplerOutput, SeqSampling
 from engine.weights import verify_model_dir
 
 logger = logging.getLogger(__name__)
-
-# AttnResForCausalLM: engine.attnres (Llama attention, Attention-Residuals depth mixing).
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "AttnResForCausalLM",
-)
 
 
 @dataclass
@@ -80,7 +81,7 @@ def read_model_shape(model_dir: str) -> ModelShape:
     except json.JSONDecodeError as exc:
         raise ModelLoadError(f"{model_dir}/config.json is not valid JSON: {exc}") from exc
     archs = cfg.get("architectures") or []
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)  # engine/architectures.py
     if arch is None:
         raise ModelLoadError(
             f"unsupported architecture {archs or cfg.get('model_type')!r} in {model_dir}; "
@@ -110,7 +111,7 @@ def quant_bytes_per_block(config: EngineConfig, shape: ModelShape, world_size: i
     """Bytes of one block id in the packed pool (all layers, per rank) for ``config.kv_cache_dtype``."""
     return kv_budget.quant_bytes_per_block(
         shape.num_layers, shape.num_kv_heads, shape.head_dim, config.block_size, config.kv_bits,
-        kv_value_group_size(config, shape.head_dim), config.kv_outlier_channels, config.dtype, world_size)
+        kv_value_group_size(config, shape.head_dim), kv_outlier_channels(config, shape.head_dim), config.dtype, world_size)
 
 
 def num_fp_pool_blocks(config: EngineConfig, max_model_len: int, num_kv_blocks: int | None = None) -> int:
@@ -164,6 +165,8 @@ class ModelRunner:
         self.shape = read_model_shape(config.model)
         validate_kv_cache_for_model(config, self.shape.head_dim, self.shape.num_kv_heads)
         self.max_model_len = config.max_model_len or self.shape.max_position_embeddings
+        self.layout = read_attention_layout(config.model)
+        validate_for_engine(self.layout, self.max_model_len, world_size)
         self.backend = get_backend(config.attention_backend, config.device)
         if config.on_cuda:
             torch.cuda.set_device(self.device)
@@ -171,7 +174,8 @@ class ModelRunner:
             torch.backends.cudnn.allow_tf32 = config.allow_tf32
             self._used_at_start = self._cuda_used_bytes()
         self.model = self._load_model()
-        self.inv_freq = self._find_inv_freq()
+        # Per layer: the RoPE table its keys were rotated with (Gemma-3: local vs global), for eviction rotations.
+        self.inv_freqs = layer_inv_freqs(self.model, self.layout)
         # Only the rank that holds the full logits samples (rank 0; logits are all-reduced to every rank).
         self.sampler = Sampler(self.device, config.seed, tokenizer_path=config.model) if rank == 0 else None
         self.num_kv_blocks = 0
@@ -272,12 +276,12 @@ class ModelRunner:
         self.kv_caches = [
             QuantKVCache.allocate(num_kv_blocks, nf, c.block_size, kv_heads, self.shape.head_dim, bits=c.kv_bits,
                                   group_size=kv_value_group_size(c, self.shape.head_dim), dtype=dtype,
-                                  device=self.device, outlier_channels=c.kv_outlier_channels, fp_index=fp_index)
+                                  device=self.device, outlier_channels=kv_outlier_channels(c, self.shape.head_dim), fp_index=fp_index)
             for _ in range(self.shape.num_layers)
         ]
         self.num_kv_blocks = num_kv_blocks
         self.num_fp_blocks = nf
-        if c.kv_outlier_channels:
+        if kv_outlier_channels(c, self.shape.head_dim):
             if self.outlier_idx is None:
                 self.outlier_idx = self.calibrate_outliers()
             for cache, idx in zip(self.kv_caches, self.outlier_idx):
@@ -318,7 +322,7 @@ class ModelRunner:
             self.execute(inp, key_absmax=absmax)
         finally:
             fp_index.fill_(-1)
-        o = c.kv_outlier_channels
+        o = kv_outlier_channels(c, self.shape.head_dim)
         out = [m.topk(o, dim=-1).indices.sort(dim=-1).values[None].to(self.device) for m in absmax]  # type: ignore[union-attr]
         ratio = [float(m.topk(o, dim=-1).values.mean() / m.median()) for m in absmax]  # type: ignore[union-attr]
         logger.info("rank %d: %d outlier key channels per layer and KV head kept 16-bit (calibrated on %d tokens; "
@@ -340,7 +344,7 @@ class ModelRunner:
         heads = self.model.config.num_attention_heads // self.world_size
         kv_heads = self.shape.num_kv_heads // self.world_size
         self.backend.warm_up(heads, kv_heads, self.shape.head_dim, self.config.block_size,
-                             torch_dtype(self.config.dtype), self.device, self.max_model_len)
+                             torch_dtype(self.config.dtype), self.device, self.max_model_len, sinks=self.layout.sinks)
         logger.info("rank %d: %s kernels warmed up", self.rank, self.backend.name)
         return True
 
@@ -385,11 +389,11 @@ class ModelRunner:
             model = engine.module
         return model.to(self.device)
 
-    def _find_inv_freq(self) -> torch.Tensor | None:
-        for name, module in self.model.named_modules():
-            if name.endswith("rotary_emb") and hasattr(module, "inv_freq"):
-                return module.inv_freq.detach().to(torch.float32)
-        return None
+    def _layer_inv_freqs(self) -> list[torch.Tensor]:
+        """Each layer's RoPE table on this device; refuses models without RoPE (rotations need it)."""
+        if any(f is None for f in self.inv_freqs):
+            raise RuntimeError("model has no rotary embedding; sliding-window retention needs RoPE")
+        return [f.to(self.device) for f in self.inv_freqs]  # type: ignore[union-attr]
 
     @torch.inference_mode()
     def execute_and_sample(self, inp: ModelInput) -> SamplerOutput | None:
@@ -424,6 +428,7 @@ class ModelRunner:
             query_start_loc=torch.tensor(inp.query_start_loc, dtype=torch.int32, device=dev),
             quantized=quantized,
             key_absmax=key_absmax,
+            layout=self.layout,
         )
         input_ids = torch.tensor(inp.input_ids, dtype=torch.long, device=dev)[None]
         positions = torch.tensor(inp.positions, dtype=torch.long, device=dev)[None]
@@ -440,12 +445,10 @@ class ModelRunner:
             v_cache[dst] = v_cache[src]
 
     def _rotate_blocks(self, rotations: list[tuple[int, int]]) -> None:
-        if self.inv_freq is None:
-            raise RuntimeError("model has no rotary embedding; sliding-window retention needs RoPE")
+        inv_freqs = self._layer_inv_freqs()
         blocks = torch.tensor([b for b, _ in rotations], dtype=torch.long, device=self.device)
         shifts = torch.tensor([s for _, s in rotations], dtype=torch.long, device=self.device)
-        inv_freq = self.inv_freq.to(self.device)
-        for k_cache, _ in self.kv_caches:
+        for (k_cache, _), inv_freq in zip(self.kv_caches, inv_freqs):
             k_cache[blocks] = rotate_keys(k_cache[blocks], shifts, inv_freq)
 
     # ------------------------------------------------------------------ quantized KV
@@ -503,14 +506,12 @@ class ModelRunner:
         mixes channel c with c + D/2, so a rotation cannot be applied to codes)."""
         from kernels import reference
 
-        if self.inv_freq is None:
-            raise RuntimeError("model has no rotary embedding; sliding-window retention needs RoPE")
+        inv_freqs = self._layer_inv_freqs()
         fp_index = self.kv_caches[0].fp_index
-        inv_freq = self.inv_freq.to(self.device)
         slots = [int(fp_index[b]) for b, _ in rotations]
         fp_rot = [(s, sh) for (_, sh), s in zip(rotations, slots) if s >= 0]
         q_rot = [(b, sh) for (b, sh), s in zip(rotations, slots) if s < 0]
-        for cache in self.kv_caches:
+        for cache, inv_freq in zip(self.kv_caches, inv_freqs):
             if fp_rot:
                 idx = torch.tensor([s for s, _ in fp_rot], dtype=torch.long, device=self.device)
                 shifts = torch.tensor([sh for _, sh in fp_rot], dtype=torch.long, device=self.device)

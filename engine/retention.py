@@ -106,6 +106,22 @@ def first_window_block(num_computed: int, window: int, block_size: int) -> int:
     return max(0, num_computed - window) // block_size
 
 
+def blocks_in_model_window(block_table: Sequence[int], num_computed: int, window: int, block_size: int) -> int:
+    """Held blocks a sliding-window *layer* of the model (window ``W``: the query at ``q`` sees
+    ``q - W < k <= q``) still reads at the next query, position ``num_computed``; older blocks are
+    ones every such layer has left behind (full-attention layers still read them)::
+
+        W = 8, block_size = 4, 30 tokens computed: the next query (30) sees 23..30 -> blocks 5, 6, 7
+
+    >>> blocks_in_model_window([7, 8, 0, 9, 10, 11, 12, 13], num_computed=30, window=8, block_size=4)
+    3
+    >>> blocks_in_model_window([7, 8], num_computed=5, window=8, block_size=4)
+    2
+    """
+    start = first_window_block(num_computed, window - 1, block_size)
+    return sum(1 for b in block_table[start:] if b != NULL_BLOCK)
+
+
 def blocks_to_evict(
     block_table: Sequence[int], start: int, stop: int, protected_blocks: set[int]
 ) -> list[int]:

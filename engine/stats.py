@@ -51,6 +51,11 @@ class EngineStats:
     blocks_16bit: int = 0
     blocks_quantized: int = 0
     blocks_protected_quantized: int = 0  # protected blocks packed because the side pool ran low
+    # Per layer type (engine/architectures.py): full-attention layers read every used block; the model's
+    # sliding-window layers only the blocks inside their window (the rest they have left behind, kept
+    # for the full layers). Equal to blocks_used when the model has no sliding layer.
+    sliding_layers: int = 0
+    blocks_needed_sliding: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

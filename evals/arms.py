@@ -43,6 +43,18 @@ class Arm:
     # (protected blocks + a 128-token residual window) 16-bit when ``kv_protect``, else packs everything.
     kv_cache_dtype: str = "auto"
     kv_protect: bool = True
+    # Key channels per layer and KV head kept 16-bit beside the codes (0: none) and the value group size
+    # (None: the engine's default), for ``--kv-outlier-channels`` / ``--kv-value-group-size``.
+    # (None: the engine's defaults). ``block_size`` None: BLOCK_SIZE; the KV A/B runs all its arms at the
+    # packed default (64) so that only the storage differs between them, not the eviction granularity.
+    kv_outlier_channels: int | None = None
+    kv_value_group_size: int | None = None
+    block_size: int | None = None
+
+    def kv_storage(self) -> dict[str, object]:
+        """The arm's KV-storage settings as ``make_engine`` keyword arguments."""
+        return dict(kv_cache_dtype=self.kv_cache_dtype, kv_outlier_channels=self.kv_outlier_channels,
+                    kv_value_group_size=self.kv_value_group_size, block_size=self.block_size or BLOCK_SIZE)
 
     def policy(self, window: int) -> CachePolicy:
         # int2 refuses an empty high-precision set (ConfigError): its "everything" ablation keeps a 1-token
@@ -104,7 +116,8 @@ def model_fingerprint(model: str | Path) -> str:
 
 
 def make_engine(model: str | Path, policy: CachePolicy, chunk: int, num_kv_blocks: int, max_num_seqs: int = 64,
-                kv_cache_dtype: str = "auto") -> LLMEngine:
+                kv_cache_dtype: str = "auto", kv_outlier_channels: int | None = None,
+                kv_value_group_size: int | None = None, block_size: int = BLOCK_SIZE) -> LLMEngine:
     """An engine for one arm.
 
     Prefix caching is off so every request is computed from its own tokens under the arm's policy; the
@@ -114,7 +127,7 @@ def make_engine(model: str | Path, policy: CachePolicy, chunk: int, num_kv_block
     backend = "auto"
     config = EngineConfig(
         model=str(model),
-        block_size=BLOCK_SIZE,
+        block_size=block_size,
         num_kv_blocks=num_kv_blocks,
         max_num_batched_tokens=chunk,
         max_num_seqs=max_num_seqs,
@@ -122,6 +135,8 @@ def make_engine(model: str | Path, policy: CachePolicy, chunk: int, num_kv_block
         attention_backend=backend,
         cache_policy=policy,
         kv_cache_dtype=kv_cache_dtype,
+        kv_outlier_channels=kv_outlier_channels,
+        kv_value_group_size=kv_value_group_size,
     )
     return LLMEngine(config)
 

@@ -47,6 +47,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         p.add_argument("--kv-cache-dtype", choices=("int8", "int4", "int2"),
                        help="run the KV-storage A/B instead (16-bit vs packed with protection vs packed everything; "
                             "writes <name>_kv_<dtype>.*; evals.kv_quant)")
+        p.add_argument("--kv-outlier-channels", type=int,
+                       help="key channels per layer and KV head kept 16-bit in the packed arms (default: the "
+                            "engine's, 8 for int2 and 0 otherwise; 0 disables)")
         if name == "long-ppl":
             p.add_argument("--tokens", type=int, help="stream length (default 16x ctx; quick 2x)")
             p.add_argument("--text", default="corpus", choices=("corpus", "licenses"), help="held-out text source")
@@ -162,10 +165,11 @@ def _kv_ab(args: argparse.Namespace, ctx: int) -> EvalResult:
         tokens = args.tokens or (2 if args.quick else 16) * ctx
         return kv_quant.run_kv_long_ppl(args.model, args.kv_cache_dtype, tokens, window, chunk,
                                         context_tokens=(2 if args.quick else 4) * ctx, text=args.text,
-                                        smooth=args.smooth or max(16, ctx // 4))
+                                        smooth=args.smooth or max(16, ctx // 4),
+                                        outlier_channels=args.kv_outlier_channels)
     mults = tuple(float(x) for x in (args.lengths or ("2" if args.quick else "16")).split(",") if float(x) != 1)
     return kv_quant.run_kv_needle(args.model, args.kv_cache_dtype, args.docs or (4 if args.quick else 12), mults,
-                                  window, chunk)
+                                  window, chunk, outlier_channels=args.kv_outlier_channels)
 
 
 def run(args: argparse.Namespace) -> int:

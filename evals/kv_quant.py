@@ -21,6 +21,7 @@ import numpy as np
 
 from evals import arms as A
 from evals import longmem
+from engine.config import DEFAULT_PACKED_BLOCK_SIZE
 from evals.report import EvalResult, Panel, Series
 
 logger = logging.getLogger(__name__)
@@ -29,8 +30,10 @@ logger = logging.getLogger(__name__)
 PPL_BOUND = {"int8": 0.005, "int4": 0.03, "int2": 0.10}
 
 
-def kv_arms(base: A.Arm, dtype: str) -> list[A.Arm]:
-    """``base`` at 16-bit, packed with protection, packed everything."""
+def kv_arms(base: A.Arm, dtype: str, outlier_channels: int | None = None) -> list[A.Arm]:
+    """``base`` at 16-bit, packed with protection, packed everything; all at the packed default block size
+    (``outlier_channels`` None: the engine's default for ``dtype``)."""
+    base = replace(base, block_size=DEFAULT_PACKED_BLOCK_SIZE, kv_outlier_channels=outlier_channels)
     return [
         replace(base, name=f"{base.name}", label=f"{base.label}, 16-bit KV"),
         replace(base, name=f"{base.name}_{dtype}", label=f"{base.label}, {dtype} protected", kv_cache_dtype=dtype),
@@ -40,7 +43,7 @@ def kv_arms(base: A.Arm, dtype: str) -> list[A.Arm]:
 
 
 def run_kv_long_ppl(model: str, dtype: str, n_tokens: int, window: int, chunk: int, context_tokens: int,
-                    text: str = "corpus", smooth: int = 256) -> EvalResult:
+                    text: str = "corpus", smooth: int = 256, outlier_channels: int | None = None) -> EvalResult:
     """In-context windows over the first ``context_tokens`` held-out tokens, and one ``n_tokens`` stream."""
     from transformers import AutoTokenizer
 
@@ -54,7 +57,7 @@ def run_kv_long_ppl(model: str, dtype: str, n_tokens: int, window: int, chunk: i
     rows, panels = [], []
     for part, base, stream in (("in context", A.DENSE, ids[:context_tokens]), ("streaming", A.SINKS_WINDOW, ids[:n_tokens])):
         scores = []
-        for arm in kv_arms(base, dtype):
+        for arm in kv_arms(base, dtype, outlier_channels):
             sc = score_dense(cfg, stream, ctx, arm) if not base.evicts else score_streaming(cfg, arm, stream)
             scores.append((arm, sc))
             logger.info("kv long-ppl %s %s: ppl %.4f (%.0fs)", part, arm.name, ppl(sc.nll[~np.isnan(sc.nll)]), sc.wall_s)
@@ -77,7 +80,9 @@ def run_kv_long_ppl(model: str, dtype: str, n_tokens: int, window: int, chunk: i
     return EvalResult(
         name=f"long_ppl_kv_{dtype}", title=f"long-ppl, KV storage A/B: 16-bit vs {dtype}",
         columns=["part", "arm", "tokens scored", "ppl", "vs 16-bit", "bound", "wall s"], rows=rows, panels=panels,
-        meta={"model": model, "kv_cache_dtype": dtype, "context_tokens": context_tokens, "stream_tokens": n_tokens,
+        meta={"model": model, "kv_cache_dtype": dtype, "block_size": DEFAULT_PACKED_BLOCK_SIZE,
+              "kv_outlier_channels": "engine default" if outlier_channels is None else outlier_channels,
+              "context_tokens": context_tokens, "stream_tokens": n_tokens,
               "window": window, "chunk": chunk, "trained_context": ctx, "wall_s": round(time.perf_counter() - t0, 1)},
         notes=[f"in context: held-out windows of {ctx} tokens (stride {ctx // 2}) over the first {context_tokens} tokens, "
                "no eviction; streaming: sinks 0..3 + a sliding window, the window's older part packed",
@@ -85,7 +90,8 @@ def run_kv_long_ppl(model: str, dtype: str, n_tokens: int, window: int, chunk: i
     )
 
 
-def run_kv_needle(model: str, dtype: str, docs: int, mults: tuple[float, ...], window: int, chunk: int) -> EvalResult:
+def run_kv_needle(model: str, dtype: str, docs: int, mults: tuple[float, ...], window: int, chunk: int,
+                  outlier_channels: int | None = None) -> EvalResult:
     """Retrieval rate per arm: in context (1x, no eviction) and anchored (sinks + window + anchor) at ``mults``."""
     from evals.needle import NeedleConfig, _tokenizer, build_docs, run_arm
 
@@ -99,7 +105,7 @@ def run_kv_needle(model: str, dtype: str, docs: int, mults: tuple[float, ...], w
         n = int(mult * ctx) - cfg.max_new_tokens - 1 if not base.evicts else int(mult * ctx)
         dset = build_docs(_tokenizer(model), cfg, n)
         ref_rate = None
-        for arm in kv_arms(base, dtype):
+        for arm in kv_arms(base, dtype, outlier_channels):
             texts, wall = run_arm(cfg, arm, dset, f"{mult:g}x", progress=False)
             ok = [longmem.check_answer(t, d.doc.answer) for t, d in zip(texts, dset)]
             rate = sum(ok) / len(ok)
@@ -118,7 +124,9 @@ def run_kv_needle(model: str, dtype: str, docs: int, mults: tuple[float, ...], w
     return EvalResult(
         name=f"needle_kv_{dtype}", title=f"needle, KV storage A/B: 16-bit vs {dtype}",
         columns=["length", "arm", "correct", "rate", "x 16-bit", "target", "wall s"], rows=rows, panels=[panel],
-        meta={"model": model, "kv_cache_dtype": dtype, "docs": docs, "window": window, "chunk": chunk,
+        meta={"model": model, "kv_cache_dtype": dtype, "block_size": DEFAULT_PACKED_BLOCK_SIZE,
+              "kv_outlier_channels": "engine default" if outlier_channels is None else outlier_channels,
+              "docs": docs, "window": window, "chunk": chunk,
               "trained_context": ctx, "wall_s": round(time.perf_counter() - t0, 1)},
         notes=["1x: in context, no eviction; other lengths: sinks + window + the fact as an anchor",
                "'everything' packs sinks, the anchor and the residual window too (the ablation)"],

@@ -104,7 +104,7 @@ def heldout_stream(tokenizer: Any, n_tokens: int, source: str) -> list[int]:
 def score_streaming(cfg: PplConfig, arm: A.Arm, ids: list[int]) -> ArmScores:
     """One request streams ``ids`` through the engine; prompt_logprobs arrive per prefill chunk."""
     engine = A.make_engine(cfg.model, arm.policy(cfg.window), cfg.chunk, A.blocks_for_stream(cfg.window, cfg.chunk) + 4,
-                           kv_cache_dtype=arm.kv_cache_dtype)
+                           **arm.kv_storage())
     engine.add_request("ppl", ids, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=True))
     lps: list[float] = []
     blocks: list[tuple[int, int]] = []
@@ -147,7 +147,7 @@ def score_dense(cfg: PplConfig, ids: list[int], ctx: int, arm: A.Arm = A.DENSE) 
     wins = dense_windows(len(ids), ctx - 1, stride)  # one position is left for the sampled output token
     per_seq = -(-ctx // A.BLOCK_SIZE) + 1
     engine = A.make_engine(cfg.model, arm.policy(cfg.window), max(cfg.chunk, 256), 4 * per_seq + 1, max_num_seqs=4,
-                           kv_cache_dtype=arm.kv_cache_dtype)
+                           **arm.kv_storage())
     prompts: dict[str, tuple[list[int], int, int, int]] = {}
     for k, (s, lo, hi) in enumerate(wins):
         prompt = ids[0:hi] if s == 0 else [ids[0]] + ids[s:hi]

@@ -84,7 +84,7 @@ def run_arm(cfg: NeedleConfig, arm: A.Arm, docs: list[Doc], length_label: str, p
     longest = max(d.n_tokens for d in docs) + cfg.max_new_tokens
     per_seq = A.blocks_for_stream(cfg.window, cfg.chunk) if arm.evicts else -(-longest // A.BLOCK_SIZE) + 1
     engine = A.make_engine(cfg.model, arm.policy(cfg.window), cfg.chunk, cfg.max_num_seqs * per_seq + 1, cfg.max_num_seqs,
-                           kv_cache_dtype=arm.kv_cache_dtype)
+                           **arm.kv_storage())
     params = SamplingParams(max_tokens=cfg.max_new_tokens, temperature=0.0)
     for d in docs:
         anchors = [{"text": d.fact_text}] if arm.anchor else None

@@ -4,7 +4,11 @@ A backend is two pure functions over the paged layout (``kernels/layout.py``):
 
     write_kv(key, value, k_cache, v_cache, slot_mapping)            -> None (in place)
     paged_attention(query, k_cache, v_cache, block_tables,
-                    seq_lens, query_start_loc, scale)              -> [T, Hq, D]
+                    seq_lens, query_start_loc, scale,
+                    window=None, sinks=None)                        -> [T, Hq, D]
+
+``window`` (a sliding-window layer's width) and ``sinks`` (``[Hq]`` learned sink logits) are per layer
+and keyword arguments of every attention entry point (``kernels/reference.py`` defines them).
 
 ``torch`` (``kernels/reference.py``) is the exact reference and runs everywhere; ``triton`` runs the
 Triton kernels (CUDA, or the CPU interpreter with ``TRITON_INTERPRET=1``), imported only when asked
@@ -30,7 +34,7 @@ class AttentionBackend:
     warm_up: Callable[..., None] | None = None
     # Quantized KV (``kernels.kv_quant.QuantKVCache`` in place of the two tensors):
     #   write_kv_quant(key, value, cache, slot_mapping)          new tokens into their 16-bit blocks
-    #   paged_attention_quant(query, cache, block_tables, seq_lens, query_start_loc, scale)
+    #   paged_attention_quant(query, cache, block_tables, seq_lens, query_start_loc, scale, window, sinks)
     #   quantize_blocks(cache, block_ids, fp_slots)              pack 16-bit slots into blocks, once
     write_kv_quant: Callable[..., None] | None = None
     paged_attention_quant: Callable[..., Any] | None = None
@@ -53,11 +57,8 @@ def triton_backend() -> AttentionBackend:
     from kernels import kv_quant as kq
     from kernels import paged_attention as pa
 
-    def attention_quant(query, cache, block_tables, seq_lens, query_start_loc, scale):  # type: ignore[no-untyped-def]
-        return kq.paged_attention_quant(query, cache, block_tables, seq_lens, query_start_loc, scale)
-
     return AttentionBackend("triton", pa.write_kv, pa.paged_attention, warm_up=pa.warm_up,
-                            write_kv_quant=kq.write_kv_fp, paged_attention_quant=attention_quant,
+                            write_kv_quant=kq.write_kv_fp, paged_attention_quant=kq.paged_attention_quant,
                             quantize_blocks=kq.quantize_fp_slots)
 
 

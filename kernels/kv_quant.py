@@ -323,10 +323,13 @@ def paged_attention_quant(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``paged_attention`` over a quantized cache: codes are dequantized in registers, 16-bit blocks read as is."""
+    """``paged_attention`` over a quantized cache: codes are dequantized in registers, 16-bit blocks read as
+    is (``window``, ``sinks`` as in ``kernels.reference.paged_attention``)."""
     return launch_paged_attention(
-        query, cache.source(), block_tables, seq_lens, query_start_loc, scale, num_splits, out
+        query, cache.source(), block_tables, seq_lens, query_start_loc, scale, num_splits, out, window, sinks
     )

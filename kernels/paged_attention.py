@@ -7,7 +7,11 @@ Same signatures and semantics as ``kernels.reference.paged_attention`` / ``write
   block id 0 (the null block) is skipped;
 * causal inside the new chunk: query ``i`` of a sequence sits at position ``seq_len - q_len + i``;
 * GQA of any ratio: one program owns one KV head and *all* of its query heads, so every key tile is
-  loaded once per group instead of once per query head.
+  loaded once per group instead of once per query head;
+* a sliding-window layer (``window``) sees keys ``q - window < k <= q``; the key loop starts at the
+  window of the tile's first query, so such a layer reads ``O(window)`` keys per tile, not the history;
+* learned sinks (``sinks [Hq]``, gpt-oss) start the online softmax at ``(m, l) = (sink, 1)``: one extra
+  term in the denominator with no value (the split path adds it in the reduction instead).
 
 Work decomposition. One program = (query tile, KV head, KV split). A query tile is up to ``BLOCK_Q``
 consecutive query tokens of one sequence times the ``G = Hq / Hkv`` heads of the group, flattened into
@@ -46,6 +50,8 @@ from kernels._triton import (
 logger = logging.getLogger(__name__)
 
 LOG2E = 1.4426950408889634
+# ``window`` passed to the kernel for a full-attention layer: larger than any position.
+NO_WINDOW = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -119,7 +125,9 @@ def _paged_attn_kernel(
     stride_bt,
     seq_lens_ptr,
     qsl_ptr,
+    sinks_ptr,
     num_seqs,
+    window,
     qk_scale,
     stride_qt,
     stride_qh,
@@ -137,6 +145,7 @@ def _paged_attn_kernel(
     NUM_SPLITS: tl.constexpr,
     QUANT: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     DOT_PREC: tl.constexpr,
     INTERP: tl.constexpr,
 ):
@@ -166,18 +175,24 @@ def _paged_attn_kernel(
         q_lo = tl.load(q_ptr + q_row[:, None] + offs[None, :], mask=qm, other=0.0)
         q_hi = tl.load(q_ptr + q_row[:, None] + HD2 + offs[None, :], mask=qm, other=0.0)
 
-        # Keys this tile can see: positions [0, last query position of the tile].
+        # Keys this tile can see: positions [window start of its first query, its last query position].
         kv_end = ctx + tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len)
+        kv_start = tl.maximum(ctx + q_tile * BLOCK_Q - window + 1, 0)
         if NUM_SPLITS == 1:
-            lo = 0
+            lo = kv_start
             hi = kv_end
         else:
-            seg = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-            lo = split * seg
+            seg = tl.cdiv(tl.cdiv(kv_end - kv_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+            lo = kv_start + split * seg
             hi = tl.minimum(lo + seg, kv_end)
 
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if HAS_SINKS and NUM_SPLITS == 1:
+            # The sink is one more softmax term with no value: start from it (log2 domain, like s).
+            m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634
+            l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+        else:
+            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc_lo = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
         acc_hi = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
         bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
@@ -194,7 +209,7 @@ def _paged_attn_kernel(
             s = mma(q_lo, tl.trans(k_lo), q_lo.dtype, DOT_PREC, INTERP)
             s += mma(q_hi, tl.trans(k_hi), q_lo.dtype, DOT_PREC, INTERP)
             s = s * qk_scale  # log2 domain: qk_scale = scale * log2(e)
-            ok = kv_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+            ok = kv_ok[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)
             s = tl.where(ok, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # Rows that have seen no valid key yet keep m = -inf; shift by 0 so exp2 gives 0, not NaN.
@@ -229,6 +244,7 @@ def _reduce_kernel(
     part_o_ptr,
     part_ml_ptr,
     o_ptr,
+    sinks_ptr,
     stride_ot,
     stride_oh,
     NUM_Q_HEADS: tl.constexpr,
@@ -236,6 +252,7 @@ def _reduce_kernel(
     D_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     INTERP: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
@@ -250,9 +267,14 @@ def _reduce_kernel(
         part_o_ptr + (base + sp)[:, None] * HEAD_DIM + d[None, :], mask=sm[:, None] & (d[None, :] < HEAD_DIM), other=0.0
     )
     m_max = tl.max(m, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head) * 1.4426950408889634  # log2 domain, like the partial maxima
+        m_max = tl.maximum(m_max, sink)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.exp2(m - m_max)  # segments that saw no key have m = -inf -> weight 0
     den = tl.sum(w * l, 0)
+    if HAS_SINKS:
+        den += tl.exp2(sink - m_max)
     num = tl.sum(w[:, None] * acc, 0)
     out = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 0.0)
     tl.store(o_ptr + tok * stride_ot + head * stride_oh + d, cast_out(out, o_ptr.dtype.element_ty, INTERP), mask=d < HEAD_DIM)
@@ -315,13 +337,16 @@ def split_buffers(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, tor
     return part_o, part_ml
 
 
-def reduce_splits(part_o: torch.Tensor, part_ml: torch.Tensor, out: torch.Tensor, num_splits: int) -> None:
-    """Merge the split-KV partials into ``out`` (a no-op with one split)."""
+def reduce_splits(part_o: torch.Tensor, part_ml: torch.Tensor, out: torch.Tensor, num_splits: int,
+                  sinks: torch.Tensor | None = None) -> None:
+    """Merge the split-KV partials into ``out`` (a no-op with one split); ``sinks [Hq]`` float32 adds each
+    head's sink term to the denominator."""
     if num_splits <= 1:
         return
     t, h, d = out.shape
     _reduce_kernel[(t, h)](
-        part_o, part_ml, out, out.stride(0), out.stride(1), **reduce_constexprs(h, d, num_splits, interpreting()),
+        part_o, part_ml, out, sinks if sinks is not None else part_ml, out.stride(0), out.stride(1),
+        **reduce_constexprs(h, d, num_splits, interpreting(), sinks is not None),
     )  # fmt: skip
 
 
@@ -340,7 +365,8 @@ def paged_tile(decode_only: bool, group: int, interp: bool) -> tuple[int, int, i
 
 
 def paged_constexprs(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int, decode_only: bool,
-                     num_splits: int, dtype: torch.dtype, interp: bool, quant: int = 0, group_size: int = 1) -> dict:
+                     num_splits: int, dtype: torch.dtype, interp: bool, quant: int = 0, group_size: int = 1,
+                     sinks: bool = False) -> dict:
     """The compile-time arguments of ``_paged_attn_kernel`` for one launch."""
     group = num_q_heads // num_kv_heads
     block_q, block_m, block_n = paged_tile(decode_only, group, interp)
@@ -348,14 +374,14 @@ def paged_constexprs(num_q_heads: int, num_kv_heads: int, head_dim: int, block_s
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
         HALF=max(16, next_pow2(head_dim // 2)),  # tl.dot needs K >= 16; padded channels are masked
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        QUANT=quant, GROUP_SIZE=group_size, DOT_PREC=dot_precision(dtype), INTERP=interp,
+        QUANT=quant, GROUP_SIZE=group_size, HAS_SINKS=sinks, DOT_PREC=dot_precision(dtype), INTERP=interp,
     )  # fmt: skip
 
 
-def reduce_constexprs(num_q_heads: int, head_dim: int, num_splits: int, interp: bool) -> dict:
+def reduce_constexprs(num_q_heads: int, head_dim: int, num_splits: int, interp: bool, sinks: bool = False) -> dict:
     """The compile-time arguments of ``_reduce_kernel`` (launched only when ``num_splits > 1``)."""
     return dict(NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim), NUM_SPLITS=num_splits,
-                SPLITS_PAD=next_pow2(num_splits), INTERP=interp)
+                SPLITS_PAD=next_pow2(num_splits), HAS_SINKS=sinks, INTERP=interp)
 
 
 def write_kv_constexprs(num_kv_heads: int, head_dim: int, interp: bool) -> dict:
@@ -385,26 +411,29 @@ class KernelConfig:
 
 
 def engine_launch_configs(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-                          interp: bool = False, max_model_len: int | None = None) -> list[KernelConfig]:
+                          interp: bool = False, max_model_len: int | None = None,
+                          sinks: bool = False) -> list[KernelConfig]:
     """Every kernel configuration the engine's attention backend (``write_kv`` + ``paged_attention``,
     split count from ``choose_num_splits``) can launch for one model shape and dtype, compiled mode by
-    default; ``max_model_len`` bounds the split counts (short models never split). Built from the same
-    functions the launchers call, so it cannot drift from them."""
+    default; ``max_model_len`` bounds the split counts (short models never split); ``sinks``: the model
+    has learned sinks (every attention launch carries them). Built from the same functions the launchers
+    call, so it cannot drift from them."""
     top = MAX_SPLITS if max_model_len is None else max_splits(-(-max_model_len // block_size) * block_size)
     splits_choices = [s for s in SPLIT_CHOICES if s <= top]
     configs = [KernelConfig("write_kv", tuple(write_kv_constexprs(num_kv_heads, head_dim, interp).items()))]
     for decode_only in (True, False):
         for splits in splits_choices:
-            c = paged_constexprs(num_q_heads, num_kv_heads, head_dim, block_size, decode_only, splits, dtype, interp)
+            c = paged_constexprs(num_q_heads, num_kv_heads, head_dim, block_size, decode_only, splits, dtype, interp,
+                                 sinks=sinks)
             configs.append(KernelConfig("paged_attention", tuple(c.items()), decode_only, splits))
     for splits in splits_choices[1:]:
-        configs.append(KernelConfig("reduce", tuple(reduce_constexprs(num_q_heads, head_dim, splits, interp).items()),
+        configs.append(KernelConfig("reduce", tuple(reduce_constexprs(num_q_heads, head_dim, splits, interp, sinks).items()),
                                     num_splits=splits))
     return configs
 
 
 def warm_up(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-            device: torch.device, max_model_len: int | None = None, force: bool = False) -> int:
+            device: torch.device, max_model_len: int | None = None, force: bool = False, sinks: bool = False) -> int:
     """Launch every configuration of ``engine_launch_configs`` once on a few tokens, through the real
     launchers, so the first requests do not pay the JIT compiles. Returns the launches made.
 
@@ -417,8 +446,9 @@ def warm_up(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
     kv_shape = (4, block_size, num_kv_heads, head_dim)
     k_cache = torch.zeros(kv_shape, dtype=dtype, device=device)
     v_cache = torch.zeros_like(k_cache)
+    sink_logits = torch.zeros(num_q_heads, dtype=torch.float32, device=device) if sinks else None
     for cfg in engine_launch_configs(num_q_heads, num_kv_heads, head_dim, block_size, dtype,
-                                     max_model_len=max_model_len):
+                                     max_model_len=max_model_len, sinks=sinks):
         if cfg.kernel == "reduce":
             continue  # launched by the split paged-attention runs below
         if cfg.kernel == "write_kv":
@@ -431,7 +461,8 @@ def warm_up(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
             tables = torch.tensor([[1, 2]] * len(q_lens), dtype=torch.int32, device=device)
             seq_lens = torch.tensor([block_size + q for q in q_lens], dtype=torch.int32, device=device)
             qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-            paged_attention(query, k_cache, v_cache, tables, seq_lens, qsl, 1.0, num_splits=cfg.num_splits)
+            paged_attention(query, k_cache, v_cache, tables, seq_lens, qsl, 1.0, num_splits=cfg.num_splits,
+                            sinks=sink_logits)
         n += 1
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -447,8 +478,11 @@ def launch_paged_attention(
     scale: float,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Run the paged-attention kernel over any ``KVSource`` (16-bit or quantized). Returns ``[T, Hq, D]``."""
+    """Run the paged-attention kernel over any ``KVSource`` (16-bit or quantized). Returns ``[T, Hq, D]``.
+    ``window``: sliding-window layer; ``sinks [Hq]``: learned sink logits (``kernels.reference``)."""
     check_device(query, kv.k, block_tables)
     num_tokens, hq, d = query.shape
     if d != kv.head_dim:
@@ -466,16 +500,23 @@ def launch_paged_attention(
     max_kv_len = int(block_tables.shape[1]) * kv.block_size
     if num_splits is None:
         num_splits = choose_num_splits(num_tokens, kv.num_kv_heads, max_kv_len, query.device)
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if sinks is not None:
+        if sinks.shape != (hq,):
+            raise ValueError(f"sinks must have shape ({hq},), got {tuple(sinks.shape)}")
+        sinks = sinks.to(device=query.device, dtype=torch.float32).contiguous()
     consts = paged_constexprs(hq, kv.num_kv_heads, d, kv.block_size, num_tokens == num_seqs, num_splits, query.dtype,
-                              interpreting(), kv.quant, kv.group_size)
+                              interpreting(), kv.quant, kv.group_size, sinks is not None)
     grid = (num_tokens // consts["BLOCK_Q"] + num_seqs, kv.num_kv_heads, num_splits)
     part_o, part_ml = split_buffers(out, num_splits)
     _paged_attn_kernel[grid](
         query, out, part_o, part_ml, *kv.pointers(),
-        block_tables, block_tables.stride(0), seq_lens, query_start_loc, num_seqs, scale * LOG2E,
+        block_tables, block_tables.stride(0), seq_lens, query_start_loc, sinks if sinks is not None else query,
+        num_seqs, NO_WINDOW if window is None else window, scale * LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), **consts,
     )  # fmt: skip
-    reduce_splits(part_o, part_ml, out, num_splits)
+    reduce_splits(part_o, part_ml, out, num_splits, sinks)
     return out
 
 
@@ -487,17 +528,20 @@ def paged_attention(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries ``[T, Hq, D]`` over paged caches; returns ``[T, Hq, D]``.
 
-    Drop-in for ``kernels.reference.paged_attention``. ``num_splits`` forces the split-KV path (``None``
-    picks it from shapes: only when tokens x KV heads cannot fill the GPU). ``out`` (optional, like
-    ``query``) receives the result.
+    Drop-in for ``kernels.reference.paged_attention`` (``window``, ``sinks`` as there). ``num_splits``
+    forces the split-KV path (``None`` picks it from shapes: only when tokens x KV heads cannot fill the
+    GPU). ``out`` (optional, like ``query``) receives the result.
     """
     return launch_paged_attention(
-        query, plain_source(k_cache, v_cache), block_tables, seq_lens, query_start_loc, scale, num_splits, out
+        query, plain_source(k_cache, v_cache), block_tables, seq_lens, query_start_loc, scale, num_splits, out,
+        window, sinks,
     )
 
 

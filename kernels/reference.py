@@ -14,6 +14,21 @@ causally to every non-null logical position at or before their own.
 
 Queries of all sequences are packed on one token axis (prefill chunks and decode tokens together);
 ``query_start_loc`` (length S + 1) marks where each sequence's queries begin.
+
+Two per-layer options of the model (``engine/architectures.py``) change what a query sees:
+
+* ``window`` (a sliding-window layer): a query at position ``q`` sees keys at ``q - window < k <= q``
+  only, the last ``window`` positions including its own (transformers' ``sliding_window``)::
+
+      window 4, query at 9:   keys 0 1 2 3 4 5 [6 7 8 9] 10 ...
+                                                ^ visible
+
+* ``sinks [Hq]`` (gpt-oss's learned sinks): one extra logit per query head in the softmax denominator
+  with no value, so a head can put weight "nowhere"::
+
+      p_j = exp(s_j) / (exp(sink_h) + sum_i exp(s_i)),   out = sum_j p_j v_j
+
+  A query with no visible key outputs zeros, with or without sinks.
 """
 
 from __future__ import annotations
@@ -89,30 +104,54 @@ def paged_attention(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries ``[T, Hq, D]`` over paged caches; returns ``[T, Hq, D]``.
 
-    Grouped-query attention: query head ``h`` reads KV head ``h // (Hq // Hkv)``.
+    Grouped-query attention: query head ``h`` reads KV head ``h // (Hq // Hkv)``. ``window``: sliding-window
+    layer (see the module docstring); ``sinks [Hq]``: learned sink logits.
     """
-    return _paged_attention(query, lambda t, n: gather_kv(k_cache, v_cache, t, n), block_tables, seq_lens,
-                            query_start_loc, scale)
+    return _paged_attention(query, lambda t, n: gather_kv(k_cache, v_cache, t, n), k_cache.shape[1], block_tables,
+                            seq_lens, query_start_loc, scale, window, sinks)
 
 
-def _paged_attention(query: torch.Tensor, gather, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                     query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+def window_tables(block_tables: torch.Tensor, seq_lens: torch.Tensor, q_lens: torch.Tensor, block_size: int,
+                  window: int) -> torch.Tensor:
+    """``block_tables`` with every block that lies wholly before the window of a sequence's *first* query
+    replaced by the null block, so a sliding-window layer gathers ``O(window)`` keys, not the whole history::
+
+        block_size 4, window 6, seq_len 14, one new query (position 13, sees 8..13)
+        table [ 5 | 9 | 2 | 7 ]  ->  [ 0 | 0 | 2 | 7 ]     (blocks 0-1 hold 0..7: out of the window)
+
+    Blocks holding part of the window stay; the exact position mask removes the rest.
+    """
+    first_q = seq_lens.long() - q_lens.long()
+    first_block = torch.clamp(first_q - window + 1, min=0) // block_size  # [S]
+    cols = torch.arange(block_tables.shape[1], device=block_tables.device)
+    return torch.where(cols[None, :] < first_block[:, None], torch.zeros_like(block_tables), block_tables)
+
+
+def _paged_attention(query: torch.Tensor, gather, block_size: int, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                     query_start_loc: torch.Tensor, scale: float, window: int | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """``paged_attention`` with the KV fetch ``gather(block_tables, seq_lens)`` (``gather_kv``'s contract)."""
     num_seqs = int(seq_lens.shape[0])
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     q_lens = [starts[i + 1] - starts[i] for i in range(num_seqs)]
+    if window is not None:
+        block_tables = window_tables(block_tables, seq_lens, query_start_loc[1:] - query_start_loc[:-1], block_size, window)
 
     decode = [i for i in range(num_seqs) if q_lens[i] == 1]
     if decode:
         # Single-token queries batch into one call: padding only along the key axis, and every valid
         # key precedes the query, so no causal mask is needed.
         idx = torch.tensor(decode, dtype=torch.long, device=query.device)
-        keys, values, valid, _ = gather(block_tables[idx], seq_lens[idx])
+        keys, values, valid, k_pos = gather(block_tables[idx], seq_lens[idx])
+        if window is not None:
+            valid = valid & (k_pos > seq_lens[idx].long()[:, None] - 1 - window)
         tok = query_start_loc[idx].long()
         # Fold each KV head's query heads into the query-row axis: [B, Hkv, Hq/Hkv, D]. With one query token
         # per sequence that is exact (no causal mask), and SDPA then reads K/V once per KV head instead of
@@ -120,7 +159,8 @@ def _paged_attention(query: torch.Tensor, gather, block_tables: torch.Tensor, se
         q = query[tok].unflatten(1, (keys.shape[2], -1))
         k = keys.transpose(1, 2).to(q.dtype)
         v = values.transpose(1, 2).to(q.dtype)
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :], scale=scale)
+        row_sinks = None if sinks is None else sinks.view(1, keys.shape[2], -1, 1)  # [1, Hkv, G, 1]
+        o = _attend(q, k, v, valid[:, None, None, :], scale, row_sinks)
         out[tok] = o.flatten(1, 2)
     for i in range(num_seqs):
         n = q_lens[i]
@@ -129,10 +169,30 @@ def _paged_attention(query: torch.Tensor, gather, block_tables: torch.Tensor, se
         keys, values, valid, k_pos = gather(block_tables[i : i + 1], seq_lens[i : i + 1])
         q_pos = torch.arange(lens[i] - n, lens[i], device=query.device)
         mask = valid[:, None, :] & (k_pos[:, None, :] <= q_pos[None, :, None])
+        if window is not None:
+            mask = mask & (k_pos[:, None, :] > q_pos[None, :, None] - window)
         q = query[starts[i] : starts[i + 1]].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-        o = _sdpa(q, keys, values, mask[:, None, :, :], scale)
+        k, v = keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype)
+        o = _attend(q, k, v, mask[:, None, :, :], scale, None if sinks is None else sinks.view(1, -1, 1, 1))
         out[starts[i] : starts[i + 1]] = o[0].transpose(0, 1)
     return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+            sinks: torch.Tensor | None) -> torch.Tensor:
+    """``q [B, H, n, D]`` against ``k, v [B, Hk, L, D]`` (``H`` a multiple of ``Hk``) with a boolean ``mask``
+    broadcastable to the scores. ``sinks`` (broadcastable to ``[B, H, n, 1]``): learned sink logits, an
+    extra softmax column whose probability is dropped (transformers' gpt-oss eager attention)."""
+    if sinks is None:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                                                enable_gqa=k.shape[1] != q.shape[1])
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    s = (q.float() @ k.float().transpose(-1, -2)) * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    s = torch.cat([s, sinks.float().expand(*s.shape[:-1], 1)], dim=-1)
+    p = torch.softmax(s, dim=-1)[..., :-1]
+    return (p @ v.float()).to(q.dtype)
 
 
 def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -353,12 +413,14 @@ def paged_attention_quant(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``paged_attention`` over a quantized cache (a ``kv_quant.QuantKVCache``), dequantizing on gather
     (``gather_kv_quant``): packed blocks are decoded once per layer and step into the gathered keys and
     values, 16-bit blocks are read from the side pool; null blocks are skipped as everywhere."""
-    return _paged_attention(query, lambda t, n: gather_kv_quant(cache, t, n, query.dtype), block_tables, seq_lens,
-                            query_start_loc, scale)
+    return _paged_attention(query, lambda t, n: gather_kv_quant(cache, t, n, query.dtype), cache.block_size,
+                            block_tables, seq_lens, query_start_loc, scale, window, sinks)
 
 
 def _token_positions(

@@ -99,11 +99,11 @@ def test_cuda_runner_warms_up_its_backend_for_the_model_shape(tiny_llama: Path) 
     calls: list[tuple] = []
     runner = ex.runner
     runner.backend = AttentionBackend("fake", runner.backend.write_kv, runner.backend.paged_attention,
-                                      warm_up=lambda *a: calls.append(a))
+                                      warm_up=lambda *a, **kw: calls.append((*a, kw)))
     runner.config = replace(runner.config, device="cuda")  # what warm_up reads; no GPU is touched
     assert runner.warm_up() is True
-    # tiny llama: 4 query heads, 2 KV heads of 16, 512 positions
-    assert calls == [(4, 2, 16, 16, torch.float32, runner.device, 512)]
+    # tiny llama: 4 query heads, 2 KV heads of 16, 512 positions, no learned sinks
+    assert calls == [(4, 2, 16, 16, torch.float32, runner.device, 512, {"sinks": False})]
 
 
 def test_profile_input_is_the_largest_step(tiny_llama: Path) -> None:

@@ -36,8 +36,12 @@ def reference(model_dir: Path, batch: list[list[int]]) -> tuple[list[list[int]],
     return tokens, logits
 
 
-def run_engine(model_dir: Path, batch: list[list[int]], staggered: bool) -> tuple[list[list[int]], list[list[torch.Tensor]], LLMEngine]:
-    engine = LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=256, block_size=16, max_num_batched_tokens=256))
+def run_engine(model_dir: Path, batch: list[list[int]], staggered: bool, **config: object
+               ) -> tuple[list[list[int]], list[list[torch.Tensor]], LLMEngine]:
+    """Greedy tokens and the logits of every sampled position from the engine (``config``: EngineConfig
+    overrides)."""
+    settings: dict = dict(num_kv_blocks=256, block_size=16, max_num_batched_tokens=256) | config
+    engine = LLMEngine(EngineConfig(model=str(model_dir), **settings))
     seen: dict[str, list[torch.Tensor]] = {}
     runner = engine.executor.runner
     execute = runner.execute

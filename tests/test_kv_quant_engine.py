@@ -62,6 +62,29 @@ def test_bad_kv_cache_settings_name_the_field_and_the_choices(tiny_llama: Path) 
         make(tiny_llama, kv_cache_dtype="int8", kv_value_group_size=16)
 
 
+def test_packed_defaults_block_64_value_group_64_and_int2_outlier_channels(tiny_llama: Path) -> None:
+    from engine.config import kv_outlier_channels, kv_value_group_size
+
+    # Block size: 16 for a 16-bit cache, 64 for a packed one (key scales amortised), unless set.
+    assert EngineConfig().block_size == 16
+    assert [EngineConfig(kv_cache_dtype=d).block_size for d in ("int8", "int4", "int2")] == [64, 64, 64]
+    assert EngineConfig(kv_cache_dtype="int4", block_size=16).block_size == 16
+    assert engine_config_from_dict({"kv_cache_dtype": "int2"}).block_size == 64
+    # Value groups of 64 channels, capped at head_dim/2.
+    assert kv_value_group_size(EngineConfig(kv_cache_dtype="int4"), 256) == 64
+    assert kv_value_group_size(EngineConfig(kv_cache_dtype="int4"), 64) == 32
+    # int2 keeps outlier key channels by default; the tiny model (head_dim 16) gets head_dim/4 of them,
+    # calibrated at load time; 0 still disables.
+    assert kv_outlier_channels(EngineConfig(kv_cache_dtype="int2"), 128) == 8
+    engine = make(tiny_llama, kv_cache_dtype="int2", block_size=None)
+    runner = engine.executor.runner
+    assert runner.config.block_size == 64
+    assert [idx.shape[-1] for idx in runner.outlier_idx] == [4] * len(runner.outlier_idx)
+    assert make(tiny_llama, kv_cache_dtype="int2", kv_outlier_channels=0).executor.runner.outlier_idx is None
+    with pytest.raises(ConfigError, match="kv_outlier_channels: must be >= 0"):
+        EngineConfig(kv_cache_dtype="int2", kv_outlier_channels=-1)
+
+
 # ---------------------------------------------------------------------------------------------- memory
 def test_packed_pool_is_allocated_at_its_packed_size(tiny_llama: Path) -> None:
     full = make(tiny_llama)
@@ -261,3 +284,40 @@ async def test_engine_process_streams_the_quantized_engine_tokens(tiny_llama: Pa
     # float32 "auto" stores 512 B/token; int4 codes + scales 160 B/token + an 8-block float32 side pool.
     assert stats.blocks_used == 0 and stats.kv_cache_bytes_per_token == pytest.approx((64 * 640 + 8 * 2048) / 252)
     await engine.shutdown()
+
+
+def test_tp2_packed_cache_matches_tp1(tiny_llama: Path) -> None:
+    """Each rank holds its KV heads' codes, scales, side pool and outlier channels; the block manager's
+    kv ops travel in ModelInput. TP=2 (two processes, gloo, DeepSpeed AutoTP) gives TP=1's greedy tokens
+    and log-probs, with sliding-window eviction packing and rotating blocks on both."""
+    from tests.tp_harness import ProcessTPExecutor
+
+    policy = CachePolicy(eviction_policy="sliding_window", window=32, protected_positions=(0, 1, 2, 3),
+                         residual_window=8)
+    kw = dict(model=str(tiny_llama), block_size=4, num_kv_blocks=64, max_num_batched_tokens=16,
+              kv_cache_dtype="int4", kv_outlier_channels=2, cache_policy=policy)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=True)
+    prompts = [rand_prompt(70, 11), rand_prompt(20, 12)]
+    def run(engine: LLMEngine) -> tuple[list, int]:
+        ids = [engine.add_request(None, p, params) for p in prompts]
+        toks: dict[str, list] = {i: [] for i in ids}
+        lps: dict[str, list] = {i: [] for i in ids}
+        packed = 0
+        while engine.has_unfinished():
+            for out in engine.step():
+                toks[out.request_id] += out.token_ids
+                lps[out.request_id] += out.logprobs or []
+            packed = max(packed, engine.stats().blocks_quantized)
+        return [(toks[i], lps[i]) for i in ids], packed
+
+    one, packed_one = run(LLMEngine(EngineConfig(**kw)))
+    engine = LLMEngine(EngineConfig(**kw, tensor_parallel_size=2), ProcessTPExecutor)
+    try:
+        two, packed_two = run(engine)
+    finally:
+        engine.executor.shutdown()
+    assert packed_one == packed_two > 0 and engine.eviction_log  # the packed and rotated paths ran
+    for (ta, la), (tb, lb) in zip(one, two):
+        assert ta == tb and len(ta) == params.max_tokens
+        diffs = [abs(x - y) for x, y in zip(la, lb)]
+        assert max(diffs) < 1e-4, max(diffs)

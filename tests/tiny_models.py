@@ -12,10 +12,16 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -56,33 +62,55 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_model(path: Path, family: str = "llama", seed: int = 0, layers: int = 2, max_pos: int = 512) -> Path:
-    """Save a tiny seeded model of ``family``: ``llama``/``mistral`` (GQA), ``qwen2`` (q/k/v biases), ``qwen3`` (q/k norms),
-    ``attnres_full`` / ``attnres_block`` (Attention Residuals, engine.attnres: every sub-layer a source / blocks of
-    two sub-layers), whose pseudo-queries are random (zero, their init, would make every mix a plain mean)."""
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "phi3": (Phi3Config, Phi3ForCausalLM),
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
+    "gpt_oss": (GptOssConfig, GptOssForCausalLM),
+    "attnres_full": (AttnResConfig, AttnResForCausalLM),
+    "attnres_block": (AttnResConfig, AttnResForCausalLM),
+}
+
+# Per family, what its config needs beyond ``common`` to be tiny and valid (its own defaults otherwise:
+# Gemma-3's 5:1 sliding layers, local/global RoPE and tied embeddings; gpt-oss's alternating layers,
+# yarn RoPE and sinks).
+FAMILY_DEFAULTS = {
+    "mistral": dict(sliding_window=None),
+    "phi3": dict(pad_token_id=VOCAB - 3),
+    "gemma3": dict(head_dim=16, query_pre_attn_scalar=24, pad_token_id=VOCAB - 3, sliding_window=4096),
+    "gpt_oss": dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=128,
+                    pad_token_id=VOCAB - 3),
+}
+
+
+def build_model(path: Path, family: str = "llama", seed: int = 0, layers: int = 2, max_pos: int = 512,
+                **overrides: object) -> Path:
+    """Save a tiny seeded model of ``family`` (``FAMILIES``): ``llama``/``mistral`` (GQA), ``qwen2`` (q/k/v
+    biases), ``qwen3`` (q/k norms), ``phi3`` (fused projections), ``gemma3`` (text; sliding and global
+    layers), ``gpt_oss`` (MoE, learned sinks), ``attnres_full`` / ``attnres_block`` (Attention Residuals,
+    engine.attnres: every sub-layer a source / blocks of two sub-layers; random pseudo-queries, since zero,
+    their init, would make every mix a plain mean). ``overrides`` go to the config (``sliding_window=64``,
+    ``tie_word_embeddings=True``, ``layer_types=[...]``, ``rope_parameters={...}``)."""
     torch.manual_seed(seed)
     common = dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
         bos_token_id=VOCAB - 4, eos_token_id=VOCAB - 3, tie_word_embeddings=False,
     )
-    families = {
-        "llama": (LlamaConfig, LlamaForCausalLM),
-        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-        "mistral": (MistralConfig, MistralForCausalLM),
-        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-        "attnres_full": (AttnResConfig, AttnResForCausalLM),
-        "attnres_block": (AttnResConfig, AttnResForCausalLM),
-    }
-    config_cls, model_cls = families[family]
-    extra = {"mistral": {"sliding_window": None}, "attnres_block": {"attn_res_num_blocks": layers}}.get(family, {})
-    model = model_cls(config_cls(**common, **extra))
+    if family == "attnres_block":
+        overrides.setdefault("attn_res_num_blocks", layers)  # two sub-layers per block
+    config_cls, model_cls = FAMILIES[family]
+    model = model_cls(config_cls(**{**common, **FAMILY_DEFAULTS.get(family, {}), **overrides}))
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() > 1:
                 p.mul_(3.0)
-        for name, p in model.named_parameters():
-            if name.endswith("mix.query"):
+            elif name.endswith("sinks"):
+                p.copy_(torch.randn_like(p) * 2 + 4)  # sinks that take a visible share of the softmax
+            elif name.endswith("mix.query"):
                 p.normal_(0.0, 0.25)  # mix logits ~N(0, 2): peaked, not one-hot
     model.save_pretrained(path)
     build_tokenizer().save_pretrained(path)

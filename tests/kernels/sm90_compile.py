@@ -76,9 +76,10 @@ def engine_variants(every: bool) -> list[tuple[str, object, dict, dict]]:
                 if cfg.kernel == "paged_attention":
                     fn, types = pa._paged_attn_kernel, dict(
                         q_ptr=f"*{dt}", o_ptr=f"*{dt}", part_o_ptr="*fp32", part_ml_ptr="*fp32", block_tables_ptr="*i32",
-                        seq_lens_ptr="*i32", qsl_ptr="*i32", qk_scale="fp32", **quant_ptrs(dt, 0))
+                        seq_lens_ptr="*i32", qsl_ptr="*i32", sinks_ptr="*fp32", qk_scale="fp32", **quant_ptrs(dt, 0))
                 elif cfg.kernel == "reduce":
-                    fn, types = pa._reduce_kernel, dict(part_o_ptr="*fp32", part_ml_ptr="*fp32", o_ptr=f"*{dt}")
+                    fn, types = pa._reduce_kernel, dict(part_o_ptr="*fp32", part_ml_ptr="*fp32", o_ptr=f"*{dt}",
+                                                        sinks_ptr="*fp32")
                 else:
                     fn, types = pa._write_kv_kernel, dict(key_ptr=f"*{dt}", value_ptr=f"*{dt}", k_cache_ptr=f"*{dt}",
                                                           v_cache_ptr=f"*{dt}", slot_ptr="*i64")
@@ -89,7 +90,8 @@ def engine_variants(every: bool) -> list[tuple[str, object, dict, dict]]:
 results = []
 # The default subset covers every kernel and every load_kv mode at least once.
 SUBSET = None if "--all" in sys.argv else {
-    "paged bf16 q0 s4", "sparse bf16 q4 s1", "reduce", "quantize int4", "indexer scale=True", "topk forced=True",
+    "paged bf16 q0 s4", "paged bf16 q0 s1 sinks", "paged bf16 q4 s4 sinks", "sparse bf16 q4 s1", "reduce",
+    "reduce sinks", "quantize int4", "indexer scale=True", "topk forced=True",
     "write_kv",
 }
 def run(name, fn, types, consts, always=False):
@@ -105,20 +107,23 @@ def run(name, fn, types, consts, always=False):
 for dt in ["bf16", "fp32"]:
   for quant in ([0, 8, 4] if dt == "bf16" else [0]):
     for splits in [1, 4]:
-        types = dict(q_ptr=f"*{dt}", o_ptr=f"*{dt}", part_o_ptr="*fp32", part_ml_ptr="*fp32",
-                     block_tables_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32", qk_scale="fp32", **quant_ptrs(dt, quant))
-        consts = dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, GROUP=4, HEAD_DIM=128, HALF=64, BLOCK_SIZE=16, BLOCK_Q=4,
-                      BLOCK_M=16, BLOCK_N=64, NUM_SPLITS=splits, QUANT=quant, GROUP_SIZE=32,
-                      DOT_PREC="ieee" if dt == "fp32" else "tf32", INTERP=False)
-        run(f"paged {dt} q{quant} s{splits}", pa._paged_attn_kernel, types, consts)
+        types = dict(q_ptr=f"*{dt}", o_ptr=f"*{dt}", part_o_ptr="*fp32", part_ml_ptr="*fp32", block_tables_ptr="*i32",
+                     seq_lens_ptr="*i32", qsl_ptr="*i32", sinks_ptr="*fp32", qk_scale="fp32", **quant_ptrs(dt, quant))
+        for sinks in (False, True):
+            consts = dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, GROUP=4, HEAD_DIM=128, HALF=64, BLOCK_SIZE=16, BLOCK_Q=4,
+                          BLOCK_M=16, BLOCK_N=64, NUM_SPLITS=splits, QUANT=quant, GROUP_SIZE=32, HAS_SINKS=sinks,
+                          DOT_PREC="ieee" if dt == "fp32" else "tf32", INTERP=False)
+            run(f"paged {dt} q{quant} s{splits}" + (" sinks" if sinks else ""), pa._paged_attn_kernel, types, consts)
         types_s = dict(q_ptr=f"*{dt}", o_ptr=f"*{dt}", part_o_ptr="*fp32", part_ml_ptr="*fp32", slots_ptr="*i32",
                        qk_scale="fp32", **quant_ptrs(dt, quant))
         consts_s = dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, GROUP=4, BLOCK_M=16, HEAD_DIM=128, HALF=64, BLOCK_SIZE=16,
                         BLOCK_N=64, NUM_SPLITS=splits, QUANT=quant, GROUP_SIZE=32,
                         DOT_PREC="ieee" if dt == "fp32" else "tf32", INTERP=False)
         run(f"sparse {dt} q{quant} s{splits}", sa._sparse_attn_kernel, types_s, consts_s)
-run("reduce", pa._reduce_kernel, dict(part_o_ptr="*fp32", part_ml_ptr="*fp32", o_ptr="*bf16"),
-    dict(NUM_Q_HEADS=32, HEAD_DIM=128, D_PAD=128, NUM_SPLITS=4, SPLITS_PAD=4, INTERP=False))
+for sinks in (False, True):
+    run("reduce" + (" sinks" if sinks else ""), pa._reduce_kernel,
+        dict(part_o_ptr="*fp32", part_ml_ptr="*fp32", o_ptr="*bf16", sinks_ptr="*fp32"),
+        dict(NUM_Q_HEADS=32, HEAD_DIM=128, D_PAD=128, NUM_SPLITS=4, SPLITS_PAD=4, HAS_SINKS=sinks, INTERP=False))
 for bits in (8, 4):
     run(f"quantize int{bits}", kq._quantize_kernel, dict(src_k_ptr="*bf16", src_v_ptr="*bf16", src_row_ptr="*i64",
         dst_block_ptr="*i64", k_codes_ptr="*u8", v_codes_ptr="*u8", ks_ptr="*fp16", kz_ptr="*fp16", vs_ptr="*fp16",

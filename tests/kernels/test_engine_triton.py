@@ -47,3 +47,33 @@ def test_triton_backend_greedy_matches_transformers(tiny_llama: Path, monkeypatc
             got[out.request_id].extend(out.token_ids)
     assert [got[r] for r in ids] == want
     assert calls["attn"] > 0 and calls["write"] > 0
+
+
+def test_triton_backend_serves_gpt_oss_sinks_and_window_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # gpt-oss (alternating sliding/full layers, learned sinks) with a window of 16, shorter than the longer
+    # prompts: the Triton kernels receive both and the greedy tokens equal transformers'.
+    from tests.tiny_models import build_model
+
+    model_dir = build_model(tmp_path / "gpt_oss", "gpt_oss", seed=4, sliding_window=16)
+    seen: list[tuple[int | None, bool]] = []
+    attn = pa.paged_attention
+
+    def recording_attn(*args, **kwargs):
+        seen.append((kwargs.get("window"), kwargs.get("sinks") is not None))
+        return attn(*args, **kwargs)
+
+    monkeypatch.setattr(pa, "paged_attention", recording_attn)
+    rng = random.Random(8)
+    batch = [[rng.randrange(0, 250) for _ in range(n)] for n in (1, 17, 40)]
+    want, _ = reference(model_dir, batch)
+    engine = LLMEngine(EngineConfig(model=str(model_dir), attention_backend="triton", num_kv_blocks=64, block_size=16,
+                                    max_num_batched_tokens=64))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(batch):
+        engine.add_request(f"r{i}", p, params)
+    got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(batch))}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id].extend(out.token_ids)
+    assert [got[f"r{i}"] for i in range(len(batch))] == want
+    assert {(16, True), (None, True)} <= set(seen)

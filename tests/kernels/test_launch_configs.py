@@ -3,6 +3,7 @@ kernels, what the sm_90 check compiles and what the warm-up launches."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kernels import paged_attention as pa
@@ -69,23 +70,28 @@ def test_warm_up_is_a_no_op_off_cuda() -> None:
     assert pa.warm_up(32, 8, 128, 16, torch.float32, torch.device("cpu")) == 0
 
 
-def test_warm_up_launches_every_configuration_through_the_launchers(monkeypatch, device: torch.device) -> None:
+@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
+def test_warm_up_launches_every_configuration_through_the_launchers(monkeypatch, device: torch.device,
+                                                                    sinks: bool) -> None:
     """Every config is reached through the launchers and computes the reference result (on CPU the CUDA
-    path runs under the interpreter, forced)."""
-    calls: list[tuple[bool, int]] = []
+    path runs under the interpreter, forced); a model with learned sinks warms up the sink variants."""
+    calls: list[tuple[bool, int, bool]] = []
     real = pa.paged_attention
 
-    def spy(query, k_cache, v_cache, tables, seq_lens, qsl, scale, num_splits=None, out=None):
-        calls.append((query.shape[0] == seq_lens.shape[0], num_splits))
-        got = real(query, k_cache, v_cache, tables, seq_lens, qsl, scale, num_splits=num_splits)
-        want = ref_paged_attention(query, k_cache, v_cache, tables, seq_lens, qsl, scale)
+    def spy(query, k_cache, v_cache, tables, seq_lens, qsl, scale, window=None, sinks=None, num_splits=None, out=None):
+        calls.append((query.shape[0] == seq_lens.shape[0], num_splits, sinks is not None))
+        got = real(query, k_cache, v_cache, tables, seq_lens, qsl, scale, sinks=sinks, num_splits=num_splits)
+        want = ref_paged_attention(query, k_cache, v_cache, tables, seq_lens, qsl, scale, sinks=sinks)
         assert torch.allclose(got, want, atol=1e-5)
         return got
 
     monkeypatch.setattr(pa, "paged_attention", spy)
-    n = pa.warm_up(4, 2, 16, 4, torch.float32, device, force=device.type != "cuda")  # no max_model_len: all splits
-    assert sorted(calls) == sorted((d, s) for d in (True, False) for s in pa.SPLIT_CHOICES)
+    n = pa.warm_up(4, 2, 16, 4, torch.float32, device, force=device.type != "cuda",  # no max_model_len: all splits
+                   sinks=sinks)
+    assert sorted(calls) == sorted((d, s, sinks) for d in (True, False) for s in pa.SPLIT_CHOICES)
     assert n == 1 + len(calls)
+    configs = pa.engine_launch_configs(4, 2, 16, 4, torch.float32, sinks=sinks)
+    assert {c["HAS_SINKS"] for k in ("paged_attention", "reduce") for c in consts_of(k, configs)} == {sinks}
 
 
 def test_model_length_bounds_the_splits_the_launcher_can_pick(monkeypatch) -> None:

@@ -169,3 +169,22 @@ def test_engine_entry_points_agree_between_backends(bits: int, device: torch.dev
         outs[name], codes[name] = out, (cache.k_codes[pack].clone(), cache.v_codes[pack].clone())
     assert torch.equal(codes["torch"][0], codes["triton"][0]) and torch.equal(codes["torch"][1], codes["triton"][1])
     assert rel_err(outs["triton"], outs["torch"]) < 1e-5
+
+
+@pytest.mark.parametrize("num_splits", [None, 2], ids=["single", "split"])
+def test_quant_attention_window_and_sinks(num_splits: int | None, device) -> None:
+    # A sliding-window layer with learned sinks over a quantized cache: the Triton kernel and the torch
+    # quantized reference both equal the plain reference on the dequantized cache.
+    b, cache = _quantized_batch(8, torch.float32, device)
+    k_deq, v_deq = reference.dequantize_cache(cache)
+    scale, window = b.query.shape[-1] ** -0.5, 20
+    sinks = torch.linspace(-2.0, 3.0, b.query.shape[1], device=device)
+    args = (b.block_tables, b.seq_lens, b.query_start_loc, scale)
+    want = reference.paged_attention(b.query, k_deq, v_deq, *args, window=window, sinks=sinks)
+    out = paged_attention_quant(b.query, cache, *args, window=window, sinks=sinks, num_splits=num_splits,
+                                out=poisoned_like(b.query))
+    check("paged_attention_int8_window_sinks", out, want, torch.float32)
+    check("paged_attention_int8_window_sinks", reference.paged_attention_quant(b.query, cache, *args, window=window,
+                                                                              sinks=sinks), want, torch.float32)
+    # The window changes the result (70 and 60 tokens > 20), so the test would see a kernel ignoring it.
+    assert rel_err(reference.paged_attention(b.query, k_deq, v_deq, *args, sinks=sinks), want) > 1e-2

@@ -97,3 +97,73 @@ def test_head_dim_not_power_of_two(device: torch.device) -> None:
                           out=poisoned_like(b.query))  # fmt: skip
     ref = reference.paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc, 0.1)
     check("paged_attention", got, ref, torch.float32)
+
+
+def _dense(b, scale: float, window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Attention written out per query token and head from the block tables (independent of the kernels)."""
+    out = torch.zeros_like(b.query, dtype=torch.float64)
+    bs, hq = b.block_size, b.query.shape[1]
+    group = hq // b.k_cache.shape[2]
+    starts, lens = b.query_start_loc.tolist(), b.seq_lens.tolist()
+    for s in range(len(lens)):
+        for t in range(starts[s], starts[s + 1]):
+            q_pos = lens[s] - (starts[s + 1] - t)
+            keys = [p for p in range(q_pos + 1) if int(b.block_tables[s, p // bs]) != 0
+                    and (window is None or p > q_pos - window)]
+            for h in range(hq):
+                if not keys:
+                    continue
+                k = torch.stack([b.k_cache[b.block_tables[s, p // bs], p % bs, h // group] for p in keys]).double()
+                v = torch.stack([b.v_cache[b.block_tables[s, p // bs], p % bs, h // group] for p in keys]).double()
+                logits = k @ b.query[t, h].double() * scale
+                if sinks is not None:
+                    logits = torch.cat([logits, sinks[h].double().view(1)])
+                p = torch.softmax(logits, 0)[: len(keys)]
+                out[t, h] = p @ v
+    return out.to(b.query.dtype)
+
+
+# (q_lens, seq_lens, Hq, Hkv, D, block_size, window): decodes and chunks longer than the window, a chunk
+# that starts inside the window, windows not a multiple of the block size, and null blocks (make_batch).
+WINDOW_CASES = {
+    "decode_w16": ([1, 1, 1], [5, 40, 70], 4, 2, 32, 8, 16),
+    "mixed_w13": ([20, 1, 7], [20, 50, 45], 4, 1, 32, 8, 13),
+    "prefill_w64": ([90], [200], 2, 2, 32, 16, 64),
+}
+
+
+@pytest.mark.parametrize("sinks", [False, True], ids=["window", "window+sinks"])
+@pytest.mark.parametrize("num_splits", [None, 3], ids=["single", "split"])
+@pytest.mark.parametrize("name", list(WINDOW_CASES))
+def test_sliding_window_and_sinks_match_reference(name: str, num_splits: int | None, sinks: bool,
+                                                  device: torch.device) -> None:
+    q_lens, seq_lens, hq, hkv, d, bs, window = WINDOW_CASES[name]
+    b = make_batch(q_lens, seq_lens, hq, hkv, d, bs, torch.float32, device=device, seed=zlib.crc32(name.encode()) % 997)
+    sink = torch.randn(hq, generator=torch.Generator().manual_seed(1)).mul(3).to(device) if sinks else None
+    got = paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc, d**-0.5,
+                          window=window, sinks=sink, num_splits=num_splits, out=poisoned_like(b.query))
+    ref = reference.paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc,
+                                    d**-0.5, window=window, sinks=sink)
+    check("paged_attention_window" + ("_sinks" if sinks else ""), got, ref, torch.float32)
+    # The reference against attention written out per token: the window and the sink term are what they say.
+    torch.testing.assert_close(ref.cpu(), _dense(b, d**-0.5, window, sink).cpu(), atol=1e-5, rtol=1e-5)
+
+
+def test_sinks_without_window_and_with_no_visible_key(device: torch.device) -> None:
+    # Sinks on a full layer; and a query whose every block is null still outputs zeros (not the sink's NaN).
+    b = make_batch([1, 6], [37, 20], 4, 2, 32, 16, torch.float32, device=device, seed=11)
+    sink = torch.tensor([0.5, -2.0, 4.0, 0.0], device=device)
+    got = paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc, 0.2,
+                          sinks=sink, out=poisoned_like(b.query))
+    ref = reference.paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc, 0.2,
+                                    sinks=sink)
+    check("paged_attention_sinks", got, ref, torch.float32)
+    torch.testing.assert_close(ref, _dense(b, 0.2, None, sink), atol=1e-5, rtol=1e-5)
+    # A large sink takes weight from every key: the output shrinks towards zero.
+    big = reference.paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc, 0.2,
+                                    sinks=torch.full((4,), 30.0, device=device))
+    assert big.abs().max() < 1e-6 < ref.abs().max()
+    b.block_tables[0, :] = 0
+    empty = paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc, 0.2,
+                            sinks=sink, out=poisoned_like(b.query))
+    assert torch.equal(empty[0], torch.zeros_like(empty[0]))
