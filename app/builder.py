@@ -15,13 +15,16 @@ from typing import Any
 
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from app.auth import resolve_auth
 from app.hub import StatsHub
 from app.ingress import Ingress
 from app.placement import app_needs, check_placement, pool_device
 from app.server import LLMServer
-from app.settings import AppArgs, BucketSpec, IngressSpec, PlanSpec, PoolArgs, PoolSpec, VersionSpec, resolve_model_path
+from app.affinity import ROUTER_PATH
+from app.settings import (AppArgs, BucketSpec, IngressSpec, PlanSpec, PoolArgs, PoolSpec, StoreSpec, TenantLimits, VersionSpec,
+                          resolve_model_path)
 
 logger = logging.getLogger("sinkserve.builder")
 
@@ -114,6 +117,8 @@ def pool_options(pool: PoolArgs, device: str) -> dict[str, Any]:
         "graceful_shutdown_timeout_s": max(30.0, pool.timeout_s),
         "health_check_period_s": 5.0,
         "health_check_timeout_s": 30.0,
+        # A conversation's turns go to the replica holding its blocks (app/affinity.py).
+        "request_router_config": RequestRouterConfig(request_router_class=ROUTER_PATH),
     }
     gpu = device.startswith("cuda")
     worker = {"CPU": pool.worker_num_cpus, **({"GPU": 1.0} if gpu else {})}
@@ -128,6 +133,16 @@ def pool_options(pool: PoolArgs, device: str) -> dict[str, Any]:
     else:
         opts["num_replicas"] = pool.num_replicas
     return opts
+
+
+def bucket_spec(p: PoolArgs, model_len: int | None) -> BucketSpec:
+    """What the planner knows about one (clamped) pool."""
+    from engine.config_io import cache_policy_from_dict
+
+    policy = cache_policy_from_dict(p.cache_policy)
+    return BucketSpec(p.name, p.max_prompt_tokens, p.timeout_s, tuple(p.versions) if p.versions is not None else None,
+                      engine_limit(p, model_len), evicts=policy.evicts, policy_version=policy.version,
+                      soft_timeout_s=p.soft_timeout_s)
 
 
 def build_app(args: AppArgs) -> Application:
@@ -151,21 +166,24 @@ def build_app(args: AppArgs) -> Application:
     model_len = min((n for n in (model_max_len(v.model) for v in versions) if n), default=None)
     pool_args = [clamp_pool(p, model_len) for p in args.pools]
     pools: dict[str, Application] = {}
+    store = StoreSpec(**args.store.model_dump())
+    tenants = tuple((t, TenantLimits(**lim.model_dump())) for t, lim in args.tenants.items())
     for pool in pool_args:
         device = pool_device(pool, gpus)
         for v in versions:
             if pool.versions is not None and v.name not in pool.versions:
                 continue
-            spec = PoolSpec(bucket=pool.name, version=v.name, engine=pool.engine_config(v.model, device),
-                            stats_push_interval_s=args.stats_push_interval_s, worker_num_cpus=pool.worker_num_cpus)
+            engine = pool.engine_config(v.model, device)
+            slots = max(1, int(engine.max_num_seqs * args.jobs.max_share)) if pool.name == args.jobs_pool else 0
+            spec = PoolSpec(bucket=pool.name, version=v.name, engine=engine, stats_push_interval_s=args.stats_push_interval_s,
+                            worker_num_cpus=pool.worker_num_cpus, job_slots=slots, store=store if slots else None,
+                            tenants=tenants if slots else ())
             dep = serve.deployment(LLMServer).options(name=spec.deployment_name, **pool_options(pool, device))
             pools[spec.deployment_name] = dep.bind(spec, hub)
             logger.info("pool %s: model %s, tp=%d on %s, weight %g", spec.deployment_name, v.model,
                         pool.tensor_parallel_size, device, v.weight)
     plan = PlanSpec(
-        buckets=tuple(BucketSpec(p.name, p.max_prompt_tokens, p.timeout_s, tuple(p.versions) if p.versions is not None else None,
-                                 engine_limit(p, model_len))
-                      for p in pool_args),
+        buckets=tuple(bucket_spec(p, model_len) for p in pool_args),
         versions=versions,
         rate_limit_rps=args.ingress.rate_limit_rps,
         rate_limit_burst=args.ingress.rate_limit_burst,
@@ -173,7 +191,11 @@ def build_app(args: AppArgs) -> Application:
     )
     ingress = IngressSpec(auth=args.auth, served_model_name=args.served_model_name, plan=plan,
                           pool_deployments=tuple(pools), stats_push_interval_s=args.stats_push_interval_s,
-                          kv_cache=tuple((p.name, str(p.engine.get("kv_cache_dtype", "auto"))) for p in pool_args))
+                          kv_cache=tuple((p.name, str(p.engine.get("kv_cache_dtype", "auto"))) for p in pool_args),
+                          store=store, tenants=tenants, jobs_pool=args.jobs_pool,
+                          session_ttl_s=args.sessions.ttl_s,
+                          keepalive_s=args.ingress.keepalive_s, audit_path=args.audit.path,
+                          audit_text=args.audit.include_text)
     return serve.deployment(Ingress).options(
         name="Ingress",
         num_replicas=args.ingress.num_replicas,

@@ -51,6 +51,9 @@ class RouteInfo:
     deployment: str
     prompt_tokens: int
     passages: PassageReport | None = None  # only for requests that sent passages
+    conversation: str | None = None  # a conversation turn (app/conversations.py)
+    new_tokens: int | None = None  # of prompt_tokens, what this turn's message added
+    policy_version: str | None = None  # the pool's cache policy version (a conversation records it)
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,7 @@ class TokenDelta:
     top_logprobs: tuple[tuple[tuple[str, float], ...], ...] | None = None
     # log p(prompt[i] | prompt[:i]) for i >= 1, when the request echoes its prompt with logprobs.
     prompt_logprobs: tuple[float, ...] | None = None
+    cached_tokens: int = 0  # prompt tokens this request found in the replica's prefix cache
 
 
 @dataclass(frozen=True)
@@ -83,9 +87,13 @@ class PoolRequest:
     params: SamplingParams
     anchors: tuple[tuple[int, int], ...] = ()
     timeout_s: float | None = None
+    soft_timeout_s: float | None = None  # the ingress ends the stream cleanly here (app/streaming.py)
     # The caller's token-bus inbox (host, port, secret): every delta and any error go there,
     # one frame per engine step (app/token_bus.py).
     reply_to: tuple[str, int, bytes] | None = None
+    # A session's id: the pool's router sends every turn of a session to the same replica
+    # (app/affinity.py), where its earlier turns' blocks sit in the prefix cache.
+    affinity: str | None = None
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,16 @@ from ray import serve
 
 from app import metrics as m
 from app import openapi
+from app.audit import AuditLog, AuditRecord
 from app.auth import resolve_auth
+from app.conversations import HEADER as CONVERSATION_HEADER
+from app.conversations import ID_PATTERN, Conversation, ConversationStore, Turn
 from app.errors import APIError, from_validation_error
-from app.events import RouteInfo, TokenDelta
+from app.events import RouteInfo, RoutePlan, TokenDelta
+from app.jobs import JobQueue
+from app.quotas import Quotas
+from app.store import StoreError, open_store
+from app.store.base import call as store_call
 from app.planner import Planner
 from app.replica import data_path_handle, node_address, push_forever, replica_tag
 from app.responses import Choices, Echo
@@ -34,6 +41,7 @@ from app.schemas import (
     DetokenizeResponse,
     ErrorResponse,
     ModelCard,
+    SinkserveExtension,
     ModelList,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
@@ -58,7 +66,46 @@ async def _api_error(_: Request, e: APIError) -> JSONResponse:
 
 
 def _route_headers(info: RouteInfo) -> dict[str, str]:
-    return {"x-sinkserve-pool": info.pool, "x-sinkserve-version": info.version, "x-sinkserve-request-id": info.request_id}
+    h = {"x-sinkserve-pool": info.pool, "x-sinkserve-version": info.version, "x-sinkserve-request-id": info.request_id}
+    if info.conversation is not None:
+        h[CONVERSATION_HEADER] = info.conversation
+    return h
+
+
+KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: clients ignore it, gateways see bytes
+
+
+class _Turn:
+    """One request's accounting: who asked, what it cost, and (for a conversation turn) what to
+    commit. Settled exactly once, however the request ends."""
+
+    def __init__(self, tenant: str, plan: RoutePlan, conv: Conversation | None, body: Any) -> None:
+        self.tenant = tenant
+        self.plan = plan
+        self.conv = conv
+        self.body = body
+        self.completion_ids: dict[int, list[int]] = {}
+        self.completion_tokens: dict[int, int] = {}
+        self.texts: dict[int, list[str]] = {}
+        self.prompt_tokens = plan.info.prompt_tokens
+        self.cached_tokens = 0
+        self.finish_reason: str | None = None
+        self.finished = False
+        self.settled = False
+
+    def add(self, d: TokenDelta) -> None:
+        self.completion_ids.setdefault(d.index, []).extend(d.token_ids)
+        self.texts.setdefault(d.index, []).append(d.text)
+        self.completion_tokens[d.index] = d.completion_tokens
+        self.prompt_tokens = d.prompt_tokens or self.prompt_tokens
+        self.cached_tokens = max(self.cached_tokens, d.cached_tokens)
+        if d.finish_reason is not None:
+            self.finish_reason = d.finish_reason
+        self.finished = self.finished or d.finished
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + sum(self.completion_tokens.values())
 
 
 class _Timing:
@@ -95,7 +142,14 @@ class Ingress:
         self.pools = {name: data_path_handle(h) for name, h in pools.items()}
         self.hub = hub
         self.replica = replica_tag()
-        self.metrics = m.RequestMetrics()
+        self.metrics = m.RequestMetrics(known_tenants=[t for t, _ in spec.tenants])
+        # Sessions, quotas (and jobs) live in the store; it connects on first use, and a store that
+        # fails shows in /readyz while requests without a conversation keep working.
+        self.store = open_store(spec.store)
+        self.conversations = ConversationStore(self.store, spec.session_ttl_s)
+        self.quotas = Quotas(self.store, dict(spec.tenants))
+        self.jobs = JobQueue(self.store)
+        self.audit = AuditLog(spec.audit_path, spec.audit_text) if spec.audit_path else None
         # Deltas and errors come back on the token bus, one frame per engine step (app/token_bus.py).
         self.inbox = TokenInbox()
         await self.inbox.start(node_address())
@@ -123,6 +177,9 @@ class Ingress:
         if self._push is not None:
             self._push.cancel()
         await self.inbox.stop()
+        self.store.close()
+        if self.audit is not None:
+            self.audit.close()
 
     # ---- probes and metrics (no auth: load balancers and scrapers) ------------------------------
 
@@ -137,8 +194,13 @@ class Ingress:
         except Exception as e:  # hub not up yet: not ready
             return JSONResponse({"ready": False, "error": str(e)}, status_code=503)
         pools = m.ready_pools(snap, self.spec.pool_deployments)
-        ok = all(pools.values())
-        return JSONResponse({"ready": ok, "pools": pools}, status_code=200 if ok else 503)
+        store: dict[str, Any] = {"kind": self.store.kind, "ok": True}
+        try:
+            await asyncio.wait_for(store_call(self.store.ping), 5.0)
+        except (StoreError, asyncio.TimeoutError) as e:
+            store = {"kind": self.store.kind, "ok": False, "error": str(e) or "no answer within 5 s"}
+        ok = all(pools.values()) and store["ok"]
+        return JSONResponse({"ready": ok, "pools": pools, "store": store}, status_code=200 if ok else 503)
 
     @api.get("/metrics")
     async def metrics(self) -> Response:
@@ -239,43 +301,229 @@ class Ingress:
     async def _serve(self, request: Request, cls: type) -> Response:
         t0 = time.perf_counter()
         key = self._authorize(request)
+        tenant = self.auth.tenant_of(key)
         try:
             raw = await request.body()
             body = cls.model_validate_json(raw)
         except ValidationError as e:
             self.metrics.count("none", 400)
             raise from_validation_error(e)
+        conv: Conversation | None = None
         try:
             pinned = self._pinned_version(body.model)
+            conv_id = self._conversation_id(request, body)
+            if conv_id is not None:
+                conv = await self._claim_conversation(conv_id, tenant)
         except APIError as e:
             self.metrics.count("none", e.status)
             raise
         chat = isinstance(body, ChatCompletionRequest)
         request_id = new_request_id("chatcmpl" if chat else "cmpl")
         try:
-            plan = self.planner.plan(body, key, request_id, pinned)
+            plan = self.planner.plan(body, key, request_id, pinned, history=conv)
+            if self.quotas.limited(tenant):
+                await store_call(self.quotas.check, tenant, plan.info.prompt_tokens)
         except APIError as e:
             self.metrics.count("none", e.status)
+            if conv is not None:
+                await self._release(conv.id)
             raise
         if plan.info.passages is not None:
             self.metrics.trimmed(plan.info.pool, plan.info.passages.tokens_saved)
+        turn = _Turn(tenant, plan, conv, body)
         gen = stream_plan(self.pools[plan.info.deployment], plan, self.inbox)
+        first_task = asyncio.ensure_future(gen.__anext__())
         try:
-            first = await gen.__anext__()
+            if body.stream:
+                # A slow start (long prefill, queueing) must not leave a gateway without bytes: after
+                # keepalive_s the headers go out and keep-alive comments follow until the first token.
+                done, _ = await asyncio.wait({first_task}, timeout=self.spec.keepalive_s)
+                if not done:
+                    return StreamingResponse(
+                        self._sse(gen, plan.info, body, chat, t0, turn, plan.request.prompt_token_ids, first_task),
+                        media_type="text/event-stream",
+                        headers={**_route_headers(plan.info), "Cache-Control": "no-cache"},
+                    )
+            first = await first_task
         except StopAsyncIteration:
-            self.metrics.count(plan.info.pool, 500)
+            await self._settle(turn, 500, _Timing(t0))
             raise APIError(500, "empty response from pool", type="server_error")
+        except asyncio.CancelledError:
+            first_task.cancel()
+            asyncio.get_running_loop().create_task(self._settle(turn, 499, _Timing(t0)))
+            raise
         if isinstance(first, APIError):
-            self.metrics.count(plan.info.pool, first.status)
+            await self._settle(turn, first.status, _Timing(t0))
             raise first
         assert isinstance(first, RouteInfo)
         if body.stream:
             return StreamingResponse(
-                self._sse(gen, first, body, chat, t0, plan.request.prompt_token_ids),
+                self._sse(gen, first, body, chat, t0, turn, plan.request.prompt_token_ids),
                 media_type="text/event-stream",
                 headers={**_route_headers(first), "Cache-Control": "no-cache"},
             )
-        return await self._unary(gen, first, body, chat, t0, plan.request.prompt_token_ids)
+        return await self._unary(gen, first, body, chat, t0, turn, plan.request.prompt_token_ids)
+
+    # ---- conversations, quotas, audit -----------------------------------------------------------
+
+    def _conversation_id(self, request: Request, body: Any) -> str | None:
+        """The conversation a request continues: ``sinkserve.conversation_id`` or the header."""
+        header = request.headers.get(CONVERSATION_HEADER)
+        field = body.sinkserve.conversation_id if body.sinkserve else None
+        if header is not None and not ID_PATTERN.match(header):
+            raise APIError(400, f"{CONVERSATION_HEADER} must match {ID_PATTERN.pattern}", CONVERSATION_HEADER)
+        if header is not None and field is not None and header != field:
+            raise APIError(400, f"{CONVERSATION_HEADER} ({header!r}) and sinkserve.conversation_id ({field!r}) differ",
+                           "sinkserve.conversation_id")
+        return field or header
+
+    async def _store(self, fn: Any, *args: Any) -> Any:
+        """A store call for a conversation: a failing store is a 503 naming the reason."""
+        try:
+            return await store_call(fn, *args)
+        except StoreError as e:
+            raise APIError(503, f"conversation store unavailable: {e}", type="server_error", retry_after=5) from None
+
+    async def _claim_conversation(self, conv_id: str, tenant: str) -> Conversation:
+        """The conversation, locked for this turn: 404 naming it when unknown, 409 when a turn is running."""
+        lock_s = max(b.timeout_s for b in self.spec.plan.buckets) + 30.0
+        if not await self._store(self.conversations.lock, conv_id, lock_s):
+            raise APIError(409, f"conversation {conv_id!r} has a turn in progress; send the next turn when it ends",
+                           "sinkserve.conversation_id", "conflict")
+        try:
+            conv = await self._store(self.conversations.load, conv_id, tenant)
+        except BaseException:
+            await self._release(conv_id)
+            raise
+        if conv is None:
+            await self._release(conv_id)
+            raise APIError(404, f"conversation {conv_id!r} does not exist (or has expired); create one with "
+                                "POST /v1/conversations", "sinkserve.conversation_id", "not_found")
+        return conv
+
+    async def _release(self, conv_id: str) -> None:
+        try:
+            await store_call(self.conversations.unlock, conv_id)
+        except StoreError as e:  # the lock expires on its own
+            logger.warning("conversation %s: turn lock not released: %s", conv_id, e)
+
+    async def _settle(self, turn: _Turn, status: int, acc: _Timing) -> None:
+        """Once per request, however it ended: metrics, the conversation's new turn (only when it
+        finished), the tenant's token charge, the audit record."""
+        if turn.settled:
+            return
+        turn.settled = True
+        info = turn.plan.info
+        self._record(info.pool, status, acc)
+        completion = sum(turn.completion_tokens.values())
+        if turn.conv is not None:
+            if status == 200 and turn.finished:
+                c = turn.conv
+                new = c.with_turn(turn.plan.request.prompt_token_ids, tuple(turn.completion_ids.get(0, ())),
+                                  turn.plan.request.anchors, info.version, "chat" if isinstance(turn.body, ChatCompletionRequest) else "completion",
+                                  Turn(info.request_id, info.new_tokens or 0, turn.prompt_tokens, completion,
+                                       turn.cached_tokens, info.pool, info.policy_version or "", turn.finish_reason))
+                try:
+                    await store_call(self.conversations.save, new)
+                except StoreError as e:
+                    status = 503
+                    logger.warning("conversation %s: turn %s not saved: %s", c.id, info.request_id, e)
+            await self._release(turn.conv.id)
+        if status == 200 or completion:
+            if self.quotas.limited(turn.tenant):
+                await store_call(self.quotas.charge, turn.tenant, turn.tokens)
+            self.metrics.tenant_usage(turn.tenant, turn.prompt_tokens, completion)
+        if self.audit is not None:
+            text = None
+            if self.audit.include_text:
+                b = turn.body
+                text = [m.model_dump() for m in b.messages] if isinstance(b, ChatCompletionRequest) else b.prompt
+            self.audit.write(AuditRecord(
+                tenant=turn.tenant, request_id=info.request_id, conversation=info.conversation, pool=info.pool,
+                version=info.version, prompt_tokens=turn.prompt_tokens, completion_tokens=completion,
+                cached_tokens=turn.cached_tokens, status=status, finish_reason=turn.finish_reason,
+                duration_s=round(time.perf_counter() - acc.t0, 4), replica=self.replica, prompt=text,
+                output=["".join(turn.texts[i]) for i in sorted(turn.texts)] if self.audit.include_text else None))
+
+    @api.post("/v1/conversations", status_code=201)
+    async def create_conversation(self, request: Request) -> JSONResponse:
+        """A new server-side conversation; send its turns with ``sinkserve.conversation_id``."""
+        tenant = self.auth.tenant_of(self._authorize(request))
+        conv = await self._store(self.conversations.create, tenant)
+        return JSONResponse(conv.summary(), status_code=201, headers={CONVERSATION_HEADER: conv.id})
+
+    @api.get("/v1/conversations/{conversation_id}")
+    async def get_conversation(self, conversation_id: str, request: Request) -> JSONResponse:
+        """The conversation's turns (tokens, cached tokens, pool and policy of each), not its text."""
+        tenant = self.auth.tenant_of(self._authorize(request))
+        conv = await self._store(self.conversations.load, conversation_id, tenant)
+        if conv is None:
+            raise APIError(404, f"conversation {conversation_id!r} does not exist (or has expired)", "conversation_id", "not_found")
+        return JSONResponse(conv.summary())
+
+    @api.delete("/v1/conversations/{conversation_id}")
+    async def delete_conversation(self, conversation_id: str, request: Request) -> JSONResponse:
+        tenant = self.auth.tenant_of(self._authorize(request))
+        if not await self._store(self.conversations.delete, conversation_id, tenant):
+            raise APIError(404, f"conversation {conversation_id!r} does not exist (or has expired)", "conversation_id", "not_found")
+        return JSONResponse({"id": conversation_id, "object": "conversation", "deleted": True})
+
+    # ---- asynchronous jobs (app/jobs.py) ---------------------------------------------------------
+
+    @api.post("/v1/jobs", status_code=202)
+    async def submit_job(self, request: Request) -> JSONResponse:
+        """``{"endpoint": "/v1/completions" | "/v1/chat/completions", "body": {...}}`` -> a job id.
+        The body is planned now (a 4xx names its field) and runs later on the jobs pool."""
+        key = self._authorize(request)
+        tenant = self.auth.tenant_of(key)
+        try:
+            raw = json.loads(await request.body())
+        except ValueError:
+            raise APIError(400, "body must be a JSON object", "body")
+        endpoint = raw.get("endpoint") if isinstance(raw, dict) else None
+        cls = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}.get(endpoint)
+        if cls is None:
+            raise APIError(400, "endpoint must be '/v1/completions' or '/v1/chat/completions'", "endpoint")
+        try:
+            body = cls.model_validate(raw.get("body"))
+        except ValidationError as e:
+            err = from_validation_error(e)
+            raise APIError(400, err.message, f"body.{err.param}")
+        if body.stream or body.n != 1 or (body.sinkserve and body.sinkserve.conversation_id):
+            raise APIError(400, "a job is one choice, not streamed, outside conversations (stream, n, conversation_id)", "body")
+        pool = self.spec.jobs_pool
+        ext = (body.sinkserve or SinkserveExtension()).model_copy(update={"pool": pool})
+        body = body.model_copy(update={"sinkserve": ext})
+        plan = self.planner.plan(body, key, new_request_id("job"), self._pinned_version(body.model))
+        if self.quotas.limited(tenant):
+            await store_call(self.quotas.check, tenant, plan.info.prompt_tokens)
+        job = await self._store(self.jobs.submit, tenant, plan.info.deployment, plan.info.pool, plan.request)
+        return JSONResponse(job.view(), status_code=202)
+
+    @api.get("/v1/jobs/{job_id}")
+    async def get_job(self, job_id: str, request: Request) -> JSONResponse:
+        """The job's status; its result once it succeeded, the reason once it failed."""
+        tenant = self.auth.tenant_of(self._authorize(request))
+        job = await self._store(self.jobs.get, job_id, tenant)
+        if job is None:
+            raise APIError(404, f"job {job_id!r} does not exist (or has expired)", "job_id", "not_found")
+        return JSONResponse(job.view())
+
+    @api.post("/v1/jobs/{job_id}/cancel")
+    async def cancel_job(self, job_id: str, request: Request) -> JSONResponse:
+        tenant = self.auth.tenant_of(self._authorize(request))
+        job = await self._store(self.jobs.cancel, job_id, tenant)
+        if job is None:
+            raise APIError(404, f"job {job_id!r} does not exist (or has expired)", "job_id", "not_found")
+        return JSONResponse(job.view())
+
+    @api.get("/v1/tenant/usage")
+    async def tenant_usage(self, request: Request) -> JSONResponse:
+        """The caller's tenant: tokens used in each quota window, the limit and when it resets."""
+        tenant = self.auth.tenant_of(self._authorize(request))
+        usage = await self._store(self.quotas.usage, tenant)
+        return JSONResponse({"tenant": tenant, "quotas": [
+            {"quota": u.window.name, "used": u.used, "limit": u.limit, "resets_at": int(u.resets_at)} for u in usage]})
 
     def _record(self, pool: str, status: int, acc: _Timing) -> None:
         self.metrics.count(pool, status)
@@ -297,53 +545,97 @@ class Ingress:
     def _model_of(self, version: str) -> str:
         return next(v.model for v in self.spec.plan.versions if v.name == version)
 
-    async def _unary(self, gen: Any, info: RouteInfo, body: Any, chat: bool, t0: float,
+    async def _unary(self, gen: Any, info: RouteInfo, body: Any, chat: bool, t0: float, turn: _Turn,
                      prompt_ids: tuple[int, ...] = ()) -> Response:
         acc = _Timing(t0)
         choices = self._choices(body, info, prompt_ids)
         try:
             async for ev in gen:
                 if isinstance(ev, APIError):
-                    self.metrics.count(info.pool, ev.status)
+                    await self._settle(turn, ev.status, acc)
                     raise ev
                 acc.add(ev)
                 choices.add(ev)
+                turn.add(ev)
         except asyncio.CancelledError:
-            self.metrics.count(info.pool, 499)  # client went away; stream_plan cancels the pool call
+            # client went away; stream_plan cancels the pool call
+            asyncio.get_running_loop().create_task(self._settle(turn, 499, acc))
             raise
-        self._record(info.pool, 200, acc)
+        await self._settle(turn, 200, acc)
         return JSONResponse(json.loads(choices.response().model_dump_json()), headers=_route_headers(info))
 
-    async def _sse(self, gen: Any, info: RouteInfo, body: Any, chat: bool, t0: float,
-                   prompt_ids: tuple[int, ...] = ()) -> AsyncIterator[bytes]:
+    async def _sse(self, gen: Any, info: RouteInfo, body: Any, chat: bool, t0: float, turn: _Turn,
+                   prompt_ids: tuple[int, ...] = (), pending: "asyncio.Future[Any] | None" = None) -> AsyncIterator[bytes]:
+        """The SSE body. ``pending``: the stream's first event, still awaited when the headers went out.
+        Until the first token (prefill, a wait for a slot) a keep-alive comment goes out every
+        ``keepalive_s`` of silence; after it the events are read directly (a task per read costs
+        ~16 us a delta, too much for every token of every stream)."""
         acc = _Timing(t0)
         choices = self._choices(body, info, prompt_ids)
         status = 200
-        finished = False
+        nxt = pending
+
+        async def handle(ev: Any) -> tuple[list[bytes], bool]:
+            """The SSE bytes for one event, and whether the stream ends with it."""
+            nonlocal status
+            if isinstance(ev, RouteInfo):
+                return [], False  # the headers already carried it
+            if isinstance(ev, APIError):
+                # Headers are gone already; the error travels as a final SSE event.
+                status = ev.status
+                await self._settle(turn, status, acc)
+                return [sse_event(ev.body())], True
+            acc.add(ev)
+            choices.add(ev)
+            turn.add(ev)
+            chunk = choices.chunk(ev)
+            out = [sse_event(chunk)] if chunk is not None else []
+            if ev.finished:
+                await self._settle(turn, 200, acc)  # the turn is stored before the client sees the end
+                if body.include_usage():
+                    out.append(sse_event(choices.usage_chunk()))
+            return out, ev.finished
+
         try:
             for first in choices.first_chunks():
                 yield sse_event(first)
-            async for ev in gen:
-                if isinstance(ev, APIError):
-                    # Headers are gone already; the error travels as a final SSE event.
-                    status = ev.status
-                    yield sse_event(ev.body())
+            stop = False
+            while not stop and acc.ttft is None:  # until the first token: reads with keep-alives
+                if nxt is None:
+                    nxt = asyncio.ensure_future(gen.__anext__())
+                done, _ = await asyncio.wait({nxt}, timeout=self.spec.keepalive_s)
+                if not done:
+                    yield KEEPALIVE
+                    continue
+                try:
+                    ev = nxt.result()
+                except StopAsyncIteration:
+                    stop = True
                     break
-                acc.add(ev)
-                choices.add(ev)
-                chunk = choices.chunk(ev)
-                if chunk is not None:
-                    yield sse_event(chunk)
-                if ev.finished:
-                    finished = True
-                    if body.include_usage():
-                        yield sse_event(choices.usage_chunk())
-                    break
+                finally:
+                    nxt = None
+                out, stop = await handle(ev)
+                for b in out:
+                    yield b
+            if not stop:
+                async for ev in gen:
+                    out, stop = await handle(ev)
+                    for b in out:
+                        yield b
+                    if stop:
+                        break
             yield DONE
         except (asyncio.CancelledError, GeneratorExit):
             status = 499  # client disconnected mid-stream
             raise
         finally:
-            if not finished:
+            if nxt is not None:
+                nxt.cancel()
+                try:
+                    await nxt
+                except BaseException:  # noqa: BLE001 - the cancelled read
+                    pass
+            if not turn.finished:
                 await gen.aclose()  # cancels the pool call: abort in the engine now
-            self._record(info.pool, status, acc)
+            if not turn.settled:
+                asyncio.get_running_loop().create_task(self._settle(turn, status, acc))

@@ -45,10 +45,23 @@ class Histogram:
         return {"bounds": list(self.bounds), "counts": list(self.counts), "sum": self.total, "count": self.n}
 
 
-class RequestMetrics:
-    """Per-ingress-replica request metrics, keyed by pool (and status for the counter)."""
+OTHER_TENANT = "other"
 
-    def __init__(self) -> None:
+
+class RequestMetrics:
+    """Per-ingress-replica request metrics, keyed by pool (and status for the counter).
+
+    Tenant label values are bounded: the tenants the config names keep their name, plus at most
+    ``max_tenant_labels`` others in order of first sight; later ones are counted as ``other``.
+    """
+
+    def __init__(self, known_tenants: Iterable[str] = (), max_tenant_labels: int = 32) -> None:
+        self.known_tenants = frozenset(known_tenants) | {"default"}
+        self.max_tenant_labels = max_tenant_labels
+        self._extra_tenants: set[str] = set()
+        # (tenant, "prompt" | "completion") -> tokens; tenant -> finished requests
+        self.tenant_tokens: dict[tuple[str, str], int] = defaultdict(int)
+        self.tenant_requests: dict[str, int] = defaultdict(int)
         self.requests: dict[tuple[str, str], int] = defaultdict(int)
         self.ttft: dict[str, Histogram] = defaultdict(Histogram)
         self.itl: dict[str, Histogram] = defaultdict(Histogram)
@@ -57,6 +70,21 @@ class RequestMetrics:
 
     def count(self, pool: str, status: int | str) -> None:
         self.requests[(pool, str(status))] += 1
+
+    def tenant_label(self, tenant: str) -> str:
+        if tenant in self.known_tenants or tenant in self._extra_tenants:
+            return tenant
+        if len(self._extra_tenants) < self.max_tenant_labels:
+            self._extra_tenants.add(tenant)
+            return tenant
+        return OTHER_TENANT
+
+    def tenant_usage(self, tenant: str, prompt_tokens: int, completion_tokens: int) -> None:
+        """A finished request's tokens, for the per-tenant counters and mean tokens per request."""
+        t = self.tenant_label(tenant)
+        self.tenant_tokens[(t, "prompt")] += prompt_tokens
+        self.tenant_tokens[(t, "completion")] += completion_tokens
+        self.tenant_requests[t] += 1
 
     def trimmed(self, pool: str, tokens: int) -> None:
         """Passage tokens a request's budget dropped before prefill (``app/passages.py``)."""
@@ -69,6 +97,8 @@ class RequestMetrics:
             "itl": {p: h.to_dict() for p, h in self.itl.items()},
             "e2e": {p: h.to_dict() for p, h in self.e2e.items()},
             "passage_tokens_trimmed": [[p, n] for p, n in self.passage_tokens_trimmed.items()],
+            "tenant_tokens": [[t, k, n] for (t, k), n in self.tenant_tokens.items()],
+            "tenant_requests": [[t, n] for t, n in self.tenant_requests.items()],
         }
 
 
@@ -143,6 +173,7 @@ class SnapshotCollector:
             for pool, n in s["data"].get("passage_tokens_trimmed", ()):
                 trimmed.add_metric([pool, s["replica"]], n)
         yield trimmed
+        yield from _tenant_families(ingress)
         for key, name, doc in (
             ("ttft", "time_to_first_token_seconds", "Time to first token seen at the ingress"),
             ("itl", "inter_token_latency_seconds", "Gap between streamed token deltas at the ingress"),
@@ -190,6 +221,30 @@ class SnapshotCollector:
                                  "weights_fingerprint": str(s["data"].get("weights_fingerprint", ""))})
         yield from fams.values()
         yield from (ready, nll, pver, info)
+
+
+def _tenant_families(ingress: list[Mapping[str, Any]]) -> Iterable[Any]:
+    """Per-tenant token and request counters (per ingress replica), and the mean tokens per request
+    per tenant over all replicas (prompt + completion)."""
+    toks = CounterMetricFamily(PREFIX + "tenant_tokens", "Tokens of finished requests by tenant and kind (prompt, completion)",
+                               labels=["tenant", "kind", "replica"])
+    reqs = CounterMetricFamily(PREFIX + "tenant_requests", "Finished requests by tenant", labels=["tenant", "replica"])
+    total_toks: dict[str, int] = defaultdict(int)
+    total_reqs: dict[str, int] = defaultdict(int)
+    for s in ingress:
+        for tenant, kind, n in s["data"].get("tenant_tokens", ()):
+            toks.add_metric([tenant, kind, s["replica"]], n)
+            total_toks[tenant] += n
+        for tenant, n in s["data"].get("tenant_requests", ()):
+            reqs.add_metric([tenant, s["replica"]], n)
+            total_reqs[tenant] += n
+    mean = GaugeMetricFamily(PREFIX + "tenant_mean_tokens_per_request",
+                             "Mean prompt + completion tokens per finished request, by tenant (all ingress replicas)",
+                             labels=["tenant"])
+    for tenant, n in total_reqs.items():
+        if n:
+            mean.add_metric([tenant], total_toks[tenant] / n)
+    return (toks, reqs, mean)
 
 
 def render(snapshot: Mapping[str, Mapping[str, Any]]) -> bytes:

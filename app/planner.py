@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
+from app.conversations import Conversation, chat_continuation
 from app.errors import APIError
 from app.events import PoolRequest, RouteInfo, RoutePlan
 from app.passages import Trimmed, pinned_token_ranges, trim_passages
@@ -354,6 +355,21 @@ class Planner:
             raise APIError(400, "prompt is empty", "prompt" if isinstance(request, CompletionRequest) else "messages")
         return ids, text
 
+    def tokenize_turn(self, request: Request, version: VersionSpec) -> tuple[list[int], str | None]:
+        """A later turn of a conversation: the ids (and text) that continue its history -- no BOS,
+        and for chat the template's end of the previous answer and the new messages
+        (``app/conversations.py``)."""
+        tok = self.tokenizers[version.model]
+        if isinstance(request, ChatCompletionRequest):
+            text = chat_continuation(tok, [m.model_dump() for m in request.messages])
+        elif isinstance(request.prompt, str):
+            text = request.prompt
+        else:
+            return list(request.prompt), None
+        if not text:
+            raise APIError(400, "prompt is empty", "prompt" if isinstance(request, CompletionRequest) else "messages")
+        return encode(tok, text, add_special_tokens=False), text
+
     def tokenize_only(self, body: Any, version: VersionSpec) -> TokenizeResponse:
         """``/tokenize``: the ids a prompt (or chat, rendered with the template) has for ``version``."""
         tok = self.tokenizers[version.model]
@@ -380,11 +396,15 @@ class Planner:
         return self.tokenizers[version.model].decode(ids)
 
     def plan(self, request: Request, api_key: str | None = None, request_id: str | None = None,
-             pinned_version: str | None = None) -> RoutePlan:
-        """Decide where ``request`` goes and what the pool receives; raises ``APIError`` if refused."""
+             pinned_version: str | None = None, history: Conversation | None = None) -> RoutePlan:
+        """Decide where ``request`` goes and what the pool receives; raises ``APIError`` if refused.
+        With ``history`` the request is the next turn of that conversation (its ids are prepended,
+        its anchors kept, its model version pinned)."""
         request_id = request_id or new_request_id("req")
         self.limiter.check(api_key, time.monotonic())
         params = sampling_params(request)
+        if history is not None:
+            return self._plan_turn(request, request_id, params, history, pinned_version)
         u = self.draw(request)
         version = self._version(pinned_version, u)
         trimmed = self.trim(request, version)
@@ -409,6 +429,57 @@ class Planner:
         if params.logit_bias and vocab is not None and params.logit_bias[-1][0] >= vocab:
             raise APIError(400, f"token id {params.logit_bias[-1][0]} is outside the vocabulary [0, {vocab})", "logit_bias")
         name = pool_deployment_name(bucket.name, version.name)
-        preq = PoolRequest(request_id, tuple(ids), params, anchors, bucket.timeout_s)
+        preq = PoolRequest(request_id, tuple(ids), params, anchors, bucket.timeout_s, bucket.soft_timeout_s)
         report = trimmed.report if trimmed else None
         return RoutePlan(RouteInfo(request_id, bucket.name, version.name, name, len(ids), report), preq)
+
+    def _plan_turn(self, request: Request, request_id: str, params: SamplingParams, conv: Conversation,
+                   pinned_version: str | None) -> RoutePlan:
+        """The next turn of ``conv``: history + the new message's ids, to the pool that fits them."""
+        param = "sinkserve.conversation_id"
+        if params.n != 1:
+            raise APIError(400, "a conversation turn has one choice (n must be 1)", "n")
+        kind = "chat" if isinstance(request, ChatCompletionRequest) else "completion"
+        if conv.kind is not None and conv.kind != kind:
+            raise APIError(400, f"conversation {conv.id!r} is a {conv.kind} conversation; continue it on the same endpoint", param)
+        if conv.version is not None and pinned_version is not None and pinned_version != conv.version:
+            raise APIError(400, f"conversation {conv.id!r} runs on model version {conv.version!r}, not {pinned_version!r}", "model")
+        pinned = conv.version or pinned_version
+        version = self._version(pinned, session_draw(conv.id))
+        trimmed = self.trim(request, version)
+        body = trimmed.request if trimmed else request
+        new, text = self.tokenize_turn(body, version) if conv.token_ids else self.tokenize(body, version)
+        prev = len(conv.token_ids)
+        ids = list(conv.token_ids) + new
+        tok = self.tokenizers[version.model]
+        fresh = anchor_spans(request, tok, text, len(new)) + passage_anchor_spans(trimmed, request, tok, text)
+        anchors = conv.anchors + tuple((s + prev, e + prev) for s, e in fresh)
+        bucket = self._turn_bucket(conv, len(ids), request.sinkserve.pool if request.sinkserve else None, version)
+        max_tokens = default_max_tokens(request, bucket, len(ids))
+        if max_tokens is not None:
+            params = replace(params, max_tokens=max_tokens)
+        name = pool_deployment_name(bucket.name, version.name)
+        preq = PoolRequest(request_id, tuple(ids), params, anchors, bucket.timeout_s, bucket.soft_timeout_s, affinity=conv.id)
+        report = trimmed.report if trimmed else None
+        return RoutePlan(RouteInfo(request_id, bucket.name, version.name, name, len(ids), report, conversation=conv.id,
+                                   new_tokens=len(new), policy_version=bucket.policy_version), preq)
+
+    def _turn_bucket(self, conv: Conversation, n: int, forced: str | None, version: VersionSpec) -> BucketSpec:
+        """The bucket for a conversation of ``n`` tokens: the smallest whose prompt bound fits; past the
+        largest, a pool that evicts (it streams on with sinks + window + anchors, up to its
+        ``max_stream_tokens``); otherwise a 400 with the numbers."""
+        served = [b for b in self.spec.buckets if b.versions is None or version.name in b.versions]
+        try:
+            return pick_bucket(n, served, forced=forced)
+        except APIError:
+            if forced is not None:
+                raise
+        evicting = [b for b in sorted(served, key=lambda b: b.max_prompt_tokens, reverse=True)
+                    if b.evicts and (b.max_model_len is None or n < b.max_model_len)]
+        if evicting:
+            return evicting[0]
+        largest = max(served, key=lambda b: b.max_prompt_tokens)
+        raise APIError(400, f"conversation {conv.id!r} has {n} tokens with this turn, more than pool {largest.name!r} "
+                            f"accepts ({largest.max_prompt_tokens} tokens), and no pool evicts "
+                            "(cache_policy.eviction_policy is none); start a new conversation",
+                       "sinkserve.conversation_id")

@@ -58,7 +58,10 @@ class SinkserveExtension(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
     anchors: list[Anchor] = Field(default_factory=list, max_length=256)
-    session_id: str | None = Field(None, max_length=256)
+    session_id: str | None = Field(None, max_length=256)  # pins the model version only (no server state)
+    # A server-side conversation (POST /v1/conversations): the request carries only the new turn;
+    # the X-Sinkserve-Conversation header may name it instead (app/conversations.py).
+    conversation_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,128}$")
     pool: str | None = None  # force a bucket (it must still fit); for debugging and A/B checks
     ignore_eos: bool = False
     # Retrieval-augmented requests (app/passages.py): passages scored against the question, the best

@@ -54,10 +54,26 @@ class LLMServer:
         self.ready = True
         logger.info("pool %s ready; %s", spec.deployment_name, self.policy.describe())
         self._push_task = None
+        self._jobs_task = None
+        if spec.job_slots and spec.store is not None:
+            self._jobs_task = asyncio.get_running_loop().create_task(self._job_runner().forever())
         if hub is not None:
             self._push_task = asyncio.get_running_loop().create_task(
                 push_forever(hub, f"pool/{self.replica}", self._entry, spec.stats_push_interval_s)
             )
+
+    def _job_runner(self) -> Any:
+        """Runs queued jobs (app/jobs.py) on this replica, ``job_slots`` at a time, and charges each
+        finished job's tokens to its tenant."""
+        from app.jobs import JobQueue, JobRunner
+        from app.quotas import Quotas
+        from app.store import open_store
+
+        store = open_store(self.spec.store)
+        quotas = Quotas(store, dict(self.spec.tenants))
+        logger.info("pool %s: runs jobs, %d at a time", self.spec.deployment_name, self.spec.job_slots)
+        return JobRunner(JobQueue(store), self.spec.deployment_name, self.spec.job_slots, self._deltas,
+                         on_finish=lambda job: quotas.charge(job.tenant, job.prompt_tokens + job.completion_tokens))
 
     # ---- data path ------------------------------------------------------------------------------
 
@@ -144,6 +160,7 @@ class LLMServer:
             index=index,
             top_logprobs=tops,
             prompt_logprobs=tuple(out.prompt_logprobs) if out.prompt_logprobs else None,
+            cached_tokens=out.cached_tokens,
         )
 
     # ---- control path ---------------------------------------------------------------------------
@@ -205,10 +222,15 @@ class LLMServer:
         # Serve has already drained in-flight requests (graceful_shutdown_wait_loop_s) by now.
         if self._push_task is not None:
             self._push_task.cancel()
+        if self._jobs_task is not None:
+            self._jobs_task.cancel()
         if self.hub is not None:
             try:
-                await self.hub.forget.remote(f"pool/{self.replica}")
-            except Exception:
+                # Bounded: when the whole app is deleted the hub goes first, and a handle call to a
+                # deployment with no replicas waits for one forever -- the replica was force-killed
+                # after its 60 s grace period instead of shutting its engine down.
+                await asyncio.wait_for(self.hub.forget.remote(f"pool/{self.replica}"), 2.0)
+            except Exception:  # noqa: BLE001 - the hub's entry expires on its own (ttl)
                 pass
         await self.engine.shutdown()
         await self.outbox.close()

@@ -81,6 +81,9 @@ class PoolArgs(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]+$")
     max_prompt_tokens: int = Field(gt=0)
     timeout_s: float = Field(120.0, gt=0)
+    # Soft timeout: at this age a request's generation ends cleanly with what it has produced so far
+    # and finish_reason "time_limit" (docs/serving.md), instead of a 408 at timeout_s. None: off.
+    soft_timeout_s: float | None = Field(None, gt=0)
     # Model versions served by this bucket (None: all). Lets a canary run on one bucket only.
     versions: list[str] | None = None
     num_replicas: int = Field(1, ge=1)
@@ -106,6 +109,12 @@ class PoolArgs(_Strict):
             raise ValueError(f"engine: {e}") from None
         return v
 
+    @model_validator(mode="after")
+    def _soft(self) -> "PoolArgs":
+        if self.soft_timeout_s is not None and self.soft_timeout_s >= self.timeout_s:
+            raise ValueError(f"soft_timeout_s ({self.soft_timeout_s:g}) must be below timeout_s ({self.timeout_s:g})")
+        return self
+
     @property
     def tensor_parallel_size(self) -> int:
         return int(self.engine.get("tensor_parallel_size", 1))
@@ -128,6 +137,54 @@ class IngressArgs(_Strict):
     rate_limit_burst: int = Field(20, gt=0)
     # Most passages one request may send in sinkserve.passages (each is tokenized and scored here).
     max_passages: int = Field(256, ge=1)
+    # An SSE comment (": keep-alive") after this many seconds without an event, so gateways with a
+    # read timeout (often 5-60 s) do not cut a stream whose prefill or queueing is slow.
+    keepalive_s: float = Field(2.0, gt=0)
+
+
+class StoreArgs(_Strict):
+    """Where sessions, tenant token counters and jobs live (``app/store/``)."""
+
+    kind: Literal["sqlite", "redis"] = "sqlite"
+    # sqlite: the file is <data_dir>/sinkserve.sqlite3 (WAL mode); every ingress replica on the node shares it.
+    data_dir: str = "~/.sinkserve/data"
+    # redis: for apps on more than one node, e.g. redis://10.0.0.5:6379/0
+    url: str | None = None
+    prefix: str = Field("sinkserve:", max_length=64)
+
+    @model_validator(mode="after")
+    def _url(self) -> "StoreArgs":
+        if self.kind == "redis" and not self.url:
+            raise ValueError("store.url: required when store.kind is 'redis' (e.g. redis://127.0.0.1:6379/0)")
+        return self
+
+
+class TenantArgs(_Strict):
+    """A tenant's token quotas (prompt + completion tokens); None: no limit on that window."""
+
+    tokens_per_minute: int | None = Field(None, gt=0)
+    tokens_per_day: int | None = Field(None, gt=0)
+
+
+class SessionArgs(_Strict):
+    """Server-side conversations (``app/conversations.py``); ``sessions:`` in the yaml."""
+
+    ttl_s: float = Field(7 * 86400.0, gt=0)  # a session unused this long is forgotten
+
+
+class JobsArgs(_Strict):
+    """The asynchronous job API (``app/jobs.py``): which pool runs jobs and how much of it they may take."""
+
+    pool: str | None = None  # None: the pool with the largest prompt bound
+    # Of each replica's sequence slots (engine.max_num_seqs), the share jobs may hold at once (at least one).
+    max_share: float = Field(0.25, gt=0, le=1)
+
+
+class AuditArgs(_Strict):
+    """The request audit log (``app/audit.py``): JSON lines; never the API key."""
+
+    path: str | None = None  # None: no audit log
+    include_text: bool = False  # prompt and output text in each record
 
 
 class AppArgs(_Strict):
@@ -146,6 +203,22 @@ class AppArgs(_Strict):
         ]
     )
     stats_push_interval_s: float = Field(1.0, gt=0)
+    store: StoreArgs = StoreArgs()
+    # Quotas by tenant name; API keys name their tenant (app/auth.py). A tenant not listed has none.
+    tenants: dict[str, TenantArgs] = Field(default_factory=dict)
+    sessions: SessionArgs = SessionArgs()
+    audit: AuditArgs = AuditArgs()
+    jobs: JobsArgs = JobsArgs()
+
+    @field_validator("tenants")
+    @classmethod
+    def _tenant_names(cls, tenants: dict[str, TenantArgs]) -> dict[str, TenantArgs]:
+        import re
+
+        bad = [t for t in tenants if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", t)]
+        if bad:
+            raise ValueError(f"tenant names must match [A-Za-z0-9_.-]{{1,64}}, got {bad}")
+        return tenants
 
     @field_validator("pools")
     @classmethod
@@ -168,6 +241,17 @@ class AppArgs(_Strict):
         if sum(v.weight for v in versions) <= 0:
             raise ValueError("at least one version needs a weight above 0")
         return versions
+
+    @model_validator(mode="after")
+    def _jobs_pool(self) -> "AppArgs":
+        names = [p.name for p in self.pools]
+        if self.jobs.pool is not None and self.jobs.pool not in names:
+            raise ValueError(f"jobs.pool: unknown pool {self.jobs.pool!r}; pools are {names}")
+        return self
+
+    @property
+    def jobs_pool(self) -> str:
+        return self.jobs.pool or self.pools[-1].name  # pools are sorted by prompt bound
 
     @model_validator(mode="after")
     def _pool_versions(self) -> "AppArgs":
@@ -193,6 +277,9 @@ class BucketSpec:
     # The pool engine's token limit (prompt + output): max_model_len, or max_stream_tokens for a
     # pool that evicts. Chat's default max_tokens is what a prompt leaves of it (None: unknown).
     max_model_len: int | None = None
+    evicts: bool = False  # the pool's cache policy evicts (a session may stream past its prompt bound)
+    policy_version: str | None = None  # the pool's configured cache policy (content hash)
+    soft_timeout_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -215,6 +302,10 @@ class PoolSpec:
     engine: EngineConfig
     stats_push_interval_s: float = 1.0
     worker_num_cpus: float = 0.1
+    # The job pool's replicas run queued jobs (app/jobs.py), at most job_slots at once; 0: none.
+    job_slots: int = 0
+    store: StoreSpec | None = None
+    tenants: tuple[tuple[str, TenantLimits], ...] = ()  # to charge a finished job to its tenant
 
     @property
     def deployment_name(self) -> str:
@@ -232,6 +323,20 @@ class PlanSpec:
     max_passages: int = 256
 
 
+@dataclass(frozen=True)
+class StoreSpec:
+    kind: str = "sqlite"
+    data_dir: str = "~/.sinkserve/data"
+    url: str | None = None
+    prefix: str = "sinkserve:"
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    tokens_per_minute: int | None = None
+    tokens_per_day: int | None = None
+
+
 def pool_deployment_name(bucket: str, version: str) -> str:
     return f"pool-{bucket}-{version}"
 
@@ -244,6 +349,13 @@ class IngressSpec:
     pool_deployments: tuple[str, ...]
     stats_push_interval_s: float = 1.0
     kv_cache: tuple[tuple[str, str], ...] = ()  # (pool, kv_cache_dtype), for /v1/models
+    store: StoreSpec = StoreSpec()
+    tenants: tuple[tuple[str, TenantLimits], ...] = ()
+    session_ttl_s: float = 7 * 86400.0
+    keepalive_s: float = 2.0
+    audit_path: str | None = None
+    audit_text: bool = False
+    jobs_pool: str | None = None
 
     @property
     def versions(self) -> tuple[str, ...]:

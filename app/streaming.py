@@ -149,44 +149,86 @@ async def bus_stream(call: Any, queue: asyncio.Queue[Any], grace_s: float = 10.0
         watcher.cancel()
 
 
+TIME_LIMIT = "time_limit"  # finish_reason of a generation ended by its pool's soft timeout
+
+
+def _replica_gone(e: BaseException) -> bool:
+    """The pool call failed because its replica died (Serve drops it from the routing set)."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+    return isinstance(e, (ActorDiedError, ActorUnavailableError, RayActorError))
+
+
 async def stream_plan(pool: Any, plan: RoutePlan, inbox: TokenInbox) -> AsyncIterator[RouteInfo | TokenDelta | APIError]:
     """``RouteInfo`` then ``TokenDelta``s (the last finished), or an ``APIError`` (first, or after
     some deltas). However this generator ends early (client gone, timeout), the pool call is
-    cancelled, which aborts the request in the engine."""
-    info, preq = plan.info, plan.request
-    timeout_s = preq.timeout_s or 3600.0
-    try:
-        queue = inbox.open(info.request_id)  # before the call: the first frame may beat its start
-    except ValueError as e:  # a handle caller reused a request id
-        yield APIError(400, str(e), "request_id")
-        return
-    call = pool.generate.remote(replace(preq, reply_to=inbox.address))
-    started = done = False
-    try:
-        # aclosing: returning early still closes the coalescer at once (its timer and pump task).
-        async with aclosing(coalesced(bus_stream(call, queue), timeout_s)) as source:
-            async for ev in source:
-                if not started:
-                    started = True
-                    if not isinstance(ev, APIError):
-                        yield info
-                yield ev
-                if isinstance(ev, APIError) or ev.finished:
-                    done = True
-                    return
-            done = True
-    except asyncio.TimeoutError:
-        logger.info("request %s timed out after %.1fs in %s", info.request_id, timeout_s, info.deployment)
-        yield APIError(408, f"request timed out after {timeout_s:g}s in pool {info.pool!r}", type="timeout")
-    except Exception as e:
-        from ray.serve.exceptions import BackPressureError
+    cancelled, which aborts the request in the engine.
 
-        if isinstance(e, BackPressureError):
-            yield APIError(503, f"pool {info.pool!r} is at capacity; retry later", type="overloaded", retry_after=1)
+    Timeouts: at the pool's ``soft_timeout_s`` generation ends cleanly -- the call is cancelled and
+    every unfinished choice gets a last, empty delta with ``finish_reason: "time_limit"``, so the
+    client keeps the partial output; without one, ``timeout_s`` ends the stream with a 408. A call
+    whose replica died before it produced anything is sent once more (Serve routes it to a live
+    replica; a conversation's next replica re-prefills its history)."""
+    info, preq = plan.info, plan.request
+    soft = preq.soft_timeout_s
+    timeout_s = soft or preq.timeout_s or 3600.0
+    started = False
+    counts: dict[int, int] = {}  # choice -> completion tokens so far
+    open_choices = set(range(preq.params.n))
+    prompt_tokens = info.prompt_tokens
+    for attempt in (0, 1):
+        try:
+            queue = inbox.open(info.request_id)  # before the call: the first frame may beat its start
+        except ValueError as e:  # a handle caller reused a request id
+            yield APIError(400, str(e), "request_id")
             return
-        logger.exception("request %s failed in %s", info.request_id, info.deployment)
-        yield APIError(500, f"internal error in pool {info.pool!r}: {type(e).__name__}", type="server_error")
-    finally:
-        if not done:
-            call.cancel()
-        inbox.close(info.request_id)
+        call = pool.generate.remote(replace(preq, reply_to=inbox.address))
+        done = False
+        try:
+            # aclosing: returning early still closes the coalescer at once (its timer and pump task).
+            async with aclosing(coalesced(bus_stream(call, queue), timeout_s)) as source:
+                async for ev in source:
+                    if not started:
+                        started = True
+                        if not isinstance(ev, APIError):
+                            yield info
+                    if isinstance(ev, TokenDelta):
+                        counts[ev.index] = ev.completion_tokens
+                        prompt_tokens = ev.prompt_tokens
+                        if ev.finish_reason is not None:
+                            open_choices.discard(ev.index)
+                    yield ev
+                    if isinstance(ev, APIError) or ev.finished:
+                        done = True
+                        return
+                done = True
+                return
+        except asyncio.TimeoutError:
+            if soft is None:
+                logger.info("request %s timed out after %.1fs in %s", info.request_id, timeout_s, info.deployment)
+                yield APIError(408, f"request timed out after {timeout_s:g}s in pool {info.pool!r}", type="timeout")
+                return
+            logger.info("request %s reached the soft timeout (%.1fs) in %s", info.request_id, soft, info.deployment)
+            if not started:
+                yield info
+            last = sorted(open_choices)
+            for i in last:
+                yield TokenDelta("", (), None, i == last[-1], TIME_LIMIT, prompt_tokens, counts.get(i, 0), index=i)
+            return
+        except Exception as e:
+            from ray.serve.exceptions import BackPressureError
+
+            if isinstance(e, BackPressureError):
+                yield APIError(503, f"pool {info.pool!r} is at capacity; retry later", type="overloaded", retry_after=1)
+                return
+            if attempt == 0 and not started and _replica_gone(e):
+                logger.warning("request %s: replica of %s died before answering (%s); sending it again",
+                               info.request_id, info.deployment, type(e).__name__)
+                continue
+            logger.exception("request %s failed in %s", info.request_id, info.deployment)
+            yield APIError(500, f"internal error in pool {info.pool!r}: {type(e).__name__}", type="server_error")
+            return
+        finally:
+            if not done:
+                call.cancel()
+            inbox.close(info.request_id)

@@ -23,3 +23,15 @@ def start(host_url: str, what: str) -> str:
         log.error("the %s drives loopback servers only, got %s", what, host_url)
         raise SystemExit(2)
     return key
+
+
+def hit_rate(turn: dict) -> float | None:
+    """Cached tokens over the history a turn carried (None for a first turn: no history).
+
+    >>> hit_rate({"prompt_tokens": 120, "new_tokens": 20, "cached_tokens": 96})
+    0.96
+    >>> hit_rate({"prompt_tokens": 20, "new_tokens": 20, "cached_tokens": 0}) is None
+    True
+    """
+    history = turn["prompt_tokens"] - turn["new_tokens"]
+    return turn["cached_tokens"] / history if history > 0 else None

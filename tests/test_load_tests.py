@@ -76,3 +76,10 @@ def test_load_scripts_refuse_non_loopback_hosts_and_missing_keys(monkeypatch):
     for host in ("http://10.0.0.5:8000", "http://192.168.1.2:8000", "http://example.com"):
         with pytest.raises(SystemExit):
             start(host, "soak")
+
+
+def test_conversation_scenario_hit_rate_is_over_the_history():
+    from load_tests.common import hit_rate
+
+    assert hit_rate({"prompt_tokens": 200, "new_tokens": 40, "cached_tokens": 144}) == 0.9
+    assert hit_rate({"prompt_tokens": 40, "new_tokens": 40, "cached_tokens": 0}) is None

@@ -18,6 +18,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "test-key-123"
 LIMITED_KEY = "test-key-limited"  # used only by the rate-limit test
+# Keys of the conversation app's tenants (tests/serve/test_conversations.py); the shared app accepts
+# them too, with no quota (it configures no tenants).
+ACME_KEY, FREE_KEY = "test-key-acme", "test-key-free"
 SHORT_MAX, LONG_MAX = 48, 400
 ENGINE = {"num_kv_blocks": 96, "max_model_len": 512, "max_num_seqs": 8, "max_num_batched_tokens": 256}
 LONG_POLICY = {"eviction_policy": "sliding_window", "window": 64, "protected_positions": [0, 1, 2, 3]}
@@ -81,7 +84,7 @@ def server(tiny_model):
     from app.builder import build_app
     from app.cli_serve import haproxy_env
 
-    os.environ["SINKSERVE_API_KEYS"] = f"{API_KEY},{LIMITED_KEY}"
+    os.environ["SINKSERVE_API_KEYS"] = f"{API_KEY},{LIMITED_KEY},{ACME_KEY}:acme,{FREE_KEY}:free"
     os.environ["PYTHONPATH"] = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     # The HTTP entry `sinkserve serve` uses (HAProxy in front of the ingress replicas); read when Ray
     # starts. HAProxy's side listeners get ports of their own, so the suite runs beside `make run`.

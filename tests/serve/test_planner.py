@@ -186,3 +186,54 @@ def test_pinned_version_outside_its_bucket_is_404_and_canary_on_one_bucket_redra
     assert {p.plan(CompletionRequest(prompt=long_prompt)).info.version for _ in range(50)} == {"v1"}
     chat = p.plan(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}]), pinned_version="v2")
     assert chat.info.version == "v2" and chat.info.pool == "short"
+
+
+# ---- conversation turns -------------------------------------------------------------------------
+
+from app.conversations import Conversation  # noqa: E402
+
+
+def turn_planner(long_evicts: bool) -> Planner:
+    return Planner(PlanSpec(
+        buckets=(_B("short", 32, 60.0, max_model_len=64), _B("long", 100, 120.0, max_model_len=128 if not long_evicts else 4096,
+                                                              evicts=long_evicts, policy_version="p1")),
+        versions=(_V("v1", DEFAULT_MODEL, 1.0), _V("v2", DEFAULT_MODEL, 1.0)),
+    ))
+
+
+def test_turn_prepends_history_keeps_anchors_and_sets_affinity():
+    p = turn_planner(long_evicts=True)
+    conv = Conversation("conv-1", "acme", 0.0, version="v2", kind="completion", token_ids=tuple(range(5, 25)),
+                        anchors=((3, 9),))
+    req = CompletionRequest(prompt=" Where is it? It is", max_tokens=3,
+                            sinkserve={"anchors": ["Where is it?"]})
+    plan = p.plan(req, None, "cmpl-x", history=conv)
+    new = p.tokenize_turn(req, p.spec.versions[1])[0]
+    assert plan.request.prompt_token_ids == tuple(range(5, 25)) + tuple(new)
+    assert new[0] != p.tokenizers[DEFAULT_MODEL].bos_token_id  # no second BOS inside the history
+    assert plan.request.affinity == "conv-1" and plan.info.conversation == "conv-1"
+    assert plan.info.version == "v2" and plan.info.new_tokens == len(new)
+    s, e = plan.request.anchors[1]
+    assert plan.request.anchors[0] == (3, 9) and 20 <= s < e <= 20 + len(new)
+
+
+def test_turn_past_every_bucket_goes_to_the_evicting_pool_or_400_with_numbers():
+    long_history = Conversation("conv-2", "acme", 0.0, version="v1", kind="completion", token_ids=(7,) * 150)
+    req = CompletionRequest(prompt=" and more", max_tokens=3)
+    plan = turn_planner(long_evicts=True).plan(req, None, "cmpl-y", history=long_history)
+    assert plan.info.pool == "long" and plan.info.policy_version == "p1"
+    with pytest.raises(APIError) as e:
+        turn_planner(long_evicts=False).plan(req, None, "cmpl-z", history=long_history)
+    err = e.value
+    assert err.status == 400 and err.param == "sinkserve.conversation_id"
+    assert f"has {150 + plan.info.new_tokens} tokens" in err.message and "(100 tokens)" in err.message
+
+
+def test_turn_refuses_n_and_a_changed_endpoint():
+    p = turn_planner(long_evicts=True)
+    conv = Conversation("conv-3", "acme", 0.0, version="v1", kind="chat", token_ids=(1, 2, 3))
+    with pytest.raises(APIError, match="completion conversation|chat conversation"):
+        p.plan(CompletionRequest(prompt="x", max_tokens=2), None, "c", history=conv)
+    with pytest.raises(APIError) as e:
+        p.plan(ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], n=2), None, "c", history=conv)
+    assert e.value.param == "n"

@@ -1,0 +1,60 @@
+"""Session affinity: a conversation's turns go to the pool replica that holds its KV blocks.
+
+Serve's request router for pool deployments. A request whose ``PoolRequest.affinity`` is set (the
+session id) goes to the replica with the highest rendezvous score ``sha256(session | replica id)``;
+every ingress replica computes the same ranking from the same replica set, so no state is shared
+and nothing is stored. When that replica is full the next in the ranking takes the turn; when it
+dies, Serve drops it from the set and the session moves to the next replica, where the turn is
+re-prefilled from the token ids the store keeps (``app/sessions.py``). Requests without a session
+use Serve's power-of-two-choices. Worked example (scores invented)::
+
+    replicas   r1     r2     r3          session "c-42": r2 > r3 > r1  -> turns go to r2
+    score      0.11   0.93   0.57        r2 dies: r3 > r1               -> r3 (re-prefill, then hits)
+                                         sessions that ranked r1 / r3 first do not move
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Sequence
+
+from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
+
+ROUTER_PATH = "app.affinity:SessionAffinityRouter"
+
+
+def score(key: str, replica: str) -> int:
+    """Rendezvous score of ``replica`` for ``key`` (higher wins).
+
+    >>> score("c-1", "a") == score("c-1", "a") and score("c-1", "a") != score("c-1", "b")
+    True
+    """
+    return int.from_bytes(hashlib.sha256(f"{key}|{replica}".encode()).digest()[:8], "big")
+
+
+def ranked(key: str, replicas: Sequence[str]) -> list[str]:
+    """``replicas`` best first for ``key``; removing one never reorders the others.
+
+    >>> r = ranked("c-42", ["r1", "r2", "r3"])
+    >>> ranked("c-42", [x for x in r if x != r[0]]) == r[1:]
+    True
+    """
+    return sorted(replicas, key=lambda rid: score(key, rid), reverse=True)
+
+
+def affinity_key(pending: Any) -> str | None:
+    """The session id a pending Serve request carries (its first argument is a ``PoolRequest``)."""
+    args = getattr(pending, "args", None) or ()
+    return getattr(args[0], "affinity", None) if args else None
+
+
+class SessionAffinityRouter(PowerOfTwoChoicesRequestRouter):
+    """Rendezvous-hash routing for session turns, power of two choices for everything else."""
+
+    async def choose_replicas(self, candidate_replicas: list[Any], pending_request: Any = None) -> list[list[Any]]:
+        key = affinity_key(pending_request) if pending_request is not None else None
+        if key is None or not candidate_replicas:
+            return await super().choose_replicas(candidate_replicas, pending_request)
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        # One rank per replica: Serve tries the first; if it refuses (queue full) the next one.
+        return [[by_id[rid]] for rid in ranked(key, list(by_id))]

@@ -1,0 +1,210 @@
+"""The store backends (SQLite file, real Redis server), quotas and conversations on them: no Ray."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+
+from app.conversations import Conversation, ConversationStore, Turn, chat_continuation
+from app.errors import APIError
+from app.quotas import Quotas
+from app.settings import StoreSpec, TenantLimits
+from app.store import StoreError, open_store
+from tests.serve.redis_server import redis_server
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def store(request, tmp_path):
+    if request.param == "sqlite":
+        s = open_store(StoreSpec(kind="sqlite", data_dir=str(tmp_path / "data")))
+        yield s
+        s.close()
+        return
+    with redis_server(str(tmp_path)) as url:
+        s = open_store(StoreSpec(kind="redis", url=url, prefix="t:"))
+        yield s
+        s.close()
+
+
+def test_values_expire_and_put_if_absent(store):
+    assert store.get("a") is None
+    store.put("a", b"1")
+    assert store.get("a") == b"1"
+    assert not store.put_if_absent("a", b"2")
+    assert store.get("a") == b"1"
+    assert store.delete("a") and not store.delete("a")
+    assert store.put_if_absent("b", b"x", ttl_s=0.05)
+    import time
+
+    time.sleep(0.15)
+    assert store.get("b") is None
+    assert store.put_if_absent("b", b"y")  # expired: free again
+    assert store.get("b") == b"y"
+
+
+def test_counters_and_queue(store):
+    assert store.counter("c") == 0
+    assert [store.incr("c", 5, 60), store.incr("c", 7, 60)] == [5, 12]
+    assert store.counter("c") == 12
+    for item in (b"j1", b"j2", b"j3"):
+        store.push("q", item)
+    assert [store.pop("q"), store.pop("q"), store.pop("q"), store.pop("q")] == [b"j1", b"j2", b"j3", None]
+    store.ping()
+
+
+def _incr_many(data_dir: str, n: int) -> None:
+    s = open_store(StoreSpec(kind="sqlite", data_dir=data_dir))
+    for _ in range(n):
+        s.incr("shared", 1, 60)
+
+
+def test_sqlite_counter_is_atomic_across_processes(tmp_path):
+    d = str(tmp_path / "data")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_incr_many, args=(d, 200)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    s = open_store(StoreSpec(kind="sqlite", data_dir=d))
+    assert s.counter("shared") == 600
+
+
+def test_sqlite_wal_and_corrupt_file(tmp_path):
+    d = tmp_path / "data"
+    s = open_store(StoreSpec(kind="sqlite", data_dir=str(d)))
+    s.put("k", b"v")
+    assert s._connect().execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    s.close()
+    for f in d.iterdir():
+        f.unlink()
+    (d / "sinkserve.sqlite3").write_bytes(b"this is not a database" * 100)
+    s = open_store(StoreSpec(kind="sqlite", data_dir=str(d)))
+    with pytest.raises(StoreError, match="sinkserve.sqlite3: file is not a database"):
+        s.ping()
+
+
+def test_redis_unreachable_names_the_url():
+    s = open_store(StoreSpec(kind="redis", url="redis://127.0.0.1:1/0"))
+    with pytest.raises(StoreError, match="redis://127.0.0.1:1/0"):
+        s.ping()
+
+
+def test_quota_refusal_names_quota_used_and_reset(store):
+    now = [120.0 + 30]  # 30 s into minute 2
+    q = Quotas(store, {"acme": TenantLimits(tokens_per_minute=1000)}, clock=lambda: now[0])
+    q.check("acme", 900)
+    q.charge("acme", 940)
+    q.check("acme", 60)  # 1,000: still allowed
+    with pytest.raises(APIError) as e:
+        q.check("acme", 61)
+    err = e.value
+    assert (err.status, err.param, err.type, err.retry_after) == (429, "tokens_per_minute", "quota_exceeded", 30)
+    assert "940 of 1000 tokens used" in err.message and "1970-01-01T00:03:00Z" in err.message
+    q.check("other-tenant", 10**9)  # no limits configured
+    now[0] = 180.0  # the next minute: a new window
+    q.check("acme", 1000)
+
+
+def test_conversations_round_trip_and_tenant_isolation(store):
+    cs = ConversationStore(store, ttl_s=60)
+    c = cs.create("acme")
+    assert cs.load(c.id, "acme") == c
+    assert cs.load(c.id, "beta") is None  # another tenant's conversation does not exist for it
+    turn = Turn("cmpl-1", 3, 3, 2, 0, "short", "abc", "length")
+    c2 = c.with_turn((1, 2, 3), (4, 5), ((0, 2),), "v1", "completion", turn)
+    cs.save(c2)
+    got = cs.load(c.id, "acme")
+    assert got.token_ids == (1, 2, 3, 4, 5) and got.anchors == ((0, 2),) and got.turns == (turn,)
+    assert cs.lock(c.id, 10) and not cs.lock(c.id, 10)
+    cs.unlock(c.id)
+    assert cs.lock(c.id, 10)
+    assert not cs.delete(c.id, "beta") and cs.delete(c.id, "acme") and cs.load(c.id, "acme") is None
+
+
+def test_chat_continuation_matches_the_whole_rendering():
+    from transformers import AutoTokenizer
+
+    from app.settings import resolve_model_path
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path("assets/reference-model"))
+    first = [{"role": "user", "content": "hi"}]
+    answer = "hello there"
+    whole = tok.apply_chat_template(first + [{"role": "assistant", "content": answer}, {"role": "user", "content": "and?"}],
+                                    tokenize=False, add_generation_prompt=True)
+    turn1 = tok.apply_chat_template(first, tokenize=False, add_generation_prompt=True)
+    assert turn1 + answer + chat_continuation(tok, [{"role": "user", "content": "and?"}]) == whole
+
+
+# ---- jobs ---------------------------------------------------------------------------------------
+
+from app.events import PoolRequest, TokenDelta  # noqa: E402
+from app.jobs import JobQueue, JobRunner  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+
+
+def _preq(n: int = 3) -> PoolRequest:
+    return PoolRequest("job-req", tuple(range(n)), SamplingParams(max_tokens=4), ((0, 1),), 60.0, reply_to=("h", 1, b"s"))
+
+
+def test_job_requeued_once_after_its_replica_stops_then_failed_with_reason(store, monkeypatch):
+    import app.jobs as jobs
+
+    monkeypatch.setattr(jobs, "LEASE_S", 0.05)
+    q = JobQueue(store)
+    job = q.submit("acme", "pool-long-v1", "long", _preq())
+    assert q.get(job.id, "beta") is None and q.get(job.id, "acme").status == "queued"
+    assert q.get(job.id).pool_request().anchors == ((0, 1),) and q.get(job.id).pool_request().reply_to is None
+    claimed = q.claim("pool-long-v1")
+    assert claimed.id == job.id and claimed.status == "running" and claimed.attempts == 1
+    assert q.claim("pool-long-v1") is None
+    assert q.reap("pool-long-v1") == []  # lease alive: nothing changes
+    import time
+
+    time.sleep(0.15)  # the replica died: the lease lapses
+    [requeued] = q.reap("pool-long-v1")
+    assert requeued.status == "queued"
+    again = q.claim("pool-long-v1")
+    assert again.attempts == 2
+    time.sleep(0.15)
+    [failed] = q.reap("pool-long-v1")
+    assert failed.status == "failed" and "stopped before it finished (2 attempts)" in failed.error
+    assert q.get(job.id).view()["error"] == failed.error and q.claim("pool-long-v1") is None
+
+
+def test_job_cancel_while_queued_is_never_run(store):
+    q = JobQueue(store)
+    job = q.submit("acme", "d", "long", _preq())
+    assert q.cancel(job.id, "beta") is None
+    assert q.cancel(job.id, "acme").status == "cancelled"
+    assert q.claim("d") is None
+
+
+async def test_job_runner_runs_within_its_slots_and_stores_the_result(store):
+    import asyncio
+
+    q = JobQueue(store)
+    ids = [q.submit("acme", "d", "long", _preq()).id for _ in range(3)]
+    peak, live = [0], [0]
+
+    async def run(req):
+        live[0] += 1
+        peak[0] = max(peak[0], live[0])
+        for i in range(3):
+            await asyncio.sleep(0.02)
+            yield TokenDelta(f"t{i}", (i,), None, i == 2, "length" if i == 2 else None, 3, i + 1)
+        live[0] -= 1
+
+    charged = []
+    runner = JobRunner(q, "d", slots=2, run=run, poll_s=0.01, on_finish=lambda j: charged.append(j.completion_tokens))
+    task = asyncio.get_running_loop().create_task(runner.forever())
+    for _ in range(200):
+        await asyncio.sleep(0.02)
+        if all(q.get(i).status == "succeeded" for i in ids):
+            break
+    task.cancel()
+    views = [q.get(i).view() for i in ids]
+    assert [v["result"]["text"] for v in views] == ["t0t1t2"] * 3 and peak[0] == 2, (views, peak)
+    assert views[0]["result"]["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert charged == [3, 3, 3]
