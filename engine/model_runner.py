@@ -393,6 +393,8 @@ class ModelRunner:
     def _load_model(self) -> torch.nn.Module:
         from engine.models import load_model
 
+        import engine.attnres  # noqa: F401  registers model_type attnres_llama with the Auto classes
+
         if self.config.load_format != "dummy":  # dummy weights read no weight files
             # Refuse files that differ from the directory's SHA256SUMS (naming the file) before loading.
             verify_model_dir(self.config.model)

@@ -152,7 +152,7 @@ def test_prod_and_local_configs_validate():
     from app.settings import AppArgs
     from tests.serve.conftest import REPO
 
-    for name in ("prod.yaml", "local.yaml"):
+    for name in ("prod.yaml", "local.yaml", "attnres-twins.yaml"):
         cfg = yaml.safe_load((REPO / "serve_configs" / name).read_text())
         (app,) = cfg["applications"]
         assert app["import_path"] == "app.builder:build_app"
