@@ -37,13 +37,22 @@ SAME_LOOP_ENV = {
 }
 
 
+def _model_config(model_dir: str) -> dict:
+    try:
+        return json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def model_max_len(model_dir: str) -> int | None:
     """``max_position_embeddings`` from the model's config.json, if it can be read."""
-    try:
-        cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return cfg.get("max_position_embeddings")
+    return _model_config(model_dir).get("max_position_embeddings")
+
+
+def model_architecture(model_dir: str) -> str | None:
+    """The model class named in config.json (e.g. ``AttnResForCausalLM``), for ``/v1/models``."""
+    archs = _model_config(model_dir).get("architectures") or [None]
+    return archs[0]
 
 
 def engine_limit(pool: PoolArgs, model_len: int | None) -> int | None:
@@ -151,7 +160,8 @@ def build_app(args: AppArgs) -> Application:
     from engine.weights import fingerprint
 
     models = {v.name: resolve_model_path(v.model or args.model) for v in args.versions}
-    versions = tuple(VersionSpec(v.name, models[v.name], v.weight, fingerprint(models[v.name])) for v in args.versions)
+    versions = tuple(VersionSpec(v.name, models[v.name], v.weight, fingerprint(models[v.name]),
+                                 model_architecture(models[v.name])) for v in args.versions)
     hub = StatsHub.options(name="StatsHub").bind()
     model_len = min((n for n in (model_max_len(v.model) for v in versions) if n), default=None)
     pool_args = [clamp_pool(p, model_len) for p in args.pools]

@@ -29,6 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    # Every subcommand that loads a model may meet an AttnRes directory: register its model_type with
+    # transformers' Auto classes (after parsing, so --help stays fast).
+    import engine.attnres  # noqa: F401
+
     return int(args.run(args) or 0)
 
 

@@ -425,6 +425,8 @@ class ModelCard(BaseModel):
     # versions can be compared with what was verified at load.
     fingerprint: str | None = None
     weight: float | None = None  # the version's share of traffic on the replica that answered
+    # On ``name@version`` cards: the model class of that version's config.json (e.g. AttnResForCausalLM).
+    architecture: str | None = None
     # On the served name's card: what each pool's KV cache stores ("auto": the model dtype, else
     # int8 / int4 / int2 packed with sinks, protected tokens and the newest tokens kept 16-bit).
     kv_cache: dict[str, str] | None = None

@@ -289,6 +289,8 @@ class VersionSpec:
     weight: float
     # The model's weights fingerprint (engine/weights.py: from its SHA256SUMS manifest), or None.
     fingerprint: str | None = None
+    # The model class of its config.json (LlamaForCausalLM, AttnResForCausalLM, ...), or None.
+    architecture: str | None = None
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,8 @@ Qwen2 (, Qwen3)        ``layer_types``: with ``use_sliding_window``  -
 Gemma-3 (text)         ``layer_types`` (5 sliding : 1 full)        rope per layer type (local / global
                                                                    base), query_pre_attn_scalar, qk-norm
 gpt-oss                ``layer_types`` (alternating)               learned sinks (``s_aux``), yarn, MoE
+AttnRes (Llama)        none                                        depth mixing between layers
+                                                                   (engine/attnres; attention is Llama's)
 =====================  ==========================================  =====================================
 
 A sliding layer with window ``W`` lets the query at position ``q`` see keys ``q - W < k <= q``
@@ -39,14 +41,15 @@ from engine.errors import ConfigError, ModelLoadError
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-    "Phi3ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM",
+    "Phi3ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM", "AttnResForCausalLM",
 )  # fmt: skip
 
 # Whose transformers attention passes ``config.sliding_window`` on every layer (no ``layer_types``).
 _WINDOW_ON_EVERY_LAYER = frozenset({"MistralForCausalLM", "Phi3ForCausalLM"})
 # Tensor parallelism (DeepSpeed AutoTP) is exercised for these only: it would not shard gpt-oss's
 # per-head sinks nor its fused expert weights, and Gemma-3 / Phi-3 have never run sharded here.
-_TENSOR_PARALLEL = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
+_TENSOR_PARALLEL = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                              "AttnResForCausalLM"})
 # RoPE types whose frequencies transformers switches with the batch's largest position (longrope: long vs
 # short factors past ``original_max_position_embeddings``; dynamic NTK). Cached keys would then carry
 # other frequencies than new ones, and the engine's ragged batch mixes sequences, so these are served
@@ -123,6 +126,8 @@ def _rope_facts(config: Any) -> tuple[tuple[str, str, int | None], ...]:
 def read_attention_layout(model_dir: str) -> AttentionLayout:
     """``attention_layout`` of a model directory's ``config.json`` (no weights are read)."""
     from transformers import AutoConfig
+
+    import engine.attnres  # noqa: F401  registers model_type attnres_llama with the Auto classes
 
     try:
         config = AutoConfig.from_pretrained(str(Path(model_dir)), local_files_only=True)

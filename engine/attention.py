@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface
@@ -48,6 +48,18 @@ class ForwardContext:
     # ``importance`` eviction: per scheduled sequence and logical block, the attention mass its observation
     # queries put there, summed over layers (engine/importance.py); None when the policy does not score.
     block_importance: torch.Tensor | None = None
+    # The backend's per-step plans (``AttentionBackend.plan``) by sliding window, each built by the first
+    # layer that needs it and shared by the others (the metadata is the same in every layer).
+    plans: dict = field(default_factory=dict)
+
+    def plan_kwargs(self, window: int | None, block_size: int) -> dict:
+        """``{"plan": ...}`` for the backend call of a layer with ``window``, or ``{}`` (backend takes none)."""
+        if self.backend.plan is None:
+            return {}
+        if window not in self.plans:
+            self.plans[window] = self.backend.plan(self.block_tables, self.seq_lens, self.query_start_loc, block_size,
+                                                   window)
+        return {"plan": self.plans[window]}
 
 
 _CONTEXT: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("sinkserve_forward", default=None)
@@ -100,20 +112,22 @@ def paged_attention_forward(
     sparse = ctx.sparse_plan is not None and window is None and sinks is None
     if ctx.quantized:
         cache = ctx.kv_caches[module.layer_idx]
+        plan = ctx.plan_kwargs(window, cache.block_size)
         ctx.backend.write_kv_quant(k, v, cache, ctx.slot_mapping)
         _score(ctx, q, cache, scale, window)
         if sparse:
             return _sparse_forward(ctx, module.layer_idx, q, cache, scale), None
         out = ctx.backend.paged_attention_quant(q, cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, scale,
-                                                window=window, sinks=sinks)
+                                                window=window, sinks=sinks, **plan)
         return out.unsqueeze(0), None
     k_cache, v_cache = ctx.kv_caches[module.layer_idx]
+    plan = ctx.plan_kwargs(window, k_cache.shape[1])
     ctx.backend.write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
     _score(ctx, q, (k_cache, v_cache), scale, window)
     if sparse:
         return _sparse_forward(ctx, module.layer_idx, q, (k_cache, v_cache), scale), None
     out = ctx.backend.paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, scale,
-                                      window=window, sinks=sinks)
+                                      window=window, sinks=sinks, **plan)
     return out.unsqueeze(0), None
 
 

@@ -18,6 +18,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = str(REPO_ROOT / "assets" / "reference-model")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 LOAD_FORMATS = ("auto", "dummy")
+# Which forward runs the model (engine/models/registry.py): "auto" native where one exists, else transformers.
+MODEL_IMPLS = ("auto", "native", "transformers")
 # KV cache storage: "auto" stores K/V in the model dtype; the others pack codes (bits per value).
 KV_CACHE_DTYPES = {"auto": 16, "int8": 8, "int4": 4, "int2": 2}
 KV_KEY_SCHEMES = ("per_channel",)  # one (scale, zero) per channel over a block's tokens (KIVI keys)
@@ -98,6 +100,12 @@ class EngineConfig:
     allow_tf32: bool = True
     # "dummy": random weights from config.json alone (benchmarks of a model shape without a checkpoint).
     load_format: str = "auto"
+    # "auto": the native forward for architectures that have one (engine/models/), transformers' modules
+    # otherwise; "native" requires it; "transformers" always uses the modules (the fallback path).
+    model_impl: str = "auto"
+    # Compile the decode step of the native forward (torch.compile, inductor) at bucketed batch sizes at
+    # start-up (engine/compiled_step.py); a model or device it cannot compile runs eagerly (one log line).
+    compile_decode: bool = False
     cache_policy: CachePolicy = field(default_factory=CachePolicy)
     # KV cache storage (see docs/kv_cache.md). "auto": model dtype, today's layout. "int8" / "int4" / "int2":
     # a packed pool (every block id) plus a small 16-bit side pool for the blocks the cache policy keeps
@@ -130,6 +138,8 @@ class EngineConfig:
         if self.block_size is None:
             packed = self.kv_cache_dtype in KV_CACHE_DTYPES and self.kv_cache_dtype != "auto"
             object.__setattr__(self, "block_size", DEFAULT_PACKED_BLOCK_SIZE if packed else DEFAULT_BLOCK_SIZE)
+        if self.model_impl not in MODEL_IMPLS:
+            raise ConfigError("model_impl", f"must be one of {list(MODEL_IMPLS)}, got {self.model_impl!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError("block_size", f"must be a power of two >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:

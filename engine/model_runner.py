@@ -1,4 +1,4 @@
-"""Loads a Hugging Face causal LM, owns its paged KV tensors, and runs one forward per engine step.
+"""Loads a causal LM (``engine.models``: native forward or transformers modules), owns its paged KV tensors, and runs one forward per engine step.
 
 A step's batch is ragged: prefill chunks and decode tokens of many sequences packed on one token axis::
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from engine.config import EngineConfig, kv_outlier_channels, kv_value_group_size
 from engine.errors import ModelLoadError
 from engine.kv_budget import KVBudget, MemoryProfile
 from engine.rope import rotate_keys
+from engine.step_inputs import StepBuffers
 from engine.sampler import Sampler, SamplerOutput, SeqSampling
 from engine.weights import verify_model_dir
 
@@ -181,6 +181,8 @@ class ModelRunner:
         self.model = self._load_model()
         # Per layer: the RoPE table its keys were rotated with (Gemma-3: local vs global), for eviction rotations.
         self.inv_freqs = layer_inv_freqs(self.model, self.layout)
+        self.compiled = None  # engine.compiled_step.CompiledDecode once compile_decode_step succeeded
+        self.buffers = StepBuffers(config.max_num_batched_tokens, config.max_num_seqs, self.device)
         # Only the rank that holds the full logits samples (rank 0; logits are all-reduced to every rank).
         self.sampler = Sampler(self.device, config.seed, tokenizer_path=config.model) if rank == 0 else None
         self.num_kv_blocks = 0
@@ -349,7 +351,10 @@ class ModelRunner:
 
     def warm_up(self) -> bool:
         """Compile the attention kernels for every configuration their launchers can pick for this
-        model (CUDA only: on CPU nothing is compiled and this returns False)."""
+        model (CUDA only: on CPU nothing is compiled and this returns False), then the decode step when
+        ``compile_decode`` is set."""
+        if self.config.compile_decode:
+            self.compile_decode_step()
         if not self.config.on_cuda or self.backend.warm_up is None:
             return False
         heads = self.model.config.num_attention_heads // self.world_size
@@ -359,44 +364,45 @@ class ModelRunner:
         logger.info("rank %d: %s kernels warmed up", self.rank, self.backend.name)
         return True
 
-    def _load_model(self) -> torch.nn.Module:
-        from transformers import AutoConfig, AutoModelForCausalLM
+    def compile_decode_step(self) -> bool:
+        """Compile the native forward's decode step at every bucket (``engine.compiled_step``), timing it;
+        a configuration that cannot compile runs eagerly, with one log line saying why."""
+        from engine.compiled_step import CompiledDecode, decode_buckets
+        from engine.models.llama import LlamaForward
 
-        attention.register()
-        dtype = torch_dtype(self.config.dtype)
+        self.compiled = None
+        if not isinstance(self.model, LlamaForward) or self.config.on_cuda:
+            why = "CUDA (graphs not implemented)" if self.config.on_cuda else "transformers modules"
+            logger.info("rank %d: compiled decode step off: %s run eagerly", self.rank, why)
+            return False
+        compiled = CompiledDecode(self.model, decode_buckets(self.config.max_num_seqs))
+        try:
+            self.compiled = compiled
+            seconds = compiled.warm_up(lambda b: self.execute(self._decode_dummy(b)))
+        except Exception as exc:  # any compiler failure: the eager step is always correct
+            self.compiled = None
+            logger.warning("rank %d: compiled decode step off, running eagerly (%s: %s)", self.rank,
+                           type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            return False
+        logger.info("rank %d: decode step compiled for batch sizes %s in %.1f s", self.rank, list(compiled.buckets),
+                    seconds)
+        return True
+
+    def _decode_dummy(self, batch: int) -> ModelInput:
+        """A decode step of ``batch`` sequences that writes no KV (slots -1) and reads block 1."""
+        return ModelInput([0] * batch, [0] * batch, [-1] * batch, [[1]] * batch, [1] * batch, list(range(batch + 1)),
+                          list(range(batch)))
+
+    def _load_model(self) -> torch.nn.Module:
+        from engine.models import load_model
+
+        import engine.attnres  # noqa: F401  registers model_type attnres_llama with the Auto classes
+
         if self.config.load_format != "dummy":  # dummy weights read no weight files
             # Refuse files that differ from the directory's SHA256SUMS (naming the file) before loading.
             verify_model_dir(self.config.model)
-        try:
-            if self.config.load_format == "dummy":
-                cfg = AutoConfig.from_pretrained(self.config.model, local_files_only=True)
-                # Built directly on the device: an 8B model never exists in host memory.
-                with torch.device(self.device if self.world_size == 1 else "cpu"):
-                    model = AutoModelForCausalLM.from_config(
-                        cfg, dtype=dtype, attn_implementation=attention.ATTN_IMPLEMENTATION
-                    )
-            else:
-                model = AutoModelForCausalLM.from_pretrained(
-                    self.config.model,
-                    dtype=dtype,
-                    attn_implementation=attention.ATTN_IMPLEMENTATION,
-                    local_files_only=True,
-                )
-        except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"could not load model from {self.config.model!r}: {exc}") from exc
-        model.eval()
-        if self.world_size > 1:
-            import deepspeed
-
-            os.environ.setdefault("LOCAL_SIZE", str(self.world_size))
-            engine = deepspeed.init_inference(
-                model,
-                tensor_parallel={"tp_size": self.world_size},
-                dtype=dtype,
-                replace_with_kernel_inject=False,
-            )
-            model = engine.module
-        return model.to(self.device)
+        return load_model(self.config.model, self.shape.architecture, self.config.model_impl, self.config.load_format,
+                          torch_dtype(self.config.dtype), self.device, self.rank, self.world_size, self.config.seed)
 
     def _layer_inv_freqs(self) -> list[torch.Tensor]:
         """Each layer's RoPE table on this device; refuses models without RoPE (rotations need it)."""
@@ -427,37 +433,40 @@ class ModelRunner:
             (self._rotate_quant_blocks if quantized else self._rotate_blocks)(inp.rotations)
         if self.block_bounds is not None:
             sparse_runtime.apply_block_ops(self.block_bounds, self.kv_caches, inp, self.device)
-        dev = self.device
-        width = max((len(t) for t in inp.block_tables), default=1) or 1
-        tables = torch.zeros(len(inp.block_tables), width, dtype=torch.int32)
-        for i, t in enumerate(inp.block_tables):
-            tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        # A decode-only step (one token per sequence) runs the compiled graph of its bucket, if any (not while
+        # importance eviction scores blocks: that runs Python per sequence, which a captured graph cannot).
+        num = len(inp.input_ids)
+        compiled = self.compiled is not None and num == len(inp.seq_lens) and not inp.score_importance
+        bucket = self.compiled.bucket(num) if compiled else None
+        st = self.buffers.load(inp.input_ids, inp.positions, inp.slot_mapping, inp.logits_indices, inp.block_tables,
+                               inp.seq_lens, inp.query_start_loc, pad_to=bucket)
         ctx = attention.ForwardContext(
             backend=self.backend,
             kv_caches=self.kv_caches,
-            slot_mapping=torch.tensor(inp.slot_mapping, dtype=torch.long, device=dev),
-            block_tables=tables.to(dev),
-            seq_lens=torch.tensor(inp.seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(inp.query_start_loc, dtype=torch.int32, device=dev),
+            slot_mapping=st.slot_mapping,
+            block_tables=st.block_tables,
+            seq_lens=st.seq_lens,
+            query_start_loc=st.query_start_loc,
             quantized=quantized,
             key_absmax=key_absmax,
             block_size=self.config.block_size,
             block_bounds=self.block_bounds,
-            sparse_plan=sparse_runtime.plan(inp.sparse_forced, self.config, tables.shape[1], dev),
-            block_importance=torch.zeros(tables.shape, dtype=torch.float32, device=dev) if inp.score_importance else None,
+            sparse_plan=sparse_runtime.plan(inp.sparse_forced, self.config, st.block_tables.shape[1], self.device),
+            block_importance=torch.zeros(st.block_tables.shape, dtype=torch.float32, device=self.device)
+            if inp.score_importance else None,
             layout=self.layout,
         )
-        input_ids = torch.tensor(inp.input_ids, dtype=torch.long, device=dev)[None]
-        positions = torch.tensor(inp.positions, dtype=torch.long, device=dev)[None]
-        keep = torch.tensor(inp.logits_indices, dtype=torch.long, device=dev)
-        with attention.forward_context(ctx):
-            out = self.model(input_ids=input_ids, position_ids=positions, logits_to_keep=keep, use_cache=False)
         self.last_block_importance = None
+        with attention.forward_context(ctx):
+            if bucket is not None:
+                n = len(inp.logits_indices)
+                return self.compiled.fn(st.input_ids, st.positions, st.padded_logits_indices[:bucket])[:n]
+            logits = self.model(st.input_ids, st.positions, st.logits_indices)
         if ctx.block_importance is not None:
             bs = self.config.block_size
             rows = ctx.block_importance.cpu().tolist()
             self.last_block_importance = [r[: -(-n // bs)] for r, n in zip(rows, inp.seq_lens)]
-        return out.logits[0].to(torch.float32)
+        return logits
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.device)

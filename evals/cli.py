@@ -4,6 +4,7 @@
     sinkserve eval needle    [--quick] [--with] [--without] [--workers 2] [--out docs/evals]
     sinkserve eval needle|long-ppl --sparse 8,16 [--quick]   (dense vs block_bounds vs random selection)
     sinkserve eval retrieval [--quick] [--docs 400] [--mixes 4,16] [--budgets 32,64] [--out docs/evals]
+    sinkserve eval twins     --model A --baseline B [--quick] [--windows 16] [--rounds 6] [--out docs/evals]
 
 Each writes ``<out>/<name>.{md,json,png}`` and prints the table. ``--with`` / ``--without`` run only the
 protected arm (sinks [+ anchor]) / the unprotected arm (window only) on the same inputs; both together
@@ -74,6 +75,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--budgets", help="comma-separated passage budgets in tokens, one trimmed arm each (default 32,64)")
     p.add_argument("--passage-tokens", type=int, help="passage size in tokens (default 24)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: see evals.arms)")
+    p = sub.add_parser("twins", help="two models on the same inputs: ppl, sinks and hidden norm per layer, "
+                                     "depth-mix weights, decode latency in the engine (evals/twins.py)")
+    p.add_argument("--model", required=True, help="model directory under test (e.g. the AttnRes twin)")
+    p.add_argument("--baseline", required=True, help="model directory it is compared with (latency baseline)")
+    p.add_argument("--out", default=DEFAULT_OUT, help="folder for the table (md + json) and the plot (png)")
+    p.add_argument("--quick", action="store_true", help="small fast smoke run")
+    p.add_argument("--windows", type=int, help="held-out windows of the trained context (default 16; quick 2)")
+    p.add_argument("--rounds", type=int, help="alternating latency rounds per model and batch (default 6; quick 1)")
+    p.add_argument("--steps", type=int, help="decode steps per latency round (default 64; quick 8)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1: see evals.arms)")
     parser.set_defaults(run=run)
     return parser
 
@@ -142,7 +153,15 @@ def _retrieval(args: argparse.Namespace, ctx: int) -> EvalResult:
     return run_retrieval(cfg)
 
 
-EVALS = {"long-ppl": _long_ppl, "needle": _needle, "retrieval": _retrieval}
+def _twins(args: argparse.Namespace, ctx: int) -> EvalResult:
+    from evals.twins import run_twins
+
+    return run_twins([args.baseline, args.model], n_windows=args.windows or (2 if args.quick else 16),
+                     latency_rounds=args.rounds or (1 if args.quick else 6),
+                     latency_steps=args.steps or (8 if args.quick else 64))
+
+
+EVALS = {"long-ppl": _long_ppl, "needle": _needle, "retrieval": _retrieval, "twins": _twins}
 
 
 def _kv_ab(args: argparse.Namespace, ctx: int) -> EvalResult:

@@ -178,6 +178,8 @@ def score_recompute(cfg: PplConfig, ids: list[int], bos: bool) -> ArmScores:
     """Each block of ``chunk`` targets re-run with the previous ``window`` tokens (plain transformers)."""
     from transformers import AutoModelForCausalLM
 
+    import engine.attnres  # noqa: F401  AttnRes directories load with the Auto classes
+
     model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32, attn_implementation="sdpa")
     model.eval()
     n, w, s = len(ids), cfg.window, cfg.chunk

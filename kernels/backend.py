@@ -44,6 +44,10 @@ class AttentionBackend:
     # seq_lens, query_start_loc, plan, scale) over 16-bit or quantized KV. Both backends share the block
     # selection (so their selections are identical); they differ in the attention over it.
     block_sparse_attention: Callable[..., Any] | None = None
+    # plan(block_tables, seq_lens, query_start_loc, block_size, window) -> what paged_attention(_quant) derive from
+    # the step's metadata (gather indices, masks), built once per forward and passed to every layer as
+    # ``plan=``; None: the backend takes no plan.
+    plan: Callable[..., Any] | None = None
 
 
 def torch_backend() -> AttentionBackend:
@@ -53,7 +57,7 @@ def torch_backend() -> AttentionBackend:
     return AttentionBackend("torch", reference.write_kv, reference.paged_attention,
                             write_kv_quant=reference.write_kv_quant,
                             paged_attention_quant=reference.paged_attention_quant,
-                            quantize_blocks=reference.quantize_fp_slots,
+                            quantize_blocks=reference.quantize_fp_slots, plan=reference.plan_attention,
                             block_sparse_attention=functools.partial(bs.block_sparse_attention, attend=bs.attend_gather))
 
 

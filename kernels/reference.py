@@ -33,6 +33,8 @@ Two per-layer options of the model (``engine/architectures.py``) change what a q
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kernels.layout import NULL_BLOCK
@@ -57,10 +59,25 @@ def write_kv(
     v_cache.view(num_blocks * block_size, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
-def _compact_tables(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Each row's live blocks moved to the front in logical order: ``(compact block ids [S, W], valid
-    [S, W*B], positions [S, W*B], order, W)`` (see ``gather_kv``)."""
+@dataclass(frozen=True)
+class Gather:
+    """Where a group of ``S`` sequences' cached keys live: each row's live (non-null) blocks moved to the
+    front in logical order, ``W`` wide::
+
+        block_tables [[7, 0, 12], [3, 5, 0]] (B = 16, seq_lens [40, 20])
+        -> blocks [7, 12, 3, 5] (S * W, row-major), W = 2
+           positions [[0..15, 32..47], [0..15, 16..31]], valid: position < seq_len and block live
+    """
+
+    blocks: torch.Tensor  # [S * W] block ids
+    rows: int
+    width: int
+    valid: torch.Tensor  # [S, W * B] bool
+    positions: torch.Tensor  # [S, W * B] logical position of each gathered key
+
+
+def compact_gather(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> Gather:
+    """The ``Gather`` of ``block_tables [S, max_blocks]`` with ``seq_lens [S]``."""
     num_table_blocks = -(-int(seq_lens.max()) // block_size)
     table = block_tables[:, :num_table_blocks].long()
     live = table != NULL_BLOCK
@@ -72,7 +89,76 @@ def _compact_tables(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_si
     offsets = torch.arange(block_size, device=block_tables.device)
     positions = (order[:, :, None] * block_size + offsets).flatten(1)
     valid = (positions < seq_lens[:, None].long()) & (compact != NULL_BLOCK).repeat_interleave(block_size, dim=1)
-    return compact, valid, positions, order, width
+    return Gather(compact.flatten(), compact.shape[0], width, valid, positions)
+
+
+@dataclass(frozen=True)
+class PrefillSeq:
+    """One multi-token query segment: rows ``start:end`` of the packed queries, its gather and its causal mask."""
+
+    start: int
+    end: int
+    gather: Gather
+    mask: torch.Tensor  # [1, 1, n, L] bool
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Everything ``paged_attention`` derives from the step's metadata, built once per forward and
+    shared by every layer (the metadata is the same in all of them): single-token queries batched into
+    one group, each longer query segment on its own."""
+
+    decode_tok: torch.Tensor | None  # [Sd] query rows of the single-token sequences (None: all rows, in order)
+    decode: Gather | None
+    decode_mask: torch.Tensor | None  # [Sd, 1, 1, L]
+    prefill: tuple[PrefillSeq, ...]
+
+
+def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                   block_size: int, window: int | None = None) -> AttentionPlan:
+    """The ``AttentionPlan`` of one forward's paged metadata, for layers with sliding ``window`` (None: full)."""
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    num_seqs = len(lens)
+    q_lens = [starts[i + 1] - starts[i] for i in range(num_seqs)]
+    if window is not None:
+        block_tables = window_tables(block_tables, seq_lens, query_start_loc[1:] - query_start_loc[:-1], block_size, window)
+    decode = [i for i in range(num_seqs) if q_lens[i] == 1]
+    dev = block_tables.device
+    decode_tok = dg = decode_mask = None
+    if decode:
+        if len(decode) == num_seqs:  # a decode-only step: the queries are the rows, in order
+            d_lens = seq_lens
+            dg = compact_gather(block_tables, seq_lens, block_size)
+        else:
+            idx = torch.tensor(decode, dtype=torch.long, device=dev)
+            d_lens = seq_lens[idx]
+            dg = compact_gather(block_tables[idx], d_lens, block_size)
+            decode_tok = query_start_loc[idx].long()
+        valid = dg.valid
+        if window is not None:
+            valid = valid & (dg.positions > d_lens.long()[:, None] - 1 - window)
+        decode_mask = valid[:, None, None, :]
+    prefill = []
+    for i in range(num_seqs):
+        n = q_lens[i]
+        if n <= 1:
+            continue
+        g = compact_gather(block_tables[i : i + 1], seq_lens[i : i + 1], block_size)
+        q_pos = torch.arange(lens[i] - n, lens[i], device=dev)
+        mask = g.valid[:, None, :] & (g.positions[:, None, :] <= q_pos[None, :, None])
+        if window is not None:
+            mask = mask & (g.positions[:, None, :] > q_pos[None, :, None] - window)
+        prefill.append(PrefillSeq(starts[i], starts[i + 1], g, mask[:, None, :, :]))
+    return AttentionPlan(decode_tok, dg, decode_mask, tuple(prefill))
+
+
+def _gather_fp(k_cache: torch.Tensor, v_cache: torch.Tensor, g: Gather) -> tuple[torch.Tensor, torch.Tensor]:
+    # index_select on a [num_blocks, block_size * Hkv * D] view: ~2x faster than advanced indexing on CPU.
+    shape = (g.rows, g.width * k_cache.shape[1], *k_cache.shape[2:])
+    keys = k_cache.flatten(1).index_select(0, g.blocks).view(shape)
+    values = v_cache.flatten(1).index_select(0, g.blocks).view(shape)
+    return keys, values
 
 
 def gather_kv(
@@ -87,13 +173,8 @@ def gather_kv(
     gathered key ``[S, L]``. Only non-null blocks are gathered, so a long stream whose table is mostly
     null costs what its kept blocks cost, not what its whole history would.
     """
-    block_size = k_cache.shape[1]
-    compact, valid, positions, _, width = _compact_tables(block_tables, seq_lens, block_size)
-    # index_select on a [num_blocks, block_size * Hkv * D] view: ~2x faster than advanced indexing on CPU.
-    flat = compact.flatten()
-    keys = k_cache.flatten(1).index_select(0, flat).view(compact.shape[0], width * block_size, *k_cache.shape[2:])
-    values = v_cache.flatten(1).index_select(0, flat).view(compact.shape[0], width * block_size, *v_cache.shape[2:])
-    return keys, values, valid, positions
+    g = compact_gather(block_tables, seq_lens, k_cache.shape[1])
+    return (*_gather_fp(k_cache, v_cache, g), g.valid, g.positions)
 
 
 def paged_attention(
@@ -106,14 +187,16 @@ def paged_attention(
     scale: float,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries ``[T, Hq, D]`` over paged caches; returns ``[T, Hq, D]``.
 
     Grouped-query attention: query head ``h`` reads KV head ``h // (Hq // Hkv)``. ``window``: sliding-window
-    layer (see the module docstring); ``sinks [Hq]``: learned sink logits.
+    layer (see the module docstring); ``sinks [Hq]``: learned sink logits. ``plan``: the step's
+    ``plan_attention`` for this ``window`` (built here when not given).
     """
-    return _paged_attention(query, lambda t, n: gather_kv(k_cache, v_cache, t, n), k_cache.shape[1], block_tables,
-                            seq_lens, query_start_loc, scale, window, sinks)
+    plan = plan or plan_attention(block_tables, seq_lens, query_start_loc, k_cache.shape[1], window)
+    return _paged_attention(query, lambda g: _gather_fp(k_cache, v_cache, g), plan, scale, sinks)
 
 
 def window_tables(block_tables: torch.Tensor, seq_lens: torch.Tensor, q_lens: torch.Tensor, block_size: int,
@@ -132,50 +215,44 @@ def window_tables(block_tables: torch.Tensor, seq_lens: torch.Tensor, q_lens: to
     return torch.where(cols[None, :] < first_block[:, None], torch.zeros_like(block_tables), block_tables)
 
 
-def _paged_attention(query: torch.Tensor, gather, block_size: int, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                     query_start_loc: torch.Tensor, scale: float, window: int | None = None,
+def _paged_attention(query: torch.Tensor, fetch, plan: AttentionPlan, scale: float,
                      sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """``paged_attention`` with the KV fetch ``gather(block_tables, seq_lens)`` (``gather_kv``'s contract)."""
-    num_seqs = int(seq_lens.shape[0])
+    """``paged_attention`` with the KV fetch ``fetch(gather) -> keys, values [S, L, Hkv, D]``."""
+    if plan.decode is not None and plan.decode_tok is None:
+        rows = plan.decode.rows
+        o = _decode_attention(query[:rows], *fetch(plan.decode), plan.decode_mask, scale, sinks)
+        if rows == query.shape[0]:
+            return o
+        out = torch.empty_like(query)  # rows past the sequences' are padding (a compiled step's bucket)
+        out[:rows] = o
+        return out
     out = torch.empty_like(query)
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    q_lens = [starts[i + 1] - starts[i] for i in range(num_seqs)]
-    if window is not None:
-        block_tables = window_tables(block_tables, seq_lens, query_start_loc[1:] - query_start_loc[:-1], block_size, window)
-
-    decode = [i for i in range(num_seqs) if q_lens[i] == 1]
-    if decode:
-        # Single-token queries batch into one call: padding only along the key axis, and every valid
-        # key precedes the query, so no causal mask is needed.
-        idx = torch.tensor(decode, dtype=torch.long, device=query.device)
-        keys, values, valid, k_pos = gather(block_tables[idx], seq_lens[idx])
-        if window is not None:
-            valid = valid & (k_pos > seq_lens[idx].long()[:, None] - 1 - window)
-        tok = query_start_loc[idx].long()
-        # Fold each KV head's query heads into the query-row axis: [B, Hkv, Hq/Hkv, D]. With one query token
-        # per sequence that is exact (no causal mask), and SDPA then reads K/V once per KV head instead of
-        # expanding them Hq/Hkv times (enable_gqa) from a strided transpose.
-        q = query[tok].unflatten(1, (keys.shape[2], -1))
-        k = keys.transpose(1, 2).to(q.dtype)
-        v = values.transpose(1, 2).to(q.dtype)
-        row_sinks = None if sinks is None else sinks.view(1, keys.shape[2], -1, 1)  # [1, Hkv, G, 1]
-        o = _attend(q, k, v, valid[:, None, None, :], scale, row_sinks)
-        out[tok] = o.flatten(1, 2)
-    for i in range(num_seqs):
-        n = q_lens[i]
-        if n <= 1:
-            continue
-        keys, values, valid, k_pos = gather(block_tables[i : i + 1], seq_lens[i : i + 1])
-        q_pos = torch.arange(lens[i] - n, lens[i], device=query.device)
-        mask = valid[:, None, :] & (k_pos[:, None, :] <= q_pos[None, :, None])
-        if window is not None:
-            mask = mask & (k_pos[:, None, :] > q_pos[None, :, None] - window)
-        q = query[starts[i] : starts[i + 1]].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+    if plan.decode is not None:
+        tok = plan.decode_tok
+        out[tok] = _decode_attention(query[tok], *fetch(plan.decode), plan.decode_mask, scale, sinks)
+    for seg in plan.prefill:
+        keys, values = fetch(seg.gather)
+        q = query[seg.start : seg.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         k, v = keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype)
-        o = _attend(q, k, v, mask[:, None, :, :], scale, None if sinks is None else sinks.view(1, -1, 1, 1))
-        out[starts[i] : starts[i + 1]] = o[0].transpose(0, 1)
+        o = _attend(q, k, v, seg.mask, scale, None if sinks is None else sinks.view(1, -1, 1, 1))
+        out[seg.start : seg.end] = o[0].transpose(0, 1)
     return out
+
+
+def _decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                      scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """One query token per sequence: ``query [S, Hq, D]`` over ``keys/values [S, L, Hkv, D]`` -> ``[S, Hq, D]``.
+
+    Single-token queries batch into one call: padding only along the key axis, and every valid key
+    precedes the query, so no causal mask is needed. Each KV head's query heads fold into the query-row
+    axis ``[S, Hkv, Hq/Hkv, D]``: exact with one query token, and SDPA then reads K/V once per KV head
+    instead of expanding them Hq/Hkv times (enable_gqa) from a strided transpose.
+    """
+    q = query.unflatten(1, (keys.shape[2], -1))
+    k = keys.transpose(1, 2).to(q.dtype)
+    v = values.transpose(1, 2).to(q.dtype)
+    row_sinks = None if sinks is None else sinks.view(1, keys.shape[2], -1, 1)  # [1, Hkv, G, 1]
+    return _attend(q, k, v, mask, scale, row_sinks).flatten(1, 2)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
@@ -385,14 +462,9 @@ def _dequantize_packed_into(cache, ids: torch.Tensor, out_k: torch.Tensor, out_v
         out_k.scatter_(-1, idx, cache.k_outlier.index_select(0, ids).to(out_k.dtype))
 
 
-def gather_kv_quant(cache, block_tables: torch.Tensor, seq_lens: torch.Tensor, dtype: torch.dtype
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``gather_kv`` over a quantized cache, dequantizing as it gathers: every gathered block is decoded
-    from its codes straight into the gathered tensor (one float pass), then the 16-bit blocks' rows are
-    overwritten from the side pool (a pass over those rows only)."""
+def _gather_quant(cache, g: Gather, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     b = cache.block_size
-    compact, valid, positions, _, width = _compact_tables(block_tables, seq_lens, b)
-    flat = compact.flatten()
+    flat = g.blocks
     shape = (flat.numel(), b, cache.num_kv_heads, cache.head_dim)
     keys = torch.empty(shape, dtype=dtype, device=flat.device)
     values = torch.empty(shape, dtype=dtype, device=flat.device)
@@ -402,8 +474,16 @@ def gather_kv_quant(cache, block_tables: torch.Tensor, seq_lens: torch.Tensor, d
     if rows.numel():
         keys.index_copy_(0, rows, cache.fp_k.index_select(0, slot[rows]).to(dtype))
         values.index_copy_(0, rows, cache.fp_v.index_select(0, slot[rows]).to(dtype))
-    s = compact.shape[0]
-    return keys.view(s, width * b, *shape[2:]), values.view(s, width * b, *shape[2:]), valid, positions
+    return keys.view(g.rows, g.width * b, *shape[2:]), values.view(g.rows, g.width * b, *shape[2:])
+
+
+def gather_kv_quant(cache, block_tables: torch.Tensor, seq_lens: torch.Tensor, dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``gather_kv`` over a quantized cache, dequantizing as it gathers: every gathered block is decoded
+    from its codes straight into the gathered tensor (one float pass), then the 16-bit blocks' rows are
+    overwritten from the side pool (a pass over those rows only)."""
+    g = compact_gather(block_tables, seq_lens, cache.block_size)
+    return (*_gather_quant(cache, g, dtype), g.valid, g.positions)
 
 
 def paged_attention_quant(
@@ -415,12 +495,13 @@ def paged_attention_quant(
     scale: float,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """``paged_attention`` over a quantized cache (a ``kv_quant.QuantKVCache``), dequantizing on gather
     (``gather_kv_quant``): packed blocks are decoded once per layer and step into the gathered keys and
     values, 16-bit blocks are read from the side pool; null blocks are skipped as everywhere."""
-    return _paged_attention(query, lambda t, n: gather_kv_quant(cache, t, n, query.dtype), cache.block_size,
-                            block_tables, seq_lens, query_start_loc, scale, window, sinks)
+    plan = plan or plan_attention(block_tables, seq_lens, query_start_loc, cache.block_size, window)
+    return _paged_attention(query, lambda g: _gather_quant(cache, g, query.dtype), plan, scale, sinks)
 
 
 def _token_positions(

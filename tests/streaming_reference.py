@@ -51,3 +51,58 @@ def streaming_logits(model: torch.nn.Module, tokens: list[int], window: int, blo
         if t >= from_index:
             out.append(model.lm_head(inner.norm(h))[0, 0])
     return torch.stack(out)
+
+
+@torch.no_grad()
+def streaming_logits_via_attention(model: torch.nn.Module, tokens: list[int], window: int, block_size: int,
+                                   protected: set[int], from_index: int) -> torch.Tensor:
+    """``streaming_logits`` for any model whose attention goes through transformers' attention interface
+    (Llama, AttnRes, ...): the model's own forward runs one token at a time at its in-cache position, and
+    the registered attention attends over the kept tokens' raw keys (``k_proj`` outputs), RoPE re-applied
+    at in-cache positions. Only the attention is replaced, so whatever the model does between attentions
+    (a residual stream, depth mixing) is the model's own code."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    cfg = model.config
+    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = cfg.hidden_size // hq
+    layers = model.model.layers
+    raw_k: list[list[torch.Tensor]] = [[] for _ in layers]
+    raw_v: list[list[torch.Tensor]] = [[] for _ in layers]
+    step: dict = {}
+
+    def stash_key(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+        step["k"] = out.view(1, 1, hkv, d).transpose(1, 2)
+
+    def attend(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        li = module.layer_idx
+        raw_k[li].append(step["k"])
+        raw_v[li].append(value)
+        keys = torch.cat([raw_k[li][i] for i in step["keep"]] + [step["k"]], dim=2)
+        values = torch.cat([raw_v[li][i] for i in step["keep"]] + [value], dim=2)
+        k_rot, _ = apply_rotary_pos_emb(keys, keys, *step["rope"])
+        o = torch.nn.functional.scaled_dot_product_attention(query, k_rot, values, enable_gqa=True, scale=scaling)
+        return o.transpose(1, 2), None
+
+    name = "streaming_reference"
+    AttentionInterface.register(name, attend)
+    AttentionMaskInterface.register(name, lambda *a, **k: None)
+    previous = cfg._attn_implementation
+    model.set_attn_implementation(name)
+    hooks = [layer.self_attn.k_proj.register_forward_hook(stash_key) for layer in layers]
+    out = []
+    try:
+        for t, tok in enumerate(tokens):
+            step["keep"] = kept_positions(t, window, block_size, protected)
+            n = len(step["keep"]) + 1
+            ids = torch.tensor([[tok]])
+            step["rope"] = model.model.rotary_emb(model.model.embed_tokens(ids), torch.arange(n)[None])
+            logits = model(input_ids=ids, position_ids=torch.tensor([[n - 1]]), use_cache=False).logits[0, -1]
+            if t >= from_index:
+                out.append(logits)
+    finally:
+        for h in hooks:
+            h.remove()
+        model.set_attn_implementation(previous)
+    return torch.stack(out)

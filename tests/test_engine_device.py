@@ -122,9 +122,11 @@ def test_dummy_weights_use_the_paged_attention_and_the_config_shape(tiny_llama: 
     from engine import attention
     from engine.executor import LocalExecutor
 
-    ex = LocalExecutor(EngineConfig(model=str(tiny_llama), load_format="dummy", num_kv_blocks=16))
-    model = ex.runner.model
+    # The transformers path (the native one is tested in test_native_models.py).
+    ex = LocalExecutor(EngineConfig(model=str(tiny_llama), load_format="dummy", num_kv_blocks=16,
+                                    model_impl="transformers"))
+    model = ex.runner.model.model
     assert model.config._attn_implementation == attention.ATTN_IMPLEMENTATION  # not sdpa over a lone chunk
     assert model.config.num_hidden_layers == 2 and next(model.parameters()).dtype == torch.float32
-    loaded = LocalExecutor(EngineConfig(model=str(tiny_llama), num_kv_blocks=16)).runner.model
+    loaded = LocalExecutor(EngineConfig(model=str(tiny_llama), num_kv_blocks=16, model_impl="transformers")).runner.model.model
     assert not torch.equal(model.lm_head.weight, loaded.lm_head.weight)  # random, not the checkpoint

@@ -72,13 +72,20 @@ def run_engine(model_dir: Path, batch: list[list[int]], staggered: bool, **confi
     return [tokens[r] for r in ids], [seen[r] for r in ids], engine
 
 
+# Both forwards: the native Llama-family one and the transformers modules (the fallback path).
+IMPLS = ["native", "transformers"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen2"])
 @pytest.mark.parametrize("staggered", [False, True], ids=["together", "staggered"])
-def test_greedy_tokens_and_logits_match_transformers(family: str, staggered: bool, request: pytest.FixtureRequest) -> None:
+def test_greedy_tokens_and_logits_match_transformers(family: str, staggered: bool, impl: str,
+                                                     request: pytest.FixtureRequest) -> None:
     model_dir = request.getfixturevalue(family)
     batch = prompts(seed=len(family))
     ref_tokens, ref_logits = reference(model_dir, batch)
-    tokens, logits, engine = run_engine(model_dir, batch, staggered)
+    tokens, logits, engine = run_engine(model_dir, batch, staggered, model_impl=impl)
+    assert type(engine.executor.runner.model).__name__ == {"native": "LlamaForward", "transformers": "HFForward"}[impl]
     assert tokens == ref_tokens
     for got, want in zip(logits, ref_logits):
         got_t = torch.stack(got)
@@ -88,12 +95,15 @@ def test_greedy_tokens_and_logits_match_transformers(family: str, staggered: boo
     assert stats.blocks_used == 0 and stats.running == 0
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("family", ["mistral", "qwen3"])
-def test_other_supported_families_match(family: str, tmp_path: Path) -> None:
+def test_other_supported_families_match(family: str, impl: str, tmp_path: Path) -> None:
     from tests.tiny_models import build_model
 
     model_dir = build_model(tmp_path / family, family, seed=3)
     batch = prompts(seed=7)[:4]
-    ref_tokens, _ = reference(model_dir, batch)
-    tokens, _, _ = run_engine(model_dir, batch, staggered=False)
+    ref_tokens, ref_logits = reference(model_dir, batch)
+    tokens, logits, _ = run_engine(model_dir, batch, staggered=False, model_impl=impl)
     assert tokens == ref_tokens
+    for got, want in zip(logits, ref_logits):
+        assert (torch.stack(got) - want).abs().max().item() < 1e-4

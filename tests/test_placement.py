@@ -21,13 +21,14 @@ def load(name: str) -> AppArgs:
     return AppArgs.model_validate(app["args"])
 
 
-def test_prod_needs_four_gpus_to_start_and_twelve_at_full_autoscale() -> None:
+def test_prod_needs_two_gpus_to_start_and_six_at_full_autoscale() -> None:
     needs = app_needs(load("prod.yaml"), cluster_gpus=8)
-    assert needs.at_min["GPU"] == 4 and needs.at_max["GPU"] == 12
-    # replicas 0.1 + 2 ranks x 0.2 per TP=2 replica; ingress 2 x 0.1, hub 0.05
-    assert needs.at_min["CPU"] == pytest.approx(2 * 0.5 + 0.2 + 0.05)
-    assert needs.at_max["CPU"] == pytest.approx(6 * 0.5 + 0.2 + 0.05)
-    report = check_placement(needs, {"CPU": 16, "GPU": 8})
+    assert needs.at_min["GPU"] == 2 and needs.at_max["GPU"] == 6
+    # TP=1 replicas 0.1 each (1..4 short, 1..2 long); ingress 2 x 0.1, hub 0.05
+    assert needs.at_min["CPU"] == pytest.approx(2 * 0.1 + 0.2 + 0.05)
+    assert needs.at_max["CPU"] == pytest.approx(6 * 0.1 + 0.2 + 0.05)
+    assert check_placement(needs, {"CPU": 16, "GPU": 8}).fits_at_max
+    report = check_placement(needs, {"CPU": 16, "GPU": 4})
     assert not report.fits_at_max and "will not fit" in report.describe()
 
 
@@ -36,7 +37,7 @@ def test_prod_on_one_gpu_is_refused_with_the_numbers() -> None:
     with pytest.raises(PlacementError) as err:
         check_placement(needs, {"CPU": 16, "GPU": 1})
     msg = str(err.value)
-    assert "GPU: needs 4, cluster has 1" in msg and "pool-short-v1" in msg and "pool-long-v1" in msg
+    assert "GPU: needs 2, cluster has 1" in msg and "pool-short-v1" in msg and "pool-long-v1" in msg
 
 
 def test_prod_on_a_cpu_cluster_needs_no_gpu() -> None:

@@ -29,6 +29,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from engine.attnres import AttnResConfig, AttnResForCausalLM
+
 VOCAB = 256
 
 
@@ -68,6 +70,8 @@ FAMILIES = {
     "phi3": (Phi3Config, Phi3ForCausalLM),
     "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
     "gpt_oss": (GptOssConfig, GptOssForCausalLM),
+    "attnres_full": (AttnResConfig, AttnResForCausalLM),
+    "attnres_block": (AttnResConfig, AttnResForCausalLM),
 }
 
 # Per family, what its config needs beyond ``common`` to be tiny and valid (its own defaults otherwise:
@@ -86,7 +90,9 @@ def build_model(path: Path, family: str = "llama", seed: int = 0, layers: int = 
                 **overrides: object) -> Path:
     """Save a tiny seeded model of ``family`` (``FAMILIES``): ``llama``/``mistral`` (GQA), ``qwen2`` (q/k/v
     biases), ``qwen3`` (q/k norms), ``phi3`` (fused projections), ``gemma3`` (text; sliding and global
-    layers), ``gpt_oss`` (MoE, learned sinks). ``overrides`` go to the config (``sliding_window=64``,
+    layers), ``gpt_oss`` (MoE, learned sinks), ``attnres_full`` / ``attnres_block`` (Attention Residuals,
+    engine.attnres: every sub-layer a source / blocks of two sub-layers; random pseudo-queries, since zero,
+    their init, would make every mix a plain mean). ``overrides`` go to the config (``sliding_window=64``,
     ``tie_word_embeddings=True``, ``layer_types=[...]``, ``rope_parameters={...}``)."""
     torch.manual_seed(seed)
     common = dict(
@@ -94,6 +100,8 @@ def build_model(path: Path, family: str = "llama", seed: int = 0, layers: int = 
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
         bos_token_id=VOCAB - 4, eos_token_id=VOCAB - 3, tie_word_embeddings=False,
     )
+    if family == "attnres_block":
+        overrides.setdefault("attn_res_num_blocks", layers)  # two sub-layers per block
     config_cls, model_cls = FAMILIES[family]
     model = model_cls(config_cls(**{**common, **FAMILY_DEFAULTS.get(family, {}), **overrides}))
     with torch.no_grad():
@@ -102,6 +110,8 @@ def build_model(path: Path, family: str = "llama", seed: int = 0, layers: int = 
                 p.mul_(3.0)
             elif name.endswith("sinks"):
                 p.copy_(torch.randn_like(p) * 2 + 4)  # sinks that take a visible share of the softmax
+            elif name.endswith("mix.query"):
+                p.normal_(0.0, 0.25)  # mix logits ~N(0, 2): peaked, not one-hot
     model.save_pretrained(path)
     build_tokenizer().save_pretrained(path)
     return path

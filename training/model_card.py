@@ -38,6 +38,8 @@ PPL_LENGTHS = (256, 1024)
 def load(model_dir: str, attn: str = "sdpa"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    import engine.attnres  # noqa: F401  AttnRes directories load with the Auto classes
+
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attn, dtype=torch.float32)
     model.eval()
@@ -193,6 +195,9 @@ def compute(model_dir: str, n_docs: int, ppl_windows: int, sink_windows: int) ->
     cfg = model.config
     stream = heldout_stream(tok)
     figures: dict = {
+        "model_dir": str(model_dir),
+        "architecture": type(model).__name__,
+        "attn_res_num_blocks": getattr(cfg, "attn_res_num_blocks", None),
         "params": sum(p.numel() for p in model.parameters()),
         "disk_bytes_before_card": disk_size(Path(model_dir)),
         "config": {k: getattr(cfg, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
@@ -253,7 +258,9 @@ def _render_stage(a, tr: dict) -> None:
       f"({tr.get('total_seconds_including_data', 0) / 60:.1f} min including data preparation), "
       f"final training loss (EMA) {tr.get('final_loss_ema')}")
     a(f"- AdamW (betas 0.9/0.95, weight decay {tr.get('weight_decay', 0.1)}), peak LR {tr.get('lr')}, linear warmup + cosine decay to 10%, "
-      "gradient clipping 1.0; the schedule is a function of elapsed wall time so the run ends on time")
+      "gradient clipping 1.0; " + (f"the schedule is a function of tokens seen ({tr['token_budget'] / 1e6:.2f}M-token "
+      "budget, `--tokens`), so runs of different speed see the same batches" if tr.get("token_budget") else
+      "the schedule is a function of elapsed wall time so the run ends on time"))
     a(f"- sequence-length curriculum (fraction of wall time, length, batch): {tr.get('curriculum')}; "
       "batch x length = 2,048 tokens per step")
     copy = tr.get("copy_frac", 0.0)
@@ -296,8 +303,21 @@ def render_card(f: dict, history: str = "") -> str:
     r = f["retrieval"]
     lines = []
     a = lines.append
-    a("# sinkserve reference model")
+    arch = f.get("architecture", "LlamaForCausalLM")
+    attnres = arch == "AttnResForCausalLM"
+    name = Path(f.get("model_dir", "assets/reference-model")).name
+    twin = name.startswith("twin-")  # the AttnRes / standard-residual twins of docs/attnres.md
+    a(f"# sinkserve {name.replace('-', ' ')}")
     a("")
+    if twin:
+        a(("The Attention-Residuals twin of docs/attnres.md: the reference model's shape, tokenizer and training "
+           "recipe with each layer's input a learned softmax mix of the embedding and earlier outputs "
+           "(`engine.attnres`) instead of the residual stream." if attnres else
+           "The standard-residual twin of docs/attnres.md: the reference model's shape, tokenizer and training "
+           "recipe, trained from scratch as the baseline of the AttnRes twin.") +
+          " Both twins were trained on the same batches with the same token budget; the comparison is "
+          "docs/attnres.md. The text below is the reference model card's template.")
+        a("")
     a("A small Llama-family causal LM trained from scratch on a 2-core CPU, shipped in the repository so "
       "the service starts without downloads and its long-context features (attention sinks, sliding "
       "window with protected sink tokens, anchors / first-last consistency) can be measured on a model "
@@ -311,15 +331,21 @@ def render_card(f: dict, history: str = "") -> str:
           f"{acc_1000 * 100:.0f}% vs 80%; sink mass on position 0 >= 0.3 in "
           f"{sum(v >= 0.3 for v in sink[1:])} of {len(sink) - 1} layers past the first"
           f"{', met' if sinks_ok else ''}). It loads, tokenizes, "
-          "generates Python-like text and serves as the default model; what it retrieves and how far back "
+          "generates Python-like text" + ("" if twin else " and serves as the default model") +
+          "; what it retrieves and how far back "
           "is measured below (see *What would reach the targets*).")
         a("")
-    a("All figures below are produced by `python -m training.model_card --model assets/reference-model` "
+    a(f"All figures below are produced by `python -m training.model_card --model {f.get('model_dir', 'assets/reference-model')}` "
       "and are also in `eval_results.json`.")
     a("")
     a("## Shape")
     a("")
-    a(f"- `LlamaForCausalLM`, {f['params'] / 1e6:.2f}M parameters (tied input/output embeddings), float32 safetensors")
+    a(f"- `{arch}`, {f['params'] / 1e6:.2f}M parameters (tied input/output embeddings), float32 safetensors")
+    if attnres:
+        blocks = f.get("attn_res_num_blocks") or 2 * c["num_hidden_layers"]
+        a(f"- Attention Residuals (`engine.attnres`, `model_type: attnres_llama`): {blocks} blocks of "
+          f"{2 * c['num_hidden_layers'] // blocks} sub-layers; load with `import engine.attnres` then "
+          "`AutoModelForCausalLM.from_pretrained`")
     a(f"- {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, MLP {c['intermediate_size']}, "
       f"{c['num_attention_heads']} query heads / {c['num_key_value_heads']} KV heads (grouped-query attention), "
       f"RoPE (theta {c.get('rope_theta', 10000.0):,.0f})")
@@ -354,7 +380,8 @@ def render_card(f: dict, history: str = "") -> str:
             a("")
         _render_stage(a, st)
         a("")
-    a("The run is sized by wall time, so figures vary with the machine's speed and load.")
+    if not any(st.get("token_budget") for st in _stages(tr)):
+        a("The run is sized by wall time, so figures vary with the machine's speed and load.")
     a("")
     a("### Data sources and licences")
     a("")
@@ -491,9 +518,12 @@ def render_card(f: dict, history: str = "") -> str:
     a("## Use")
     a("")
     a("```python")
+    d = f.get("model_dir", "assets/reference-model")
+    if attnres:
+        a("import engine.attnres  # registers model_type attnres_llama with the Auto classes")
     a("from transformers import AutoModelForCausalLM, AutoTokenizer")
-    a("tok = AutoTokenizer.from_pretrained('assets/reference-model')")
-    a("model = AutoModelForCausalLM.from_pretrained('assets/reference-model')")
+    a(f"tok = AutoTokenizer.from_pretrained('{d}')")
+    a(f"model = AutoModelForCausalLM.from_pretrained('{d}')")
     a("```")
     a("")
     a("Long-memory documents for needle / first-last evaluations: "

@@ -19,6 +19,12 @@ time, so the run ends on time whatever the machine's load. A checkpoint is writt
   --code-frac the 96 code / number wordings of TRAIN_CODE_TEMPLATES, --prior-verb-frac the 176 code
   wordings of TRAIN_PRIOR_VERB_TEMPLATES (verbs the filler completes otherwise);
 - the rest: corpus text (Python stdlib sources and docs, see training.corpus).
+
+``--arch attnres`` trains the same shape with Attention Residuals instead of the residual stream
+(engine.attnres, ``--attn-res-blocks`` blocks; the AttnRes / standard twins of docs/attnres.md), and
+``--tokens`` sizes a run by tokens instead of wall time (the schedule and curriculum then follow the
+fraction of tokens seen, so two architectures of different speed see the same batches in the same
+order; ``--minutes`` stays a hard stop). ``--tokenizer DIR`` reuses a model directory's tokenizer.
 """
 
 from __future__ import annotations
@@ -226,12 +232,14 @@ def load_init_model(path: str, rope_theta: float | None = None, device: str = "c
     distance; base 20,000 (the shipped model's) gives 4, base 100,000 gives 6. The weights stay unless a
     later stage trains them (docs/rope_base_sweep.md: adapting them did not help).
     """
-    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import engine.attnres  # noqa: F401  an AttnRes directory continues as AttnRes
 
     cfg = AutoConfig.from_pretrained(path)
     if rope_theta is not None:
         cfg.rope_parameters = dict(cfg.rope_parameters or {"rope_type": "default"}, rope_theta=float(rope_theta))
-    return LlamaForCausalLM.from_pretrained(path, config=cfg, attn_implementation="sdpa").to(device)
+    return AutoModelForCausalLM.from_pretrained(path, config=cfg, attn_implementation="sdpa").to(device)
 
 
 def _embed_chat_template(d: Path, template: str):
@@ -248,6 +256,14 @@ def main(argv=None):
     ap.add_argument("--out", default="assets/reference-model")
     ap.add_argument("--work", default="/tmp/sinkserve-train")
     ap.add_argument("--minutes", type=float, default=55.0)
+    ap.add_argument("--tokens", type=float, default=None,
+                    help="size the run by training tokens (schedule and curriculum follow tokens seen); "
+                    "--minutes is then only a hard stop")
+    ap.add_argument("--arch", choices=("llama", "attnres"), default="llama",
+                    help="llama: residual stream (the reference model); attnres: Attention Residuals (engine.attnres)")
+    ap.add_argument("--attn-res-blocks", type=int, default=None,
+                    help="--arch attnres: blocks of sub-layers (default: Full AttnRes, every sub-layer a source)")
+    ap.add_argument("--tokenizer", help="reuse this model directory's tokenizer instead of training one")
     ap.add_argument("--ckpt-minutes", type=float, default=5.0)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--lr", type=float, default=3e-3)
@@ -307,10 +323,10 @@ def main(argv=None):
 
     t_start = time.time()
     train_docs = load_corpus("train")
-    if args.init:
+    if args.init or args.tokenizer:
         from transformers import AutoTokenizer
 
-        hf_tok = AutoTokenizer.from_pretrained(args.init)
+        hf_tok = AutoTokenizer.from_pretrained(args.init or args.tokenizer)
     else:
         hf_tok = build_tokenizer(train_docs, args.vocab, args.seed)
     logger.info("tokenizer ready (%.0fs)", time.time() - t_start)
@@ -322,7 +338,13 @@ def main(argv=None):
     shape = dict(MODEL_SHAPE, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads)
     if args.rope_theta is not None:
         shape["rope_theta"] = args.rope_theta
-    cfg = LlamaConfig(
+    config_cls, model_cls = LlamaConfig, LlamaForCausalLM
+    if args.arch == "attnres":
+        from engine.attnres import AttnResConfig, AttnResForCausalLM
+
+        config_cls, model_cls = AttnResConfig, AttnResForCausalLM
+        shape["attn_res_num_blocks"] = args.attn_res_blocks
+    cfg = config_cls(
         vocab_size=len(hf_tok),
         bos_token_id=hf_tok.bos_token_id,
         eos_token_id=hf_tok.eos_token_id,
@@ -339,7 +361,7 @@ def main(argv=None):
         previous = json.loads(prev_meta.read_text()) if prev_meta.exists() else None
     else:
         previous = None
-        model = LlamaForCausalLM(cfg).to(args.device)
+        model = model_cls(cfg).to(args.device)
     model.generation_config.bos_token_id = hf_tok.bos_token_id
     model.generation_config.eos_token_id = [hf_tok.eos_token_id, hf_tok.convert_tokens_to_ids("<|im_end|>")]
     model.generation_config.pad_token_id = hf_tok.pad_token_id
@@ -373,7 +395,8 @@ def main(argv=None):
                     prior_verb_frac=args.prior_verb_frac, sink_weight=args.sink_weight, sink_target=args.sink_target,
                     sink_mass_ema=None if sink_ema is None else [round(v, 4) for v in sink_ema], copy_seqs=sampler.n_copy, threads=args.threads,
                     compile=args.compile, curriculum=args.curriculum, seed=args.seed, vocab=len(hf_tok),
-                    bf16_autocast=args.bf16, init=args.init, previous_stage=previous, mem_docs=sampler.n_mem, shape=shape)
+                    bf16_autocast=args.bf16, init=args.init, previous_stage=previous, mem_docs=sampler.n_mem, shape=shape,
+                    arch=args.arch, token_budget=args.tokens, tokenizer=args.tokenizer)
 
     model.train()
     forward = torch.compile(model) if args.compile else model
@@ -382,7 +405,13 @@ def main(argv=None):
         # --minutes 0 saves the --init model as it is (e.g. re-based with --rope-theta), with no step.
         frac = elapsed / budget if budget > 0 else 1.0
         if frac >= 1.0:
+            if args.tokens:
+                logger.warning("hard stop at %.1f min with %d of %d tokens", elapsed / 60, tokens, int(args.tokens))
             break
+        if args.tokens:
+            frac = tokens / args.tokens
+            if frac >= 1.0:
+                break
         _, seq_len, bsz = phase_at(frac, args.curriculum)
         lr = lr_at(frac, args.lr, args.warmup_frac)
         for g in opt.param_groups:

@@ -357,6 +357,7 @@ def test_models_and_metrics_show_the_verified_weights_fingerprint(client, server
     assert want is not None and len(want) == 16
     cards = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
     assert cards["tiny@v1"]["fingerprint"] == cards["tiny@v2"]["fingerprint"] == want
+    assert cards["tiny@v1"]["architecture"] == "LlamaForCausalLM"  # what each version runs
     assert cards["tiny"]["kv_cache"] == {"short": "auto", "long": "auto"}  # what each pool's KV cache stores
 
     def pool_info() -> list:

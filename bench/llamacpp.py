@@ -1,0 +1,242 @@
+"""Single-stream decode and prefill: the sinkserve engine against llama.cpp on the same weights, side by side.
+
+llama.cpp runs through llama-cpp-python, built from the registry's sdist into its own virtual
+environment outside the repository (``--venv``, default ``/work/venvs/llamacpp``; about 6 minutes on
+two cores the first time); the model is converted to GGUF (float32, like the engine's weights) by the
+``convert_hf_to_gguf.py`` that sdist ships. Two things of the converter are bypassed, both about the
+tokenizer only, which this benchmark never uses (it feeds token ids): its SentencePiece probe (the
+reference model has no ``tokenizer.model``) and its table of known BPE pre-tokenizers (the reference
+model's tokenizer is not in it; ``gpt-2`` is declared).
+
+Workload, both systems, greedy, the same token ids, the same torch/ggml thread count:
+
+* decode: a ``--prompt``-token prompt, then ``--decode`` tokens one at a time; tokens/s over the decode
+  tokens after the first (the engine: ``LLMEngine`` steps, scheduler + forward + sampler; llama.cpp:
+  ``Llama.eval`` of one token + argmax of its logits);
+* prefill: one ``--prefill``-token prompt in one batch (engine ``max_num_batched_tokens`` = llama.cpp
+  ``n_batch`` = the prompt), tokens/s.
+
+Rounds alternate engine / llama.cpp so load drifts hit both; the report gives the median round.
+
+    python -m bench.llamacpp --out docs/llamacpp.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from bench.host import cpu_name  # noqa: E402
+
+DEFAULT_VENV = Path("/work/venvs/llamacpp")
+LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
+
+# Runs inside the llama-cpp-python venv: argv = gguf path, threads, json workload; prints one JSON line.
+LLAMA_SIDE = r"""
+import json, sys, time
+import numpy as np
+import llama_cpp
+from llama_cpp import Llama
+path, threads, work = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+n_batch = max(len(work["prefill"]), len(work["prompt"]))
+llm = Llama(model_path=path, n_ctx=work["n_ctx"], n_batch=n_batch, n_ubatch=n_batch, n_threads=threads,
+            n_threads_batch=threads, verbose=False)
+out = {"version": llama_cpp.__version__, "system_info": llama_cpp.llama_print_system_info().decode()}
+llm.reset(); llm.eval(work["prefill"][:8])  # warm-up
+llm.reset()
+t = time.perf_counter(); llm.eval(work["prefill"]); out["prefill_s"] = time.perf_counter() - t
+n_vocab = llm.n_vocab()
+def last_logits():  # the last evaluated token's row (without logits_all, eval keeps no scores)
+    return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))
+llm.reset()
+llm.eval(work["prompt"])
+tok = int(np.argmax(last_logits())); toks = [tok]
+t = None
+for i in range(work["decode"] - 1):
+    if i == 0:
+        t = time.perf_counter()
+    llm.eval([tok])
+    tok = int(np.argmax(last_logits())); toks.append(tok)
+out["decode_s"] = time.perf_counter() - t
+out["tokens"] = toks
+print("RESULT " + json.dumps(out))
+"""
+
+# The converter with its two tokenizer probes bypassed (see the module docstring); cwd = llama.cpp's root.
+CONVERT = r"""
+import sys, runpy
+sys.path[:0] = ["gguf-py", "."]
+import conversion.base as base
+def _no_sentencepiece(self, *a, **k):
+    raise FileNotFoundError("no tokenizer.model")
+base.TextModel._set_vocab_sentencepiece = _no_sentencepiece
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+sys.argv = ["convert_hf_to_gguf.py"] + sys.argv[1:]
+runpy.run_path("convert_hf_to_gguf.py", run_name="__main__")
+"""
+
+
+def ensure_llamacpp(venv: Path) -> Path:
+    """The venv's python with llama_cpp importable (built from the sdist on first use) and the sdist's
+    llama.cpp tree (for the converter); returns the llama.cpp directory."""
+    py = venv / "bin" / "python"
+    if not py.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    if subprocess.run([str(py), "-c", "import llama_cpp"], capture_output=True).returncode:
+        env = {**os.environ, "CMAKE_ARGS": "-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"}
+        subprocess.run([str(py), "-m", "pip", "install", "--no-binary", "llama-cpp-python", LLAMA_CPP_PYTHON, "numpy"],
+                       check=True, env=env)
+    src = venv / "src"
+    sdists = sorted(src.glob("llama_cpp_python-*.tar.gz"))
+    if not sdists:
+        subprocess.run([str(py), "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", LLAMA_CPP_PYTHON,
+                        "-d", str(src)], check=True)
+        sdists = sorted(src.glob("llama_cpp_python-*.tar.gz"))
+    root = src / sdists[-1].name.removesuffix(".tar.gz")
+    if not root.exists():
+        with tarfile.open(sdists[-1]) as tar:
+            tar.extractall(src, filter="data")
+    return root / "vendor" / "llama.cpp"
+
+
+def convert(llama_cpp_dir: Path, model_dir: Path, out: Path) -> Path:
+    """``model_dir`` as a float32 GGUF at ``out`` (reused when it is newer than the checkpoint)."""
+    weights = max(p.stat().st_mtime for p in model_dir.glob("*.safetensors"))
+    if not out.exists() or out.stat().st_mtime < weights:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-c", CONVERT, str(model_dir), "--outtype", "f32", "--outfile", str(out)],
+                       cwd=llama_cpp_dir, check=True, capture_output=True)
+    return out
+
+
+def run_llamacpp(venv: Path, gguf: Path, threads: int, work: dict) -> dict:
+    proc = subprocess.run([str(venv / "bin" / "python"), "-c", LLAMA_SIDE, str(gguf), str(threads), json.dumps(work)],
+                          capture_output=True, text=True, check=True)
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def run_engine(model_dir: Path, work: dict, model_impl: str, compile_decode: bool) -> dict:
+    """The same workload through ``LLMEngine`` (this process)."""
+    from engine import EngineConfig, LLMEngine, SamplingParams
+
+    n_batch = max(len(work["prefill"]), len(work["prompt"]))
+    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", max_num_seqs=1, max_num_batched_tokens=n_batch,
+                                    enable_prefix_caching=False, num_kv_blocks=-(-work["n_ctx"] // 16) + 2,
+                                    model_impl=model_impl, compile_decode=compile_decode))
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    engine.generate([work["prefill"][:8]], SamplingParams(max_tokens=2, **greedy))  # warm-up
+    t = time.perf_counter()
+    engine.generate([work["prefill"]], SamplingParams(max_tokens=1, **greedy))
+    prefill_s = time.perf_counter() - t
+    engine.add_request("d", work["prompt"], SamplingParams(max_tokens=work["decode"], **greedy))
+    tokens: list[int] = []
+    t = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.extend(out.token_ids)
+        if t is None and tokens:
+            t = time.perf_counter()  # from the first token on: decode steps only
+    decode_s = time.perf_counter() - t
+    engine.shutdown()
+    return {"prefill_s": prefill_s, "decode_s": decode_s, "tokens": tokens}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", type=Path, default=REPO_ROOT / "assets" / "reference-model")
+    p.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="llama-cpp-python's venv (outside the repo)")
+    p.add_argument("--gguf", type=Path, help="converted model (default: <venv>/gguf/<model>-f32.gguf)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--prompt", type=int, default=64)
+    p.add_argument("--decode", type=int, default=256)
+    p.add_argument("--prefill", type=int, default=512)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--model-impl", default="auto")
+    p.add_argument("--compile-decode", action="store_true")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    llama_dir = ensure_llamacpp(args.venv)
+    gguf = convert(llama_dir, args.model, args.gguf or args.venv / "gguf" / f"{args.model.name}-f32.gguf")
+    cfg = json.loads((args.model / "config.json").read_text())
+    rng = random.Random(0)
+    vocab = cfg["vocab_size"]
+    work = {"prompt": [rng.randrange(3, vocab) for _ in range(args.prompt)],
+            "prefill": [rng.randrange(3, vocab) for _ in range(args.prefill)],
+            "decode": args.decode, "n_ctx": min(cfg.get("max_position_embeddings", 2048),
+                                                max(args.prefill, args.prompt + args.decode) + 16)}
+    runs: dict[str, list[dict]] = {"engine": [], "llama.cpp": []}
+    load = [os.getloadavg()[0]]
+    for _ in range(args.rounds):
+        runs["engine"].append(run_engine(args.model, work, args.model_impl, args.compile_decode))
+        runs["llama.cpp"].append(run_llamacpp(args.venv, gguf, args.threads, work))
+        load.append(os.getloadavg()[0])
+
+    def rate(name: str, key: str, n: int) -> float:
+        return statistics.median(n / r[key] for r in runs[name])
+
+    dec = {k: rate(k, "decode_s", args.decode - 1) for k in runs}
+    pre = {k: rate(k, "prefill_s", args.prefill) for k in runs}
+    same = sum(a == b for a, b in zip(runs["engine"][0]["tokens"], runs["llama.cpp"][0]["tokens"]))
+    info = runs["llama.cpp"][0]
+    import transformers
+
+    text = "\n".join([
+        "# Single stream: sinkserve engine vs llama.cpp",
+        "",
+        f"`python -m bench.llamacpp {' '.join(sys.argv[1:] if argv is None else argv)}` on "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
+        "",
+        f"**Host:** {cpu_name()}, {os.cpu_count()} logical CPUs, shared with other jobs: 1-minute load average "
+        f"{min(load):.1f}-{max(load):.1f} during the run. {args.threads} thread(s) for both systems. "
+        f"{args.rounds} rounds, alternating; medians.",
+        "",
+        f"**Versions:** llama-cpp-python {info['version']} (built from the sdist, `GGML_NATIVE=ON`), its "
+        f"`convert_hf_to_gguf.py` (float32 GGUF); torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"Python {platform.python_version()}. ggml: `{info['system_info'].strip()}`",
+        "",
+        f"**Model:** `{args.model.name}` ({cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, vocab {vocab}), "
+        f"float32 in both. Engine forward: {args.model_impl}"
+        f"{', compiled decode step' if args.compile_decode else ''}.",
+        "",
+        "| | sinkserve engine | llama.cpp | engine / llama.cpp | target |",
+        "|---|---:|---:|---:|---|",
+        f"| decode tokens/s ({args.prompt}-token prompt, {args.decode} tokens) | {dec['engine']:.0f} | "
+        f"{dec['llama.cpp']:.0f} | {dec['engine'] / dec['llama.cpp']:.2f}x | >= 0.8x |",
+        f"| prefill tokens/s ({args.prefill}-token prompt, one batch) | {pre['engine']:.0f} | {pre['llama.cpp']:.0f} | "
+        f"{pre['engine'] / pre['llama.cpp']:.2f}x | >= 1x |",
+        "",
+        f"Greedy tokens, first round: {same}/{args.decode} positions equal between the two systems (float32 both; "
+        "different summation orders can flip near-tied logits, after which the streams diverge).",
+        "",
+        "Per round (decode tok/s engine / llama.cpp; prefill tok/s engine / llama.cpp): "
+        + "; ".join(f"{(args.decode - 1) / e['decode_s']:.0f} / {(args.decode - 1) / lc['decode_s']:.0f}, "
+                    f"{args.prefill / e['prefill_s']:.0f} / {args.prefill / lc['prefill_s']:.0f}"
+                    for e, lc in zip(runs["engine"], runs["llama.cpp"])),
+        "",
+    ])
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,6 @@
+"""Model forwards: native ones (Llama family, ``llama.py``) and the transformers fallback (``hf.py``),
+chosen per architecture by ``registry.py``."""
+
+from engine.models.registry import NATIVE_ARCHITECTURES, load_model, register_architecture
+
+__all__ = ["NATIVE_ARCHITECTURES", "load_model", "register_architecture"]

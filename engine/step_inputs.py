@@ -1,0 +1,62 @@
+"""One step's input tensors, built once per step (not per layer) in buffers that stay allocated.
+
+``ModelInput`` arrives as Python lists; every per-token list goes to the device in one copy, into rows
+of a persistent ``[4, capacity]`` int64 buffer, and the per-sequence ones into a ``[2, S + 1]`` int32
+buffer::
+
+    tokens[0, :T] input ids        seqs[0, :S]     seq_lens
+    tokens[1, :T] positions        seqs[1, :S + 1] query_start_loc
+    tokens[2, :T] slot mapping
+    tokens[3, :N] logits indices
+
+``pad_to`` >= T pads the token rows (id 0, position 0, slot -1: written nowhere) so a compiled decode
+step sees one of a few fixed shapes; attention reads only the ``T`` real rows (its metadata is unpadded).
+A step larger than the buffers grows them (the outlier calibration forward can exceed the batch budget).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class StepTensors:
+    input_ids: torch.Tensor  # [T'] (T' = pad_to or T)
+    positions: torch.Tensor  # [T']
+    slot_mapping: torch.Tensor  # [T'] (-1 on padding)
+    logits_indices: torch.Tensor  # [N]
+    padded_logits_indices: torch.Tensor  # [max(T', N)]: logits_indices, then zeros
+    block_tables: torch.Tensor  # [S, W] int32
+    seq_lens: torch.Tensor  # [S] int32
+    query_start_loc: torch.Tensor  # [S + 1] int32
+
+
+class StepBuffers:
+    """Persistent device buffers for ``StepTensors`` (views into them are valid until the next ``load``)."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, device: torch.device) -> None:
+        self.device = device
+        self.tokens = torch.zeros(4, max(1, max_tokens), dtype=torch.long, device=device)
+        self.seqs = torch.zeros(2, max(1, max_seqs) + 1, dtype=torch.int32, device=device)
+
+    def load(self, input_ids: list[int], positions: list[int], slot_mapping: list[int], logits_indices: list[int],
+             block_tables: list[list[int]], seq_lens: list[int], query_start_loc: list[int],
+             pad_to: int | None = None) -> StepTensors:
+        t, n, s = len(input_ids), len(logits_indices), len(seq_lens)
+        width = max(t if pad_to is None else pad_to, n)
+        if width > self.tokens.shape[1]:
+            self.tokens = torch.zeros(4, width, dtype=torch.long, device=self.device)
+        if s + 1 > self.seqs.shape[1]:
+            self.seqs = torch.zeros(2, s + 1, dtype=torch.int32, device=self.device)
+        pad = width - t
+        rows = torch.tensor([input_ids + [0] * pad, positions + [0] * pad, slot_mapping + [-1] * pad,
+                             logits_indices + [0] * (width - n)], dtype=torch.long)
+        tok = self.tokens[:, :width]
+        tok.copy_(rows, non_blocking=True)
+        seq = self.seqs[:, : s + 1]
+        seq.copy_(torch.tensor([seq_lens + [0], query_start_loc], dtype=torch.int32), non_blocking=True)
+        w = max((len(b) for b in block_tables), default=1) or 1
+        tables = torch.tensor([b + [0] * (w - len(b)) for b in block_tables], dtype=torch.int32).to(self.device)
+        return StepTensors(tok[0], tok[1], tok[2], tok[3, :n], tok[3], tables, seq[0, :s], seq[1])

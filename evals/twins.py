@@ -1,0 +1,186 @@
+"""Two models side by side on the same inputs: depth statistics and decode latency in the engine.
+
+``sinkserve eval twins --models A,B`` measures, for each model (the AttnRes / standard-residual twins of
+docs/attnres.md, or any two causal LMs sharing a tokenizer):
+
+- held-out perplexity at the trained context (``training.model_card`` windows);
+- sink formation: attention mass on position 0 per layer (``training.model_card.sink_mass``);
+- hidden-state norm per layer: mean L2 norm of each layer's input ``h_l`` (the residual stream for a
+  standard model, the depth mix for AttnRes) and of the final norm's input, over held-out tokens after
+  the first (position 0 carries the sink's outlier norm, reported apart);
+- depth-mix weights (AttnRes only): per sub-layer, the mean softmax weight on each source;
+- decode latency in the engine: per-step wall time of decode steps at batch 1 and 8 after a prompt of
+  ``ctx/4`` tokens, the models stepping in lockstep so each pair of steps shares the host's load.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from evals import arms as A
+from evals.report import EvalResult, Panel, Series
+
+logger = logging.getLogger(__name__)
+
+
+@torch.no_grad()
+def hidden_norms(model: torch.nn.Module, wins: list[list[int]]) -> dict[str, list[float]]:
+    """Mean L2 norm of every layer's input and of the final norm's input (positions >= 1; position 0 apart)."""
+    inner = model.model
+    taps = [layer.input_layernorm for layer in inner.layers] + [inner.norm]
+    acc = [[0.0, 0.0] for _ in taps]  # [sum over positions >= 1, sum at position 0]
+    hooks = []
+    for i, mod in enumerate(taps):
+        def hook(module, args, i=i):
+            n = args[0][0].float().norm(dim=-1)  # [T]
+            acc[i][0] += n[1:].mean().item()
+            acc[i][1] += n[0].item()
+        hooks.append(mod.register_forward_pre_hook(hook))
+    try:
+        for w in wins:
+            model(input_ids=torch.tensor([w]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return {"per_layer": [round(a / len(wins), 3) for a, _ in acc],
+            "position0": [round(b / len(wins), 3) for _, b in acc]}
+
+
+@torch.no_grad()
+def mix_weights(model: torch.nn.Module, wins: list[list[int]]) -> list[list[float]] | None:
+    """AttnRes only: per depth mix (attention / MLP of each layer, then the final one), the mean weight on
+    each source (embedding first), over tokens at positions >= 1. ``None`` for a model without mixes."""
+    from engine.attnres.modeling import DepthMix
+
+    mixes = [m for m in model.modules() if isinstance(m, DepthMix)]
+    if not mixes:
+        return None
+    sums: dict[int, torch.Tensor] = {}
+
+    def hook(module, args, out, idx: int = 0):
+        values, inv_rms = args
+        w = torch.softmax((values @ module.query).float() * inv_rms, dim=0)[:, 0, 1:].mean(-1)  # [n]
+        sums[idx] = w if idx not in sums else sums[idx] + w
+
+    order = {id(m): i for i, m in enumerate(mixes)}  # named_modules order: layer 0 attn, layer 0 mlp, ..., final
+    hooks = [m.register_forward_hook(lambda mod, a, o: hook(mod, a, o, order[id(mod)])) for m in mixes]
+    try:
+        for w in wins:
+            model(input_ids=torch.tensor([w]))
+    finally:
+        for h in hooks:
+            h.remove()
+    # The first mix has one source (skipped in the forward): its weight is 1 on the embedding.
+    return [[1.0]] + [[round(v, 4) for v in (sums[i] / len(wins)).tolist()] for i in sorted(sums)]
+
+
+def decode_latency(models: list[str], batches: tuple[int, ...], prompt_len: int, steps: int, rounds: int,
+                   load_format: str = "auto") -> dict:
+    """Per-step wall time (ms) of decode steps, per model and batch, and the paired overhead of each model
+    over the first. The models decode in lockstep (one step of each in turn, the order alternating), so
+    every pair of steps ran under the same host load; the overhead is the median of the per-pair ratios.
+    ``load_format="dummy"``: random weights from the directory's config, for width sweeps."""
+    from engine import EngineConfig, LLMEngine, SamplingParams
+
+    engines = {m: LLMEngine(EngineConfig(model=m, block_size=A.BLOCK_SIZE, num_kv_blocks=1 + max(batches) * (
+        -(-(prompt_len + steps + 2) // A.BLOCK_SIZE)), max_num_batched_tokens=max(512, prompt_len),
+        max_num_seqs=max(batches), enable_prefix_caching=False, load_format=load_format)) for m in models}
+    params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+    times: dict[tuple[str, int], list[float]] = {(m, b): [] for m in models for b in batches}
+    g = torch.Generator().manual_seed(0)
+    for r in range(rounds):
+        for b in batches:
+            prompts = [torch.randint(10, 4000, (prompt_len,), generator=g).tolist() for _ in range(b)]
+            for m in models:
+                eng = engines[m]
+                for i, ids in enumerate(prompts):
+                    eng.add_request(f"r{r}-{b}-{i}", ids, params)
+                started: set[str] = set()
+                while len(started) < b:  # prefill (untimed) until every request has its first token
+                    started.update(o.request_id for o in eng.step() if o.token_ids)
+            for k in range(steps):
+                for m in (models if k % 2 == 0 else models[::-1]):
+                    t0 = time.perf_counter()
+                    engines[m].step()
+                    times[(m, b)].append(time.perf_counter() - t0)
+            for m in models:
+                while engines[m].has_unfinished():
+                    engines[m].step()
+    base = models[0]
+    out: dict[str, Any] = {"batches": list(batches), "prompt_len": prompt_len, "steps_per_round": steps,
+                           "rounds": rounds, "per_model": {}, "paired_overhead_pct": {}}
+    for m in models:
+        out["per_model"][m] = {str(b): round(1000 * statistics.median(times[(m, b)]), 3) for b in batches}
+        out["paired_overhead_pct"][m] = {
+            str(b): round(100 * (statistics.median(x / y for x, y in zip(times[(m, b)], times[(base, b)])) - 1), 1)
+            for b in batches}
+    for e in engines.values():
+        e.shutdown()
+    return out
+
+
+def run_twins(models: list[str], n_windows: int, latency_rounds: int, latency_steps: int) -> EvalResult:
+    """Every measurement above for ``models`` (the first is the baseline of the latency ratio)."""
+    from training import model_card as card
+
+    t0 = time.time()
+    per: dict[str, dict[str, Any]] = {}
+    for m in models:
+        tok, model = card.load(m)
+        ctx = model.config.max_position_embeddings
+        stream = card.heldout_stream(tok)
+        wins = card.windows(stream, tok.bos_token_id, ctx, n_windows)
+        per[m] = {
+            "architecture": type(model).__name__,
+            "attn_res_num_blocks": getattr(model.config, "attn_res_num_blocks", None),
+            "params": sum(p.numel() for p in model.parameters()),
+            "ppl": round(card.perplexity(model, wins), 3),
+            "hidden_norm": hidden_norms(model, wins),
+            "mix_weights": mix_weights(model, wins[: max(1, n_windows // 2)]),
+            "sink_mass": card.sink_mass(m, wins)["per_layer"],
+            "fingerprint": A.model_fingerprint(m),
+        }
+        logger.info("%s: ppl %.3f, sink %s, norms %s", m, per[m]["ppl"], per[m]["sink_mass"],
+                    per[m]["hidden_norm"]["per_layer"])
+    ctx = A.trained_context(models[0])
+    lat = decode_latency(models, (1, 8), ctx // 4, latency_steps, latency_rounds)
+    rows = []
+    for m in models:
+        d = per[m]
+        norms = d["hidden_norm"]["per_layer"]
+        ms = lat["per_model"][m]
+        rows.append({
+            "model": Path(m).name, "architecture": d["architecture"] + (
+                f" ({d['attn_res_num_blocks']} blocks)" if d["attn_res_num_blocks"] else ""),
+            "ppl@ctx": d["ppl"],
+            "sink mass L1..": round(sum(d["sink_mass"][1:]) / max(1, len(d["sink_mass"]) - 1), 3),
+            "|h| first layer": norms[0], "|h| final": norms[-1], "growth": round(norms[-1] / norms[0], 2),
+            "decode ms b=1": ms["1"], "decode ms b=8": ms["8"],
+            "vs baseline b=1": f"{lat['paired_overhead_pct'][m]['1']:+.1f}%",
+            "vs baseline b=8": f"{lat['paired_overhead_pct'][m]['8']:+.1f}%",
+        })
+    depth = list(range(len(per[models[0]]["hidden_norm"]["per_layer"])))
+    panels = [
+        Panel("hidden-state norm per layer input", "layer (last = final norm input)", "mean |h| (positions >= 1)",
+              [Series(Path(m).name, depth, per[m]["hidden_norm"]["per_layer"], "-o") for m in models]),
+        Panel("attention mass on position 0", "layer", "mean over heads and queries",
+              [Series(Path(m).name, list(range(len(per[m]["sink_mass"]))), per[m]["sink_mass"], "-o") for m in models],
+              ylim=(0.0, 1.0)),
+        Panel("decode step latency in the engine", "batch", "median ms per step",
+              [Series(Path(m).name, [1, 8], [lat["per_model"][m]["1"], lat["per_model"][m]["8"]], "-o") for m in models]),
+    ]
+    load = os.getloadavg()
+    meta = {"models": models, "windows": n_windows, "wall_s": round(time.time() - t0, 1),
+            "loadavg": [round(x, 2) for x in load], "latency": lat, "torch_threads": torch.get_num_threads()}
+    notes = [f"decode latency: {latency_rounds} rounds x {latency_steps} decode steps per model and batch after a "
+             f"{ctx // 4}-token prompt, the models stepping in lockstep (order alternating); ms = median step time, "
+             f"overhead = median of the paired step-time ratios; host load average {load[0]:.1f} at the end"]
+    return EvalResult(name="twins", title="AttnRes vs standard residual: same inputs", columns=list(rows[0]),
+                      rows=rows, meta=meta, notes=notes, panels=panels, extra={"per_model": per})

@@ -1,0 +1,229 @@
+"""Attention Residuals (engine.attnres): the depth mix itself, transformers round trip, and the engine
+serving both variants with every cache feature unchanged (greedy equality with ``generate``, logits
+within 1e-4; prefix caching, quantized KV and sliding-window retention against their references)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from engine import CachePolicy, EngineConfig, LLMEngine, SamplingParams
+from engine.attnres import AttnResConfig, AttnResForCausalLM
+from engine.attnres.modeling import DepthMix, DepthSources
+from tests.streaming_reference import streaming_logits, streaming_logits_via_attention
+from tests.test_engine_equivalence import prompts, reference, run_engine
+from tests.tiny_models import build_model
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+VARIANTS = ["attnres_full", "attnres_block"]
+
+
+@pytest.fixture(scope="module", params=VARIANTS)
+def attnres(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny AttnRes models (3 layers: Full = 6 sources, Block = 3 blocks of two sub-layers)."""
+    return build_model(tmp_path_factory.mktemp("attnres") / request.param, request.param, seed=5, layers=3)
+
+
+def rand_prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(0, 250) for _ in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------- the mix
+def test_depth_sources_follow_the_worked_example() -> None:
+    """3 layers, 2 sub-layers per block: the sources each mix sees, and the mix's arithmetic."""
+    e = torch.tensor([[[1.0, 0.0]]])
+    outs = [torch.tensor([[[float(i), 1.0]]]) for i in range(1, 7)]
+    seen = []
+
+    class Recorder(DepthMix):
+        def forward(self, values, inv_rms):
+            seen.append(values[:, 0, 0].tolist())
+            return super().forward(values, inv_rms)
+
+    mix = Recorder(2)
+    src = DepthSources(e, block_size=2, eps=0.0)
+    for o in outs:
+        src.mix(mix)
+        src.add(o)
+    src.mix(mix)
+    a = [o[0, 0].tolist() for o in outs]
+    b0, b1, b2 = ([x + y for x, y in zip(a[i], a[i + 1])] for i in (0, 2, 4))
+    # step 0 has one source (no mix call); then [e, a0], [e, b0], [e, b0, a2], [e, b0, b1], [e, b0, b1, a4], final
+    assert seen == [[[1, 0], a[0]], [[1, 0], b0], [[1, 0], b0, a[2]], [[1, 0], b0, b1], [[1, 0], b0, b1, a[4]],
+                    [[1, 0], b0, b1, b2]]
+    # A zero query is a uniform mean; a query along x prefers the source whose RMS-normalised x is largest.
+    v = torch.tensor([[[[2.0, 0.0]]], [[[0.0, 4.0]]]])
+    inv_rms = v.pow(2).mean(-1).rsqrt()  # [2, 1, 1]: rms(v) = v * inv_rms
+    assert torch.equal(DepthMix(2)(v, inv_rms), torch.tensor([[[1.0, 2.0]]]))
+    m = DepthMix(2)
+    with torch.no_grad():
+        m.query.copy_(torch.tensor([1.0, 0.0]))
+    w = torch.softmax(torch.tensor([2.0 ** 0.5, 0.0]), 0)  # w . rms(v_0) = 2 / sqrt(2); w . rms(v_1) = 0
+    assert torch.allclose(m(v, inv_rms), (w[0] * v[0] + w[1] * v[1]))
+
+
+def test_full_is_block_with_one_sub_layer_per_block() -> None:
+    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2)
+    torch.manual_seed(0)
+    full = AttnResForCausalLM(AttnResConfig(**kw))
+    block = AttnResForCausalLM(AttnResConfig(**kw, attn_res_num_blocks=4))
+    two = AttnResForCausalLM(AttnResConfig(**kw, attn_res_num_blocks=2))
+    for m in (full, block, two):
+        for n, p in m.named_parameters():
+            if n.endswith("query"):
+                torch.nn.init.normal_(p)
+    block.load_state_dict(full.state_dict())
+    two.load_state_dict(full.state_dict())
+    x = torch.randint(0, 64, (2, 12))
+    assert full.config.attn_res_block_size == 1 and two.config.attn_res_block_size == 2
+    assert torch.equal(full(x).logits, block(x).logits)
+    assert not torch.allclose(full(x).logits, two(x).logits)
+
+
+def test_config_refuses_a_block_count_that_does_not_divide_the_sub_layers() -> None:
+    with pytest.raises(Exception, match="attn_res_num_blocks \\(4\\) must divide the 6 sub-layers"):
+        AttnResConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, attn_res_num_blocks=4)
+
+
+def test_directory_loads_with_the_auto_classes(attnres: Path) -> None:
+    cfg = json.loads((attnres / "config.json").read_text())
+    assert cfg["architectures"] == ["AttnResForCausalLM"] and cfg["model_type"] == "attnres_llama"
+    assert isinstance(AutoConfig.from_pretrained(attnres), AttnResConfig)
+    model = AutoModelForCausalLM.from_pretrained(attnres)
+    assert isinstance(model, AttnResForCausalLM)
+    assert model.model.layers[1].attn_mix.query.abs().sum() > 0  # the trained (here: random) queries load
+    from app.builder import model_architecture
+
+    assert model_architecture(str(attnres)) == "AttnResForCausalLM"  # what /v1/models shows for the version
+    # generate() with transformers' KV cache equals full forwards (the mix keeps no state across tokens)
+    ids = torch.tensor([rand_prompt(9, 1)])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6,
+                         eos_token_id=None, pad_token_id=0)
+    seq = ids[0].tolist()
+    for _ in range(6):
+        seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    assert out[0].tolist() == seq
+
+
+# ---------------------------------------------------------------------------------------------- engine
+@pytest.mark.parametrize("staggered", [False, True], ids=["together", "staggered"])
+def test_engine_greedy_tokens_and_logits_match_transformers(attnres: Path, staggered: bool) -> None:
+    batch = prompts(seed=11)
+    ref_tokens, ref_logits = reference(attnres, batch)
+    tokens, logits, engine = run_engine(attnres, batch, staggered)
+    assert engine.executor.runner.shape.architecture == "AttnResForCausalLM"
+    assert tokens == ref_tokens
+    for got, want in zip(logits, ref_logits):
+        got_t = torch.stack(got)
+        assert got_t.shape == want.shape
+        assert (got_t - want).abs().max().item() < 1e-4
+    assert engine.stats().blocks_used == 0
+
+
+def make(model: Path, **kw) -> LLMEngine:
+    kw.setdefault("num_kv_blocks", 96)
+    kw.setdefault("block_size", 4)
+    return LLMEngine(EngineConfig(model=str(model), **kw))
+
+
+def test_prefix_cache_hits_and_unchanged_output(attnres: Path) -> None:
+    shared = rand_prompt(40, 2)
+    a, b = shared + rand_prompt(5, 3), shared + rand_prompt(7, 4)
+    plain = make(attnres, enable_prefix_caching=False).generate([a, b], GREEDY)
+    engine = make(attnres)
+    first = engine.generate([a], GREEDY)
+    second = engine.generate([b], GREEDY)
+    assert engine.stats().prefix_cache_hit_tokens >= 36
+    assert [first[0].token_ids, second[0].token_ids] == [r.token_ids for r in plain]
+
+
+def test_quantized_kv_all_16bit_is_exact_and_int8_follows(attnres: Path) -> None:
+    batch = [rand_prompt(40, 10 + i) for i in range(3)]
+    ref = make(attnres).generate(batch, GREEDY)
+    roomy = make(attnres, kv_cache_dtype="int4", cache_policy=CachePolicy(residual_window=64))
+    assert [r.token_ids for r in roomy.generate(batch, GREEDY)] == [r.token_ids for r in ref]
+    assert roomy.block_manager.blocks_quantized_total == 0
+    int8 = make(attnres, kv_cache_dtype="int8", max_num_batched_tokens=32, cache_policy=CachePolicy(residual_window=8))
+    out = int8.generate(batch, GREEDY)
+    assert int8.block_manager.blocks_quantized_total > 0
+    pairs = [(x, y) for ra, rb in zip(out, ref) for x, y in zip(ra.token_ids, rb.token_ids)]
+    assert sum(x == y for x, y in pairs) / len(pairs) >= 0.9
+    int8.check_integrity()
+
+
+def test_streaming_reference_through_the_attention_interface_equals_the_hand_written_one(tiny_llama: Path) -> None:
+    """The generic reference the AttnRes test below uses agrees with the Llama-only one (test_retention)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    toks = rand_prompt(40, 5)
+    a = streaming_logits(model, toks, window=12, block_size=4, protected={0, 1}, from_index=20)
+    b = streaming_logits_via_attention(model, toks, window=12, block_size=4, protected={0, 1}, from_index=20)
+    assert (a - b).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("protected", [(0, 1, 2, 3), ()], ids=["sinks", "window-only"])
+def test_sliding_window_retention_matches_the_streaming_reference(attnres: Path, protected: tuple[int, ...]) -> None:
+    """Logits of a stream 3x the window (sinks + anchor, or window only) equal the re-rotating reference."""
+    window, block = 24, 4
+    engine = LLMEngine(EngineConfig(model=str(attnres), block_size=block, num_kv_blocks=64, max_num_batched_tokens=8,
+                                    cache_policy=CachePolicy(eviction_policy="sliding_window", window=window,
+                                                             protected_positions=protected)))
+    prompt = rand_prompt(20, 11)
+    anchors = [(8, 12)] if protected else []
+    engine.add_request("s", prompt, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True), anchors=anchors)
+    rows: list[torch.Tensor] = []
+    runner = engine.executor.runner
+    execute = runner.execute
+
+    def spy(inp):
+        logits = execute(inp)
+        rows.extend(logits.clone())
+        return logits
+
+    runner.execute = spy
+    out_tokens: list[int] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            out_tokens += out.token_ids
+    model = AutoModelForCausalLM.from_pretrained(attnres, dtype=torch.float32)
+    keep = set(protected) | ({p for s, e in anchors for p in range(s, e)})
+    ref = streaming_logits_via_attention(model, prompt + out_tokens[:-1], window, block, keep,
+                                         from_index=len(prompt) - 1)
+    got = torch.stack(rows)
+    assert got.shape == ref.shape
+    assert (got - ref).abs().max().item() < 1e-4
+    assert engine.stats().tokens_evicted > 0
+
+
+def test_tensor_parallel_2_equals_1(tmp_path: Path) -> None:
+    """TP=2 (DeepSpeed AutoTP over gloo, the served TP pools' worker code) equals TP=1: prefill and decode
+    logits of two sequences within 1e-4. AutoTP shards LlamaAttention / LlamaMLP inside the AttnRes layer;
+    the pseudo-queries stay replicated, and every rank mixes the same all-reduced outputs."""
+    import os
+    import subprocess
+    import sys
+
+    from app.tp_executor import free_port
+
+    model = build_model(tmp_path / "m", "attnres_block", seed=5, layers=3)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+
+    def ranks(world: int) -> Path:
+        out, port = tmp_path / f"tp{world}.pt", free_port()
+        procs = [subprocess.Popen([sys.executable, "-m", "tests.tp_worker", str(r), str(world), str(port), str(model),
+                                   str(out)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                 for r in range(world)]
+        for p in procs:
+            _, err = p.communicate(timeout=600)
+            assert p.returncode == 0, err.decode()[-2000:]
+        return out
+
+    tp1, tp2 = torch.load(ranks(1)), torch.load(ranks(2))
+    assert tp1.shape == (4, 256)
+    assert (tp1 - tp2).abs().max().item() < 1e-4
