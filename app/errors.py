@@ -18,7 +18,7 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list[int]", "TokenRange", "dict", 
 
 # Engine request fields whose HTTP name differs (the engine's anchors are the request's
 # ``sinkserve.anchors``); every other engine field is named as in the request already.
-_ENGINE_PARAMS = {"anchors": "sinkserve.anchors"}
+_ENGINE_PARAMS = {"anchors": "sinkserve.anchors", "kv_budget_blocks": "sinkserve.kv_budget_blocks"}
 
 
 class APIError(Exception):

@@ -244,6 +244,7 @@ def sampling_params(request: Request, vocab_size: int | None = None) -> Sampling
         repetition_penalty=request.repetition_penalty,
         logit_bias=tuple(sorted((int(k), float(v)) for k, v in (request.logit_bias or {}).items())),
         structured_output=structured_output(request),
+        kv_budget_blocks=ext.kv_budget_blocks if ext else None,
     )
     try:
         params.validate(vocab_size)

@@ -64,6 +64,9 @@ class SinkserveExtension(BaseModel):
     conversation_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,128}$")
     pool: str | None = None  # force a bucket (it must still fit); for debugging and A/B checks
     ignore_eos: bool = False
+    # KV blocks this request may hold on a pool with ``eviction_policy: importance`` (None: the pool's
+    # ``block_budget``; more than it, or a pool without score-driven eviction, is a 400 naming this field).
+    kv_budget_blocks: int | None = Field(None, ge=1)
     # Retrieval-augmented requests (app/passages.py): passages scored against the question, the best
     # kept within passage_budget tokens (None: keep all), placed at the prompt's "{passages}"
     # placeholder or ahead of the chat's system / last user message.

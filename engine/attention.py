@@ -17,6 +17,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from engine import importance
 from engine.architectures import AttentionLayout, check_hook_window
 from engine.attention_backends import AttentionBackend
 from kernels import block_sparse as _sparse
@@ -44,6 +45,9 @@ class ForwardContext:
     sparse_plan: object | None = None  # kernels.block_sparse.SparsePlan
     # Per-layer attention (window, sinks) of the model; None: every layer full (kernel tests, tools).
     layout: AttentionLayout | None = None
+    # ``importance`` eviction: per scheduled sequence and logical block, the attention mass its observation
+    # queries put there, summed over layers (engine/importance.py); None when the policy does not score.
+    block_importance: torch.Tensor | None = None
     # The backend's per-step plans (``AttentionBackend.plan``) by sliding window, each built by the first
     # layer that needs it and shared by the others (the metadata is the same in every layer).
     plans: dict = field(default_factory=dict)
@@ -110,6 +114,7 @@ def paged_attention_forward(
         cache = ctx.kv_caches[module.layer_idx]
         plan = ctx.plan_kwargs(window, cache.block_size)
         ctx.backend.write_kv_quant(k, v, cache, ctx.slot_mapping)
+        _score(ctx, q, cache, scale, window)
         if sparse:
             return _sparse_forward(ctx, module.layer_idx, q, cache, scale), None
         out = ctx.backend.paged_attention_quant(q, cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, scale,
@@ -118,11 +123,19 @@ def paged_attention_forward(
     k_cache, v_cache = ctx.kv_caches[module.layer_idx]
     plan = ctx.plan_kwargs(window, k_cache.shape[1])
     ctx.backend.write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+    _score(ctx, q, (k_cache, v_cache), scale, window)
     if sparse:
         return _sparse_forward(ctx, module.layer_idx, q, (k_cache, v_cache), scale), None
     out = ctx.backend.paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, scale,
                                       window=window, sinks=sinks, **plan)
     return out.unsqueeze(0), None
+
+
+def _score(ctx: ForwardContext, q: torch.Tensor, kv: object, scale: float, window: int | None) -> None:
+    # Full-attention layers only: a sliding-window layer never reads the blocks eviction chooses between.
+    if ctx.block_importance is not None and window is None:
+        importance.accumulate(ctx.block_importance, q, kv, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
+                              scale, ctx.block_size)
 
 
 def _sparse_forward(ctx: ForwardContext, layer: int, q: torch.Tensor, kv: object, scale: float) -> torch.Tensor:

@@ -9,6 +9,14 @@ Layout of one sequence's cache under ``sliding_window`` (block granular, block_s
     logical blocks:  [ 0 ][ 1 ][ 2 ][ 3 ][ 4 ][ 5 ][ 6 ]
     kept:             sink  --evicted--  anchor [ window  ]
     block table:     [ 7 ][ 0 ][ 0 ][ 12][ 0 ][ 3 ][ 9 ]     0 = null block, skipped by kernels
+
+Under ``importance`` a sequence holds at most ``block_budget`` blocks: when it holds more, the blocks
+outside the protection set and the window with the lowest accumulated attention mass go first (block
+granular, see ``engine/retention.py``; block_size 4, window 8, block_budget 5)::
+
+    logical blocks:  [ 0 ][ 1 ][ 2 ][ 3 ][ 4 ][ 5 ][ 6 ]
+    importance:       sink  0.9  0.1  0.4  0.2 [ window  ]
+    kept:             sink  kept --ev-- kept --ev-- [window]   held 7 > 5: evict the 2 lowest of {1..4}
 """
 
 from __future__ import annotations
@@ -20,7 +28,8 @@ from typing import Literal
 
 from engine.errors import ConfigError
 
-EvictionPolicy = Literal["none", "sliding_window"]
+EvictionPolicy = Literal["none", "sliding_window", "importance"]
+EVICTION_POLICIES = ("none", "sliding_window", "importance")
 TOKEN_ROLES = ("sink", "delimiter", "system", "session_start")
 
 
@@ -40,15 +49,21 @@ class CachePolicy:
     # residual window. Ignored when the cache is not quantized.
     residual_window: int = 128
     keep_protected_16bit: bool = True
+    # ``importance`` only: blocks one sequence may hold (protected blocks and the window included; a
+    # request's ``sinkserve.kv_budget_blocks`` may lower it). A step's new blocks come on top until the
+    # next step evicts, so a decoding sequence holds at most ``block_budget + 1`` blocks.
+    block_budget: int = 64
 
     def validate(self, block_size: int) -> None:
         """Raise ``ConfigError`` naming the field if the policy cannot work."""
-        if self.eviction_policy not in ("none", "sliding_window"):
-            raise ConfigError("eviction_policy", f"must be 'none' or 'sliding_window', got {self.eviction_policy!r}")
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise ConfigError("eviction_policy", f"must be one of {list(EVICTION_POLICIES)}, got {self.eviction_policy!r}")
         if self.window < 1:
             raise ConfigError("window", f"must be >= 1, got {self.window}")
-        if self.eviction_policy == "sliding_window" and self.window < block_size:
+        if self.evicts and self.window < block_size:
             raise ConfigError("window", f"window {self.window} is smaller than block_size {block_size}")
+        if self.eviction_policy == "importance":
+            check_block_budget(self.block_budget, self.window, block_size, "block_budget")
         if any(p < 0 for p in self.protected_positions):
             raise ConfigError("protected_positions", "positions must be >= 0")
         unknown = [r for r in self.protected_token_roles if r not in TOKEN_ROLES]
@@ -67,12 +82,15 @@ class CachePolicy:
 
     @property
     def evicts(self) -> bool:
-        return self.eviction_policy == "sliding_window"
+        return self.eviction_policy in ("sliding_window", "importance")
 
     @property
     def version(self) -> str:
         """Short content hash: equal policies have equal versions, so re-applying a config rolls back."""
-        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        fields = asdict(self)
+        if self.eviction_policy != "importance":
+            del fields["block_budget"]  # unused there: existing pools keep the versions they had
+        blob = json.dumps(fields, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
 
     def describe(self) -> str:
@@ -81,7 +99,24 @@ class CachePolicy:
         span = f"[{pos[0]}..{pos[-1]}]" if pos and pos == list(range(pos[0], pos[-1] + 1)) else str(pos)
         return (
             f"protection set active: positions {span}, roles {list(self.protected_token_roles)}, "
-            f"eviction {self.eviction_policy}, window {self.window}, 16-bit when quantized: "
+            f"eviction {self.eviction_policy}, window {self.window}"
+            f"{f', block budget {self.block_budget}' if self.eviction_policy == 'importance' else ''}, 16-bit when quantized: "
             f"{'protected blocks + ' if self.keep_protected_16bit else ''}residual {self.residual_window} tokens, "
             f"version {self.version}"
         )
+
+
+def check_block_budget(budget: int, window: int, block_size: int, field: str) -> None:
+    """Raise ``ConfigError`` naming ``field`` unless ``budget`` blocks hold the window plus one more block
+    (the window's blocks can never be evicted, so a smaller budget could not be met).
+
+    >>> check_block_budget(6, 64, 16, "block_budget")
+    >>> check_block_budget(5, 64, 16, "block_budget")
+    Traceback (most recent call last):
+    ...
+    engine.errors.ConfigError: block_budget: must be >= 6 (the window of 64 tokens spans up to 5 blocks, plus one), got 5
+    """
+    window_blocks = -(-window // block_size) + 1  # an unaligned window straddles one more block
+    if budget < window_blocks + 1:
+        raise ConfigError(field, f"must be >= {window_blocks + 1} (the window of {window} tokens spans up to "
+                                 f"{window_blocks} blocks, plus one), got {budget}")

@@ -206,6 +206,7 @@ class LLMEngine:
         bs = self.config.block_size
         inp = ModelInput([], [], [], [], [], [0], [], list(sched.copies), list(sched.rotations), list(sched.kv_ops))
         inp.finished_request_ids, self._finished_ids = self._finished_ids, []
+        inp.score_importance = self.policy.eviction_policy == "importance"
         for item in sched.scheduled:
             seq, n = item.seq, item.num_tokens
             start = seq.num_computed_tokens
@@ -276,6 +277,9 @@ class LLMEngine:
         for seq in sampled:
             if seq.num_output_tokens == 0:  # this step ends its prefill
                 self.counters.prompt_tokens_total += seq.num_prompt_tokens
+        if result.block_importance is not None:
+            for item, scores in zip(sched.scheduled, result.block_importance):
+                retention.accumulate_importance(item.seq.block_importance, scores)
         self.scheduler.update_after_step(sched, tokens)
         for seq, tok, lp, top in zip(sampled, tokens, logprobs, tops):
             out = self.outputs.on_token(seq, tok, lp, self.policy, top)

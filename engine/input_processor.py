@@ -12,8 +12,8 @@ from collections.abc import Iterable, Sequence as Seq
 from typing import Any
 
 from engine import retention
-from engine.cache_policy import CachePolicy
-from engine.errors import InvalidRequestError, PromptTooLongError, ProtectionCapError
+from engine.cache_policy import CachePolicy, check_block_budget
+from engine.errors import ConfigError, InvalidRequestError, PromptTooLongError, ProtectionCapError
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from engine.tokenization import tokenize_text
@@ -80,7 +80,24 @@ class InputProcessor:
             raise ProtectionCapError(len(protected), policy.max_protected_tokens)
         seq = Sequence(request_id, ids, params, arrival=arrival, protected_positions=protected)
         seq.protected_blocks = retention.blocks_of(protected, self.block_size)
+        seq.block_budget = self._block_budget(params, policy)
         return seq
+
+    def _block_budget(self, params: SamplingParams, policy: CachePolicy) -> int | None:
+        """The request's own block budget (``kv_budget_blocks``), checked against the pool's policy."""
+        budget = params.kv_budget_blocks
+        if budget is None:
+            return None
+        if policy.eviction_policy != "importance":
+            raise InvalidRequestError("kv_budget_blocks", "needs a pool with eviction_policy 'importance' (this pool "
+                                      f"uses {policy.eviction_policy!r})")
+        if budget > policy.block_budget:
+            raise InvalidRequestError("kv_budget_blocks", f"at most the pool's block_budget {policy.block_budget}, got {budget}")
+        try:
+            check_block_budget(budget, policy.window, self.block_size, "kv_budget_blocks")
+        except ConfigError as e:
+            raise InvalidRequestError("kv_budget_blocks", e.message) from None
+        return budget
 
     def anchor_spans(self, prompt: str | Seq[int], ids: list[int], anchors: Iterable[Anchor]) -> list[tuple[int, int]]:
         """Token ranges of the anchors: ``(start, end)`` token ranges, or ``{"text": ...}`` found in the prompt."""

@@ -58,6 +58,8 @@ class ModelInput:
     # Sparse attention: per scheduled sequence, its protected logical blocks when it attends sparsely this
     # step, None when it attends densely (empty list: every sequence dense). See engine/sparse.py.
     sparse_forced: list[list[int] | None] = field(default_factory=list)
+    # ``importance`` eviction: score each scheduled sequence's blocks this step (engine/importance.py).
+    score_importance: bool = False
 
 
 @dataclass(frozen=True)
@@ -186,6 +188,7 @@ class ModelRunner:
         self.num_kv_blocks = 0
         self.num_fp_blocks = 0
         self.kv_caches: list = []  # per layer (k, v) tensors, or QuantKVCache when quantized
+        self.last_block_importance: list[list[float]] | None = None  # the last step's (engine/importance.py)
         self.block_bounds: list | None = None  # per layer kernels.block_sparse.BlockBounds (sparse attention)
         # Outlier key channels per layer [1, Hkv, O] (calibrated once, kept across re-allocations).
         self.outlier_idx: list[torch.Tensor] | None = None
@@ -414,7 +417,9 @@ class ModelRunner:
         if self.sampler is None:
             return None
         self.sampler.release(inp.finished_request_ids)
-        return self.sampler(logits, inp.sampling)
+        out = self.sampler(logits, inp.sampling)
+        out.block_importance = self.last_block_importance
+        return out
 
     @torch.inference_mode()
     def execute(self, inp: ModelInput, key_absmax: list | None = None) -> torch.Tensor:
@@ -428,9 +433,11 @@ class ModelRunner:
             (self._rotate_quant_blocks if quantized else self._rotate_blocks)(inp.rotations)
         if self.block_bounds is not None:
             sparse_runtime.apply_block_ops(self.block_bounds, self.kv_caches, inp, self.device)
-        # A decode-only step (one token per sequence) runs the compiled graph of its bucket, if any.
+        # A decode-only step (one token per sequence) runs the compiled graph of its bucket, if any (not while
+        # importance eviction scores blocks: that runs Python per sequence, which a captured graph cannot).
         num = len(inp.input_ids)
-        bucket = self.compiled.bucket(num) if self.compiled is not None and num == len(inp.seq_lens) else None
+        compiled = self.compiled is not None and num == len(inp.seq_lens) and not inp.score_importance
+        bucket = self.compiled.bucket(num) if compiled else None
         st = self.buffers.load(inp.input_ids, inp.positions, inp.slot_mapping, inp.logits_indices, inp.block_tables,
                                inp.seq_lens, inp.query_start_loc, pad_to=bucket)
         ctx = attention.ForwardContext(
@@ -445,13 +452,21 @@ class ModelRunner:
             block_size=self.config.block_size,
             block_bounds=self.block_bounds,
             sparse_plan=sparse_runtime.plan(inp.sparse_forced, self.config, st.block_tables.shape[1], self.device),
+            block_importance=torch.zeros(st.block_tables.shape, dtype=torch.float32, device=self.device)
+            if inp.score_importance else None,
             layout=self.layout,
         )
+        self.last_block_importance = None
         with attention.forward_context(ctx):
             if bucket is not None:
                 n = len(inp.logits_indices)
                 return self.compiled.fn(st.input_ids, st.positions, st.padded_logits_indices[:bucket])[:n]
-            return self.model(st.input_ids, st.positions, st.logits_indices)
+            logits = self.model(st.input_ids, st.positions, st.logits_indices)
+        if ctx.block_importance is not None:
+            bs = self.config.block_size
+            rows = ctx.block_importance.cpu().tolist()
+            self.last_block_importance = [r[: -(-n // bs)] for r, n in zip(rows, inp.seq_lens)]
+        return logits
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.device)

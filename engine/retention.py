@@ -169,3 +169,51 @@ def token_ranges(logical_blocks: Sequence[int], block_size: int) -> tuple[tuple[
         else:
             ranges.append([start, end])
     return tuple((s, e) for s, e in ranges)
+
+
+def held_blocks(block_table: Sequence[int]) -> int:
+    """Blocks a sequence holds (table entries that are not the null block)."""
+    return sum(1 for b in block_table if b != NULL_BLOCK)
+
+
+def importance_victims(
+    block_table: Sequence[int],
+    importance: Sequence[float],
+    protected_blocks: set[int],
+    first_window: int,
+    budget: int,
+) -> list[int]:
+    """Logical blocks to evict so that at most ``budget`` blocks stay held, lowest ``importance`` first
+    (ties: the older block), never a protected block nor one at or after ``first_window``. Sorted.
+
+    Fewer (possibly none) when the protected blocks and the window alone exceed the budget. Blocks past
+    the end of ``importance`` (not yet scored) count as 0.
+
+    >>> table = [7, 8, 9, 10, 11, 12, 13]        # 7 held
+    >>> importance_victims(table, [5.0, 0.9, 0.1, 0.4, 0.2], {0}, first_window=5, budget=5)
+    [2, 4]
+    >>> importance_victims([7, 0, 9, 10], [1.0, 0.0, 0.3], {0}, first_window=2, budget=2)
+    []
+    """
+    held = held_blocks(block_table)
+    excess = held - budget
+    if excess <= 0:
+        return []
+    stop = min(first_window, len(block_table))
+    candidates = [i for i in range(stop) if block_table[i] != NULL_BLOCK and i not in protected_blocks]
+    score = lambda i: (importance[i] if i < len(importance) else 0.0, i)  # noqa: E731
+    return sorted(sorted(candidates, key=score)[:excess])
+
+
+def accumulate_importance(importance: list[float], scores: Sequence[float]) -> None:
+    """Add one step's attention mass per logical block (``scores``) to a sequence's running totals.
+
+    >>> acc = [1.0, 0.5]
+    >>> accumulate_importance(acc, [0.25, 0.25, 0.5])
+    >>> acc
+    [1.25, 0.75, 0.5]
+    """
+    if len(importance) < len(scores):
+        importance.extend([0.0] * (len(scores) - len(importance)))
+    for i, s in enumerate(scores):
+        importance[i] += s

@@ -54,6 +54,9 @@ class SamplerOutput:
     logprobs: list[float | None] = field(default_factory=list)
     # The ``params.top_logprobs`` most likely tokens ``(id, log-prob)``, best first (None when not asked).
     top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    # ``importance`` eviction: per *scheduled* sequence (schedule order), attention mass per logical block
+    # this step (engine/importance.py); None when the policy does not score.
+    block_importance: list[list[float]] | None = None
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

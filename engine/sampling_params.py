@@ -59,6 +59,10 @@ class SamplingParams:
     # (token id, bias) pairs added to the logits before the choice.
     logit_bias: tuple[tuple[int, float], ...] = ()
     structured_output: StructuredOutput | None = None
+    # Retention, carried with the request: under ``eviction_policy: importance`` this request holds at most
+    # this many KV blocks (at most the pool's ``block_budget``; checked by the input processor). None: the
+    # pool's budget.
+    kv_budget_blocks: int | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ``InvalidRequestError`` naming the field of the first invalid value."""
@@ -89,6 +93,8 @@ class SamplingParams:
         if not (isinstance(r, (int, float)) and 0.01 <= r <= 10.0):
             raise InvalidRequestError("repetition_penalty", f"must be in [0.01, 10], got {r!r}")
         self._validate_logit_bias(vocab_size)
+        if self.kv_budget_blocks is not None and (not isinstance(self.kv_budget_blocks, int) or self.kv_budget_blocks < 1):
+            raise InvalidRequestError("kv_budget_blocks", f"must be an integer >= 1, got {self.kv_budget_blocks!r}")
         if self.structured_output is not None:
             validate_structured_output(self.structured_output)
 

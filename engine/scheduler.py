@@ -257,6 +257,7 @@ class Scheduler:
         seq.num_cached_tokens = 0
         seq.num_evicted_blocks = 0
         seq.eviction_cursor = 0
+        seq.block_importance = []
         seq.quant_cursor = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -264,15 +265,25 @@ class Scheduler:
         out.preempted.append(seq)
 
     def _evict_out_of_window(self, seq: Sequence, out: SchedulerOutput) -> None:
-        """Free the blocks of ``seq`` that left the window and protect nothing; queue key rotations."""
+        """Free the blocks of ``seq`` that left the window and protect nothing (``sliding_window``), or, over
+        its block budget, its least important such blocks (``importance``); queue key rotations."""
         if not self.policy.evicts:
             return
         bs = self.bm.block_size
         stop = retention.first_window_block(seq.num_computed_tokens, self.policy.window, bs)
-        if stop <= seq.eviction_cursor:
-            return
-        logical = retention.blocks_to_evict(seq.block_table, seq.eviction_cursor, stop, seq.protected_blocks)
-        seq.eviction_cursor = stop
+        if self.policy.eviction_policy == "importance":
+            budget = seq.block_budget or self.policy.block_budget
+            # O(1) check per step (evicted entries are exactly the null ones); the O(held) choice runs
+            # only when over budget: once per block_size decoded tokens.
+            if len(seq.block_table) - seq.num_evicted_blocks <= budget:
+                return
+            logical = retention.importance_victims(seq.block_table, seq.block_importance, seq.protected_blocks,
+                                                   stop, budget)
+        else:
+            if stop <= seq.eviction_cursor:
+                return
+            logical = retention.blocks_to_evict(seq.block_table, seq.eviction_cursor, stop, seq.protected_blocks)
+            seq.eviction_cursor = stop
         if not logical:
             return
         freed = self.bm.evict_blocks(seq, logical)

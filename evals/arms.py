@@ -6,6 +6,8 @@ Arms (``window`` and the prefill ``chunk`` are eval settings)::
     window_only          sliding window, nothing protected              (protection "without")
     sinks_window         sliding window + sink positions 0..3 pinned
     sinks_window_anchor  sinks_window + the fact sentence as an anchor  (protection "with", needle)
+    importance_<B>       score-driven eviction: sinks pinned, a local window, at most ``block_budget``
+                         blocks, the least-attended go first (evals.eviction)
 
 Retention is block granular: a pinned sink position keeps its whole block (``block_size`` tokens), and a
 prefill chunk of ``chunk`` tokens runs before the next eviction, so each token sees between ``window``
@@ -48,6 +50,11 @@ class Arm:
     # "block_bounds" (the engine's own) or "random" (the control: same budget, same forced set).
     sparse: SparseAttention | None = None
     selector: str = "block_bounds"
+    # Retention: "sliding_window" or "importance" (then ``block_budget`` blocks per sequence); ``window``
+    # overrides the eval's window for this arm (a fixed-memory comparison sizes each arm's own window).
+    eviction: str = "sliding_window"
+    block_budget: int = 0
+    window: int | None = None
     # Key channels per layer and KV head kept 16-bit beside the codes (0: none) and the value group size
     # (None: the engine's default), for ``--kv-outlier-channels`` / ``--kv-value-group-size``.
     # (None: the engine's defaults). ``block_size`` None: BLOCK_SIZE; the KV A/B runs all its arms at the
@@ -68,9 +75,11 @@ class Arm:
         hp = dict(residual_window=residual, keep_protected_16bit=self.kv_protect)
         if not self.evicts:
             return CachePolicy(eviction_policy="none", **hp)
+        extra = dict(block_budget=self.block_budget) if self.eviction == "importance" else {}
         return CachePolicy(
-            eviction_policy="sliding_window",
-            window=window,
+            eviction_policy=self.eviction,  # type: ignore[arg-type]
+            window=self.window or window,
+            **extra,
             protected_positions=SINK_POSITIONS if self.sinks else (),
             protected_token_roles=("sink",),
             max_stream_tokens=1 << 22,

@@ -48,6 +48,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         p.add_argument("--kv-cache-dtype", choices=("int8", "int4", "int2"),
                        help="run the KV-storage A/B instead (16-bit vs packed with protection vs packed everything; "
                             "writes <name>_kv_<dtype>.*; evals.kv_quant)")
+        if name == "needle":
+            p.add_argument("--kv-budget", metavar="B,C", help="fixed-memory A/B instead: dense vs sinks + window vs "
+                           "importance eviction keeping B%%, C%% of ~900-token documents (writes needle_budget.*; "
+                           "evals.eviction; --chunk defaults to the whole document)")
         p.add_argument("--sparse", metavar="N,M", help="run the sparse-attention A/B instead: dense vs the block_bounds "
                        "indexer vs a random control with top_k = ctx/N (comma-separated N, e.g. 8,16), inside the "
                        "trained context (writes <name>_sparse.*; long-ppl adds sparse_recall.*; evals.sparse)")
@@ -199,6 +203,11 @@ def run(args: argparse.Namespace) -> int:
     ctx = A.trained_context(args.model)
     if getattr(args, "kv_cache_dtype", None):
         result = _kv_ab(args, ctx)
+    elif getattr(args, "kv_budget", None):
+        from evals import eviction
+
+        result = eviction.run_budget_needle(args.model, tuple(int(x) for x in args.kv_budget.split(",")),
+                                            args.docs or (4 if args.quick else 50), args.chunk)
     elif getattr(args, "sparse", None):
         result = _sparse_ab(args, ctx)
     else:

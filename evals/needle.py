@@ -82,7 +82,7 @@ def build_docs(tokenizer: Any, cfg: NeedleConfig, n_tokens: int, indices: range 
 def run_arm(cfg: NeedleConfig, arm: A.Arm, docs: list[Doc], length_label: str, progress: bool = True) -> tuple[list[str], float]:
     """Greedy answers of one arm to ``docs`` (all queued at once; the engine batches decodes)."""
     longest = max(d.n_tokens for d in docs) + cfg.max_new_tokens
-    per_seq = A.blocks_for_stream(cfg.window, cfg.chunk) if arm.evicts else -(-longest // A.BLOCK_SIZE) + 1
+    per_seq = A.blocks_for_stream(arm.window or cfg.window, cfg.chunk) if arm.evicts else -(-longest // A.BLOCK_SIZE) + 1
     engine = A.make_engine(cfg.model, arm.policy(cfg.window), cfg.chunk, cfg.max_num_seqs * per_seq + 1, cfg.max_num_seqs,
                            sparse=arm.sparse, selector=arm.selector, **arm.kv_storage())
     params = SamplingParams(max_tokens=cfg.max_new_tokens, temperature=0.0)

@@ -100,6 +100,17 @@ def test_sparse_ab_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.Captur
     assert "| block_bounds_1/8 |" in printed
 
 
+def test_kv_budget_needle_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--kv-budget``: dense, then per budget the sliding-window control and importance eviction, with the
+    kept tokens matched (block granular) and a met/missed line per budget."""
+    printed = run_cli(["eval", "needle", "--quick", "--kv-budget", "25", "--model", str(tiny_llama), "--out",
+                       str(tmp_path), "--docs", "2"], capsys)
+    blob = load(tmp_path, "needle_budget")
+    assert [r["arm"] for r in blob["rows"]] == ["dense", "sinks_window_25", "importance_25"]
+    assert blob["rows"][1]["kept tokens"] == blob["rows"][2]["kept tokens"] == "112"  # 25% of 448, in blocks
+    assert "25% budget: importance" in printed and ("MET" in printed or "MISSED" in printed)
+
+
 def test_model_fingerprint_covers_weights_and_config(tmp_path):
     from evals.arms import model_fingerprint
 
