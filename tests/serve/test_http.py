@@ -230,9 +230,13 @@ def test_disconnect_frees_blocks(server):
         # Whether aborted or finished, the request's blocks are back and nothing runs.
         assert s["running"] == 0 and s["blocks_used"] == base["blocks_used"], s
         generated = s["generation_tokens_total"] - base["generation_tokens_total"]
-        if during["running"] == 1 and generated < 400:
-            assert during["blocks_used"] > base["blocks_used"]
-            return  # aborted mid-stream, its blocks freed
+        if generated < 400:
+            # Aborted mid-stream, its blocks freed. The stats call races the engine loop (a stats reply
+            # can be taken between the admission and the first step), so "held blocks while running"
+            # is checked only when that snapshot saw the request running.
+            if during["running"] == 1:
+                assert during["blocks_used"] > base["blocks_used"], during
+            return
         assert generated == 400, (base, during, s)  # not aborted: it had finished; try again
         time.sleep(0.5)
     pytest.fail("every attempt finished its 400 tokens before the disconnect reached the pool: no abort observed")
