@@ -90,86 +90,101 @@ class AttnResForward(LlamaForward):
                  rank: int = 0, world_size: int = 1,
                  all_reduce: Callable[[torch.Tensor], None] | None = None) -> None:
         super().__init__(config, spec, get, device, rank, world_size, all_reduce)
-        d = spec.hidden_size
-        # sqrt(D) folded into the queries: logit = dots / hypot(|v|, sqrt(D eps)) = w . v * rsqrt(mean(v^2) + eps).
+        d, q = spec.hidden_size, spec.num_queries
+        dtype = self.embed.dtype
+        # sqrt(D) folded into the queries: logit = dots / |[v, c]| = w . v * rsqrt(mean(v^2) + eps), c = sqrt(D eps).
         w_mix = torch.stack([get(n) for n in spec.query_names()]).float() * d ** 0.5  # [Q, D]
-        self.register_buffer("norm_floor", torch.tensor((d * spec.rms_norm_eps) ** 0.5, device=device),
-                             persistent=False)
+        floor = (d * spec.rms_norm_eps) ** 0.5
         for layer in self.layers:
             for name in ("o", "down"):
                 w, b = getattr(layer, f"{name}_w"), getattr(layer, f"{name}_b")
-                layer.register_parameter(f"{name}_w", nn.Parameter(_extend(w, w_mix), requires_grad=False))
-                if b is not None:
-                    layer.register_parameter(f"{name}_b", nn.Parameter(_extend(b[:, None], w_mix)[:, 0],
-                                                                       requires_grad=False))
+                delattr(layer, f"{name}_w"), delattr(layer, f"{name}_b")
+                # [W; 0; W_mix W]^T: one GEMM yields [values | 0 | dots] (the 0 row is the constant's column).
+                rows = torch.cat([w.float(), w.new_zeros(1, w.shape[1]).float(), w_mix @ w.float()]).to(dtype)
+                layer.register_parameter(f"{name}_wt", nn.Parameter(rows.t(), requires_grad=False))
+                bias = torch.zeros(d + 1 + q, device=device) if b is None else \
+                    torch.cat([b.float(), b.new_zeros(1).float(), w_mix @ b.float()])
+                opening = bias.clone()
+                opening[d] = floor  # a block's first output sets the constant column
+                layer.register_buffer(f"{name}_open_b", opening.to(dtype), persistent=False)
+                layer.register_buffer(f"{name}_add_b", None if b is None else bias.to(dtype), persistent=False)
         emb = self.embed.float()
-        dots = (emb @ w_mix.T).to(self.embed.dtype).float()  # rounded like a GEMM in the model dtype
+        dots = (emb @ w_mix.T).to(dtype).float()  # rounded like the GEMM's dots in the model dtype
         norms = torch.linalg.vector_norm(emb, dim=-1, keepdim=True)
-        self.register_buffer("embed_logits", dots / torch.hypot(norms, self.norm_floor), persistent=False)
+        self.register_buffer("embed_logits", dots / torch.hypot(norms, torch.tensor(floor)), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         """``input_ids, positions [T]`` -> logits ``[len(logits_indices), vocab]`` (float32), inside an
         ``engine.attention.forward_context`` like ``LlamaForward``."""
         s = self.spec
-        eps, hd, d = s.rms_norm_eps, s.head_dim, s.hidden_size
-        t, dtype = input_ids.shape[0], self.embed.dtype
-        src = torch.empty(t, s.num_slots, d + s.num_queries, dtype=dtype, device=input_ids.device)
-        logit = torch.empty(t, s.num_slots, s.num_queries, dtype=torch.float32, device=input_ids.device)
-        torch.index_select(self.embed, 0, input_ids, out=src[:, 0, :d])
-        torch.index_select(self.embed_logits, 0, input_ids, out=logit[:, 0])
+        eps, hd, d, nq, ns = s.rms_norm_eps, s.head_dim, s.hidden_size, s.num_queries, s.num_slots
+        t, dtype, dev = input_ids.shape[0], self.embed.dtype, input_ids.device
+        # Zeros and -inf: a slot not yet written has weight exp(-inf) = 0 in every mix, times finite values.
+        src = torch.zeros(t, ns, d + 1 + nq, dtype=dtype, device=dev)
+        logit = torch.full((nq, t, 1, ns), float("-inf"), dtype=torch.float32, device=dev)
+        # Views made once per step: per slot its output row, [values | c] and dots; per query its logits row;
+        # per slot the [T, Q] logits it writes; all slots' values for the mixes.
+        slots = src.unbind(1)
+        norm_in = src[:, :, : d + 1].unbind(1)
+        dots = src[:, :, d + 1 :].unbind(1)
+        mix_logits = logit.unbind(0)
+        slot_logits = logit.view(nq, t, ns).permute(1, 0, 2).unbind(2)
+        values = src[:, :, :d]
+        h = torch.empty(t, d, dtype=dtype, device=dev)
+        h3 = h.view(t, 1, d)
+        torch.index_select(self.embed, 0, input_ids, out=norm_in[0][:, :d])
+        torch.index_select(self.embed_logits, 0, input_ids, out=slot_logits[0])
         cos, sin = self.rotary_emb.cos_sin(positions, dtype)
-        h = src[:, 0, :d]
-        k = 0  # sub-layers done
+        bs, x = s.block_size, norm_in[0][:, :d]
+        nd = None if dtype == torch.float32 else torch.float32  # norms in float32, as transformers' inv_rms
+        k = 0  # sub-layers done; sub-layer k reads mix k and writes slot 1 + k // bs
         for layer in self.layers:
-            x = rms_norm(h, layer.input_norm, eps)
+            x = rms_norm(x if k == 0 else h, layer.input_norm, eps)
             qk, v = F.linear(x, layer.qkv_w, layer.qkv_b).split(layer.split, dim=-1)
             qk = qk.view(t, -1, hd)
             if layer.qk_norm is not None:
                 qk = layer.qk_norm * rms_norm(qk, None, eps)
             q, kk = apply_rope(qk, cos, sin).split((layer.num_heads, layer.num_kv_heads), dim=1)
-            o = self.attend(layer, q, kk, v.view(t, -1, hd))
-            self._add_source(k, o.reshape(t, -1), layer.o_w, layer.o_b, src, logit)
+            o = self.attend(layer, q, kk, v.view(t, -1, hd)).reshape(t, -1)
+            slot = 1 + k // bs
+            self._project(o, layer.o_wt, layer.o_open_b, layer.o_add_b, slots[slot], k % bs == 0)
+            torch.div(dots[slot], torch.linalg.vector_norm(norm_in[slot], dim=-1, keepdim=True, dtype=nd), out=slot_logits[slot])
             k += 1
-            x = rms_norm(self._mix(k, src, logit), layer.post_norm, eps)
-            gate, up = F.linear(x, layer.gate_up_w, layer.gate_up_b).chunk(2, dim=-1)
-            self._add_source(k, F.silu(gate) * up, layer.down_w, layer.down_b, src, logit)
+            self._mix(mix_logits[k], values, h3)
+            gate, up = F.linear(rms_norm(h, layer.post_norm, eps), layer.gate_up_w, layer.gate_up_b).chunk(2, dim=-1)
+            slot = 1 + k // bs
+            self._project(F.silu(gate) * up, layer.down_wt, layer.down_open_b, layer.down_add_b, slots[slot],
+                          k % bs == 0)
+            torch.div(dots[slot], torch.linalg.vector_norm(norm_in[slot], dim=-1, keepdim=True, dtype=nd), out=slot_logits[slot])
             k += 1
-            h = self._mix(k, src, logit)
+            self._mix(mix_logits[k], values, h3)
         h = rms_norm(h.index_select(0, logits_indices), self.norm, eps)
         return F.linear(h, self.lm_head).float()
 
-    def _add_source(self, k: int, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, src: torch.Tensor,
-                    logit: torch.Tensor) -> None:
-        """Sub-layer ``k``'s output projection ``x @ w^T (+ b)`` (values and dots) into its block's slot, and
-        that slot's logits for every query."""
-        slot, opens = 1 + k // self.spec.block_size, k % self.spec.block_size == 0
-        out = src[:, slot]
+    def _project(self, x: torch.Tensor, wt: torch.Tensor, open_b: torch.Tensor, add_b: torch.Tensor | None,
+                 out: torch.Tensor, opens: bool) -> None:
+        """An output projection (values, the constant, dots) into its block's slot: written when the
+        sub-layer opens the block, accumulated otherwise."""
         if self.all_reduce is None:
             if opens:
-                torch.mm(x, w.t(), out=out)
-            else:
-                out.addmm_(x, w.t())
+                torch.addmm(open_b, x, wt, out=out)
+                return
+            out.addmm_(x, wt)
         else:  # the rank's partial product is summed over ranks before it joins the block
-            y = F.linear(x, w)
+            y = torch.mm(x, wt)
             self.all_reduce(y)
-            out.copy_(y) if opens else out.add_(y)
-        if b is not None:
-            out.add_(b)
-        d = self.spec.hidden_size
-        norm = torch.linalg.vector_norm(out[:, :d], dim=-1, keepdim=True, dtype=torch.float32)
-        torch.div(out[:, d:], torch.hypot(norm, self.norm_floor), out=logit[:, slot])
+            if opens:
+                torch.add(y, open_b, out=out)
+                return
+            out.add_(y)
+        if add_b is not None:
+            out.add_(add_b)
 
-    def _mix(self, k: int, src: torch.Tensor, logit: torch.Tensor) -> torch.Tensor:
-        """The input of sub-layer ``k`` (``k = 2 x layers``: of the final norm), ``[T, D]``."""
-        bs = self.spec.block_size
-        n = 1 + k // bs + (k % bs != 0)  # the embedding, completed blocks, the open one
-        weights = torch.softmax(logit[:, :n, k], dim=1).to(src.dtype)
-        return torch.bmm(weights[:, None], src[:, :n, : self.spec.hidden_size])[:, 0]
-
-
-def _extend(w: torch.Tensor, w_mix: torch.Tensor) -> torch.Tensor:
-    """``[w; w_mix @ w]``: an output projection that also yields its output's dots with every query."""
-    return torch.cat([w, (w_mix @ w.float()).to(w.dtype)])
+    @staticmethod
+    def _mix(logits: torch.Tensor, values: torch.Tensor, out: torch.Tensor) -> None:
+        """``out [T, 1, D] = softmax(logits [T, 1, S]) @ values [T, S, D]`` (unwritten slots: logit -inf)."""
+        weights = torch.softmax(logits, dim=-1)
+        torch.bmm(weights if weights.dtype == values.dtype else weights.to(values.dtype), values, out=out)
 
 
 def build_attnres(cfg: Any, model_dir: str, load_format: str, dtype: torch.dtype, device: torch.device,
