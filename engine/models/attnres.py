@@ -6,8 +6,9 @@ depth mixing, done for all the step's tokens at once. Two buffers, allocated onc
 source the mixes read: the embedding, then one slot per block of sub-layers (the open block's running
 sum accumulates in its slot, so a completed block is already in place)::
 
-    src   [T, S, D + Q]  each source's values (D) and its raw dots with every pseudo-query (Q)
-    logit [T, S, Q]      float32 softmax logits of each source for each mix: w_k . rms(v)
+    src   [T, S, Q + D + 1]  per slot: raw dots with every pseudo-query (Q) | values (D) | c = sqrt(D eps)
+    logit [Q, T, 1, S]       float32 softmax logits w_k . rms(v) of every slot for every mix k;
+                             -inf until the slot is written (weight 0; unwritten values are zeros)
 
     the twins (6 layers, 6 blocks of 2 sub-layers): S = 7 slots, Q = 13 queries (12 sub-layers + final)
     sub-layer k: 0=attn0 1=mlp0 2=attn1 3=mlp1 ...        its output goes to slot 1 + k // 2
@@ -21,16 +22,19 @@ sum accumulates in its slot, so a completed block is already in place)::
 Where the work goes (decode on CPU is bound by the number of small ops, not their size):
 
 * dots are free: each sub-layer's output projection (``o_proj``, ``down_proj``) is extended at load time
-  with Q rows ``W_mix @ W_o``, so one GEMM writes a source's values and its dots into its slot, and an
-  open block accumulates both with one ``addmm_`` (dots are linear in the source);
-* the normalisation is one scalar per source and token, once per sub-layer:
-  ``w . rms(v) = (sqrt(D) w) . v / sqrt(|v|^2 + D eps)`` (``W_mix`` carries the ``sqrt(D)``; the
-  denominator is ``hypot(|v|, sqrt(D eps))``), written into the source's ``logit`` slot for every query;
-* a mix is a softmax over ``logit[:, :n, k]`` and one batched product ``[T, 1, n] x [T, n, D]``;
+  with Q rows ``W_mix @ W_o``, so one GEMM writes a source's dots and values into its slot (``mm`` with
+  ``out=``), and an open block accumulates both with one ``addmm_`` (dots are linear in the source);
+* the normalisation is one scalar per source and token, two ops per sub-layer (a norm, a division):
+  ``w . rms(v) = (sqrt(D) w) . v / |[v, c]|`` since ``|[v, c]|^2 = D (mean(v^2) + eps)``; ``W_mix``
+  carries the ``sqrt(D)``, and the division writes the slot's logits for every query at once;
+* a mix is a softmax over ``logit[k]`` (all S slots, unwritten ones at -inf: no per-mix slicing) and
+  one batched product ``[T, 1, S] x [T, S, D]``;
 * the embedding's logits depend on the token only: a ``[vocab, Q]`` table computed at load time.
 
-Tensor parallelism needs nothing more: the pseudo-queries are replicated, the extension rows of a
-row-parallel projection are partial sums like its other rows and are all-reduced with them.
+So a sub-layer costs four small ops more than a residual add (norm, division, softmax, batched product);
+docs/attnres.md measures what that is per decode step. Tensor parallelism needs nothing more: the
+pseudo-queries are replicated, and the extension rows of a row-parallel projection are partial sums like
+its other rows, all-reduced with them.
 """
 
 from __future__ import annotations
@@ -99,15 +103,12 @@ class AttnResForward(LlamaForward):
             for name in ("o", "down"):
                 w, b = getattr(layer, f"{name}_w"), getattr(layer, f"{name}_b")
                 delattr(layer, f"{name}_w"), delattr(layer, f"{name}_b")
-                # [W; 0; W_mix W]^T: one GEMM yields [values | 0 | dots] (the 0 row is the constant's column).
-                rows = torch.cat([w.float(), w.new_zeros(1, w.shape[1]).float(), w_mix @ w.float()]).to(dtype)
+                # [W_mix W; W]^T: one GEMM yields a source's [dots | values].
+                rows = torch.cat([w_mix @ w.float(), w.float()]).to(dtype)
                 layer.register_parameter(f"{name}_wt", nn.Parameter(rows.t(), requires_grad=False))
-                bias = torch.zeros(d + 1 + q, device=device) if b is None else \
-                    torch.cat([b.float(), b.new_zeros(1).float(), w_mix @ b.float()])
-                opening = bias.clone()
-                opening[d] = floor  # a block's first output sets the constant column
-                layer.register_buffer(f"{name}_open_b", opening.to(dtype), persistent=False)
-                layer.register_buffer(f"{name}_add_b", None if b is None else bias.to(dtype), persistent=False)
+                bias = None if b is None else torch.cat([w_mix @ b.float(), b.float()]).to(dtype)
+                layer.register_buffer(f"{name}_b", bias, persistent=False)
+        self.norm_floor = floor
         emb = self.embed.float()
         dots = (emb @ w_mix.T).to(dtype).float()  # rounded like the GEMM's dots in the model dtype
         norms = torch.linalg.vector_norm(emb, dim=-1, keepdim=True)
@@ -120,16 +121,18 @@ class AttnResForward(LlamaForward):
         eps, hd, d, nq, ns = s.rms_norm_eps, s.head_dim, s.hidden_size, s.num_queries, s.num_slots
         t, dtype, dev = input_ids.shape[0], self.embed.dtype, input_ids.device
         # Zeros and -inf: a slot not yet written has weight exp(-inf) = 0 in every mix, times finite values.
-        src = torch.zeros(t, ns, d + 1 + nq, dtype=dtype, device=dev)
+        # A slot's row is [dots (Q) | values (D) | c]: the GEMMs write the first Q + D columns, c stays.
+        src = torch.zeros(t, ns, nq + d + 1, dtype=dtype, device=dev)
+        src[:, :, -1] = self.norm_floor
         logit = torch.full((nq, t, 1, ns), float("-inf"), dtype=torch.float32, device=dev)
-        # Views made once per step: per slot its output row, [values | c] and dots; per query its logits row;
-        # per slot the [T, Q] logits it writes; all slots' values for the mixes.
-        slots = src.unbind(1)
-        norm_in = src[:, :, : d + 1].unbind(1)
-        dots = src[:, :, d + 1 :].unbind(1)
+        # Views made once per step: per slot what a GEMM writes, [values | c] and dots; per query its logits
+        # row; per slot the [T, Q] logits it writes; all slots' values for the mixes.
+        slots = src[:, :, : nq + d].unbind(1)
+        norm_in = src[:, :, nq:].unbind(1)
+        dots = src[:, :, :nq].unbind(1)
         mix_logits = logit.unbind(0)
         slot_logits = logit.view(nq, t, ns).permute(1, 0, 2).unbind(2)
-        values = src[:, :, :d]
+        values = src[:, :, nq : nq + d]
         h = torch.empty(t, d, dtype=dtype, device=dev)
         h3 = h.view(t, 1, d)
         torch.index_select(self.embed, 0, input_ids, out=norm_in[0][:, :d])
@@ -147,38 +150,31 @@ class AttnResForward(LlamaForward):
             q, kk = apply_rope(qk, cos, sin).split((layer.num_heads, layer.num_kv_heads), dim=1)
             o = self.attend(layer, q, kk, v.view(t, -1, hd)).reshape(t, -1)
             slot = 1 + k // bs
-            self._project(o, layer.o_wt, layer.o_open_b, layer.o_add_b, slots[slot], k % bs == 0)
+            self._project(o, layer.o_wt, layer.o_b, slots[slot], k % bs == 0)
             torch.div(dots[slot], torch.linalg.vector_norm(norm_in[slot], dim=-1, keepdim=True, dtype=nd), out=slot_logits[slot])
             k += 1
             self._mix(mix_logits[k], values, h3)
             gate, up = F.linear(rms_norm(h, layer.post_norm, eps), layer.gate_up_w, layer.gate_up_b).chunk(2, dim=-1)
             slot = 1 + k // bs
-            self._project(F.silu(gate) * up, layer.down_wt, layer.down_open_b, layer.down_add_b, slots[slot],
-                          k % bs == 0)
+            self._project(F.silu(gate) * up, layer.down_wt, layer.down_b, slots[slot], k % bs == 0)
             torch.div(dots[slot], torch.linalg.vector_norm(norm_in[slot], dim=-1, keepdim=True, dtype=nd), out=slot_logits[slot])
             k += 1
             self._mix(mix_logits[k], values, h3)
         h = rms_norm(h.index_select(0, logits_indices), self.norm, eps)
         return F.linear(h, self.lm_head).float()
 
-    def _project(self, x: torch.Tensor, wt: torch.Tensor, open_b: torch.Tensor, add_b: torch.Tensor | None,
-                 out: torch.Tensor, opens: bool) -> None:
-        """An output projection (values, the constant, dots) into its block's slot: written when the
-        sub-layer opens the block, accumulated otherwise."""
+    def _project(self, x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor,
+                 opens: bool) -> None:
+        """An output projection (dots, values) into its block's slot: written when the sub-layer opens the
+        block, accumulated otherwise."""
         if self.all_reduce is None:
-            if opens:
-                torch.addmm(open_b, x, wt, out=out)
-                return
-            out.addmm_(x, wt)
+            torch.mm(x, wt, out=out) if opens else out.addmm_(x, wt)
         else:  # the rank's partial product is summed over ranks before it joins the block
             y = torch.mm(x, wt)
             self.all_reduce(y)
-            if opens:
-                torch.add(y, open_b, out=out)
-                return
-            out.add_(y)
-        if add_b is not None:
-            out.add_(add_b)
+            out.copy_(y) if opens else out.add_(y)
+        if b is not None:
+            out.add_(b)
 
     @staticmethod
     def _mix(logits: torch.Tensor, values: torch.Tensor, out: torch.Tensor) -> None:
