@@ -40,7 +40,7 @@ its other rows, all-reduced with them.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -109,6 +109,8 @@ class AttnResForward(LlamaForward):
                 bias = None if b is None else torch.cat([w_mix @ b.float(), b.float()]).to(dtype)
                 layer.register_buffer(f"{name}_b", bias, persistent=False)
         self.norm_floor = floor
+        # per sub-layer k: (its block's slot, whether k opens the block)
+        self.plan = tuple((1 + k // spec.block_size, k % spec.block_size == 0) for k in range(2 * spec.num_layers))
         emb = self.embed.float()
         dots = (emb @ w_mix.T).to(dtype).float()  # rounded like the GEMM's dots in the model dtype
         norms = torch.linalg.vector_norm(emb, dim=-1, keepdim=True)
@@ -125,48 +127,37 @@ class AttnResForward(LlamaForward):
         src = torch.zeros(t, ns, nq + d + 1, dtype=dtype, device=dev)
         src[:, :, -1] = self.norm_floor
         logit = torch.full((nq, t, 1, ns), float("-inf"), dtype=torch.float32, device=dev)
-        # Views made once per step: per slot what a GEMM writes, [values | c] and dots; per query its logits
-        # row; per slot the [T, Q] logits it writes; all slots' values for the mixes.
-        slots = src[:, :, : nq + d].unbind(1)
-        norm_in = src[:, :, nq:].unbind(1)
-        dots = src[:, :, :nq].unbind(1)
-        mix_logits = logit.unbind(0)
-        slot_logits = logit.view(nq, t, ns).permute(1, 0, 2).unbind(2)
-        values = src[:, :, nq : nq + d]
         h = torch.empty(t, d, dtype=dtype, device=dev)
-        h3 = h.view(t, 1, d)
-        torch.index_select(self.embed, 0, input_ids, out=norm_in[0][:, :d])
-        torch.index_select(self.embed_logits, 0, input_ids, out=slot_logits[0])
+        # Views made once per step (no slicing inside the layer loop).
+        st = _StepViews(
+            slots=src[:, :, : nq + d].unbind(1), norm_in=src[:, :, nq:].unbind(1), dots=src[:, :, :nq].unbind(1),
+            slot_logits=logit.view(nq, t, ns).permute(1, 0, 2).unbind(2), mix_logits=logit.unbind(0),
+            values=src[:, :, nq : nq + d], h3=h.view(t, 1, d),
+            norm_dtype=None if dtype == torch.float32 else torch.float32)  # norms in float32, as transformers'
+        x = st.norm_in[0][:, :d]
+        torch.index_select(self.embed, 0, input_ids, out=x)
+        torch.index_select(self.embed_logits, 0, input_ids, out=st.slot_logits[0])
         cos, sin = self.rotary_emb.cos_sin(positions, dtype)
-        bs, x = s.block_size, norm_in[0][:, :d]
-        nd = None if dtype == torch.float32 else torch.float32  # norms in float32, as transformers' inv_rms
-        k = 0  # sub-layers done; sub-layer k reads mix k and writes slot 1 + k // bs
-        for layer in self.layers:
-            x = rms_norm(x if k == 0 else h, layer.input_norm, eps)
+        for i, layer in enumerate(self.layers):
+            x = rms_norm(x if i == 0 else h, layer.input_norm, eps)  # mix 0 is the embedding itself
             qk, v = F.linear(x, layer.qkv_w, layer.qkv_b).split(layer.split, dim=-1)
             qk = qk.view(t, -1, hd)
             if layer.qk_norm is not None:
                 qk = layer.qk_norm * rms_norm(qk, None, eps)
-            q, kk = apply_rope(qk, cos, sin).split((layer.num_heads, layer.num_kv_heads), dim=1)
-            o = self.attend(layer, q, kk, v.view(t, -1, hd)).reshape(t, -1)
-            slot = 1 + k // bs
-            self._project(o, layer.o_wt, layer.o_b, slots[slot], k % bs == 0)
-            torch.div(dots[slot], torch.linalg.vector_norm(norm_in[slot], dim=-1, keepdim=True, dtype=nd), out=slot_logits[slot])
-            k += 1
-            self._mix(mix_logits[k], values, h3)
+            q, k = apply_rope(qk, cos, sin).split((layer.num_heads, layer.num_kv_heads), dim=1)
+            o = self.attend(layer, q, k, v.view(t, -1, hd)).reshape(t, -1)
+            self._emit(2 * i, o, layer.o_wt, layer.o_b, st)
             gate, up = F.linear(rms_norm(h, layer.post_norm, eps), layer.gate_up_w, layer.gate_up_b).chunk(2, dim=-1)
-            slot = 1 + k // bs
-            self._project(F.silu(gate) * up, layer.down_wt, layer.down_b, slots[slot], k % bs == 0)
-            torch.div(dots[slot], torch.linalg.vector_norm(norm_in[slot], dim=-1, keepdim=True, dtype=nd), out=slot_logits[slot])
-            k += 1
-            self._mix(mix_logits[k], values, h3)
+            self._emit(2 * i + 1, F.silu(gate) * up, layer.down_wt, layer.down_b, st)
         h = rms_norm(h.index_select(0, logits_indices), self.norm, eps)
         return F.linear(h, self.lm_head).float()
 
-    def _project(self, x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor,
-                 opens: bool) -> None:
-        """An output projection (dots, values) into its block's slot: written when the sub-layer opens the
-        block, accumulated otherwise."""
+    def _emit(self, k: int, x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None, st: "_StepViews") -> None:
+        """Sub-layer ``k``'s output projection ``x @ wt (+ b)`` (dots, values) into its block's slot (written
+        when ``k`` opens the block, accumulated otherwise), that slot's logits for every query, and then mix
+        ``k + 1`` (the next sub-layer's input, or the final norm's) into ``st.h3``."""
+        slot, opens = self.plan[k]
+        out = st.slots[slot]
         if self.all_reduce is None:
             torch.mm(x, wt, out=out) if opens else out.addmm_(x, wt)
         else:  # the rank's partial product is summed over ranks before it joins the block
@@ -175,12 +166,24 @@ class AttnResForward(LlamaForward):
             out.copy_(y) if opens else out.add_(y)
         if b is not None:
             out.add_(b)
+        norm = torch.linalg.vector_norm(st.norm_in[slot], 2, -1, True, dtype=st.norm_dtype)
+        torch.div(st.dots[slot], norm, out=st.slot_logits[slot])
+        weights = torch.softmax(st.mix_logits[k + 1], -1)  # [T, 1, S]; unwritten slots -> 0
+        torch.bmm(weights if weights.dtype == st.values.dtype else weights.to(st.values.dtype), st.values,
+                  out=st.h3)
 
-    @staticmethod
-    def _mix(logits: torch.Tensor, values: torch.Tensor, out: torch.Tensor) -> None:
-        """``out [T, 1, D] = softmax(logits [T, 1, S]) @ values [T, S, D]`` (unwritten slots: logit -inf)."""
-        weights = torch.softmax(logits, dim=-1)
-        torch.bmm(weights if weights.dtype == values.dtype else weights.to(values.dtype), values, out=out)
+
+class _StepViews(NamedTuple):
+    """One step's views into the slot buffers (module docstring)."""
+
+    slots: tuple[torch.Tensor, ...]  # per slot [T, Q + D]: what a GEMM writes
+    norm_in: tuple[torch.Tensor, ...]  # per slot [T, D + 1]: values and c
+    dots: tuple[torch.Tensor, ...]  # per slot [T, Q]
+    slot_logits: tuple[torch.Tensor, ...]  # per slot [T, Q] (strided into logit)
+    mix_logits: tuple[torch.Tensor, ...]  # per query [T, 1, S]
+    values: torch.Tensor  # [T, S, D]
+    h3: torch.Tensor  # [T, 1, D]: the current mix
+    norm_dtype: torch.dtype | None
 
 
 def build_attnres(cfg: Any, model_dir: str, load_format: str, dtype: torch.dtype, device: torch.device,
