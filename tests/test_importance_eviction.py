@@ -127,6 +127,45 @@ def test_stream_never_evicts_protected_or_window_and_stays_within_budget(tiny_ll
     assert kept_outside >= budget - 2 - (window // bs + 1) - 1
 
 
+@pytest.mark.parametrize("storage", ["int8", "int4", "sparse"])
+def test_budget_holds_over_packed_kv_and_sparse_attention(tiny_llama: Path, storage: str) -> None:
+    """Importance eviction composed with a packed KV cache (scores read quantized blocks, kept blocks are
+    rotated in packed form) and with block-sparse attention (evicted blocks drop out of the selection):
+    the stream stays within its budget, the cache stays consistent, protected blocks stay."""
+    from engine.sparse_config import SparseAttention
+
+    budget, window, bs = 12, 16, 4
+    extra: dict = {"kv_cache_dtype": storage} if storage != "sparse" else {
+        "sparse": SparseAttention(enabled=True, top_k=16, min_context=64, local_window=16)}
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), block_size=bs, num_kv_blocks=64, max_num_batched_tokens=4,
+                                    cache_policy=CachePolicy(eviction_policy="importance", window=window,
+                                                             block_budget=budget, protected_positions=(0, 1, 2, 3),
+                                                             residual_window=8),
+                                    **extra))
+    rng = random.Random(5)
+    engine.add_request("s", [rng.randrange(0, 250) for _ in range(160)],
+                       SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True), anchors=[(100, 104)])
+    engine.step()
+    seq = engine.scheduler.find("s")
+    used, quantized, sparse_steps = [], 0, 0
+    while engine.has_unfinished():
+        engine.step()
+        engine.check_integrity()
+        if engine.has_unfinished():
+            used.append(sum(1 for b in seq.block_table if b))
+            assert 0 in {i for i, b in enumerate(seq.block_table) if b}, "the sink block was evicted"
+            st = engine.stats()
+            quantized = max(quantized, st.blocks_quantized)
+            sparse_steps = st.sparse_sequence_steps_total
+    steady = used[budget * bs // 4:]
+    assert steady and max(steady) <= budget + 1 and min(steady) >= budget - 1, (min(steady), max(steady))
+    assert engine.stats().tokens_evicted > 0 and engine.stats().blocks_used == 0
+    if storage == "sparse":
+        assert sparse_steps > 0, "no step attended sparsely"
+    else:
+        assert quantized > 0, "no block was packed"
+
+
 def test_per_request_budget_is_checked_against_the_pool(tiny_llama: Path) -> None:
     from engine.errors import InvalidRequestError
 
