@@ -475,6 +475,13 @@ class ModelRunner:
                 return self.compiled.fn(st.input_ids, st.positions, st.padded_logits_indices[:bucket])[:n]
             logits = self.model(st.input_ids, st.positions, st.logits_indices)
         if ctx.block_importance is not None:
+            if self.world_size > 1:
+                # Each rank scored its own KV heads; the mean over all heads is the mean of the ranks'
+                # means (equal heads per rank), so every rank's scheduler input is the TP=1 score.
+                import torch.distributed as dist
+
+                dist.all_reduce(ctx.block_importance)
+                ctx.block_importance /= self.world_size
             bs = self.config.block_size
             rows = ctx.block_importance.cpu().tolist()
             self.last_block_importance = [r[: -(-n // bs)] for r, n in zip(rows, inp.seq_lens)]

@@ -166,6 +166,43 @@ def test_budget_holds_over_packed_kv_and_sparse_attention(tiny_llama: Path, stor
         assert quantized > 0, "no block was packed"
 
 
+def test_tp2_scores_all_heads_and_evicts_what_tp1_evicts(tiny_llama: Path) -> None:
+    """Under tensor parallelism each rank sees half the KV heads; the scores are all-reduced so the
+    eviction choices (and the greedy tokens) are TP=1's, not rank 0's heads alone."""
+    from tests.tp_harness import ProcessTPExecutor
+
+    policy = CachePolicy(eviction_policy="importance", window=16, block_budget=10, protected_positions=(0, 1, 2, 3))
+    kw = dict(model=str(tiny_llama), block_size=4, num_kv_blocks=64, max_num_batched_tokens=8, cache_policy=policy)
+    rng = random.Random(9)
+    prompt = [rng.randrange(0, 250) for _ in range(90)]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+
+    def run(engine: LLMEngine) -> tuple[list[int], list, list[list[float]]]:
+        engine.add_request("s", prompt, params)
+        toks: list[int] = []
+        scores: list[list[float]] = []
+        seq = None
+        while engine.has_unfinished():
+            for out in engine.step():
+                toks += out.token_ids
+            seq = seq or engine.scheduler.find("s")  # admitted by the first step
+            scores.append(list(seq.block_importance))
+        return toks, [(r.evicted_ranges, r.freed_blocks) for r in engine.eviction_log], scores
+
+    one = run(LLMEngine(EngineConfig(**kw)))
+    engine = LLMEngine(EngineConfig(**kw, tensor_parallel_size=2), ProcessTPExecutor)
+    try:
+        two = run(engine)
+    finally:
+        engine.executor.shutdown()
+    assert one[1], "nothing was evicted"
+    assert two[:2] == one[:2]
+    # The running scores themselves are TP=1's (rank 0's heads alone differ by far more than this).
+    assert len(two[2]) == len(one[2])
+    for a, b in zip(one[2], two[2]):
+        assert len(a) == len(b) and all(abs(x - y) < 1e-5 for x, y in zip(a, b)), (a, b)
+
+
 def test_per_request_budget_is_checked_against_the_pool(tiny_llama: Path) -> None:
     from engine.errors import InvalidRequestError
 
