@@ -99,9 +99,10 @@ def decode_latency(models: list[str], batches: tuple[int, ...], prompt_len: int,
     times: dict[tuple[str, int], list[float]] = {(m, b): [] for m in models for b in batches}
     cpu: dict[tuple[str, int], list[float]] = {(m, b): [] for m in models for b in batches}
     g = torch.Generator().manual_seed(0)
+    vocab = min(4000, min(e.shape.vocab_size for e in engines.values()))
     for r in range(rounds):
         for b in batches:
-            prompts = [torch.randint(10, 4000, (prompt_len,), generator=g).tolist() for _ in range(b)]
+            prompts = [torch.randint(10, vocab, (prompt_len,), generator=g).tolist() for _ in range(b)]
             for m in models:
                 eng = engines[m]
                 for i, ids in enumerate(prompts):

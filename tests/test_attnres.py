@@ -317,3 +317,18 @@ def test_native_tensor_parallel_2_equals_1_with_retention(tmp_path: Path) -> Non
     for (ta, la), (tb, lb) in zip(one, two):
         assert ta == tb and len(ta) == 40
         assert max(abs(x - y) for x, y in zip(la, lb)) < 1e-4
+
+
+def test_decode_latency_pairs_wall_and_cpu_time(attnres: Path, tiny_llama: Path) -> None:
+    """``evals.twins.decode_latency`` (bench.attnres_decode, ``sinkserve eval twins``): medians per model and
+    batch in wall and CPU time, and paired overheads against the first model (0 for itself)."""
+    from evals.twins import decode_latency
+
+    lat = decode_latency([str(tiny_llama), str(attnres)], (1, 2), prompt_len=8, steps=3, rounds=1)
+    for key in ("", "cpu_"):
+        assert lat[f"{key}paired_overhead_pct"][str(tiny_llama)] == {"1": 0.0, "2": 0.0}
+        assert set(lat[f"{key}paired_overhead_pct"][str(attnres)]) == {"1", "2"}
+    for m in (str(tiny_llama), str(attnres)):
+        for b in ("1", "2"):
+            # one thread steps the engine: its CPU time cannot exceed the wall time it took
+            assert 0 < lat["cpu_per_model"][m][b] <= lat["per_model"][m][b] * 1.01 + 0.01
