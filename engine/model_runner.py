@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from engine import attention, kv_budget, sparse_runtime
+from engine import attention, kv_budget, selected_memory, sparse_runtime
 from engine.architectures import (
     SUPPORTED_ARCHITECTURES,
     layer_inv_freqs,
@@ -408,7 +408,9 @@ class ModelRunner:
         """Each layer's RoPE table on this device; refuses models without RoPE (rotations need it)."""
         if any(f is None for f in self.inv_freqs):
             raise RuntimeError("model has no rotary embedding; sliding-window retention needs RoPE")
-        return [f.to(self.device) for f in self.inv_freqs]  # type: ignore[union-attr]
+        if getattr(self, "_inv_freqs_on_device", None) is None:  # once: selected memory reads them every step
+            self._inv_freqs_on_device = [f.to(self.device) for f in self.inv_freqs]  # type: ignore[union-attr]
+        return self._inv_freqs_on_device
 
     @torch.inference_mode()
     def execute_and_sample(self, inp: ModelInput) -> SamplerOutput | None:
@@ -432,7 +434,8 @@ class ModelRunner:
         if inp.rotations:
             (self._rotate_quant_blocks if quantized else self._rotate_blocks)(inp.rotations)
         if self.block_bounds is not None:
-            sparse_runtime.apply_block_ops(self.block_bounds, self.kv_caches, inp, self.device)
+            sparse_runtime.apply_block_ops(self.block_bounds, self.kv_caches, inp, self.device,
+                                           position_free=self.config.sparse.compact)
         # A decode-only step (one token per sequence) runs the compiled graph of its bucket, if any (not while
         # importance eviction scores blocks: that runs Python per sequence, which a captured graph cannot).
         num = len(inp.input_ids)
@@ -455,6 +458,9 @@ class ModelRunner:
             block_importance=torch.zeros(st.block_tables.shape, dtype=torch.float32, device=self.device)
             if inp.score_importance else None,
             layout=self.layout,
+            selected_memory=selected_memory.StepContext(self._layer_inv_freqs(), st.positions,
+                                                        self.config.sparse.local_window)
+            if self.config.sparse.compact else None,
         )
         self.last_block_importance = None
         with attention.forward_context(ctx):
