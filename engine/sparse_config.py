@@ -74,7 +74,7 @@ class SparseAttention:
             raise ConfigError("sparse.decode", "sparse attention is enabled but neither decode nor prefill selects")
         if self.position_mode not in POSITION_MODES:
             raise ConfigError("sparse.position_mode", f"unknown mode {self.position_mode!r}; choose one of {list(POSITION_MODES)}")
-        if self.compact and not self.enabled:
+        if self.position_mode == "compact" and not self.enabled:
             raise ConfigError("sparse.position_mode", "'compact' (selected memory) needs sparse.enabled: true")
         if self.compact and not (self.decode and self.prefill):
             # A dense step past the trained context would see keys at distances the model never trained on.

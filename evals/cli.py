@@ -52,6 +52,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
             p.add_argument("--kv-budget", metavar="B,C", help="fixed-memory A/B instead: dense vs sinks + window vs "
                            "importance eviction keeping B%%, C%% of ~900-token documents (writes needle_budget.*; "
                            "evals.eviction; --chunk defaults to the whole document)")
+            p.add_argument("--selected-memory", metavar="L,M", help="hint-free needle past the trained context "
+                           "instead: dense at 1x vs sinks + window vs selected memory (sparse.position_mode compact) "
+                           "at L, M x ctx (writes needle_selected_memory.*; evals.selected_memory)")
+            p.add_argument("--top-k", type=int, help="selected memory's top_k (default evals.selected_memory.TOP_K)")
         p.add_argument("--sparse", metavar="N,M", help="run the sparse-attention A/B instead: dense vs the block_bounds "
                        "indexer vs a random control with top_k = ctx/N (comma-separated N, e.g. 8,16), inside the "
                        "trained context (writes <name>_sparse.*; long-ppl adds sparse_recall.*; evals.sparse)")
@@ -196,6 +200,20 @@ def _sparse_ab(args: argparse.Namespace, ctx: int) -> EvalResult:
     return sparse.run_sparse_long_ppl(args.model, denoms, tokens, chunk, text=args.text)
 
 
+def _selected_memory(args: argparse.Namespace) -> EvalResult:
+    """``needle --selected-memory 4,16``: hint-free retrieval past the trained context (evals.selected_memory);
+    the report is rewritten after every point."""
+    from evals import selected_memory as sm
+
+    def write_partial(partial: EvalResult) -> None:
+        partial.meta["command"] = "sinkserve eval needle" + _flags(args)
+        write_report(partial, Path(args.out))
+
+    lengths = tuple(float(x) for x in args.selected_memory.split(","))
+    return sm.run_selected_needle(args.model, lengths, args.docs or (4 if args.quick else 50), args.chunk or 128,
+                                  args.top_k or sm.TOP_K, on_point=write_partial)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the chosen eval, write its files, print the table(s). Returns the exit code."""
     A.setup_torch(args.threads)
@@ -208,6 +226,8 @@ def run(args: argparse.Namespace) -> int:
 
         result = eviction.run_budget_needle(args.model, tuple(int(x) for x in args.kv_budget.split(",")),
                                             args.docs or (4 if args.quick else 50), args.chunk)
+    elif getattr(args, "selected_memory", None):
+        result = _selected_memory(args)
     elif getattr(args, "sparse", None):
         result = _sparse_ab(args, ctx)
     else:
