@@ -13,19 +13,19 @@ the sinks and the selected blocks sit right before it, exactly as StreamingLLM p
 ``sliding_window`` retention places anchors (``retention.rotation_shifts``), but per query and without
 touching the cache: the shift is applied to the gathered copy of the keys (RoPE composes, ``R(a) R(b) =
 R(a + b)``, so a stored post-RoPE key rotated by ``s`` is the key RoPE would have produced ``s`` positions
-later). Worked example (block_size 4, top_k 2 blocks, local_window 6, sink block 0, decode query at 41)::
+later). Worked example (block_size 4, top_k 2 blocks, local_window 10, sink block 0, decode query at 41)::
 
-    logical block    0    1    2    3    4    5    6    7    8    9   10
-    stored pos       0-3  4-7  ...                       32-35 36-39 40-41      (query at 41)
-    selected         S              T              T         W     W     W     S sink, T top-k, W window
-    visible rank     0    1    2    3    4    5    6    7    8    9   10
-    compact index    0              1              2         3     4     5
-    gap = rank-index 0              2              4         5     5     5
-    shift (tokens)   (5-0)*4 = 20   (5-2)*4 = 12   (5-4)*4 = 4   0     0     0
-    seen at          20-23          24-27          28-31     32-35 36-39 40-41   -> 24 keys at distances 0..21
+    logical block     0      1   2   3      4   5   6      7   8      9      10
+    stored at         0-3            12-15          24-27      32-35  36-39  40-41   (query at 41)
+    attended          S              T              T          W      W      W       S sink, T top-k, W window
+    visible rank      0              3              6          8      9      10
+    compact index     0              1              2          3      4      5
+    gap = rank-index  0              2              4          5      5      5
+    shift (tokens)    (5-0)*4=20     (5-2)*4=12     (5-4)*4=4  0      0      0
+    seen at           20-23          24-27          28-31      32-35  36-39  40-41   -> 22 keys, distances 0..21
 
 So the query at 41 attends 22 tokens that look like one contiguous 22-token context, wherever the stream
-is. The longest distance any query sees is the attended span, bounded by the config (``validate_span``):
+is. The longest distance any query sees is the attended span, bounded by the config (``SparseAttention.validate_compact``):
 ``(protected blocks + top_k / block_size + window blocks + a prefill group) * block_size`` must fit the
 trained context. Blocks evicted by a retention policy (null entries) are not counted: retention already
 rotated the kept blocks past them, so *visible* rank, not the logical index, is what counts.
@@ -33,8 +33,8 @@ rotated the kept blocks past them, so *visible* rank, not the logical index, is 
 **Cost.** One rotation of the gathered selected keys per layer and query group: ``top_k + forced`` keys,
 independent of the stream's length (decode at 16x costs what it costs at 1x, plus the indexer's scan of
 every block's bounds). Storing pre-RoPE keys instead would rotate *every* attended key at every step and
-force RoPE into the dense paged kernels too; ``bench/selected_memory_rotation.py`` measures both
-(``docs/selected_memory.md``).
+force RoPE into the dense paged kernels too; ``bench/selected_memory_stream.py`` measures both
+(``docs/sparse_attention.md``, "Selected memory past the trained context").
 
 **Selection is position-free.** Quest's bound ``ub(q, b)`` is only a bound on the score a key gets at the
 position it is *stored* at; here the key is attended at another one (a block 15K tokens back is seen

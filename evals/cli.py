@@ -64,6 +64,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                             "engine's, 8 for int2 and 0 otherwise; 0 disables)")
         if name == "long-ppl":
             p.add_argument("--tokens", type=int, help="stream length (default 16x ctx; quick 2x)")
+            p.add_argument("--kv-budget", metavar="B,C", help="fixed-memory arms instead: sinks + window vs importance "
+                           "eviction at the needle's B%%, C%% budgets, beside dense (writes long_ppl_budget.*; evals.eviction)")
             p.add_argument("--text", default="corpus", choices=("corpus", "licenses"), help="held-out text source")
             p.add_argument("--smooth", type=int, help="moving-average width of the plot (default ctx/2)")
         else:
@@ -221,6 +223,11 @@ def run(args: argparse.Namespace) -> int:
     ctx = A.trained_context(args.model)
     if getattr(args, "kv_cache_dtype", None):
         result = _kv_ab(args, ctx)
+    elif getattr(args, "kv_budget", None) and args.eval_name == "long-ppl":
+        from evals import eviction
+
+        result = eviction.run_budget_long_ppl(args.model, tuple(int(x) for x in args.kv_budget.split(",")),
+                                              args.tokens or (2 if args.quick else 16) * ctx, args.chunk or 128, args.text)
     elif getattr(args, "kv_budget", None):
         from evals import eviction
 
