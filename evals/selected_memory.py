@@ -88,7 +88,10 @@ def _result(model: str, ctx: int, cfg, top_k: int, rows: list[dict], rate: dict,
         row["x dense"] = round(row["rate"] / dense, 3) if dense else "-"
     for m in sorted(lengths):
         sm, sw = rate.get(("selected_memory", m)), rate.get((A.SINKS_WINDOW.name, m))
-        if sm is not None and dense:
+        if sm is not None and dense == 0:
+            notes.append(f"{m:g}x: selected memory {sm:.2f}; target not measurable (dense retrieves nothing in "
+                         f"context; MISSED by definition)")
+        elif sm is not None and dense:
             rel = sm / dense
             goal = f" (target >= 0.8 of dense: {'MET' if rel >= 0.8 else 'MISSED'})" if m > 1 else ""
             notes.append(f"{m:g}x: selected memory {sm:.2f} = {rel:.2f} x dense in context{goal}; sinks + window "
