@@ -25,7 +25,7 @@ from engine.architectures import (
 )
 from engine.attention_backends import get_backend
 from engine.config import EngineConfig, kv_outlier_channels, kv_value_group_size, validate_kv_cache_for_model
-from engine.errors import ModelLoadError
+from engine.errors import ConfigError, ModelLoadError
 from engine.kv_budget import KVBudget, MemoryProfile
 from engine.rope import rotate_keys
 from engine.step_inputs import StepBuffers
@@ -181,6 +181,9 @@ class ModelRunner:
         self.model = self._load_model()
         # Per layer: the RoPE table its keys were rotated with (Gemma-3: local vs global), for eviction rotations.
         self.inv_freqs = layer_inv_freqs(self.model, self.layout)
+        if config.sparse.compact and any(f is None for f in self.inv_freqs):
+            raise ConfigError("sparse.position_mode", "'compact' re-positions keys by rotating them: it needs a model "
+                              "with rotary position embeddings in every layer")
         self.compiled = None  # engine.compiled_step.CompiledDecode once compile_decode_step succeeded
         self.buffers = StepBuffers(config.max_num_batched_tokens, config.max_num_seqs, self.device)
         # Only the rank that holds the full logits samples (rank 0; logits are all-reduced to every rank).
