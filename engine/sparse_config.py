@@ -76,6 +76,11 @@ class SparseAttention:
             raise ConfigError("sparse.position_mode", f"unknown mode {self.position_mode!r}; choose one of {list(POSITION_MODES)}")
         if self.position_mode == "compact" and not self.enabled:
             raise ConfigError("sparse.position_mode", "'compact' (selected memory) needs sparse.enabled: true")
+        if self.compact and self.indexer != "block_bounds":
+            # The trained indexer ranks tokens from post-RoPE index keys: it would need position-free index
+            # keys and the token-granular form of the shift rule (engine/selected_memory.py, block_size 1).
+            raise ConfigError("sparse.indexer", "position_mode 'compact' selects with 'block_bounds' (position-free "
+                              f"bounds); {self.indexer!r} is not wired to re-positioned selection yet")
         if self.compact and not (self.decode and self.prefill):
             # A dense step past the trained context would see keys at distances the model never trained on.
             raise ConfigError("sparse.prefill" if not self.prefill else "sparse.decode",

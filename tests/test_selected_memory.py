@@ -161,6 +161,7 @@ def _generate(engine: LLMEngine, prompts: list[list[int]], n: int = 8) -> list[l
     ({"enabled": True, "position_mode": "relative"}, "sparse.position_mode"),
     ({"enabled": False, "position_mode": "compact"}, "sparse.position_mode"),
     ({"enabled": True, "position_mode": "compact", "prefill": False}, "sparse.prefill"),
+    ({"enabled": True, "position_mode": "compact", "indexer": "trained"}, "sparse.indexer"),
 ])
 def test_bad_selected_memory_config_names_the_field(tiny_llama: Path, sparse: dict, field: str) -> None:
     with pytest.raises(ConfigError) as err:
