@@ -64,6 +64,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                             "engine's, 8 for int2 and 0 otherwise; 0 disables)")
         if name == "long-ppl":
             p.add_argument("--tokens", type=int, help="stream length (default 16x ctx; quick 2x)")
+            p.add_argument("--selected-memory", action="store_true", help="dense vs sinks + window vs selected "
+                           "memory (sparse.position_mode compact) over the stream (writes long_ppl_selected_memory.*)")
+            p.add_argument("--top-k", type=int, help="selected memory's top_k (default evals.selected_memory.TOP_K)")
             p.add_argument("--kv-budget", metavar="B,C", help="fixed-memory arms instead: sinks + window vs importance "
                            "eviction at the needle's B%%, C%% budgets, beside dense (writes long_ppl_budget.*; evals.eviction)")
             p.add_argument("--text", default="corpus", choices=("corpus", "licenses"), help="held-out text source")
@@ -211,6 +214,10 @@ def _selected_memory(args: argparse.Namespace) -> EvalResult:
         partial.meta["command"] = "sinkserve eval needle" + _flags(args)
         write_report(partial, Path(args.out))
 
+    if args.eval_name == "long-ppl":
+        ctx = A.trained_context(args.model)
+        return sm.run_selected_long_ppl(args.model, args.tokens or (2 if args.quick else 16) * ctx, args.chunk or 128,
+                                        args.top_k or sm.TOP_K, args.text)
     lengths = tuple(float(x) for x in args.selected_memory.split(","))
     return sm.run_selected_needle(args.model, lengths, args.docs or (4 if args.quick else 50), args.chunk or 128,
                                   args.top_k or sm.TOP_K, on_point=write_partial)

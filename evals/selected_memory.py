@@ -112,3 +112,57 @@ def _result(model: str, ctx: int, cfg, top_k: int, rows: list[dict], rate: dict,
               "attended_span": sp.selected_span(A.BLOCK_SIZE, A.SINK_POSITIONS), "anchor": "none",
               "wall_s": round(time.perf_counter() - t0, 1)},
         extra={"per_doc": per_doc})
+
+
+def _score_stream(model: str, arm: A.Arm, ids: list[int], chunk: int, window: int):  # type: ignore[no-untyped-def]
+    """``evals.long_ppl.score_streaming`` for an arm with its own sparse settings and a full cache."""
+    import numpy as np
+
+    from engine import SamplingParams
+    from evals.long_ppl import ArmScores
+
+    blocks = -(-len(ids) // A.BLOCK_SIZE) + 8 if not arm.evicts else A.blocks_for_stream(window, chunk) + 4
+    engine = A.make_engine(model, arm.policy(window), chunk, blocks, sparse=arm.sparse)
+    engine.add_request("ppl", ids, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=True))
+    lps: list[float] = []
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        for out in engine.step():
+            lps.extend(out.prompt_logprobs or [])
+    wall = time.perf_counter() - t0
+    engine.shutdown()
+    return ArmScores(arm.name, arm.label, -np.asarray(lps), wall)
+
+
+def run_selected_long_ppl(model: str, n_tokens: int, chunk: int = 128, top_k: int = TOP_K,
+                          text: str = "corpus") -> EvalResult:
+    """``sinkserve eval long-ppl --selected-memory``: one held-out stream of ``n_tokens`` (16x by default)
+    streamed by one request; dense in trained-context windows (the reference), sinks + a ctx/2 window, and
+    selected memory (every prompt token a query of a re-positioned sparse prefill chunk)."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from evals.long_ppl import PplConfig, heldout_stream, ppl, quarters, score_dense
+
+    t0 = time.perf_counter()
+    ctx = A.trained_context(model)
+    ids = heldout_stream(AutoTokenizer.from_pretrained(model), n_tokens, text)
+    cfg = PplConfig(model=model, n_tokens=n_tokens, window=ctx // 2, chunk=chunk, text=text)
+    rows, ref = [], None
+    for arm in (A.DENSE, A.SINKS_WINDOW, selected_arm(top_k)):
+        sc = score_dense(cfg, ids, ctx) if arm is A.DENSE else _score_stream(model, arm, ids, chunk, ctx // 2)
+        nll = sc.nll[~np.isnan(sc.nll)]
+        p = ppl(nll)
+        ref = p if ref is None else ref
+        rows.append({"arm": arm.name, "ppl": round(p, 3), "vs dense": f"{100 * (p / ref - 1):+.1f}%",
+                     "q1..q4": " / ".join(f"{q:.1f}" for q in quarters(nll)), "wall s": round(sc.wall_s, 1)})
+        logger.info("selected-memory long-ppl %s: %.3f (%.0fs)", arm.name, p, sc.wall_s)
+    return EvalResult(
+        name="long_ppl_selected_memory", title="Perplexity past the trained context: selected memory vs sliding window",
+        columns=["arm", "ppl", "vs dense", "q1..q4", "wall s"], rows=rows,
+        notes=[f"held-out {text} text, {n_tokens} tokens ({n_tokens / ctx:g}x the trained context) streamed by one "
+               f"request in {chunk}-token prefill chunks; dense = windows of the trained context (stride ctx/2); "
+               f"sinks + window: W = {ctx // 2}; selected memory: {settings(top_k)}"],
+        meta={"model": model, "trained_context": ctx, "tokens": n_tokens, "chunk": chunk,
+              "attended_span": settings(top_k).selected_span(A.BLOCK_SIZE, A.SINK_POSITIONS),
+              "wall_s": round(time.perf_counter() - t0, 1)})

@@ -123,6 +123,14 @@ def test_selected_memory_needle_quick(tiny_llama: Path, tmp_path: Path, capsys: 
     assert "2x: selected memory" in printed and ("MET" in printed or "MISSED" in printed)
 
 
+def test_selected_memory_long_ppl_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_cli(["eval", "long-ppl", "--quick", "--selected-memory", "--top-k", "128", "--model", str(tiny_llama), "--out",
+             str(tmp_path)], capsys)
+    blob = load(tmp_path, "long_ppl_selected_memory")
+    assert [r["arm"] for r in blob["rows"]] == ["dense", "sinks_window", "selected_memory"]
+    assert blob["meta"]["tokens"] == 1024 and all(r["ppl"] > 1 for r in blob["rows"])  # 2x the tiny context
+
+
 def test_kv_budget_long_ppl_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run_cli(["eval", "long-ppl", "--quick", "--kv-budget", "25", "--model", str(tiny_llama), "--out", str(tmp_path)],
             capsys)
