@@ -111,16 +111,17 @@ def run_budget_long_ppl(model: str, budgets: tuple[int, ...], n_tokens: int, chu
 
     import numpy as np
 
-    from evals.long_ppl import PplConfig, heldout_stream, ppl, score_dense, score_streaming, steady_blocks
+    from evals.long_ppl import PplConfig, heldout_stream, moving_ppl, ppl, score_dense, score_streaming, steady_blocks
 
     t0 = time.perf_counter()
     ctx = A.trained_context(model)
     doc_tokens = doc_tokens or min(DOC_TOKENS, ctx * 7 // 8)
     ids = heldout_stream(AutoTokenizer.from_pretrained(model), n_tokens, text)
     cfg = PplConfig(model=model, n_tokens=n_tokens, window=ctx // 2, chunk=chunk, text=text)
-    rows, ref = [], None
+    rows, ref, series = [], None, []
     for arm in budget_arms(doc_tokens, budgets):
         sc = score_dense(cfg, ids, ctx) if not arm.evicts else score_streaming(cfg, arm, ids)
+        series.append(Series(arm.name, *moving_ppl(sc.nll[~np.isnan(sc.nll)], ctx // 2)))
         p = ppl(sc.nll[~np.isnan(sc.nll)])
         ref = p if ref is None else ref
         held = steady_blocks(sc.blocks, ctx) if sc.blocks else []
@@ -132,6 +133,8 @@ def run_budget_long_ppl(model: str, budgets: tuple[int, ...], n_tokens: int, chu
     return EvalResult(
         name="long_ppl_budget", title="Perplexity at a fixed KV budget: score-driven eviction vs sliding window",
         columns=["arm", "kept tokens", "ppl", "vs dense", "blocks held (after 1x)", "wall s"], rows=rows,
+        panels=[Panel(f"perplexity over the stream (moving average of {ctx // 2} tokens)", "token position", "ppl",
+                      series)],
         notes=[f"held-out {text} text, {n_tokens} tokens streamed by one request in {chunk}-token prefill chunks "
                f"(eviction between chunks; blocks are scored by the last 32 queries of each chunk); budgets as the "
                f"fixed-budget needle ({doc_tokens}-token documents); dense = windows of the trained context"],

@@ -142,16 +142,17 @@ def run_selected_long_ppl(model: str, n_tokens: int, chunk: int = 128, top_k: in
     import numpy as np
     from transformers import AutoTokenizer
 
-    from evals.long_ppl import PplConfig, heldout_stream, ppl, quarters, score_dense
+    from evals.long_ppl import PplConfig, heldout_stream, moving_ppl, ppl, quarters, score_dense
 
     t0 = time.perf_counter()
     ctx = A.trained_context(model)
     ids = heldout_stream(AutoTokenizer.from_pretrained(model), n_tokens, text)
     cfg = PplConfig(model=model, n_tokens=n_tokens, window=ctx // 2, chunk=chunk, text=text)
-    rows, ref = [], None
+    rows, ref, series = [], None, []
     for arm in (A.DENSE, A.SINKS_WINDOW, selected_arm(top_k)):
         sc = score_dense(cfg, ids, ctx) if arm is A.DENSE else _score_stream(model, arm, ids, chunk, ctx // 2)
         nll = sc.nll[~np.isnan(sc.nll)]
+        series.append(Series(arm.name, *moving_ppl(nll, ctx // 2)))
         p = ppl(nll)
         ref = p if ref is None else ref
         rows.append({"arm": arm.name, "ppl": round(p, 3), "vs dense": f"{100 * (p / ref - 1):+.1f}%",
@@ -160,6 +161,8 @@ def run_selected_long_ppl(model: str, n_tokens: int, chunk: int = 128, top_k: in
     return EvalResult(
         name="long_ppl_selected_memory", title="Perplexity past the trained context: selected memory vs sliding window",
         columns=["arm", "ppl", "vs dense", "q1..q4", "wall s"], rows=rows,
+        panels=[Panel(f"perplexity over the stream (moving average of {ctx // 2} tokens)", "token position",
+                      "ppl", series)],
         notes=[f"held-out {text} text, {n_tokens} tokens ({n_tokens / ctx:g}x the trained context) streamed by one "
                f"request in {chunk}-token prefill chunks; dense = windows of the trained context (stride ctx/2); "
                f"sinks + window: W = {ctx // 2}; selected memory: {settings(top_k)}"],
