@@ -461,9 +461,10 @@ def run_benchmark(
                 results.append(_logged(in_worker(run_engine, model_dir, workload, c, batched_tokens[0], quiet=quiet)))
             for b in batched_tokens[1:]:
                 results.append(_logged(in_worker(run_engine, model_dir, workload, max(concurrencies), b, quiet=quiet)))
-            for dt in kv_cache_dtypes:  # the --kv-cache-dtype axis: at the largest concurrency
-                results.append(_logged(in_worker(run_engine, model_dir, workload, max(concurrencies), batched_tokens[0],
-                                                 quiet=quiet, kv_cache_dtype=dt)))
+            for c in concurrencies:  # the --kv-cache-dtype axis: at every concurrency, after the 16-bit rows
+                for dt in kv_cache_dtypes:
+                    results.append(_logged(in_worker(run_engine, model_dir, workload, c, batched_tokens[0],
+                                                     quiet=quiet, kv_cache_dtype=dt)))
         want = [r.max_tokens for r in workload]
         for r in results:  # equal work or no comparison
             got = [len(o) for o in r.outputs]
@@ -578,7 +579,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="subset of engine,sequential,static,cb")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-cache-dtype", default="",
-                   help="comma-separated packed KV dtypes (int8,int4,int2) run as extra engine rows at the largest "
+                   help="comma-separated packed KV dtypes (int8,int4,int2) run as extra engine rows at every "
                         "concurrency, beside the 16-bit engine")
     return p.parse_args(argv)
 
