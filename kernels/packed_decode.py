@@ -1,42 +1,41 @@
-"""Decode attention straight on packed KV codes (torch, CPU): the scales are folded into the query and the
-softmax weights, so no dequantized key or value is ever materialised.
+"""Decode attention over a packed KV cache on the torch path (CPU): each sequence's keys are gathered
+*split by precision* once per step, so a layer decodes only the packed blocks and copies the 16-bit ones.
 
-Keys are quantized per channel over a block's tokens, ``k[t, c] = s[c] * code[t, c] + z[c]``, so a query's
-score against token ``t`` of that block is::
+A decode step's compact gather (``reference.Gather``) mixes both kinds of block in logical order, and
+dequantizing it whole decodes the 16-bit blocks' stale codes too, then overwrites them (a scatter). Key
+order does not matter to a single-token query (RoPE is already in the keys; the mask says what is
+visible), so this module reorders each sequence's blocks: its packed blocks first, then its 16-bit ones,
+each part padded to the widest sequence's count::
 
-    q . k[t] = sum_c (q[c] * s[c]) * code[t, c]  +  sum_c q[c] * z[c]
-             = (q * s) . code[t]                 +  q . z          (one number per block and head)
+    sequence 0: logical blocks [ 7 (16-bit: sinks) | 12 (packed) | 3 (packed) | 9 (16-bit: residual) ]
+    sequence 1: logical blocks [ 5 (16-bit) | 8 (16-bit) ]
 
-Values are quantized per token and group of ``G`` channels, ``v[t, c] = s[t, g] * code[t, c] + z[t, g]``
-(``g = c // G``), so the softmax-weighted sum is::
+    packed part, Wp = 2          16-bit part, Wf = 2 (pool slots)
+    [ 12 | 3 ]                   [ slot(7) | slot(9) ]
+    [ 0  | 0 ]  (masked)         [ slot(5) | slot(8) ]
 
-    out[c] = sum_t p[t] * s[t, g] * code[t, c]  +  sum_t p[t] * z[t, g]
-           = (p * s[:, g]) @ code[:, c]         +  p @ z[:, g]
+    per layer:  keys [S, Wp + Wf, B, Hkv, D] = [ dequantize(packed part) | fp_k[slots] ]  -> SDPA
 
-Worked example, one block of ``B = 2`` tokens, ``D = 2`` channels, one value group::
+The split (``SplitGather``) depends on the step's block tables and the shared ``fp_index`` only, so it is
+built once per step and reused by every layer (``split_gather`` memoises it on the step's plan). What a
+layer writes lands in reused workspace buffers (``kernels/workspace.py``): on CPU a fresh multi-MiB tensor
+page-faults in on first touch, which cost more than the decoding.
 
-    key codes [[3, 0], [1, 2]], s = [0.5, 1.0], z = [-1, 0];  q = [2, 1]
-      q * s = [1.0, 1.0];  scores = [1*3 + 1*0, 1*1 + 1*2] + (2*-1 + 1*0) = [3, 3] - 2 = [1, 1]
-      (dequantized keys [[0.5, 0], [-0.5, 2]]: q . k = [1, 1], the same)
-
-What is materialised per layer is the codes as floats (one conversion pass, ``[S * W, Hkv, B, D]`` so
-each block and KV head's keys are contiguous for one batched matmul), the ``[S, W, Hkv, G_q, D]`` scaled
-queries and the ``[S, W, Hkv, R, G_q, B]`` scaled weights (``R`` value groups per head), the large ones in
-reused workspace buffers (``kernels/workspace.py``). 16-bit blocks of the gather (sinks, residual window) enter the same tensors
-as "codes" with scale 1 and zero 0, and so do outlier key channels (their 16-bit values replace the
-codes, their scale and zero become 1 and 0), so one pass covers every precision.
-
-``kernels.reference.paged_attention_quant`` uses this for its single-token queries; multi-token segments
-(prefill chunks) dequantize on gather and run SDPA. Equal to dequantize-then-attend within float rounding
-(``tests/kernels/test_packed_decode.py``).
+Equal to ``paged_attention`` on the dequantized cache within float rounding (the same dequantization,
+``reference._dequantize_packed_into``, and the same SDPA; ``tests/kernels/test_packed_decode.py``).
+``bench/kv_decode_variants.py`` keeps the alternative that was measured against this one (scales folded
+into the query and the softmax weights, no dequantized K/V: fewer bytes, ~4x the torch ops per layer,
+slower here).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from kernels.layout import NULL_BLOCK
 from kernels.workspace import workspace
 
 if TYPE_CHECKING:
@@ -71,77 +70,83 @@ def unpack_codes_into(pool: torch.Tensor, ids: torch.Tensor, bits: int, out: tor
         out[..., j * width : (j + 1) * width].copy_(part)
 
 
-def decode_attention(query: torch.Tensor, cache: "QuantKVCache", g: "Gather", mask: torch.Tensor, scale: float,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """One query token per row of ``g``: ``query [S, Hq, D]`` over the blocks ``g`` gathers (``S`` rows,
-    ``W`` blocks each) of the packed ``cache``, ``mask [S, 1, 1, W * B]`` the visible keys -> ``[S, Hq, D]``.
+@dataclass(frozen=True)
+class SplitGather:
+    """One decode group's keys split by precision (see the module docstring): ``S`` rows, each its packed
+    blocks (``packed [S * Wp]`` block ids, null where a row has fewer) then its 16-bit blocks (``slots
+    [S * Wf]`` side-pool slots, 0 where a row has fewer), and the visible keys ``mask [S, 1, 1, (Wp + Wf) * B]``
+    in that order."""
 
-    ``sinks [Hq]``: learned sink logits (an extra softmax column without a value). A row with no visible
-    key returns zeros. Computed in float32 (float64 stays float64) and returned in ``query.dtype``.
-    """
-    ws = workspace()
-    dev = query.device
+    rows: int
+    packed: torch.Tensor
+    wp: int
+    slots: torch.Tensor
+    wf: int
+    mask: torch.Tensor
+
+
+def _part(blocks: torch.Tensor, keep: torch.Tensor, key_mask: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """The ``keep`` blocks of each row moved to the front (logical order), the width, and their key mask."""
+    width = int(keep.sum(dim=1).max()) if keep.numel() else 0
+    order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :width]
+    kept = keep.gather(1, order)
+    ids = torch.where(kept, blocks.gather(1, order), NULL_BLOCK)
+    b = key_mask.shape[-1]
+    mask = key_mask.gather(1, order[..., None].expand(-1, -1, b)) & kept[..., None]
+    return ids, width, mask
+
+
+def build_split_gather(g: "Gather", mask: torch.Tensor, fp_index: torch.Tensor, block_size: int) -> SplitGather:
+    """The ``SplitGather`` of a decode gather ``g`` with visible keys ``mask [S, 1, 1, W * B]`` under
+    ``fp_index`` (block -> 16-bit slot, -1 packed)."""
     s_rows, w = g.rows, g.width
-    b, h, d = cache.block_size, cache.num_kv_heads, cache.head_dim
-    gq = query.shape[1] // h
-    gs = cache.group_size
-    r_groups = d // gs
-    ct = query.dtype if query.dtype in (torch.float32, torch.float64) else torch.float32
-    flat = g.blocks
-    n = flat.numel()
+    blocks = g.blocks.view(s_rows, w)
+    key_mask = mask.reshape(s_rows, w, block_size)
+    slot = fp_index.index_select(0, g.blocks).view(s_rows, w).long()
+    live = blocks != NULL_BLOCK
+    is_fp = live & (slot >= 0)
+    packed, wp, p_mask = _part(blocks, live & ~is_fp, key_mask)
+    fp_blocks, wf, f_mask = _part(blocks, is_fp, key_mask)
+    slots = fp_index.index_select(0, fp_blocks.flatten()).long().clamp_min(0)
+    full = torch.cat([p_mask, f_mask], dim=1).view(s_rows, 1, 1, (wp + wf) * block_size)
+    return SplitGather(s_rows, packed.flatten(), wp, slots, wf, full)
 
-    # Codes (and 16-bit blocks) as floats, [N = S * W, Hkv, B, D]: each block and KV head's B x D keys
-    # contiguous, so scores and values are single batched matmuls over (S, W, Hkv) without copies.
-    kf = ws.get("pd_k", (n, h, b, d), ct, dev)
-    vf = ws.get("pd_v", (n, h, b, d), ct, dev)
-    unpack_codes_into(cache.k_codes, flat, cache.bits, kf.transpose(1, 2), "pd_k")
-    unpack_codes_into(cache.v_codes, flat, cache.bits, vf.transpose(1, 2), "pd_v")
-    ks = cache.k_scale.index_select(0, flat).to(ct)  # [N, Hkv, D]
-    kz = cache.k_zero.index_select(0, flat).to(ct)
-    vs = cache.v_scale.index_select(0, flat).to(ct)  # [N, B, Hkv, R]
-    vz = cache.v_zero.index_select(0, flat).to(ct)
-    if cache.outlier_idx is not None:
-        # Dense-and-sparse: an outlier channel's 16-bit values are its "codes", with scale 1 and zero 0.
-        o = cache.outlier_idx.shape[-1]
-        idx = cache.outlier_idx.view(1, h, 1, o)
-        kf.scatter_(-1, idx.expand(n, h, b, o), cache.k_outlier.index_select(0, flat).transpose(1, 2).to(ct))
-        ks.scatter_(-1, idx.view(1, h, o).expand(n, h, o), 1.0)
-        kz.scatter_(-1, idx.view(1, h, o).expand(n, h, o), 0.0)
-    slot = cache.fp_index.index_select(0, flat).long()
-    rows = (slot >= 0).nonzero().flatten()
-    if rows.numel():
-        # 16-bit blocks: their values with scale 1 and zero 0 (after the outlier scatter, which they override).
-        src = slot.index_select(0, rows)
-        kf.index_copy_(0, rows, cache.fp_k.index_select(0, src).to(ct).transpose(1, 2))
-        vf.index_copy_(0, rows, cache.fp_v.index_select(0, src).to(ct).transpose(1, 2))
-        for t, fill in ((ks, 1.0), (kz, 0.0), (vs, 1.0), (vz, 0.0)):
-            t.index_fill_(0, rows, fill)
 
-    # Scores [S, W, Hkv, Gq, B] = (q * s_block) @ codes^T + q . z_block.
-    q5 = (query.to(ct) * scale).view(s_rows, 1, h, gq, d)
-    qk = q5 * ks.view(s_rows, w, h, 1, d)  # [S, W, Hkv, Gq, D]
-    scores = torch.matmul(qk, kf.view(s_rows, w, h, b, d).transpose(-1, -2))
-    scores += torch.matmul(q5, kz.view(s_rows, w, h, d, 1))  # [S, W, Hkv, Gq, 1]
-    scores.masked_fill_(~mask.view(s_rows, w, 1, 1, b), float("-inf"))
-    m = scores.amax(dim=(1, 4), keepdim=True)  # [S, 1, Hkv, Gq, 1]
-    sk = None if sinks is None else sinks.to(ct).view(1, 1, h, gq, 1)
-    if sk is not None:
-        m = torch.maximum(m, sk)
-    m = m.masked_fill(m == float("-inf"), 0.0)  # nothing visible: every weight is exp(-inf) = 0
-    p = scores.sub_(m).exp_()
-    denom = p.sum(dim=(1, 4))  # [S, Hkv, Gq]
-    if sk is not None:
-        denom += (sk - m).exp().view(s_rows, h, gq)
+def split_gather(plan: object, g: "Gather", mask: torch.Tensor, cache: "QuantKVCache") -> SplitGather:
+    """``build_split_gather`` memoised per (plan, ``fp_index``): every layer of a step shares one plan and,
+    in the engine, one ``fp_index``, which no layer changes. The memo holds the plan itself, so a later
+    step's plan can never be mistaken for it; ``fp_index``'s version counter guards in-place changes
+    between calls with one plan (tests)."""
+    try:
+        version = cache.fp_index._version
+    except RuntimeError:  # an inference tensor has no version counter: build every time
+        return build_split_gather(g, mask, cache.fp_index, cache.block_size)
+    ws = workspace()
+    memo = ws.memo
+    for entry in memo:
+        if entry[0] is plan and entry[1] is g and entry[2] is cache.fp_index and entry[3] == version:
+            return entry[4]
+    sg = build_split_gather(g, mask, cache.fp_index, cache.block_size)
+    memo.insert(0, (plan, g, cache.fp_index, version, sg))
+    del memo[4:]  # one per sliding-window width of the model is enough
+    return sg
 
-    # Values: out = sum over blocks of (p * s_g) @ codes[:, group g] + p @ z_g.
-    pw = ws.get("pd_pw", (s_rows, w, h, r_groups, gq, b), ct, dev)
-    vs5 = vs.view(s_rows, w, b, h, r_groups).permute(0, 1, 3, 4, 2)  # [S, W, Hkv, R, B]
-    torch.mul(p[:, :, :, None], vs5[:, :, :, :, None], out=pw)
-    vl = vf.view(s_rows, w, h, b, d)
-    out = torch.empty(s_rows, h, gq, d, dtype=ct, device=dev)
-    for r in range(r_groups):
-        out[..., r * gs : (r + 1) * gs] = torch.matmul(pw[:, :, :, r], vl[..., r * gs : (r + 1) * gs]).sum(1)
-    zb = torch.matmul(p, vz.view(s_rows, w, b, h, r_groups).transpose(2, 3)).sum(1)  # [S, Hkv, Gq, R]
-    out.view(s_rows, h, gq, r_groups, gs).add_(zb[..., None])
-    out /= denom.clamp_min(torch.finfo(ct).tiny)[..., None]
-    return out.view(s_rows, h * gq, d).to(query.dtype)
+
+def decode_keys_values(cache: "QuantKVCache", sg: SplitGather, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ``[S, (Wp + Wf) * B, Hkv, D]`` of a ``SplitGather`` in ``dtype``: the packed part
+    dequantized, the 16-bit part copied from the side pool (workspace buffers: valid until the next call)."""
+    from kernels.reference import _dequantize_packed_into
+
+    ws = workspace()
+    s_rows, b, h, d = sg.rows, cache.block_size, cache.num_kv_heads, cache.head_dim
+    dev = cache.k_codes.device
+    keys = ws.get("pd_k", (s_rows, sg.wp + sg.wf, b, h, d), dtype, dev)
+    values = ws.get("pd_v", (s_rows, sg.wp + sg.wf, b, h, d), dtype, dev)
+    if sg.wp:
+        _dequantize_packed_into(cache, sg.packed, keys[:, : sg.wp], values[:, : sg.wp])
+    if sg.wf:
+        shape = (s_rows, sg.wf, b, h, d)
+        keys[:, sg.wp :] = cache.fp_k.flatten(1).index_select(0, sg.slots).view(shape)
+        values[:, sg.wp :] = cache.fp_v.flatten(1).index_select(0, sg.slots).view(shape)
+    length = (sg.wp + sg.wf) * b
+    return keys.view(s_rows, length, h, d), values.view(s_rows, length, h, d)

@@ -435,18 +435,17 @@ def write_kv_quant(key: torch.Tensor, value: torch.Tensor, cache, slot_mapping: 
 
 
 def _dequantize_packed_into(cache, ids: torch.Tensor, out_k: torch.Tensor, out_v: torch.Tensor) -> None:
-    """Dequantize packed blocks ``ids`` into ``out_k, out_v [n, B, H, D]`` (any float dtype): the codes are
-    unpacked straight into the output (``packed_decode.unpack_codes_into``, one conversion pass), then
-    ``code * scale + zero`` is applied in place against scales broadcast over the block's tokens (keys) or
-    the group's channels (values). (A mixed-dtype ``addcmul(zero, uint8 codes, scale)`` over the same
-    broadcast was measured ~40x slower on CPU: it leaves the vectorised path.) A non-float32 output is
-    computed in float32 and rounded once."""
+    """Dequantize packed blocks ``ids`` into ``out_k, out_v [..., B, H, D]`` (any float dtype; the leading
+    dims, which may be strided, cover ``len(ids)``): the codes are unpacked straight into the output
+    (``packed_decode.unpack_codes_into``, one conversion pass), then ``code * scale + zero`` is applied in
+    place against scales broadcast over the block's tokens (keys) or the group's channels (values). (A
+    mixed-dtype ``addcmul(zero, uint8 codes, scale)`` over the same broadcast was measured ~40x slower on
+    CPU.) A non-float32 output is computed in float32 and rounded once."""
     from kernels.packed_decode import unpack_codes_into
 
     n = int(ids.numel())
     if n == 0:
         return
-    b, h, d, g = cache.block_size, cache.num_kv_heads, cache.head_dim, cache.group_size
     if out_k.dtype is not torch.float32:
         k32 = torch.empty(out_k.shape, dtype=torch.float32, device=out_k.device)
         v32 = torch.empty(out_v.shape, dtype=torch.float32, device=out_v.device)
@@ -454,14 +453,19 @@ def _dequantize_packed_into(cache, ids: torch.Tensor, out_k: torch.Tensor, out_v
         out_k.copy_(k32)
         out_v.copy_(v32)
         return
+    b, h, d, g = cache.block_size, cache.num_kv_heads, cache.head_dim, cache.group_size
+    lead = tuple(out_k.shape[:-3])
     unpack_codes_into(cache.k_codes, ids, cache.bits, out_k, "deq_k")
-    out_k.mul_(cache.k_scale.index_select(0, ids).float()[:, None]).add_(cache.k_zero.index_select(0, ids).float()[:, None])
+    out_k.mul_(cache.k_scale.index_select(0, ids).float().view(*lead, 1, h, d))
+    out_k.add_(cache.k_zero.index_select(0, ids).float().view(*lead, 1, h, d))
     unpack_codes_into(cache.v_codes, ids, cache.bits, out_v, "deq_v")
-    v5 = out_v.view(n, b, h, d // g, g)
-    v5.mul_(cache.v_scale.index_select(0, ids).float()[..., None]).add_(cache.v_zero.index_select(0, ids).float()[..., None])
+    v6 = out_v.unflatten(-1, (d // g, g))
+    v6.mul_(cache.v_scale.index_select(0, ids).float().view(*lead, b, h, d // g, 1))
+    v6.add_(cache.v_zero.index_select(0, ids).float().view(*lead, b, h, d // g, 1))
     if cache.outlier_idx is not None:
-        idx = cache.outlier_idx.expand(n, b, -1, -1)
-        out_k.scatter_(-1, idx, cache.k_outlier.index_select(0, ids).to(out_k.dtype))
+        o = cache.outlier_idx.shape[-1]
+        idx = cache.outlier_idx.view(*(1,) * len(lead), 1, h, o).expand(*lead, b, h, o)
+        out_k.scatter_(-1, idx, cache.k_outlier.index_select(0, ids).view(*lead, b, h, o).to(out_k.dtype))
 
 
 def _gather_quant(cache, g: Gather, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -500,15 +504,19 @@ def paged_attention_quant(
     plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """``paged_attention`` over a quantized cache (a ``kv_quant.QuantKVCache``); null blocks are skipped
-    as everywhere. Single-token queries attend on the codes with the scales folded into the query and the
-    softmax weights (``packed_decode.decode_attention``: no dequantized K/V); multi-token segments (prefill
-    chunks) dequantize on gather (``gather_kv_quant``) and run SDPA. Both read 16-bit blocks from the side
-    pool. Equal to ``paged_attention`` on ``dequantize_cache(cache)`` within float rounding."""
+    as everywhere. Single-token queries gather each sequence's blocks split by precision once per step
+    (``packed_decode``): a layer dequantizes only the packed blocks and copies the 16-bit ones, then runs
+    SDPA. Multi-token segments (prefill chunks) dequantize on gather (``gather_kv_quant``). Equal to
+    ``paged_attention`` on ``dequantize_cache(cache)`` within float rounding."""
     from kernels import packed_decode
 
     plan = plan or plan_attention(block_tables, seq_lens, query_start_loc, cache.block_size, window)
-    return _paged_attention(query, lambda g: _gather_quant(cache, g, query.dtype), plan, scale, sinks,
-                            decode=lambda q, g, mask: packed_decode.decode_attention(q, cache, g, mask, scale, sinks))
+
+    def decode(q: torch.Tensor, g: Gather, mask: torch.Tensor) -> torch.Tensor:
+        sg = packed_decode.split_gather(plan, g, mask, cache)
+        return _decode_attention(q, *packed_decode.decode_keys_values(cache, sg, q.dtype), sg.mask, scale, sinks)
+
+    return _paged_attention(query, lambda g: _gather_quant(cache, g, query.dtype), plan, scale, sinks, decode=decode)
 
 
 def _token_positions(

@@ -33,6 +33,8 @@ class Workspace:
     def __init__(self, max_bytes: int = MAX_BYTES) -> None:
         self.max_bytes = max_bytes
         self._buffers: dict[tuple[str, torch.dtype, torch.device, bool], torch.Tensor] = {}
+        # Small per-step derived values a caller memoises across layers (``packed_decode.split_gather``).
+        self.memo: list = []
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """An uninitialised contiguous tensor of ``shape`` (a view of the buffer ``name``)."""
