@@ -152,6 +152,9 @@ class Result:
     load_after: float
     note: str = ""
     outputs: list[list[int]] = field(default_factory=list, repr=False)
+    # CPU seconds the process used over the timed region (engine rows): on a shared host, where this
+    # process gets a varying share of the cores, tokens per CPU-second moves far less than tokens per second.
+    cpu_seconds: float | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -193,6 +196,7 @@ def run_engine(model_dir: Path, reqs: list[Request], concurrency: int, max_num_b
     ids = [f"r{i}" for i in range(len(reqs))]
     tokens: dict[str, list[int]] = {rid: [] for rid in ids}
     load_before = _load1()
+    cpu_start = time.process_time()
     start = time.perf_counter()
     for rid, r in zip(ids, reqs):
         engine.add_request(rid, r.prompt, SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True))
@@ -203,13 +207,14 @@ def run_engine(model_dir: Path, reqs: list[Request], concurrency: int, max_num_b
                 if out.finished:
                     bar.update(1)
     seconds = time.perf_counter() - start
+    cpu_seconds = time.process_time() - cpu_start
     steps = engine.stats().steps_total
     engine.shutdown()
     outputs = [tokens[rid] for rid in ids]
     return Result(SYSTEM_ENGINE, str(concurrency), sum(map(len, outputs)), sum(len(r.prompt) for r in reqs), seconds,
                   load_before, _load1(), note=f"max_num_batched_tokens={max_num_batched_tokens}, {steps} steps"
                   + (f", kv_cache_dtype={kv_cache_dtype}" if kv_cache_dtype != "auto" else ""),
-                  outputs=outputs)
+                  outputs=outputs, cpu_seconds=cpu_seconds)
 
 
 def _greedy_config(max_new_tokens: int) -> Any:
@@ -380,6 +385,7 @@ class Benchmark:
                 "% of limit (output)": f"{100 * r.tokens_per_s / limit:.2f}%",
                 "% of limit (prompt+output)": f"{100 * all_tps / limit:.1f}%",
                 "load 1m (before/after)": f"{r.load_before:.1f} / {r.load_after:.1f}",
+                "output tok / CPU s": f"{r.output_tokens / r.cpu_seconds:.1f}" if r.cpu_seconds else "-",
                 "same tokens as generate": _agree(self.mismatches.get(_label(r)), len(r.outputs)),
                 "notes": r.note,
             })
@@ -461,9 +467,10 @@ def run_benchmark(
                 results.append(_logged(in_worker(run_engine, model_dir, workload, c, batched_tokens[0], quiet=quiet)))
             for b in batched_tokens[1:]:
                 results.append(_logged(in_worker(run_engine, model_dir, workload, max(concurrencies), b, quiet=quiet)))
-            for dt in kv_cache_dtypes:  # the --kv-cache-dtype axis: at the largest concurrency
-                results.append(_logged(in_worker(run_engine, model_dir, workload, max(concurrencies), batched_tokens[0],
-                                                 quiet=quiet, kv_cache_dtype=dt)))
+            for c in concurrencies:  # the --kv-cache-dtype axis: at every concurrency, after the 16-bit rows
+                for dt in kv_cache_dtypes:
+                    results.append(_logged(in_worker(run_engine, model_dir, workload, c, batched_tokens[0],
+                                                     quiet=quiet, kv_cache_dtype=dt)))
         want = [r.max_tokens for r in workload]
         for r in results:  # equal work or no comparison
             got = [len(o) for o in r.outputs]
@@ -508,8 +515,9 @@ def in_worker(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def _logged(r: Result) -> Result:
-    logger.info("%s c=%s: %d tokens in %.1fs = %.1f tok/s (load %.1f/%.1f) %s", r.system, r.concurrency,
-                r.output_tokens, r.seconds, r.tokens_per_s, r.load_before, r.load_after, r.note)
+    cpu = f", {r.output_tokens / r.cpu_seconds:.1f} tok/CPU-s" if r.cpu_seconds else ""
+    logger.info("%s c=%s: %d tokens in %.1fs = %.1f tok/s%s (load %.1f/%.1f) %s", r.system, r.concurrency,
+                r.output_tokens, r.seconds, r.tokens_per_s, cpu, r.load_before, r.load_after, r.note)
     return r
 
 
@@ -578,7 +586,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="subset of engine,sequential,static,cb")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-cache-dtype", default="",
-                   help="comma-separated packed KV dtypes (int8,int4,int2) run as extra engine rows at the largest "
+                   help="comma-separated packed KV dtypes (int8,int4,int2) run as extra engine rows at every "
                         "concurrency, beside the 16-bit engine")
     return p.parse_args(argv)
 

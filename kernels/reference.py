@@ -216,11 +216,16 @@ def window_tables(block_tables: torch.Tensor, seq_lens: torch.Tensor, q_lens: to
 
 
 def _paged_attention(query: torch.Tensor, fetch, plan: AttentionPlan, scale: float,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """``paged_attention`` with the KV fetch ``fetch(gather) -> keys, values [S, L, Hkv, D]``."""
+                     sinks: torch.Tensor | None = None, decode=None) -> torch.Tensor:
+    """``paged_attention`` with the KV fetch ``fetch(gather) -> keys, values [S, L, Hkv, D]``. ``decode``:
+    the single-token group's attention ``decode(query, gather, mask) -> [S, Hq, D]`` (None: fetch and
+    ``_decode_attention``)."""
+    if decode is None:
+        def decode(q: torch.Tensor, g: Gather, mask: torch.Tensor) -> torch.Tensor:
+            return _decode_attention(q, *fetch(g), mask, scale, sinks)
     if plan.decode is not None and plan.decode_tok is None:
         rows = plan.decode.rows
-        o = _decode_attention(query[:rows], *fetch(plan.decode), plan.decode_mask, scale, sinks)
+        o = decode(query[:rows], plan.decode, plan.decode_mask)
         if rows == query.shape[0]:
             return o
         out = torch.empty_like(query)  # rows past the sequences' are padding (a compiled step's bucket)
@@ -229,7 +234,7 @@ def _paged_attention(query: torch.Tensor, fetch, plan: AttentionPlan, scale: flo
     out = torch.empty_like(query)
     if plan.decode is not None:
         tok = plan.decode_tok
-        out[tok] = _decode_attention(query[tok], *fetch(plan.decode), plan.decode_mask, scale, sinks)
+        out[tok] = decode(query[tok], plan.decode, plan.decode_mask)
     for seg in plan.prefill:
         keys, values = fetch(seg.gather)
         q = query[seg.start : seg.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
@@ -430,36 +435,37 @@ def write_kv_quant(key: torch.Tensor, value: torch.Tensor, cache, slot_mapping: 
 
 
 def _dequantize_packed_into(cache, ids: torch.Tensor, out_k: torch.Tensor, out_v: torch.Tensor) -> None:
-    """Dequantize packed blocks ``ids`` into ``out_k, out_v [n, B, H, D]`` (any float dtype) with one float
-    pass each: the ``P = 8 / bits`` codes of a byte are channel parts ``c + j * D/P`` (``pack_codes``), so
-    the unpacked codes viewed ``[n, B, H, P, D/P]`` are in channel order and one ``addcmul`` applies
-    ``code * scale + zero`` against scales viewed the same way."""
+    """Dequantize packed blocks ``ids`` into ``out_k, out_v [..., B, H, D]`` (any float dtype; the leading
+    dims, which may be strided, cover ``len(ids)``): the codes are unpacked straight into the output
+    (``packed_decode.unpack_codes_into``, one conversion pass), then ``code * scale + zero`` is applied in
+    place against scales broadcast over the block's tokens (keys) or the group's channels (values). (A
+    mixed-dtype ``addcmul(zero, uint8 codes, scale)`` over the same broadcast was measured ~40x slower on
+    CPU.) A non-float32 output is computed in float32 and rounded once."""
+    from kernels.packed_decode import unpack_codes_into
+
     n = int(ids.numel())
     if n == 0:
         return
-    bits, g = cache.bits, cache.group_size
-    parts = 8 // bits
-    b, h, d = cache.block_size, cache.num_kv_heads, cache.head_dim
-    mask = (1 << bits) - 1
-
-    def unpack(packed: torch.Tensor) -> torch.Tensor:  # [n, B, H, D/P] uint8 -> [n, B, H, P, D/P]
-        if parts == 1:
-            return packed.view(n, b, h, 1, d)
-        return torch.stack([(packed >> (bits * j)) & mask for j in range(parts)], dim=3)
-
-    kc = unpack(cache.k_codes.index_select(0, ids))
-    ks = cache.k_scale.index_select(0, ids).float().view(n, 1, h, parts, d // parts)
-    kz = cache.k_zero.index_select(0, ids).float().view(n, 1, h, parts, d // parts)
-    k5 = out_k.view(n, b, h, parts, d // parts)
-    torch.addcmul(kz, kc, ks, out=k5) if out_k.dtype is torch.float32 else k5.copy_(torch.addcmul(kz, kc, ks))
-    vc = unpack(cache.v_codes.index_select(0, ids)).view(n, b, h, d // g, g)
-    vs = cache.v_scale.index_select(0, ids).float()[..., None]
-    vz = cache.v_zero.index_select(0, ids).float()[..., None]
-    v5 = out_v.view(n, b, h, d // g, g)
-    torch.addcmul(vz, vc, vs, out=v5) if out_v.dtype is torch.float32 else v5.copy_(torch.addcmul(vz, vc, vs))
+    if out_k.dtype is not torch.float32:
+        k32 = torch.empty(out_k.shape, dtype=torch.float32, device=out_k.device)
+        v32 = torch.empty(out_v.shape, dtype=torch.float32, device=out_v.device)
+        _dequantize_packed_into(cache, ids, k32, v32)
+        out_k.copy_(k32)
+        out_v.copy_(v32)
+        return
+    b, h, d, g = cache.block_size, cache.num_kv_heads, cache.head_dim, cache.group_size
+    lead = tuple(out_k.shape[:-3])
+    unpack_codes_into(cache.k_codes, ids, cache.bits, out_k, "deq_k")
+    out_k.mul_(cache.k_scale.index_select(0, ids).float().view(*lead, 1, h, d))
+    out_k.add_(cache.k_zero.index_select(0, ids).float().view(*lead, 1, h, d))
+    unpack_codes_into(cache.v_codes, ids, cache.bits, out_v, "deq_v")
+    v6 = out_v.unflatten(-1, (d // g, g))
+    v6.mul_(cache.v_scale.index_select(0, ids).float().view(*lead, b, h, d // g, 1))
+    v6.add_(cache.v_zero.index_select(0, ids).float().view(*lead, b, h, d // g, 1))
     if cache.outlier_idx is not None:
-        idx = cache.outlier_idx.expand(n, b, -1, -1)
-        out_k.scatter_(-1, idx, cache.k_outlier.index_select(0, ids).to(out_k.dtype))
+        o = cache.outlier_idx.shape[-1]
+        idx = cache.outlier_idx.view(*(1,) * len(lead), 1, h, o).expand(*lead, b, h, o)
+        out_k.scatter_(-1, idx, cache.k_outlier.index_select(0, ids).view(*lead, b, h, o).to(out_k.dtype))
 
 
 def _gather_quant(cache, g: Gather, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -497,11 +503,20 @@ def paged_attention_quant(
     sinks: torch.Tensor | None = None,
     plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
-    """``paged_attention`` over a quantized cache (a ``kv_quant.QuantKVCache``), dequantizing on gather
-    (``gather_kv_quant``): packed blocks are decoded once per layer and step into the gathered keys and
-    values, 16-bit blocks are read from the side pool; null blocks are skipped as everywhere."""
+    """``paged_attention`` over a quantized cache (a ``kv_quant.QuantKVCache``); null blocks are skipped
+    as everywhere. Single-token queries gather each sequence's blocks split by precision once per step
+    (``packed_decode``): a layer dequantizes only the packed blocks and copies the 16-bit ones, then runs
+    SDPA. Multi-token segments (prefill chunks) dequantize on gather (``gather_kv_quant``). Equal to
+    ``paged_attention`` on ``dequantize_cache(cache)`` within float rounding."""
+    from kernels import packed_decode
+
     plan = plan or plan_attention(block_tables, seq_lens, query_start_loc, cache.block_size, window)
-    return _paged_attention(query, lambda g: _gather_quant(cache, g, query.dtype), plan, scale, sinks)
+
+    def decode(q: torch.Tensor, g: Gather, mask: torch.Tensor) -> torch.Tensor:
+        sg = packed_decode.split_gather(plan, g, mask, cache)
+        return _decode_attention(q, *packed_decode.decode_keys_values(cache, sg, q.dtype), sg.mask, scale, sinks)
+
+    return _paged_attention(query, lambda g: _gather_quant(cache, g, query.dtype), plan, scale, sinks, decode=decode)
 
 
 def _token_positions(
