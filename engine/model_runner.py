@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from engine import attention, kv_budget, sparse_runtime
+from engine import attention, indexer_runtime, kv_budget, sparse_runtime
 from engine.architectures import (
     SUPPORTED_ARCHITECTURES,
     layer_inv_freqs,
@@ -190,6 +190,12 @@ class ModelRunner:
         self.kv_caches: list = []  # per layer (k, v) tensors, or QuantKVCache when quantized
         self.last_block_importance: list[list[float]] | None = None  # the last step's (engine/importance.py)
         self.block_bounds: list | None = None  # per layer kernels.block_sparse.BlockBounds (sparse attention)
+        # The trained lightning indexer (sparse.indexer 'trained'): weights once, index-key caches per allocation.
+        self.indexer_weights = None
+        self.indexer: indexer_runtime.IndexerState | None = None
+        if config.sparse.enabled and config.sparse.indexer == "trained":
+            self.indexer_weights = indexer_runtime.load_weights(config.model, self.shape.num_layers, world_size,
+                                                                self.device)
         # Outlier key channels per layer [1, Hkv, O] (calibrated once, kept across re-allocations).
         self.outlier_idx: list[torch.Tensor] | None = None
         if num_kv_blocks is not None:
@@ -265,7 +271,10 @@ class ModelRunner:
         self.free_kv()
         kv_heads = self.shape.num_kv_heads // self.world_size
         dtype = torch_dtype(self.config.dtype)
-        if self.config.sparse.enabled:
+        if self.indexer_weights is not None:
+            self.indexer = indexer_runtime.allocate(self.indexer_weights, num_kv_blocks, self.config.block_size,
+                                                    self.device)
+        elif self.config.sparse.enabled:
             self.block_bounds = sparse_runtime.allocate_bounds(self.shape.num_layers, num_kv_blocks, kv_heads,
                                                                self.shape.head_dim, dtype, self.device)
         if self.config.kv_quantized:
@@ -345,6 +354,7 @@ class ModelRunner:
     def free_kv(self) -> None:
         self.kv_caches = []
         self.block_bounds = None
+        self.indexer = None
         self.num_kv_blocks = 0
         if self.config.on_cuda:
             torch.cuda.empty_cache()
@@ -433,6 +443,8 @@ class ModelRunner:
             (self._rotate_quant_blocks if quantized else self._rotate_blocks)(inp.rotations)
         if self.block_bounds is not None:
             sparse_runtime.apply_block_ops(self.block_bounds, self.kv_caches, inp, self.device)
+        if self.indexer is not None:
+            indexer_runtime.apply_block_ops(self.indexer, self.kv_caches, inp, self.device)
         # A decode-only step (one token per sequence) runs the compiled graph of its bucket, if any (not while
         # importance eviction scores blocks: that runs Python per sequence, which a captured graph cannot).
         num = len(inp.input_ids)
@@ -451,6 +463,7 @@ class ModelRunner:
             key_absmax=key_absmax,
             block_size=self.config.block_size,
             block_bounds=self.block_bounds,
+            indexer=self.indexer,
             sparse_plan=sparse_runtime.plan(inp.sparse_forced, self.config, st.block_tables.shape[1], self.device),
             block_importance=torch.zeros(st.block_tables.shape, dtype=torch.float32, device=self.device)
             if inp.score_importance else None,

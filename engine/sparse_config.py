@@ -66,8 +66,6 @@ class SparseAttention:
             if not path.is_file():
                 raise ConfigError("sparse.indexer", f"'trained' needs indexer weights at {path} (none found); "
                                   "use 'block_bounds' for a model without a trained indexer")
-            raise ConfigError("sparse.indexer", "the trained lightning indexer is not wired into the engine yet; "
-                              "use 'block_bounds'")
 
     def top_blocks(self, block_size: int) -> int:
         """Blocks the indexer selects per query (block granular ``top_k``)."""

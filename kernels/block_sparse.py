@@ -79,13 +79,15 @@ class SparsePlan:
 
     ``forced [S, W]`` marks each sequence's protected logical blocks (W = block-table width);
     ``top_blocks[s]`` is the number of blocks the indexer adds for sequence ``s`` (-1: dense, attend every
-    visible block); ``window`` tokens before each query (group) are forced as well.
+    visible block); ``window`` tokens before each query (group) are forced as well. ``top_tokens``: the
+    budget in tokens (the token-granular trained indexer, ``kernels/indexed_sparse.py``).
     """
 
     forced: torch.Tensor
     top_blocks: list[int]
     window: int
     prefill_group: int = PREFILL_GROUP
+    top_tokens: int = 0
 
 
 def update_bounds(bounds: BlockBounds, key: torch.Tensor, slot_mapping: torch.Tensor, block_size: int) -> None:
