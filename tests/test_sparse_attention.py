@@ -15,6 +15,7 @@ from engine.config_io import engine_config_from_dict
 from engine.errors import ConfigError
 from engine.sparse_config import SparseAttention
 from kernels import block_sparse
+from tests.tiny_models import with_indexer_weights
 
 
 def rand_prompt(n: int, seed: int) -> list[int]:
@@ -141,28 +142,8 @@ def test_start_up_log_names_the_sparse_settings_and_the_protection_set(tiny_llam
 
 
 # ------------------------------------------------------------------ the trained lightning indexer
-def _with_indexer(model: Path, tmp_path: Path, seed: int = 0) -> Path:
-    """A copy of ``model`` with random lightning-indexer weights (2 heads x 16) beside its weights."""
-    import json
-    import shutil
-
-    from safetensors.torch import save_file
-
-    from engine.sparse_config import INDEXER_WEIGHTS
-
-    out = tmp_path / "with_indexer"
-    shutil.copytree(model, out)
-    cfg = json.loads((out / "config.json").read_text())
-    hq, hkv, layers = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]
-    d = cfg.get("head_dim") or cfg["hidden_size"] // hq
-    g = torch.Generator().manual_seed(seed)
-    t = {}
-    for i in range(layers):
-        t[f"layers.{i}.wq"] = torch.randn(2 * 16, hq * d, generator=g)
-        t[f"layers.{i}.wk"] = torch.randn(16, hkv * d, generator=g)
-        t[f"layers.{i}.ww"] = torch.rand(2, hq * d, generator=g)
-    save_file(t, str(out / INDEXER_WEIGHTS))
-    return out
+def _with_indexer(model: Path, tmp_path: Path) -> Path:
+    return with_indexer_weights(model, tmp_path / "with_indexer")
 
 
 def test_trained_indexer_without_weights_names_the_field(tiny_llama: Path) -> None:
