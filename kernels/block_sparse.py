@@ -103,10 +103,19 @@ def update_bounds(bounds: BlockBounds, key: torch.Tensor, slot_mapping: torch.Te
     if fresh.numel():
         bounds.packed[:, fresh, 1] = float("inf")
         bounds.packed[:, fresh, 0] = float("-inf")
-    idx = blk[:, None, None].expand(key.shape)
+    # Per written block: lay its new keys out at their offsets (the rest +-inf) and reduce over the offsets
+    # -- plain copies and a dense min/max, several times faster on CPU than scatter_reduce's amin/amax.
+    ids, inv = torch.unique(blk, return_inverse=True)
+    off = slot_mapping.long() % block_size
     k = key.to(bounds.packed.dtype)
-    bounds.kmin.scatter_reduce_(0, idx, k, "amin", include_self=True)
-    bounds.kmax.scatter_reduce_(0, idx, k, "amax", include_self=True)
+    buf = k.new_full((ids.numel(), block_size, *k.shape[1:]), float("inf"))
+    buf[inv, off] = k
+    new_min = buf.amin(1).transpose(0, 1)  # [Hkv, n, D]
+    buf.fill_(float("-inf"))
+    buf[inv, off] = k
+    new_max = buf.amax(1).transpose(0, 1)
+    bounds.packed[:, ids, 1] = torch.minimum(bounds.packed[:, ids, 1], new_min)
+    bounds.packed[:, ids, 0] = torch.maximum(bounds.packed[:, ids, 0], new_max)
 
 
 def copy_bounds(bounds: BlockBounds, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -181,6 +181,44 @@ def evaluate(cap: Capture, idx: Indexer, heldout: torch.Tensor, ks: tuple[int, .
     return res
 
 
+def write_card(model_dir: Path, weights: Path) -> Path:
+    """``<model>/indexer_card.md``: the indexer's section of the model card (``training/model_card.py``
+    includes it), from the metadata ``main`` stored in the weights file."""
+    from safetensors import safe_open
+
+    with safe_open(str(weights), "pt") as f:
+        meta = f.metadata()
+        n_params = sum(f.get_tensor(k).numel() for k in f.keys())
+    res = json.loads(meta["heldout"])
+    ks = sorted(res["recall"], key=int)
+    layers = len(res["kl"])
+    lines = [
+        "### Lightning indexer (`indexer.safetensors`)", "",
+        f"A trained indexer for `sparse: {{indexer: trained}}` (`engine/lightning.py`, DeepSeek-V3.2's DSA indexer): "
+        f"per layer {meta['heads']} heads x {meta['dim']} dims reading the layer's own query and key (after RoPE); "
+        "`score[t, p] = sum_h w[t, h] relu(qi[t, h] . ki[p])` with `qi = Wq q`, `w = Ww q` (weights from the query "
+        f"side), `ki = Wk k`; {n_params:,} parameters ({weights.stat().st_size // 1024} KiB, float32), index keys "
+        f"cached as int8 + one fp32 scale per token ({int(meta['dim']) + 4} bytes per token and layer).", "",
+        f"Trained with the model frozen (`nice -n 10 python -m training.train_indexer`, {meta['steps']} steps of "
+        f"{meta['batch']} x {meta['seq_len']}-token windows of the model's training corpus, {int(meta['wall_s']) // 60} "
+        "min on the shared 2-core CPU): KL from the model's head-averaged attention to `softmax(score)`, both over "
+        f"the *candidate* positions (outside the forced set the engine always attends: the first {meta['sink_tokens']} "
+        f"tokens and the newest {meta['local_window']}), summed over layers (final EMA {meta['final_kl_ema']}).", "",
+        "Held-out (2 windows of 1,024 tokens, every query with more than top_k candidates): share of the candidates' "
+        "attention mass held by the top_k candidates the indexer ranks first, vs the oracle (the top_k heaviest).", "",
+        "| layer | KL | " + " | ".join(f"top_k {k}: indexer / oracle" for k in ks) + " |",
+        "|---|---|" + "---|" * len(ks),
+    ]
+    for li in range(layers):
+        cells = [f"{res['recall'][k][li]:.2f} / {res['oracle'][k][li]:.2f}" for k in ks]
+        lines.append(f"| {li} | {res['kl'][li]:.3f} | " + " | ".join(cells) + " |")
+    lines += ["", "Engine-level figures (forced set + selection, both indexers, needle and perplexity at 1/8 and 1/16 "
+              "budgets): `docs/sparse_attention.md`, `docs/evals/sparse_recall.md`."]
+    out = model_dir / "indexer_card.md"
+    out.write_text("\n".join(lines) + "\n")
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="assets/reference-model")
@@ -194,8 +232,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=None, help="default: <model>/indexer.safetensors")
+    p.add_argument("--card-only", action="store_true", help="only (re)write <model>/indexer_card.md from the weights")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.card_only:
+        write_card(Path(args.model), Path(args.out) if args.out else Path(args.model) / lightning_weights_name())
+        return
     torch.set_num_threads(args.threads)
     from safetensors.torch import save_file
 
@@ -254,6 +296,9 @@ def main(argv: list[str] | None = None) -> None:
             "heldout": json.dumps(res)}
     save_file(idx.state(), str(out), metadata=meta)
     logger.info("wrote %s (%d bytes)", out, out.stat().st_size)
+    if args.out is None:
+        logger.info("wrote %s (re-render the card: python -m training.model_card --render-only)",
+                    write_card(Path(args.model), out))
 
 
 def lightning_weights_name() -> str:
