@@ -130,15 +130,25 @@ def num_fp_pool_blocks(config: EngineConfig, max_model_len: int, num_kv_blocks: 
     return n if num_kv_blocks is None else max(1, min(n, num_kv_blocks - 1))
 
 
+def sparse_bytes_per_block(config: EngineConfig, shape: ModelShape, world_size: int = 1) -> int:
+    """Bytes sparse attention keeps per block id beside K/V (the key bounds; 0 with sparse attention off)."""
+    if not config.sparse.enabled:
+        return 0
+    return kv_budget.bounds_bytes_per_block(shape.num_layers, shape.num_kv_heads, shape.head_dim, config.dtype,
+                                            world_size)
+
+
 def kv_cache_bytes(config: EngineConfig, shape: ModelShape, max_model_len: int, num_kv_blocks: int,
                    world_size: int = 1) -> tuple[int, int, int]:
-    """``(total, per quantized block id, per 16-bit block)`` bytes of the KV cache (all layers, per rank).
-    Not quantized: every block is a 16-bit block and the per-quantized-block figure is 0."""
+    """``(total, per quantized block id, per 16-bit block)`` bytes of the KV cache (all layers, per rank),
+    the sparse-attention bounds of every block id included in the total. Not quantized: every block is a
+    16-bit block and the per-quantized-block figure is 0."""
     fp = kv_bytes_per_block(shape, config.block_size, config.dtype, world_size)
+    side = num_kv_blocks * sparse_bytes_per_block(config, shape, world_size)
     if not config.kv_quantized:
-        return num_kv_blocks * fp, 0, fp
+        return num_kv_blocks * fp + side, 0, fp
     q = quant_bytes_per_block(config, shape, world_size)
-    return num_kv_blocks * q + num_fp_pool_blocks(config, max_model_len, num_kv_blocks) * fp, q, fp
+    return num_kv_blocks * q + num_fp_pool_blocks(config, max_model_len, num_kv_blocks) * fp + side, q, fp
 
 
 def host_available_bytes() -> int:
@@ -215,6 +225,8 @@ class ModelRunner:
             # The side pool is a fixed cost; the rest of the budget buys packed blocks.
             fixed = num_fp_pool_blocks(c, self.max_model_len) * per_block
             per_block = quant_bytes_per_block(c, self.shape, self.world_size)
+        # Every block id also carries its sparse-attention bounds (uncounted, they overcommit by 1/block_size).
+        per_block += sparse_bytes_per_block(c, self.shape, self.world_size)
         if c.on_cuda:
             budget = kv_budget.gpu_budget_bytes(self.profile_memory(), c.gpu_memory_utilization)
         else:
@@ -309,9 +321,9 @@ class ModelRunner:
                 cache.outlier_idx = idx
 
     def kv_allocated_bytes(self) -> int:
-        """Bytes the KV tensors of this rank occupy (every layer, every pool)."""
+        """Bytes the KV tensors of this rank occupy (every layer, every pool, the sparse bounds)."""
         seen: set[int] = set()
-        total = 0
+        total = sum(b.packed.numel() * b.packed.element_size() for b in self.block_bounds or ())
         for layer in self.kv_caches:
             tensors = vars(layer).values() if not isinstance(layer, tuple) else layer
             for t in tensors:
@@ -476,6 +488,13 @@ class ModelRunner:
                 return self.compiled.fn(st.input_ids, st.positions, st.padded_logits_indices[:bucket])[:n]
             logits = self.model(st.input_ids, st.positions, st.logits_indices)
         if ctx.block_importance is not None:
+            if self.world_size > 1:
+                # Each rank scored its own KV heads; the mean over all heads is the mean of the ranks'
+                # means (equal heads per rank), so every rank's scheduler input is the TP=1 score.
+                import torch.distributed as dist
+
+                dist.all_reduce(ctx.block_importance)
+                ctx.block_importance /= self.world_size
             bs = self.config.block_size
             rows = ctx.block_importance.cpu().tolist()
             self.last_block_importance = [r[: -(-n // bs)] for r, n in zip(rows, inp.seq_lens)]
