@@ -90,3 +90,16 @@ def quantize_keys(ki: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per token: ``ki [T, Di]`` -> ``(codes int8 [T, Di], scale fp32 [T])``."""
     scale = ki.abs().amax(-1).clamp(min=1e-8) / 127.0
     return torch.round(ki / scale[:, None]).clamp(-127, 127).to(torch.int8), scale.float()
+
+
+def index_dim(path: str | Path) -> int:
+    """The index-key width ``Di`` of an ``indexer.safetensors`` (its header only; ``ConfigError`` naming
+    ``sparse.indexer`` when the file is missing)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("sparse.indexer", f"'trained' needs indexer weights at {path} (none found); "
+                          "use 'block_bounds' for a model without a trained indexer")
+    with safe_open(str(path), "pt") as f:
+        return int(f.get_slice("layers.0.wk").get_shape()[0])

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from engine import attention, indexer_runtime, kv_budget, sparse_runtime
+from engine import attention, indexer_runtime, kv_budget, lightning, sparse_runtime
 from engine.architectures import (
     SUPPORTED_ARCHITECTURES,
     layer_inv_freqs,
@@ -26,6 +26,7 @@ from engine.architectures import (
 from engine.attention_backends import get_backend
 from engine.config import EngineConfig, kv_outlier_channels, kv_value_group_size, validate_kv_cache_for_model
 from engine.errors import ModelLoadError
+from engine.sparse_config import INDEXER_WEIGHTS
 from engine.kv_budget import KVBudget, MemoryProfile
 from engine.rope import rotate_keys
 from engine.step_inputs import StepBuffers
@@ -131,9 +132,13 @@ def num_fp_pool_blocks(config: EngineConfig, max_model_len: int, num_kv_blocks: 
 
 
 def sparse_bytes_per_block(config: EngineConfig, shape: ModelShape, world_size: int = 1) -> int:
-    """Bytes sparse attention keeps per block id beside K/V (the key bounds; 0 with sparse attention off)."""
+    """Bytes sparse attention keeps per block id beside K/V (the key bounds, or the trained indexer's int8
+    index keys + per-token scales; 0 with sparse attention off)."""
     if not config.sparse.enabled:
         return 0
+    if config.sparse.indexer == "trained":
+        dim = lightning.index_dim(Path(config.model) / INDEXER_WEIGHTS)
+        return kv_budget.index_keys_bytes_per_block(shape.num_layers, config.block_size, dim)
     return kv_budget.bounds_bytes_per_block(shape.num_layers, shape.num_kv_heads, shape.head_dim, config.dtype,
                                             world_size)
 
@@ -324,6 +329,8 @@ class ModelRunner:
         """Bytes the KV tensors of this rank occupy (every layer, every pool, the sparse bounds)."""
         seen: set[int] = set()
         total = sum(b.packed.numel() * b.packed.element_size() for b in self.block_bounds or ())
+        for c in self.indexer.caches if self.indexer is not None else ():
+            total += c.keys.numel() * c.keys.element_size() + c.scale.numel() * c.scale.element_size()
         for layer in self.kv_caches:
             tensors = vars(layer).values() if not isinstance(layer, tuple) else layer
             for t in tensors:
