@@ -108,17 +108,38 @@ def select_triton(iq: torch.Tensor, iw: torch.Tensor, cache: IndexCache, table: 
                                 idx_k_scale=cache.scale, num_cols=table.shape[0] * cache.keys.shape[1])
 
 
+# Boolean mask elements (query rows x gathered keys) per attention call of ``attend_torch``.
+MASK_BUDGET = 16 << 20
+
+
 def attend_torch(query: torch.Tensor, kv, slots: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention of ``query [n, Hq, D]`` over its ``slots [n, k]``: the distinct selected blocks are
-    gathered once (packed blocks dequantized) and addressed by local slots."""
-    from kernels import block_sparse, reference
+    """Attention of ``query [n, Hq, D]`` over its ``slots [n, k]``: the distinct selected blocks of all rows
+    are gathered once (packed blocks dequantized) and every row attends them under a mask of its own
+    slots (rows of one sequence select mostly the same blocks; one SDPA instead of a per-row gather)."""
+    from kernels import block_sparse
 
     bsz = block_sparse.bounds_block_size(kv)
+    n, hq, d = query.shape
     ok = slots >= 0
     blocks = torch.unique(slots[ok].long() // bsz)
-    keys, values = block_sparse.gather_blocks(kv, blocks, query.dtype)
+    keys, values = block_sparse.gather_blocks(kv, blocks, query.dtype)  # [U, B, Hkv, D]
+    u = blocks.numel() * bsz
     local = torch.searchsorted(blocks, slots.long().clamp(min=0) // bsz) * bsz + slots.long().clamp(min=0) % bsz
-    return reference.sparse_attention(query, keys, values, torch.where(ok, local, -1), scale)
+    local = torch.where(ok, local, u)  # the padding column, dropped below
+    k = keys.reshape(1, u, -1, d).transpose(1, 2)
+    v = values.reshape(1, u, -1, d).transpose(1, 2)
+    out = torch.zeros_like(query)
+    rows = max(1, MASK_BUDGET // max(1, u))
+    for a in range(0, n, rows):
+        b = min(n, a + rows)
+        mask = torch.zeros(b - a, u + 1, dtype=torch.bool, device=query.device)
+        mask.scatter_(1, local[a:b], True)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            query[a:b].transpose(0, 1)[None], k, v, attn_mask=mask[None, None, :, :u], scale=scale,
+            enable_gqa=k.shape[1] != hq)
+        out[a:b] = o[0].transpose(0, 1)
+    # A row with no selected slot (none in practice: the query's own token is forced) returns zeros.
+    return torch.where(ok.any(1)[:, None, None], out, torch.zeros_like(out))
 
 
 def attend_triton(query: torch.Tensor, kv, slots: torch.Tensor, scale: float) -> torch.Tensor:
