@@ -46,6 +46,9 @@ class ForwardContext:
     # The trained lightning indexer (sparse.indexer 'trained'): weights + per-layer index-key caches
     # (engine.indexer_runtime.IndexerState), written beside K/V; selection then ranks tokens by it.
     indexer: object | None = None
+    # Selected memory (sparse.position_mode compact, engine/selected_memory.py): bounds of pre-RoPE keys and
+    # attention over re-positioned selections; None in every other mode.
+    selected_memory: object | None = None  # engine.selected_memory.StepContext
     # Per-layer attention (window, sinks) of the model; None: every layer full (kernel tests, tools).
     layout: AttentionLayout | None = None
     # ``importance`` eviction: per scheduled sequence and logical block, the attention mass its observation
@@ -109,7 +112,8 @@ def paged_attention_forward(
         prev = ctx.key_absmax[module.layer_idx]
         ctx.key_absmax[module.layer_idx] = m if prev is None else torch.maximum(prev, m)
     if ctx.block_bounds is not None:
-        _sparse.update_bounds(ctx.block_bounds[module.layer_idx], k, ctx.slot_mapping, ctx.block_size)
+        kb = k if ctx.selected_memory is None else ctx.selected_memory.bounds_keys(k, module.layer_idx)
+        _sparse.update_bounds(ctx.block_bounds[module.layer_idx], kb, ctx.slot_mapping, ctx.block_size)
     if ctx.indexer is not None:
         ctx.indexer.write(module.layer_idx, k, ctx.slot_mapping)
     # Sparse selection on full-attention layers without learned sinks: a sliding-window layer is already
@@ -151,6 +155,10 @@ def _sparse_forward(ctx: ForwardContext, layer: int, q: torch.Tensor, kv: object
                                                     ctx.seq_lens, ctx.query_start_loc, ctx.sparse_plan,
                                                     scale).unsqueeze(0)
     assert ctx.block_bounds is not None and ctx.backend.block_sparse_attention is not None
+    if ctx.selected_memory is not None:
+        out = ctx.selected_memory.attention(layer, q, kv, ctx.block_bounds[layer], ctx.block_tables, ctx.seq_lens,
+                                            ctx.query_start_loc, ctx.sparse_plan, scale)
+        return out.unsqueeze(0)
     out = ctx.backend.block_sparse_attention(q, kv, ctx.block_bounds[layer], ctx.block_tables, ctx.seq_lens,
                                              ctx.query_start_loc, ctx.sparse_plan, scale)
     return out.unsqueeze(0)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from engine import attention, indexer_runtime, kv_budget, lightning, sparse_runtime
+from engine import attention, indexer_runtime, kv_budget, lightning, selected_memory, sparse_runtime
 from engine.architectures import (
     SUPPORTED_ARCHITECTURES,
     layer_inv_freqs,
@@ -25,7 +25,7 @@ from engine.architectures import (
 )
 from engine.attention_backends import get_backend
 from engine.config import EngineConfig, kv_outlier_channels, kv_value_group_size, validate_kv_cache_for_model
-from engine.errors import ModelLoadError
+from engine.errors import ConfigError, ModelLoadError
 from engine.sparse_config import INDEXER_WEIGHTS
 from engine.kv_budget import KVBudget, MemoryProfile
 from engine.rope import rotate_keys
@@ -196,6 +196,9 @@ class ModelRunner:
         self.model = self._load_model()
         # Per layer: the RoPE table its keys were rotated with (Gemma-3: local vs global), for eviction rotations.
         self.inv_freqs = layer_inv_freqs(self.model, self.layout)
+        if config.sparse.compact and any(f is None for f in self.inv_freqs):
+            raise ConfigError("sparse.position_mode", "'compact' re-positions keys by rotating them: it needs a model "
+                              "with rotary position embeddings in every layer")
         self.compiled = None  # engine.compiled_step.CompiledDecode once compile_decode_step succeeded
         self.buffers = StepBuffers(config.max_num_batched_tokens, config.max_num_seqs, self.device)
         # Only the rank that holds the full logits samples (rank 0; logits are all-reduced to every rank).
@@ -437,7 +440,9 @@ class ModelRunner:
         """Each layer's RoPE table on this device; refuses models without RoPE (rotations need it)."""
         if any(f is None for f in self.inv_freqs):
             raise RuntimeError("model has no rotary embedding; sliding-window retention needs RoPE")
-        return [f.to(self.device) for f in self.inv_freqs]  # type: ignore[union-attr]
+        if getattr(self, "_inv_freqs_on_device", None) is None:  # once: selected memory reads them every step
+            self._inv_freqs_on_device = [f.to(self.device) for f in self.inv_freqs]  # type: ignore[union-attr]
+        return self._inv_freqs_on_device
 
     @torch.inference_mode()
     def execute_and_sample(self, inp: ModelInput) -> SamplerOutput | None:
@@ -461,7 +466,8 @@ class ModelRunner:
         if inp.rotations:
             (self._rotate_quant_blocks if quantized else self._rotate_blocks)(inp.rotations)
         if self.block_bounds is not None:
-            sparse_runtime.apply_block_ops(self.block_bounds, self.kv_caches, inp, self.device)
+            sparse_runtime.apply_block_ops(self.block_bounds, self.kv_caches, inp, self.device,
+                                           position_free=self.config.sparse.compact)
         if self.indexer is not None:
             indexer_runtime.apply_block_ops(self.indexer, self.kv_caches, inp, self.device)
         # A decode-only step (one token per sequence) runs the compiled graph of its bucket, if any (not while
@@ -487,6 +493,9 @@ class ModelRunner:
             block_importance=torch.zeros(st.block_tables.shape, dtype=torch.float32, device=self.device)
             if inp.score_importance else None,
             layout=self.layout,
+            selected_memory=selected_memory.StepContext(self._layer_inv_freqs(), st.positions,
+                                                        self.config.sparse.local_window)
+            if self.config.sparse.compact else None,
         )
         self.last_block_importance = None
         with attention.forward_context(ctx):
