@@ -82,22 +82,27 @@ def mix_weights(model: torch.nn.Module, wins: list[list[int]]) -> list[list[floa
 
 
 def decode_latency(models: list[str], batches: tuple[int, ...], prompt_len: int, steps: int, rounds: int,
-                   load_format: str = "auto") -> dict:
+                   load_format: str = "auto", model_impl: str = "auto") -> dict:
     """Per-step wall time (ms) of decode steps, per model and batch, and the paired overhead of each model
     over the first. The models decode in lockstep (one step of each in turn, the order alternating), so
     every pair of steps ran under the same host load; the overhead is the median of the per-pair ratios.
-    ``load_format="dummy"``: random weights from the directory's config, for width sweeps."""
+    The same for the step's CPU time (``time.thread_time``: the engine steps in this thread), which other
+    jobs on a shared host disturb far less than wall time. ``load_format="dummy"``: random weights from the
+    directory's config, for width sweeps; ``model_impl``: the engine setting (native forward or transformers)."""
     from engine import EngineConfig, LLMEngine, SamplingParams
 
     engines = {m: LLMEngine(EngineConfig(model=m, block_size=A.BLOCK_SIZE, num_kv_blocks=1 + max(batches) * (
         -(-(prompt_len + steps + 2) // A.BLOCK_SIZE)), max_num_batched_tokens=max(512, prompt_len),
-        max_num_seqs=max(batches), enable_prefix_caching=False, load_format=load_format)) for m in models}
+        max_num_seqs=max(batches), enable_prefix_caching=False, load_format=load_format,
+        model_impl=model_impl)) for m in models}
     params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
     times: dict[tuple[str, int], list[float]] = {(m, b): [] for m in models for b in batches}
+    cpu: dict[tuple[str, int], list[float]] = {(m, b): [] for m in models for b in batches}
     g = torch.Generator().manual_seed(0)
+    vocab = min(4000, min(e.shape.vocab_size for e in engines.values()))
     for r in range(rounds):
         for b in batches:
-            prompts = [torch.randint(10, 4000, (prompt_len,), generator=g).tolist() for _ in range(b)]
+            prompts = [torch.randint(10, vocab, (prompt_len,), generator=g).tolist() for _ in range(b)]
             for m in models:
                 eng = engines[m]
                 for i, ids in enumerate(prompts):
@@ -107,20 +112,22 @@ def decode_latency(models: list[str], batches: tuple[int, ...], prompt_len: int,
                     started.update(o.request_id for o in eng.step() if o.token_ids)
             for k in range(steps):
                 for m in (models if k % 2 == 0 else models[::-1]):
-                    t0 = time.perf_counter()
+                    c0, t0 = time.thread_time(), time.perf_counter()
                     engines[m].step()
                     times[(m, b)].append(time.perf_counter() - t0)
+                    cpu[(m, b)].append(time.thread_time() - c0)
             for m in models:
                 while engines[m].has_unfinished():
                     engines[m].step()
     base = models[0]
     out: dict[str, Any] = {"batches": list(batches), "prompt_len": prompt_len, "steps_per_round": steps,
-                           "rounds": rounds, "per_model": {}, "paired_overhead_pct": {}}
-    for m in models:
-        out["per_model"][m] = {str(b): round(1000 * statistics.median(times[(m, b)]), 3) for b in batches}
-        out["paired_overhead_pct"][m] = {
-            str(b): round(100 * (statistics.median(x / y for x, y in zip(times[(m, b)], times[(base, b)])) - 1), 1)
-            for b in batches}
+                           "rounds": rounds, "model_impl": model_impl}
+    for key, samples in (("", times), ("cpu_", cpu)):
+        out[f"{key}per_model"] = {m: {str(b): round(1000 * statistics.median(samples[(m, b)]), 3) for b in batches}
+                                  for m in models}
+        out[f"{key}paired_overhead_pct"] = {m: {
+            str(b): round(100 * (statistics.median(x / y for x, y in zip(samples[(m, b)], samples[(base, b)])) - 1), 1)
+            for b in batches} for m in models}
     for e in engines.values():
         e.shutdown()
     return out

@@ -13,6 +13,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine import CachePolicy, EngineConfig, LLMEngine, SamplingParams
+from engine.sparse_config import SparseAttention
 from engine.attnres import AttnResConfig, AttnResForCausalLM
 from engine.attnres.modeling import DepthMix, DepthSources
 from tests.streaming_reference import streaming_logits, streaming_logits_via_attention
@@ -113,12 +114,16 @@ def test_directory_loads_with_the_auto_classes(attnres: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- engine
-@pytest.mark.parametrize("staggered", [False, True], ids=["together", "staggered"])
-def test_engine_greedy_tokens_and_logits_match_transformers(attnres: Path, staggered: bool) -> None:
+@pytest.mark.parametrize("impl,staggered", [("native", False), ("native", True), ("transformers", True)],
+                         ids=["native-together", "native-staggered", "transformers-staggered"])
+def test_engine_greedy_tokens_and_logits_match_transformers(attnres: Path, impl: str, staggered: bool) -> None:
+    """Both engine paths (the native AttnRes forward, engine/models/attnres.py, and transformers' modules)
+    equal ``generate``: greedy tokens, and logits within 1e-4 at every generated position."""
     batch = prompts(seed=11)
     ref_tokens, ref_logits = reference(attnres, batch)
-    tokens, logits, engine = run_engine(attnres, batch, staggered)
+    tokens, logits, engine = run_engine(attnres, batch, staggered, model_impl=impl)
     assert engine.executor.runner.shape.architecture == "AttnResForCausalLM"
+    assert type(engine.executor.runner.model).__name__ == {"native": "AttnResForward", "transformers": "HFForward"}[impl]
     assert tokens == ref_tokens
     for got, want in zip(logits, ref_logits):
         got_t = torch.stack(got)
@@ -201,10 +206,11 @@ def test_sliding_window_retention_matches_the_streaming_reference(attnres: Path,
     assert engine.stats().tokens_evicted > 0
 
 
-def test_tensor_parallel_2_equals_1(tmp_path: Path) -> None:
-    """TP=2 (DeepSpeed AutoTP over gloo, the served TP pools' worker code) equals TP=1: prefill and decode
-    logits of two sequences within 1e-4. AutoTP shards LlamaAttention / LlamaMLP inside the AttnRes layer;
-    the pseudo-queries stay replicated, and every rank mixes the same all-reduced outputs."""
+def test_transformers_path_tensor_parallel_2_equals_1(tmp_path: Path) -> None:
+    """The transformers-module path at TP=2 (DeepSpeed AutoTP over gloo, the served TP pools' worker code)
+    equals TP=1: prefill and decode logits of two sequences within 1e-4. AutoTP shards LlamaAttention /
+    LlamaMLP inside the AttnRes layer; the pseudo-queries stay replicated, and every rank mixes the same
+    all-reduced outputs. (The native forward's TP: test_native_tensor_parallel_2_equals_1_with_retention.)"""
     import os
     import subprocess
     import sys
@@ -217,7 +223,7 @@ def test_tensor_parallel_2_equals_1(tmp_path: Path) -> None:
     def ranks(world: int) -> Path:
         out, port = tmp_path / f"tp{world}.pt", free_port()
         procs = [subprocess.Popen([sys.executable, "-m", "tests.tp_worker", str(r), str(world), str(port), str(model),
-                                   str(out)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                   str(out), "transformers"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
                  for r in range(world)]
         for p in procs:
             _, err = p.communicate(timeout=600)
@@ -227,3 +233,102 @@ def test_tensor_parallel_2_equals_1(tmp_path: Path) -> None:
     tp1, tp2 = torch.load(ranks(1)), torch.load(ranks(2))
     assert tp1.shape == (4, 256)
     assert (tp1 - tp2).abs().max().item() < 1e-4
+
+
+# ------------------------------------------------------------------------------- native forward vs HF path
+def _greedy_with_logprobs(engine: LLMEngine, batch: list[list[int]], n: int,
+                          anchors: list[tuple[int, int]] | None = None) -> list[tuple[list[int], list[float]]]:
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=True)
+    ids = [engine.add_request(None, p, params, anchors=anchors or []) for p in batch]
+    toks: dict[str, list[int]] = {i: [] for i in ids}
+    lps: dict[str, list[float]] = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            toks[out.request_id] += out.token_ids
+            lps[out.request_id] += out.logprobs or []
+    return [(toks[i], lps[i]) for i in ids]
+
+
+PATH_CASES = {
+    # sinks + an anchor kept while a 24-token window slides over a stream 3x its size (eviction rotates keys)
+    "sinks+window": dict(block_size=4, num_kv_blocks=64, max_num_batched_tokens=8,
+                         cache_policy=CachePolicy(eviction_policy="sliding_window", window=24,
+                                                  protected_positions=(0, 1, 2, 3))),
+    # int8 codes once a block leaves the 8-token 16-bit residual
+    "int8": dict(block_size=4, num_kv_blocks=96, max_num_batched_tokens=32, kv_cache_dtype="int8",
+                 cache_policy=CachePolicy(residual_window=8)),
+    # block-sparse decode and prefill past 32 tokens: 2 selected blocks + the forced set
+    "sparse": dict(block_size=16, num_kv_blocks=64, max_num_batched_tokens=64,
+                   sparse=SparseAttention(enabled=True, top_k=32, min_context=32, local_window=16)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PATH_CASES))
+def test_native_forward_equals_the_transformers_path_under_cache_features(attnres: Path, case: str) -> None:
+    """Retention (sinks + window + anchor), int8 KV and sparse attention act on the paged cache, which the
+    depth mix never touches: the native AttnRes forward gives the transformers path's greedy tokens and
+    log-probs (int8: a 1e-7 difference in a key can move a code by one step, hence 1e-3)."""
+    kw = PATH_CASES[case]
+    batch = [rand_prompt(20, 11), rand_prompt(70, 12)] if case != "sparse" else [rand_prompt(150, 13)]
+    anchors = [(8, 12)] if case == "sinks+window" else None
+    runs = {}
+    for impl in ("native", "transformers"):
+        engine = LLMEngine(EngineConfig(model=str(attnres), model_impl=impl, **kw))
+        runs[impl] = _greedy_with_logprobs(engine, batch, 60 if case == "sinks+window" else 16, anchors)
+        s = engine.stats()
+        if case == "sinks+window":
+            assert s.tokens_evicted > 0
+        elif case == "int8":
+            assert engine.block_manager.blocks_quantized_total > 0
+        else:
+            assert s.sparse_sequence_steps_total > 0 and s.sparse_attended_fraction < 1.0
+    tol = 1e-3 if case == "int8" else 1e-4
+    for (ta, la), (tb, lb) in zip(runs["native"], runs["transformers"]):
+        assert ta == tb
+        assert max(abs(x - y) for x, y in zip(la, lb)) < tol
+
+
+def test_dummy_weights_build_the_native_shapes(attnres: Path) -> None:
+    """``load_format="dummy"`` makes every tensor the checkpoint has, pseudo-queries included."""
+    from engine.executor import LocalExecutor
+
+    dummy = LocalExecutor(EngineConfig(model=str(attnres), load_format="dummy", num_kv_blocks=16)).runner.model
+    loaded = LocalExecutor(EngineConfig(model=str(attnres), num_kv_blocks=16)).runner.model
+    assert type(dummy).__name__ == type(loaded).__name__ == "AttnResForward"
+    assert [p.shape for p in dummy.parameters()] == [p.shape for p in loaded.parameters()]
+    assert not torch.equal(dummy.layers[0].o_wt, loaded.layers[0].o_wt)
+
+
+def test_native_tensor_parallel_2_equals_1_with_retention(tmp_path: Path) -> None:
+    """TP=2 of the native forward (two processes over gloo, tests/tp_harness.py: the served TP workers'
+    code) gives TP=1's greedy tokens and log-probs, with sinks + window eviction rotating blocks on both."""
+    from tests.tp_harness import ProcessTPExecutor
+
+    model = build_model(tmp_path / "m", "attnres_block", seed=5, layers=3)
+    kw = dict(model=str(model), model_impl="native", **PATH_CASES["sinks+window"])
+    batch = [rand_prompt(20, 21), rand_prompt(9, 22)]
+    one = _greedy_with_logprobs(LLMEngine(EngineConfig(**kw)), batch, 40)
+    engine = LLMEngine(EngineConfig(**kw, tensor_parallel_size=2), ProcessTPExecutor)
+    try:
+        two = _greedy_with_logprobs(engine, batch, 40)
+        assert engine.stats().tokens_evicted > 0
+    finally:
+        engine.executor.shutdown()
+    for (ta, la), (tb, lb) in zip(one, two):
+        assert ta == tb and len(ta) == 40
+        assert max(abs(x - y) for x, y in zip(la, lb)) < 1e-4
+
+
+def test_decode_latency_pairs_wall_and_cpu_time(attnres: Path, tiny_llama: Path) -> None:
+    """``evals.twins.decode_latency`` (bench.attnres_decode, ``sinkserve eval twins``): medians per model and
+    batch in wall and CPU time, and paired overheads against the first model (0 for itself)."""
+    from evals.twins import decode_latency
+
+    lat = decode_latency([str(tiny_llama), str(attnres)], (1, 2), prompt_len=8, steps=3, rounds=1)
+    for key in ("", "cpu_"):
+        assert lat[f"{key}paired_overhead_pct"][str(tiny_llama)] == {"1": 0.0, "2": 0.0}
+        assert set(lat[f"{key}paired_overhead_pct"][str(attnres)]) == {"1", "2"}
+    for m in (str(tiny_llama), str(attnres)):
+        for b in ("1", "2"):
+            # one thread steps the engine: its CPU time cannot exceed the wall time it took
+            assert 0 < lat["cpu_per_model"][m][b] <= lat["per_model"][m][b] * 1.01 + 0.01

@@ -1,4 +1,4 @@
-"""One tensor-parallel rank outside Ray (``python -m tests.tp_worker RANK WORLD PORT MODEL OUT``): the same
+"""One tensor-parallel rank outside Ray (``python -m tests.tp_worker RANK WORLD PORT MODEL OUT [MODEL_IMPL]``): the same
 ``TPWorkerActor`` code path the served TP pools use, one prefill + decode batch, logits saved by rank 0."""
 
 from __future__ import annotations
@@ -8,13 +8,14 @@ import sys
 import torch
 
 
-def main(rank: int, world: int, port: int, model: str, out: str) -> None:
+def main(rank: int, world: int, port: int, model: str, out: str, model_impl: str = "auto") -> None:
     from app.tp_executor import TPWorkerActor
     from engine import EngineConfig
     from engine.model_runner import ModelInput
 
     torch.set_num_threads(1)
-    worker = TPWorkerActor(EngineConfig(model=model, block_size=4, num_kv_blocks=32), rank, world, port)
+    worker = TPWorkerActor(EngineConfig(model=model, block_size=4, num_kv_blocks=32, model_impl=model_impl),
+                           rank, world, port)
     worker.load()
     worker.allocate(32)
     prompts = [[5, 9, 33, 71, 100, 2, 8, 64, 13, 200, 17], [250, 3, 3, 90, 42, 7]]
@@ -40,4 +41,4 @@ def main(rank: int, world: int, port: int, model: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:7])
