@@ -43,6 +43,9 @@ class ForwardContext:
     # when sparsity is configured; the step's selection rules when some sequence attends sparsely now.
     block_bounds: list | None = None  # per layer kernels.block_sparse.BlockBounds
     sparse_plan: object | None = None  # kernels.block_sparse.SparsePlan
+    # The trained lightning indexer (sparse.indexer 'trained'): weights + per-layer index-key caches
+    # (engine.indexer_runtime.IndexerState), written beside K/V; selection then ranks tokens by it.
+    indexer: object | None = None
     # Selected memory (sparse.position_mode compact, engine/selected_memory.py): bounds of pre-RoPE keys and
     # attention over re-positioned selections; None in every other mode.
     selected_memory: object | None = None  # engine.selected_memory.StepContext
@@ -111,6 +114,8 @@ def paged_attention_forward(
     if ctx.block_bounds is not None:
         kb = k if ctx.selected_memory is None else ctx.selected_memory.bounds_keys(k, module.layer_idx)
         _sparse.update_bounds(ctx.block_bounds[module.layer_idx], kb, ctx.slot_mapping, ctx.block_size)
+    if ctx.indexer is not None:
+        ctx.indexer.write(module.layer_idx, k, ctx.slot_mapping)
     # Sparse selection on full-attention layers without learned sinks: a sliding-window layer is already
     # bounded by its window, and the block-sparse path has no sink logit (such layers stay on the paged path).
     sparse = ctx.sparse_plan is not None and window is None and sinks is None
@@ -143,6 +148,12 @@ def _score(ctx: ForwardContext, q: torch.Tensor, kv: object, scale: float, windo
 
 
 def _sparse_forward(ctx: ForwardContext, layer: int, q: torch.Tensor, kv: object, scale: float) -> torch.Tensor:
+    if ctx.indexer is not None:
+        assert ctx.backend.indexed_sparse_attention is not None
+        iq, iw = ctx.indexer.queries(layer, q)
+        return ctx.backend.indexed_sparse_attention(q, kv, iq, iw, ctx.indexer.caches[layer], ctx.block_tables,
+                                                    ctx.seq_lens, ctx.query_start_loc, ctx.sparse_plan,
+                                                    scale).unsqueeze(0)
     assert ctx.block_bounds is not None and ctx.backend.block_sparse_attention is not None
     if ctx.selected_memory is not None:
         out = ctx.selected_memory.attention(layer, q, kv, ctx.block_bounds[layer], ctx.block_tables, ctx.seq_lens,

@@ -99,6 +99,16 @@ def bounds_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, dt
     return num_layers * 2 * (num_kv_heads // world_size) * head_dim * DTYPE_BYTES[dtype]
 
 
+def index_keys_bytes_per_block(num_layers: int, block_size: int, dim: int) -> int:
+    """Bytes of the trained lightning indexer's keys of one block id, all layers: per token an int8 key of
+    ``dim`` and one fp32 scale (the index keys read every KV head: no tensor-parallel split).
+
+    >>> index_keys_bytes_per_block(6, 16, 32)   # the reference model's indexer: 36 B per token and layer
+    3456
+    """
+    return num_layers * block_size * (dim + 4)
+
+
 def fp_pool_blocks(max_num_seqs: int, max_num_batched_tokens: int, block_size: int, residual_window: int,
                    num_protected_positions: int, max_model_len: int) -> int:
     """16-bit side-pool blocks a quantized cache allocates by default.

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from engine import attention, kv_budget, selected_memory, sparse_runtime
+from engine import attention, indexer_runtime, kv_budget, lightning, selected_memory, sparse_runtime
 from engine.architectures import (
     SUPPORTED_ARCHITECTURES,
     layer_inv_freqs,
@@ -26,6 +26,7 @@ from engine.architectures import (
 from engine.attention_backends import get_backend
 from engine.config import EngineConfig, kv_outlier_channels, kv_value_group_size, validate_kv_cache_for_model
 from engine.errors import ConfigError, ModelLoadError
+from engine.sparse_config import INDEXER_WEIGHTS
 from engine.kv_budget import KVBudget, MemoryProfile
 from engine.rope import rotate_keys
 from engine.step_inputs import StepBuffers
@@ -131,9 +132,13 @@ def num_fp_pool_blocks(config: EngineConfig, max_model_len: int, num_kv_blocks: 
 
 
 def sparse_bytes_per_block(config: EngineConfig, shape: ModelShape, world_size: int = 1) -> int:
-    """Bytes sparse attention keeps per block id beside K/V (the key bounds; 0 with sparse attention off)."""
+    """Bytes sparse attention keeps per block id beside K/V (the key bounds, or the trained indexer's int8
+    index keys + per-token scales; 0 with sparse attention off)."""
     if not config.sparse.enabled:
         return 0
+    if config.sparse.indexer == "trained":
+        dim = lightning.index_dim(Path(config.model) / INDEXER_WEIGHTS)
+        return kv_budget.index_keys_bytes_per_block(shape.num_layers, config.block_size, dim)
     return kv_budget.bounds_bytes_per_block(shape.num_layers, shape.num_kv_heads, shape.head_dim, config.dtype,
                                             world_size)
 
@@ -203,6 +208,12 @@ class ModelRunner:
         self.kv_caches: list = []  # per layer (k, v) tensors, or QuantKVCache when quantized
         self.last_block_importance: list[list[float]] | None = None  # the last step's (engine/importance.py)
         self.block_bounds: list | None = None  # per layer kernels.block_sparse.BlockBounds (sparse attention)
+        # The trained lightning indexer (sparse.indexer 'trained'): weights once, index-key caches per allocation.
+        self.indexer_weights = None
+        self.indexer: indexer_runtime.IndexerState | None = None
+        if config.sparse.enabled and config.sparse.indexer == "trained":
+            self.indexer_weights = indexer_runtime.load_weights(config.model, self.shape.num_layers, world_size,
+                                                                self.device)
         # Outlier key channels per layer [1, Hkv, O] (calibrated once, kept across re-allocations).
         self.outlier_idx: list[torch.Tensor] | None = None
         if num_kv_blocks is not None:
@@ -280,7 +291,10 @@ class ModelRunner:
         self.free_kv()
         kv_heads = self.shape.num_kv_heads // self.world_size
         dtype = torch_dtype(self.config.dtype)
-        if self.config.sparse.enabled:
+        if self.indexer_weights is not None:
+            self.indexer = indexer_runtime.allocate(self.indexer_weights, num_kv_blocks, self.config.block_size,
+                                                    self.device)
+        elif self.config.sparse.enabled:
             self.block_bounds = sparse_runtime.allocate_bounds(self.shape.num_layers, num_kv_blocks, kv_heads,
                                                                self.shape.head_dim, dtype, self.device)
         if self.config.kv_quantized:
@@ -318,6 +332,8 @@ class ModelRunner:
         """Bytes the KV tensors of this rank occupy (every layer, every pool, the sparse bounds)."""
         seen: set[int] = set()
         total = sum(b.packed.numel() * b.packed.element_size() for b in self.block_bounds or ())
+        for c in self.indexer.caches if self.indexer is not None else ():
+            total += c.keys.numel() * c.keys.element_size() + c.scale.numel() * c.scale.element_size()
         for layer in self.kv_caches:
             tensors = vars(layer).values() if not isinstance(layer, tuple) else layer
             for t in tensors:
@@ -360,6 +376,7 @@ class ModelRunner:
     def free_kv(self) -> None:
         self.kv_caches = []
         self.block_bounds = None
+        self.indexer = None
         self.num_kv_blocks = 0
         if self.config.on_cuda:
             torch.cuda.empty_cache()
@@ -451,6 +468,8 @@ class ModelRunner:
         if self.block_bounds is not None:
             sparse_runtime.apply_block_ops(self.block_bounds, self.kv_caches, inp, self.device,
                                            position_free=self.config.sparse.compact)
+        if self.indexer is not None:
+            indexer_runtime.apply_block_ops(self.indexer, self.kv_caches, inp, self.device)
         # A decode-only step (one token per sequence) runs the compiled graph of its bucket, if any (not while
         # importance eviction scores blocks: that runs Python per sequence, which a captured graph cannot).
         num = len(inp.input_ids)
@@ -469,6 +488,7 @@ class ModelRunner:
             key_absmax=key_absmax,
             block_size=self.config.block_size,
             block_bounds=self.block_bounds,
+            indexer=self.indexer,
             sparse_plan=sparse_runtime.plan(inp.sparse_forced, self.config, st.block_tables.shape[1], self.device),
             block_importance=torch.zeros(st.block_tables.shape, dtype=torch.float32, device=self.device)
             if inp.score_importance else None,

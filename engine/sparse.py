@@ -52,9 +52,24 @@ def attended_tokens(block_table: Seq[int], seq_len: int, forced: Seq[int] | None
     visible_tokens = len(visible) * block_size - tail
     if forced is None:
         return visible_tokens, visible_tokens
+    if sparse.indexer == "trained":  # token granular: top_k tokens + the forced tokens of the last query
+        return min(visible_tokens, sparse.top_k + forced_tokens(forced, seq_len, block_size, sparse.local_window)), \
+            visible_tokens
     first_window = max(0, seq_len - sparse.local_window) // block_size
     vis = set(visible)
     forced_set = {j for j in forced if j in vis} | {j for j in visible if j >= first_window}
     candidates = len(vis) - len(forced_set)
     selected = len(forced_set) + min(sparse.top_blocks(block_size), candidates)
     return selected * block_size - tail, visible_tokens
+
+
+def forced_tokens(forced: Seq[int], seq_len: int, block_size: int, window: int) -> int:
+    """Forced tokens of the query at ``seq_len - 1`` under token-granular selection (the trained indexer):
+    the newest ``window`` tokens plus the protected blocks' tokens before them.
+
+    >>> forced_tokens([0], 100, 16, 32)   # tokens 0..15 + 68..99
+    48
+    """
+    first_window = max(0, seq_len - window)
+    extra = sum(max(0, min((b + 1) * block_size, first_window) - b * block_size) for b in forced)
+    return min(seq_len, window) + extra

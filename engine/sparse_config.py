@@ -90,8 +90,6 @@ class SparseAttention:
             if not path.is_file():
                 raise ConfigError("sparse.indexer", f"'trained' needs indexer weights at {path} (none found); "
                                   "use 'block_bounds' for a model without a trained indexer")
-            raise ConfigError("sparse.indexer", "the trained lightning indexer is not wired into the engine yet; "
-                              "use 'block_bounds'")
 
     @property
     def compact(self) -> bool:

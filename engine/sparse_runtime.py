@@ -56,4 +56,5 @@ def plan(sparse_forced: list[list[int] | None], config: EngineConfig, table_widt
         ids = [b for b in blocks if b < table_width]
         if ids:
             forced[i, ids] = True
-    return block_sparse.SparsePlan(forced.to(device), top, config.sparse.local_window)
+    return block_sparse.SparsePlan(forced.to(device), top, config.sparse.local_window,
+                                   top_tokens=config.sparse.top_k)

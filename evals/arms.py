@@ -47,7 +47,7 @@ class Arm:
     kv_cache_dtype: str = "auto"
     kv_protect: bool = True
     # Sparse attention (evals.sparse): the engine's settings, and which selector ranks the blocks:
-    # "block_bounds" (the engine's own) or "random" (the control: same budget, same forced set).
+    # "block_bounds" / "trained" (the engine's own) or "random" (the control: same budget, same forced set).
     sparse: SparseAttention | None = None
     selector: str = "block_bounds"
     # Retention: "sliding_window" or "importance" (then ``block_budget`` blocks per sequence); ``window``
@@ -155,7 +155,7 @@ def make_engine(model: str | Path, policy: CachePolicy, chunk: int, num_kv_block
         sparse=sparse or SparseAttention(),
     )
     engine = LLMEngine(config)
-    if selector != "block_bounds":
+    if selector == "random":  # block_bounds and trained are the engine's own (sparse.indexer)
         from evals.sparse import use_selector
 
         use_selector(engine, selector)

@@ -3,6 +3,8 @@
 Arms, inside the trained context (no eviction; sinks 0..3 protected, as the dense arm)::
 
     dense               full attention
+    trained 1/N         the trained lightning indexer (when the model ships indexer.safetensors): forced set
+                        (sink block + newest LOCAL_WINDOW tokens) + the top_k = ctx/N best-scoring tokens
     block_bounds 1/N    the engine's sparse attention: forced set (sink block + newest LOCAL_WINDOW tokens)
                         + top_k = ctx/N tokens of blocks ranked by the block-bounds indexer
     random 1/N          the control: the same forced set and budget, the blocks drawn at random
@@ -20,12 +22,14 @@ import dataclasses
 import functools
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from engine.sparse_config import SparseAttention
+from engine import lightning
+from engine.sparse_config import INDEXER_WEIGHTS, SparseAttention
 from evals import arms as A
 from evals import longmem
 from evals.report import EvalResult, Panel, Series
@@ -34,22 +38,29 @@ from kernels import block_sparse as bs
 logger = logging.getLogger(__name__)
 
 LOCAL_WINDOW = 64
-SELECTORS = ("block_bounds", "random")
+SELECTORS = ("trained", "block_bounds", "random")
 
 
-def sparse_settings(ctx: int, denom: int) -> SparseAttention:
+def selectors(model: str) -> tuple[str, ...]:
+    """The arms this model supports: ``trained`` only where it ships ``indexer.safetensors``."""
+    has = (Path(model) / INDEXER_WEIGHTS).is_file()
+    return tuple(s for s in SELECTORS if s != "trained" or has)
+
+
+def sparse_settings(ctx: int, denom: int, indexer: str = "block_bounds") -> SparseAttention:
     """Budget ``ctx / denom`` tokens beyond the forced set, sparse from the first full block on."""
-    return SparseAttention(enabled=True, indexer="block_bounds", top_k=ctx // denom, min_context=A.BLOCK_SIZE,
+    return SparseAttention(enabled=True, indexer=indexer, top_k=ctx // denom, min_context=A.BLOCK_SIZE,
                            local_window=LOCAL_WINDOW)
 
 
-def sparse_arms(ctx: int, denoms: tuple[int, ...]) -> list[A.Arm]:
-    """Dense, then per budget the indexer and the random control."""
+def sparse_arms(ctx: int, denoms: tuple[int, ...], sels: tuple[str, ...] = SELECTORS[1:]) -> list[A.Arm]:
+    """Dense, then per budget each indexer and the random control."""
     out = [A.DENSE]
     for d in denoms:
-        for sel in SELECTORS:
+        for sel in sels:
+            indexer = "trained" if sel == "trained" else "block_bounds"
             out.append(dataclasses.replace(A.DENSE, name=f"{sel}_1/{d}", label=f"{sel}, top_k ctx/{d}",
-                                           sparse=sparse_settings(ctx, d), selector=sel))
+                                           sparse=sparse_settings(ctx, d, indexer), selector=sel))
     return out
 
 
@@ -77,7 +88,8 @@ def run_sparse_needle(model: str, denoms: tuple[int, ...], docs: int, chunk: int
     cfg = NeedleConfig(model=model, lengths=(1.0,), docs=docs, window=ctx, chunk=chunk)
     dset = build_docs(_tokenizer(model), cfg, ctx - cfg.max_new_tokens - 1)
     rows, rates = [], {}
-    for arm in sparse_arms(ctx, denoms):
+    sels = selectors(model)
+    for arm in sparse_arms(ctx, denoms, sels):
         texts, wall = run_arm(cfg, arm, dset, "1x", progress=False)
         ok = [longmem.check_answer(t, d.doc.answer) for t, d in zip(texts, dset)]
         rates[arm.name] = sum(ok) / len(ok)
@@ -93,11 +105,17 @@ def run_sparse_needle(model: str, denoms: tuple[int, ...], docs: int, chunk: int
         bb, rnd = rates[f"block_bounds_1/{d}"], rates[f"random_1/{d}"]
         rel = bb / dense if dense else float("nan")
         target = f" (target >= 0.90 of dense: {'MET' if rel >= 0.9 else 'MISSED'})" if d == 8 else ""
-        notes.append(f"budget ctx/{d}: block_bounds {bb:.2f} = {rel:.2f} x dense{target}; random control {rnd:.2f}")
+        line = f"budget ctx/{d}: block_bounds {bb:.2f} = {rel:.2f} x dense{target}; random control {rnd:.2f}"
+        if "trained" in sels:
+            tr = rates[f"trained_1/{d}"]
+            rt = tr / dense if dense else float("nan")
+            t2 = f" (target >= 0.95 of dense: {'MET' if rt >= 0.95 else 'MISSED'})" if d == 8 else ""
+            line = f"budget ctx/{d}: trained {tr:.2f} = {rt:.2f} x dense{t2}; " + line.split(": ", 1)[1]
+        notes.append(line)
     panel = Panel("needle retrieval inside the trained context", "selected budget (tokens, beyond the forced set)",
                   "retrieval rate", [
                       Series(sel, [ctx / d for d in denoms], [rates[f"{sel}_1/{d}"] for d in denoms], "-o")
-                      for sel in SELECTORS], logx=True, hlines=[(dense, "dense")], ylim=(-0.03, 1.03))
+                      for sel in sels], logx=True, hlines=[(dense, "dense")], ylim=(-0.03, 1.03))
     return EvalResult(
         name="needle_sparse", title="Needle retrieval with sparse attention (inside the trained context)",
         columns=["arm", "top_k", "attended (approx.)", "correct", "rate", "x dense", "wall s"], rows=rows,
@@ -111,8 +129,8 @@ def run_sparse_needle(model: str, denoms: tuple[int, ...], docs: int, chunk: int
 def _attended_label(arm: A.Arm, ctx: int) -> str:
     if arm.sparse is None:
         return str(ctx)
-    # sink block + window blocks (+ the query's partial block) + selected budget
-    forced = A.BLOCK_SIZE + LOCAL_WINDOW + A.BLOCK_SIZE
+    # sink block + window blocks (+ the query's partial block) + selected budget; trained: token granular
+    forced = A.BLOCK_SIZE + LOCAL_WINDOW + (0 if arm.selector == "trained" else A.BLOCK_SIZE)
     return f"~{arm.sparse.top_k + forced} ({(arm.sparse.top_k + forced) / ctx:.0%})"
 
 
@@ -127,20 +145,23 @@ def run_sparse_long_ppl(model: str, denoms: tuple[int, ...], n_tokens: int, chun
     ctx = A.trained_context(model)
     ids = heldout_stream(AutoTokenizer.from_pretrained(model), n_tokens, text)
     cfg = PplConfig(model=model, n_tokens=n_tokens, window=ctx, chunk=chunk, text=text)
-    rows, ref = [], None
-    for arm in sparse_arms(ctx, denoms):
+    rows, ref, notes = [], None, []
+    for arm in sparse_arms(ctx, denoms, selectors(model)):
         sc = score_dense(cfg, ids, ctx, arm)
         p = ppl(sc.nll[~np.isnan(sc.nll)])
         ref = p if ref is None else ref
         rows.append({"arm": arm.name, "top_k": arm.sparse.top_k if arm.sparse else "-", "ppl": round(p, 4),
                      "vs dense": f"{100 * (p / ref - 1):+.2f}%", "wall s": round(sc.wall_s, 1)})
+        if arm.name == "trained_1/8":
+            notes.append(f"trained indexer at ctx/8: {100 * (p / ref - 1):+.2f}% over dense (target <= +2%: "
+                         f"{'MET' if p / ref - 1 <= 0.02 else 'MISSED'})")
         logger.info("sparse long-ppl %s: %.4f (%.0fs)", arm.name, p, sc.wall_s)
     return EvalResult(
         name="long_ppl_sparse", title="Perplexity with sparse attention (trained-context windows)",
         columns=["arm", "top_k", "ppl", "vs dense", "wall s"], rows=rows,
-        notes=[f"held-out {text} text, {n_tokens} tokens, windows of {ctx} tokens (stride {ctx // 2}); prompt "
-               f"log-probabilities, so every scored token is a query of a sparse prefill chunk ({chunk} tokens, "
-               f"groups of {bs.PREFILL_GROUP} queries share a selection)"],
+        notes=notes + [f"held-out {text} text, {n_tokens} tokens, windows of {ctx} tokens (stride {ctx // 2}); prompt "
+               f"log-probabilities, so every scored token is a query of a sparse prefill chunk ({chunk} tokens; "
+               f"block_bounds: groups of {bs.PREFILL_GROUP} queries share a selection; trained: every query selects)"],
         meta={"model": model, "trained_context": ctx, "tokens": n_tokens, "local_window": LOCAL_WINDOW,
               "wall_s": round(time.perf_counter() - t0, 1)})
 
@@ -168,10 +189,13 @@ def capture_qk(model: str, ids: list[int]) -> list[tuple[torch.Tensor, torch.Ten
 
 
 def attention_recall(q: torch.Tensor, k: torch.Tensor, scale: float, queries: torch.Tensor, top_blocks: int,
-                     window: int, block_size: int, gen: torch.Generator) -> dict[str, float]:
+                     window: int, block_size: int, gen: torch.Generator,
+                     indexer: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> dict[str, float]:
     """Mean share of head-summed dense attention mass inside the attended blocks of each query in
     ``queries`` (positions), for the block-bounds indexer, a random draw and the oracle (same forced set and
-    budget); ``forced`` is the mass of the forced set alone."""
+    budget); ``forced`` is the mass of the forced set alone. ``indexer`` (``iq [T, Hi, Di]``, ``iw [T, Hi]``,
+    ``ki [T, Di]``): the trained indexer too, token granular (forced: the sink block's tokens and the newest
+    ``window`` tokens; budget ``top_blocks * block_size`` tokens)."""
     hq, t, d = q.shape
     hkv = k.shape[0]
     nb = -(-t // block_size)
@@ -214,6 +238,19 @@ def attention_recall(q: torch.Tensor, k: torch.Tensor, scale: float, queries: to
     # Recall of the mass outside the forced set: what the selector itself finds (1 = as good as the oracle could).
     rest = max(1e-9, 1.0 - forced)
     out.update({f"{k} beyond forced": (out[k] - forced) / rest for k in ("block_bounds", "random", "oracle")})
+    if indexer is not None:
+        iq, iw, ki = indexer
+        p = torch.arange(t)
+        vis = p[None, :] <= queries[:, None]
+        forced_tok = vis & ((p[None, :] < block_size) | (p[None, :] > queries[:, None] - window))
+        cand = vis & ~forced_tok
+        sc = lightning.scores(iq[queries], iw[queries], ki).masked_fill(~cand, float("-inf"))
+        top = sc.topk(min(top_blocks * block_size, t), -1).indices
+        chosen = torch.zeros_like(cand).scatter_(1, top, True) & cand
+        f_tok = float((probs * forced_tok).sum(1).mean())
+        out["trained"] = float((probs * (forced_tok | chosen)).sum(1).mean())
+        out["trained forced"] = f_tok
+        out["trained beyond forced"] = (out["trained"] - f_tok) / max(1e-9, 1.0 - f_tok)
     return out
 
 
@@ -228,6 +265,8 @@ def run_recall(model: str, denoms: tuple[int, ...], docs: int, stride: int = 8) 
     ctx = A.trained_context(model)
     ids = heldout_stream(AutoTokenizer.from_pretrained(model), docs * ctx, "corpus")
     gen = torch.Generator().manual_seed(0)
+    weights = (lightning.LightningIndexer.load(Path(model) / INDEXER_WEIGHTS) if "trained" in selectors(model)
+               else None)
     acc: dict[tuple[int, int], dict[str, list[float]]] = {}
     for i in range(docs):
         window_ids = ids[i * ctx : (i + 1) * ctx]
@@ -235,26 +274,36 @@ def run_recall(model: str, denoms: tuple[int, ...], docs: int, stride: int = 8) 
         layers = capture_qk(model, window_ids)
         queries = torch.arange(ctx // 4, ctx, stride)
         for li, (q, k, scale) in enumerate(layers):
+            idx = None
+            if weights is not None:  # the engine's view: int8 index keys
+                iq, iw = weights.queries(li, q.transpose(0, 1))
+                codes, ks = lightning.quantize_keys(weights.keys(li, k.transpose(0, 1)))
+                idx = (iq, iw, codes.float() * ks[:, None])
             for d in denoms:
-                r = attention_recall(q, k, scale, queries, (ctx // d) // A.BLOCK_SIZE, LOCAL_WINDOW, A.BLOCK_SIZE, gen)
+                r = attention_recall(q, k, scale, queries, (ctx // d) // A.BLOCK_SIZE, LOCAL_WINDOW, A.BLOCK_SIZE, gen,
+                                     idx)
                 for key, v in r.items():
                     acc.setdefault((li, d), {}).setdefault(key, []).append(v)
     rows = []
     for (li, d), r in sorted(acc.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         rows.append({"budget": f"ctx/{d} ({ctx // d} tokens)", "layer": li,
                      **{k: round(float(np.mean(v)), 3) for k, v in r.items()}})
+    arms = ("oracle", "block_bounds", "random") + (("trained",) if weights is not None else ())
     panels = [Panel(f"recall of the attention mass outside the forced set, budget ctx/{d}", "layer",
                     "share of the non-forced mass attended",
                     [Series(k, [float(r["layer"]) for r in rows if r["budget"].startswith(f"ctx/{d} ")],
                             [r[f"{k} beyond forced"] for r in rows if r["budget"].startswith(f"ctx/{d} ")], "-o")
-                     for k in ("oracle", "block_bounds", "random")], ylim=(0, 1.02)) for d in denoms]
+                     for k in arms], ylim=(0, 1.02)) for d in denoms]
+    trained_cols = ["trained", "trained forced", "trained beyond forced"] if weights is not None else []
     return EvalResult(
         name="sparse_recall", title="Top-k recall of dense attention mass per layer",
         columns=["budget", "layer", "block_bounds", "random", "oracle", "forced", "block_bounds beyond forced",
-                 "random beyond forced", "oracle beyond forced"], rows=rows, panels=panels,
+                 "random beyond forced", "oracle beyond forced"] + trained_cols, rows=rows, panels=panels,
         notes=["mass = softmax attention summed over heads / heads, of queries at positions ctx/4 .. ctx (every "
                f"{stride}th) in {docs} held-out windows of {ctx} tokens; the attended set is the forced set (sink block, "
                f"newest {LOCAL_WINDOW} tokens) + top_k tokens of blocks (block_size {A.BLOCK_SIZE}); 'forced' = the "
                "forced set alone, 'oracle' = the heaviest blocks (an upper bound for any block selector); 'beyond forced' = "
-               "(attended - forced) / (1 - forced): the share of the mass outside the forced set the selector finds"],
+               "(attended - forced) / (1 - forced): the share of the mass outside the forced set the selector finds",
+               "trained: the lightning indexer (int8 index keys, as in the engine), token granular: forced = the sink "
+               f"block's tokens + the newest {LOCAL_WINDOW} tokens ('trained forced'), + the top_k best-scoring tokens"],
         meta={"model": model, "trained_context": ctx, "docs": docs, "wall_s": round(time.perf_counter() - t0, 1)})

@@ -44,6 +44,9 @@ class AttentionBackend:
     # seq_lens, query_start_loc, plan, scale) over 16-bit or quantized KV. Both backends share the block
     # selection (so their selections are identical); they differ in the attention over it.
     block_sparse_attention: Callable[..., Any] | None = None
+    # The trained indexer's token-sparse attention (``kernels/indexed_sparse.py``): indexed_sparse_attention(
+    # query, kv, idx_q, idx_w, index_cache, block_tables, seq_lens, query_start_loc, plan, scale).
+    indexed_sparse_attention: Callable[..., Any] | None = None
     # plan(block_tables, seq_lens, query_start_loc, block_size, window) -> what paged_attention(_quant) derive from
     # the step's metadata (gather indices, masks), built once per forward and passed to every layer as
     # ``plan=``; None: the backend takes no plan.
@@ -52,13 +55,16 @@ class AttentionBackend:
 
 def torch_backend() -> AttentionBackend:
     from kernels import block_sparse as bs
+    from kernels import indexed_sparse as ix
     from kernels import reference
 
     return AttentionBackend("torch", reference.write_kv, reference.paged_attention,
                             write_kv_quant=reference.write_kv_quant,
                             paged_attention_quant=reference.paged_attention_quant,
                             quantize_blocks=reference.quantize_fp_slots, plan=reference.plan_attention,
-                            block_sparse_attention=functools.partial(bs.block_sparse_attention, attend=bs.attend_gather))
+                            block_sparse_attention=functools.partial(bs.block_sparse_attention, attend=bs.attend_gather),
+                            indexed_sparse_attention=functools.partial(ix.indexed_sparse_attention,
+                                                                       select=ix.select_torch, attend=ix.attend_torch))
 
 
 def triton_backend() -> AttentionBackend:
@@ -69,12 +75,15 @@ def triton_backend() -> AttentionBackend:
     from kernels import paged_attention as pa
 
     from kernels import block_sparse as bs
+    from kernels import indexed_sparse as ix
 
     return AttentionBackend("triton", pa.write_kv, pa.paged_attention, warm_up=pa.warm_up,
                             write_kv_quant=kq.write_kv_fp, paged_attention_quant=kq.paged_attention_quant,
                             quantize_blocks=kq.quantize_fp_slots,
                             block_sparse_attention=functools.partial(bs.block_sparse_attention,
-                                                                     attend=bs.attend_slots_triton))
+                                                                     attend=bs.attend_slots_triton),
+                            indexed_sparse_attention=functools.partial(ix.indexed_sparse_attention,
+                                                                       select=ix.select_triton, attend=ix.attend_triton))
 
 
 # name -> zero-argument factory

@@ -83,21 +83,27 @@ def test_needle_quick_all_arms(tiny_llama: Path, tmp_path: Path, capsys: pytest.
 
 
 def test_sparse_ab_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """``--sparse``: dense, the block_bounds indexer and the random control at each budget, both evals."""
-    run_cli(["eval", "needle", "--quick", "--sparse", "8", "--model", str(tiny_llama), "--out", str(tmp_path),
+    """``--sparse``: dense, the trained indexer (the model ships weights), the block_bounds indexer and the
+    random control at each budget, both evals."""
+    from tests.tiny_models import with_indexer_weights
+
+    model = with_indexer_weights(tiny_llama, tmp_path / "model")
+    run_cli(["eval", "needle", "--quick", "--sparse", "8", "--model", str(model), "--out", str(tmp_path),
              "--docs", "2", "--chunk", "64"], capsys)
     blob = load(tmp_path, "needle_sparse")
-    assert [r["arm"] for r in blob["rows"]] == ["dense", "block_bounds_1/8", "random_1/8"]
-    printed = run_cli(["eval", "long-ppl", "--quick", "--sparse", "8", "--model", str(tiny_llama), "--out",
+    assert [r["arm"] for r in blob["rows"]] == ["dense", "trained_1/8", "block_bounds_1/8", "random_1/8"]
+    printed = run_cli(["eval", "long-ppl", "--quick", "--sparse", "8", "--model", str(model), "--out",
                        str(tmp_path), "--text", "licenses", "--tokens", "700", "--chunk", "64"], capsys)
     ppl = load(tmp_path, "long_ppl_sparse")["rows"]
-    assert [r["arm"] for r in ppl] == ["dense", "block_bounds_1/8", "random_1/8"]
-    assert all(r["ppl"] > 0 for r in ppl) and ppl[1]["ppl"] != ppl[0]["ppl"]  # the budget really cut attention
+    assert [r["arm"] for r in ppl] == ["dense", "trained_1/8", "block_bounds_1/8", "random_1/8"]
+    assert all(r["ppl"] > 0 for r in ppl) and ppl[2]["ppl"] != ppl[0]["ppl"]  # the budget really cut attention
+    assert ppl[1]["ppl"] != ppl[0]["ppl"]
     recall = load(tmp_path, "sparse_recall")["rows"]
     assert len(recall) == 2  # tiny_llama: 2 layers x 1 budget
     for r in recall:
         assert r["forced"] <= r["random"] <= r["oracle"] + 1e-6 and r["block_bounds"] <= r["oracle"] + 1e-6
-    assert "| block_bounds_1/8 |" in printed
+        assert r["trained forced"] <= r["trained"] <= 1 + 1e-6
+    assert "| block_bounds_1/8 |" in printed and "| trained_1/8 |" in printed
 
 
 def test_kv_budget_needle_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -86,7 +86,7 @@ def test_packed_defaults_block_64_value_group_64_and_int2_outlier_channels(tiny_
 
 
 # ---------------------------------------------------------------------------------------------- memory
-def test_packed_pool_is_allocated_at_its_packed_size(tiny_llama: Path) -> None:
+def test_packed_pool_is_allocated_at_its_packed_size(tiny_llama: Path, tmp_path: Path) -> None:
     full = make(tiny_llama)
     q4 = make(tiny_llama, kv_cache_dtype="int4", kv_fp_pool_blocks=8)
     runner = q4.executor.runner
@@ -104,6 +104,14 @@ def test_packed_pool_is_allocated_at_its_packed_size(tiny_llama: Path) -> None:
         # float32, 2 layers, 2 KV heads, D 16: kmax + kmin = 2 * 2 * 2 * 16 * 4 B = 512 B per block id
         assert sp.kv_bytes_total - plain.kv_bytes_total == 512 * sp.num_kv_blocks
     cache = runner.kv_caches[0]
+    # The trained indexer's int8 index keys + fp32 scales instead of bounds: 2 layers x 4 tokens x (16 + 4) B.
+    from tests.tiny_models import with_indexer_weights
+
+    model = with_indexer_weights(tiny_llama, tmp_path / "with_indexer")
+    tr = make(model, sparse=SparseAttention(enabled=True, indexer="trained", top_k=16, min_context=64))
+    assert tr.executor.runner.block_bounds is None and tr.executor.runner.indexer is not None
+    assert tr.executor.runner.kv_allocated_bytes() == tr.kv_bytes_total
+    assert tr.kv_bytes_total - full.kv_bytes_total == 2 * 4 * 20 * tr.num_kv_blocks
     assert cache.k_codes.dtype == torch.uint8 and cache.k_codes.shape == (96, 4, 2, 8)  # 16 channels in 8 bytes
     assert cache.fp_k.shape[0] == 8
     # float32 model: 16 channels x 4 B x 2 (K, V) x 2 heads x 2 layers = 512 B per token for "auto".

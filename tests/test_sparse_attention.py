@@ -15,6 +15,7 @@ from engine.config_io import engine_config_from_dict
 from engine.errors import ConfigError
 from engine.sparse_config import SparseAttention
 from kernels import block_sparse
+from tests.tiny_models import with_indexer_weights
 
 
 def rand_prompt(n: int, seed: int) -> list[int]:
@@ -138,3 +139,80 @@ def test_start_up_log_names_the_sparse_settings_and_the_protection_set(tiny_llam
     line = next(r.getMessage() for r in caplog.records if "sparse attention on" in r.getMessage())
     assert "top_k 64" in line and "protected positions [0, 1, 2, 3]" in line and "local window 32" in line
     assert engine.stats().policy_version in line
+
+
+# ------------------------------------------------------------------ the trained lightning indexer
+def _with_indexer(model: Path, tmp_path: Path) -> Path:
+    return with_indexer_weights(model, tmp_path / "with_indexer")
+
+
+def test_trained_indexer_without_weights_names_the_field(tiny_llama: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        LLMEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=8,
+                               sparse=SparseAttention(enabled=True, indexer="trained", top_k=64)))
+    assert err.value.field == "sparse.indexer" and "indexer.safetensors" in str(err.value)
+
+
+def test_trained_indexer_covering_budget_equals_dense_and_small_budget_selects(tiny_llama: Path, tmp_path: Path) -> None:
+    model = _with_indexer(tiny_llama, tmp_path)
+    prompt = rand_prompt(300, 1)
+    dense = _generate(_engine(model, SparseAttention()), prompt)
+    covering = _engine(model, SparseAttention(enabled=True, indexer="trained", top_k=512, min_context=32,
+                                              local_window=16))
+    assert _generate(covering, prompt) == dense
+    small = _engine(model, SparseAttention(enabled=True, indexer="trained", top_k=32, min_context=32, local_window=16))
+    _generate(small, prompt)
+    s = small.stats()
+    assert s.sparse_sequence_steps_total > 0 and s.sparse_attended_fraction < 0.5
+
+
+def test_trained_indexer_accounting_and_index_keys_follow_their_blocks(tiny_llama: Path, tmp_path: Path) -> None:
+    """Decode selects top_k + forced tokens exactly as engine/sparse.py counts them, and the index-key cache
+    holds quantize(Wk . k) of the keys stored in the same blocks, through eviction rotations."""
+    from engine.lightning import quantize_keys
+    from kernels import indexed_sparse
+
+    model = _with_indexer(tiny_llama, tmp_path)
+    policy = CachePolicy(eviction_policy="sliding_window", window=96, protected_positions=(0, 1, 2, 3),
+                         residual_window=32)
+    engine = _engine(model, SparseAttention(enabled=True, indexer="trained", top_k=40, min_context=32, local_window=24),
+                     cache_policy=policy, max_num_batched_tokens=32)
+    engine.add_request("r", rand_prompt(150, 3), SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True),
+                       anchors=[(40, 44)])
+    runner = engine.executor.runner
+    seen: list[tuple[int, int]] = []
+    real = runner.backend.indexed_sparse_attention
+
+    def spy(*args, **kwargs):
+        sel: list = []
+        out = real(*args, **{**kwargs, "selections": sel})
+        if args[0].shape[0] == 1:
+            seen.append((int((sel[0] >= 0).sum()), int(args[6][0])))
+        return out
+
+    runner.backend = type(runner.backend)(**{**runner.backend.__dict__, "indexed_sparse_attention": spy})
+    checked = 0
+    while engine.has_unfinished():
+        before = engine.counters.sparse_attended_tokens_total
+        n_seen = len(seen)
+        engine.step()
+        seq = engine.scheduler.find("r")
+        if len(seen) > n_seen and seq is not None:
+            tokens, seq_len = seen[-1]
+            attended, _ = sp.attended_tokens(seq.block_table, seq_len, sp.forced_blocks(seq.protected_blocks, seq_len, 16),
+                                             engine.config.sparse, 16)
+            assert engine.counters.sparse_attended_tokens_total - before == attended == tokens
+            checked += 1
+    assert checked > 10 and engine.stats().tokens_evicted > 0
+    assert isinstance(runner.indexer.caches[0], indexed_sparse.IndexCache)
+    # Every written slot (rotated blocks included) holds the index key of the key stored beside it.
+    ids = torch.arange(1, runner.num_kv_blocks)
+    for layer, (cache, kv) in enumerate(zip(runner.indexer.caches, runner.kv_caches)):
+        keys, _ = block_sparse.gather_blocks(kv, ids, torch.float32)
+        n = keys.shape[0]
+        codes, scale = quantize_keys(runner.indexer.weights.keys(layer, keys.reshape(n * 16, *keys.shape[2:])))
+        written = cache.scale[ids].reshape(-1) > 0  # slots some sequence wrote
+        assert int(written.sum()) > 100
+        got = cache.keys[ids].reshape(n * 16, -1).float() * cache.scale[ids].reshape(-1, 1)
+        want = codes.float() * scale[:, None]
+        torch.testing.assert_close(got[written], want[written], atol=2 * float(scale.max()), rtol=0)

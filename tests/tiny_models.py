@@ -115,3 +115,27 @@ def build_model(path: Path, family: str = "llama", seed: int = 0, layers: int = 
     model.save_pretrained(path)
     build_tokenizer().save_pretrained(path)
     return path
+
+
+def with_indexer_weights(model: Path, out: Path, heads: int = 2, dim: int = 16, seed: int = 0) -> Path:
+    """A copy of ``model`` at ``out`` with random lightning-indexer weights (``engine/lightning.py``)."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    from engine.sparse_config import INDEXER_WEIGHTS
+
+    shutil.copytree(model, out)
+    cfg = json.loads((out / "config.json").read_text())
+    hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = cfg.get("head_dim") or cfg["hidden_size"] // hq
+    g = torch.Generator().manual_seed(seed)
+    t = {}
+    for i in range(cfg["num_hidden_layers"]):
+        t[f"layers.{i}.wq"] = torch.randn(heads * dim, hq * d, generator=g)
+        t[f"layers.{i}.wk"] = torch.randn(dim, hkv * d, generator=g)
+        t[f"layers.{i}.ww"] = torch.rand(heads, hq * d, generator=g)
+    save_file(t, str(out / INDEXER_WEIGHTS))
+    return out

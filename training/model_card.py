@@ -293,10 +293,11 @@ def _render_stage(a, tr: dict) -> None:
     a(f"- command: `{cmd}`")
 
 
-def render_card(f: dict, history: str = "") -> str:
+def render_card(f: dict, history: str = "", indexer: str = "") -> str:
     """The model card (README.md) from the figures; ``history`` (markdown, hand-written in the model's
     ``training_history.md``) records what earlier stages and discarded experiments measured, which the
-    shipped weights' figures cannot show."""
+    shipped weights' figures cannot show; ``indexer`` (``indexer_card.md``, written by
+    ``training/train_indexer.py``) is the trained lightning indexer's section."""
     tr = f.get("training", {})
     c = f["config"]
     sink = f["sink_mass_pos0"]["per_layer"]
@@ -503,6 +504,9 @@ def render_card(f: dict, history: str = "") -> str:
           "held-out wording while hurting another (see the training history); see "
           "`retrieval_examples` in `eval_results.json` for what the model answers now.")
         a("")
+    if indexer:
+        a(indexer.strip())
+        a("")
     if history:
         a("### Training history and experiments")
         a("")
@@ -550,13 +554,15 @@ def main(argv=None):
     d = Path(args.model)
     hist_path = d / "training_history.md"
     history = hist_path.read_text() if hist_path.exists() else ""
+    idx_path = d / "indexer_card.md"
+    indexer = idx_path.read_text() if idx_path.exists() else ""
     if args.render_only:
-        (d / "README.md").write_text(render_card(json.loads((d / "eval_results.json").read_text()), history))
+        (d / "README.md").write_text(render_card(json.loads((d / "eval_results.json").read_text()), history, indexer))
         return
     figures = compute(args.model, args.docs, args.ppl_windows, args.sink_windows)
     if not args.no_card:
         (d / "eval_results.json").write_text(json.dumps(figures, indent=2) + "\n")
-        (d / "README.md").write_text(render_card(figures, history))
+        (d / "README.md").write_text(render_card(figures, history, indexer))
     else:
         print(json.dumps({k: figures[k] for k in ("perplexity", "retrieval")}, indent=1))
     print("params          ", figures["params"])
