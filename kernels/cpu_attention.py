@@ -1,0 +1,177 @@
+"""The ``cpu`` attention backend: the torch reference, with decode attention in a small C kernel.
+
+On CPU the reference's decode attention costs more than the model's matmuls at batch 32: per layer it
+copies every sequence's context out of the paged cache (``index_select``), builds a mask and calls
+SDPA, whose CPU kernel is tuned for long query blocks, not one query row. ``csrc/decode_attention.c``
+reads each key and value once, straight from the blocks the table names, with one query token per
+sequence (see its header for the exact semantics: null blocks, sliding windows, sinks). Everything
+else -- prefill segments, KV writes, quantized and sparse attention -- is the reference's.
+
+The C file is compiled once per machine with the system C compiler (``cc -O3 -march=native
+-ffast-math``, about a second) into ``$SINKSERVE_CACHE`` (default ``~/.cache/sinkserve``), keyed by the source, the
+flags and the CPU's feature flags; no compiler or a failed build -> ``load()`` returns None and the
+engine runs the plain ``torch`` backend (one log line). Float32 caches only (other dtypes: reference).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kernels import reference
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
+# -ffast-math lets the compiler vectorise the dot products and expf (libmvec); the kernel never sees an
+# inf or NaN (scores are finite, the maximum starts from a real score). Compiled and linked in two steps,
+# so the shared object does not pull in crtfastmath.o (which would set flush-to-zero for the whole process).
+CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC")
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("SINKSERVE_CACHE") or Path.home() / ".cache" / "sinkserve") / "kernels"
+
+
+def _build() -> Path:
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + " ".join(CFLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
+    out = _cache_dir() / f"decode_attention-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cc = os.environ.get("CC", "cc")
+    # Build beside the target and rename: concurrent engines never load a half-written library.
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        obj, tmp_so = Path(tmp) / "decode_attention.o", Path(tmp) / out.name
+        subprocess.run([cc, *CFLAGS, "-c", str(SOURCE), "-o", str(obj)], check=True, capture_output=True, timeout=120)
+        subprocess.run([cc, "-shared", str(obj), "-o", str(tmp_so), "-lm"], check=True, capture_output=True, timeout=120)
+        os.replace(tmp_so, out)
+    return out
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel library, or None (with one log line) when it cannot be built or loaded."""
+    try:
+        lib = ctypes.CDLL(str(_build()))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = exc.stderr.decode(errors="replace").strip().splitlines()[:1] if isinstance(
+            exc, subprocess.CalledProcessError) and exc.stderr else [str(exc)]
+        logger.warning("CPU decode-attention kernel unavailable, using the torch reference (%s)", detail[0] if detail else exc)
+        return None
+    fn = lib.sinkserve_decode_attention
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    fn.argtypes = [p, i64, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, i32, p, p, p, i64]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+@dataclass
+class CpuPlan:
+    """The step's metadata for one sliding window, read once per step and shared by every layer: int32
+    copies of the tables and lengths in the layout the kernel reads, the longest context (sizing the
+    score scratch), whether every sequence decodes one token (then the kernel does the whole layer), and
+    the reference plan, built only when a layer needs it (prefill segments, quantized KV)."""
+
+    args: tuple
+    decode_only: bool
+    tables: torch.Tensor  # [S, W] int32, contiguous
+    lens: torch.Tensor  # [S] int32
+    starts: torch.Tensor  # [S + 1] int32
+    longest: int
+    _full: reference.AttentionPlan | None = field(default=None, repr=False)
+    _scratch: torch.Tensor | None = field(default=None, repr=False)
+
+    def full(self) -> reference.AttentionPlan:
+        if self._full is None:
+            self._full = reference.plan_attention(*self.args)
+        return self._full
+
+    def scratch(self, numel: int) -> torch.Tensor:
+        if self._scratch is None or self._scratch.numel() < numel:
+            self._scratch = torch.empty(max(1, numel), dtype=torch.float32)
+        return self._scratch
+
+
+def plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, block_size: int,
+         window: int | None = None) -> CpuPlan:
+    """``AttentionBackend.plan``: two host reads (CPU tensors: no device sync)."""
+    num = query_start_loc.shape[0] - 1
+    lens = seq_lens.to(torch.int32).contiguous()
+    return CpuPlan((block_tables, seq_lens, query_start_loc, block_size, window),
+                   decode_only=int(query_start_loc[num]) == num,
+                   tables=block_tables.to(torch.int32).contiguous(), lens=lens,
+                   starts=query_start_loc.to(torch.int32).contiguous(), longest=int(lens.max()) if num else 0)
+
+
+def _kernel_ok(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    return (query.dtype == k_cache.dtype == v_cache.dtype == torch.float32 and query.device.type == "cpu"
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and query.stride(-1) == 1
+            and query.shape[-1] <= 256)
+
+
+def decode_rows(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: CpuPlan, scale: float,
+                window: int | None, sinks: torch.Tensor | None, out: torch.Tensor) -> None:
+    """Write into ``out [T, Hq, D]`` (contiguous) the attention of every one-token query segment (other
+    rows untouched)."""
+    lib = load()
+    assert lib is not None and out.is_contiguous()
+    _, hq, d = query.shape
+    _, block, hkv, _ = k_cache.shape
+    span = min(plan.longest, window) if window is not None else plan.longest
+    scratch = plan.scratch(span * min(hq // hkv, 16))
+    sink_ptr = None
+    if sinks is not None:
+        sinks = sinks.to(torch.float32).contiguous()
+        sink_ptr = sinks.data_ptr()
+    rc = lib.sinkserve_decode_attention(
+        query.data_ptr(), query.stride(0), query.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+        plan.tables.data_ptr(), plan.tables.stride(0), plan.lens.data_ptr(), plan.starts.data_ptr(),
+        plan.lens.shape[0], hq, hkv, d, block, float(scale), window or 0, sink_ptr, out.data_ptr(),
+        scratch.data_ptr(), scratch.numel())
+    if rc != 0:
+        raise RuntimeError(f"decode attention kernel refused its arguments (code {rc})")
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, window: int | None = None,
+                    sinks: torch.Tensor | None = None, plan: CpuPlan | None = None) -> torch.Tensor:
+    """``kernels.reference.paged_attention`` with the one-token segments computed by the C kernel."""
+    plan = plan or globals()["plan"](block_tables, seq_lens, query_start_loc, k_cache.shape[1], window)
+    if not _kernel_ok(query, k_cache, v_cache):
+        return reference.paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                         window, sinks, plan=plan.full())
+    if plan.decode_only:
+        out = torch.empty(query.shape, dtype=query.dtype)
+    else:  # prefill segments through the reference; the decode rows are overwritten below
+        prefill_only = reference.AttentionPlan(None, None, None, plan.full().prefill)
+        out = reference._paged_attention(query, lambda g: reference._gather_fp(k_cache, v_cache, g), prefill_only,
+                                         scale, sinks).contiguous()
+    decode_rows(query, k_cache, v_cache, plan, scale, window, sinks, out)
+    return out
+
+
+def paged_attention_quant(query: torch.Tensor, cache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                          query_start_loc: torch.Tensor, scale: float, window: int | None = None,
+                          sinks: torch.Tensor | None = None, plan: CpuPlan | None = None) -> torch.Tensor:
+    """Quantized KV: the reference's, with the reference plan."""
+    return reference.paged_attention_quant(query, cache, block_tables, seq_lens, query_start_loc, scale, window=window,
+                                           sinks=sinks, plan=None if plan is None else plan.full())
