@@ -68,11 +68,12 @@ def cpu_backend() -> AttentionBackend:
     """The reference with one-token queries attended by ``kernels/cpu_attention.py``'s C kernel; the
     plain ``torch`` backend when that kernel cannot be built here (it logs why)."""
     from kernels import cpu_attention as ca
+    from kernels import cpu_ops
 
     base = torch_backend()
     if ca.load() is None:
         return base
-    return dataclasses.replace(base, name="cpu", paged_attention=ca.paged_attention,
+    return dataclasses.replace(base, name="cpu", write_kv=cpu_ops.write_kv, paged_attention=ca.paged_attention,
                                paged_attention_quant=ca.paged_attention_quant, plan=ca.plan)
 
 

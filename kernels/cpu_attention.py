@@ -7,82 +7,21 @@ reads each key and value once, straight from the blocks the table names, with on
 sequence (see its header for the exact semantics: null blocks, sliding windows, sinks). Everything
 else -- prefill segments, KV writes, quantized and sparse attention -- is the reference's.
 
-The C file is compiled once per machine with the system C compiler (``cc -O3 -march=native
--ffast-math``, about a second) into ``$SINKSERVE_CACHE`` (default ``~/.cache/sinkserve``), keyed by the source, the
-flags and the CPU's feature flags; no compiler or a failed build -> ``load()`` returns None and the
-engine runs the plain ``torch`` backend (one log line). Float32 caches only (other dtypes: reference).
+The C file is compiled once per machine (``kernels/cpu_lib.py``); no compiler or a failed build ->
+``load()`` returns None and the engine runs the plain ``torch`` backend (one log line). Float32 caches
+only (other dtypes: the reference).
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
-import logging
-import os
-import subprocess
-import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from kernels import reference
+from kernels.cpu_lib import load
 
-logger = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
-# -ffast-math lets the compiler vectorise the dot products and expf (libmvec); the kernel never sees an
-# inf or NaN (scores are finite, the maximum starts from a real score). Compiled and linked in two steps,
-# so the shared object does not pull in crtfastmath.o (which would set flush-to-zero for the whole process).
-CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC")
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("SINKSERVE_CACHE") or Path.home() / ".cache" / "sinkserve") / "kernels"
-
-
-def _build() -> Path:
-    src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join(CFLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
-    out = _cache_dir() / f"decode_attention-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    cc = os.environ.get("CC", "cc")
-    # Build beside the target and rename: concurrent engines never load a half-written library.
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        obj, tmp_so = Path(tmp) / "decode_attention.o", Path(tmp) / out.name
-        subprocess.run([cc, *CFLAGS, "-c", str(SOURCE), "-o", str(obj)], check=True, capture_output=True, timeout=120)
-        subprocess.run([cc, "-shared", str(obj), "-o", str(tmp_so), "-lm"], check=True, capture_output=True, timeout=120)
-        os.replace(tmp_so, out)
-    return out
-
-
-@functools.cache
-def load() -> ctypes.CDLL | None:
-    """The compiled kernel library, or None (with one log line) when it cannot be built or loaded."""
-    try:
-        lib = ctypes.CDLL(str(_build()))
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = exc.stderr.decode(errors="replace").strip().splitlines()[:1] if isinstance(
-            exc, subprocess.CalledProcessError) and exc.stderr else [str(exc)]
-        logger.warning("CPU decode-attention kernel unavailable, using the torch reference (%s)", detail[0] if detail else exc)
-        return None
-    fn = lib.sinkserve_decode_attention
-    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    fn.argtypes = [p, i64, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, i32, p, p, p, i64]
-    fn.restype = ctypes.c_int
-    return lib
-
+__all__ = ["CpuPlan", "load", "paged_attention", "paged_attention_quant", "plan"]
 
 @dataclass
 class CpuPlan:
@@ -142,7 +81,7 @@ def decode_rows(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if sinks is not None:
         sinks = sinks.to(torch.float32).contiguous()
         sink_ptr = sinks.data_ptr()
-    rc = lib.sinkserve_decode_attention(
+    rc = lib.sinkserve_decode_attention(  # signature: kernels/cpu_lib.py
         query.data_ptr(), query.stride(0), query.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
         plan.tables.data_ptr(), plan.tables.stride(0), plan.lens.data_ptr(), plan.starts.data_ptr(),
         plan.lens.shape[0], hq, hkv, d, block, float(scale), window or 0, sink_ptr, out.data_ptr(),
