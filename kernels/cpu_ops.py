@@ -17,11 +17,21 @@ from kernels import reference
 from kernels.cpu_lib import load
 
 
+_F32 = torch.float32
+
+
+def _ok(t: torch.Tensor) -> bool:
+    # Called several times per layer and step: attribute checks only.
+    return t.dtype is _F32 and t.is_cpu and t.stride(-1) == 1
+
+
 def _fast(*tensors: torch.Tensor) -> bool:
     if torch.compiler.is_compiling():  # a compiled graph (engine/compiled_step.py) keeps the torch ops
         return False
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors) \
-        and load() is not None
+    for t in tensors:
+        if not _ok(t):
+            return False
+    return load() is not None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

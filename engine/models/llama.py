@@ -4,7 +4,7 @@ One decoder layer on the packed token axis ``T`` of a ragged step (``engine/mode
 
     h [T, hidden] ── RMSNorm ── x @ W_qkv^T (+ b) ──┬─ q [T, Hq, D] ─ (q_norm) ─ RoPE ─┐
          │                                          ├─ k [T, Hkv, D] ─ (k_norm) ─ RoPE ─┤ engine.attention.
-         │                                          └─ v [T, Hkv, D] ───────────────────┤ paged_attention_forward
+         │                                          └─ v [T, Hkv, D] ───────────────────┤ attend_tokens
          │                                                                              ▼  (paged KV cache)
          ├──────────────────── + ◀── all-reduce ◀── o @ W_o^T ◀──────────── o [T, Hq*D]
          │
@@ -12,7 +12,8 @@ One decoder layer on the packed token axis ``T`` of a ragged step (``engine/mode
 
 ``W_qkv`` is ``[q_proj; k_proj; v_proj]`` and ``W_gate_up`` is ``[gate_proj; up_proj]`` stacked on the
 output axis at load time (one GEMM each instead of three and two). Attention goes through the same
-entry point transformers models call (``engine.attention.paged_attention_forward``), with the layer
+code transformers models reach through their hook (``engine.attention.attend_tokens``, which
+``paged_attention_forward`` calls after its layout transposes), with the layer
 object in the role of the transformers module (``layer_idx``, ``sliding_window``, ``scaling``), so a
 feature added there (quantized KV, windows, sinks, sparse selection) runs on both paths.
 
@@ -175,7 +176,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, spec: LlamaSpec, layer_idx: int, config: Any, tensors: dict[str, torch.Tensor | None],
                  rank_heads: int, rank_kv_heads: int) -> None:
         super().__init__()
-        # Read by engine.attention.paged_attention_forward, as on a transformers attention module.
+        # Read by engine.attention.attend_tokens, as on a transformers attention module.
         self.layer_idx = layer_idx
         self.config = config
         self.head_dim = spec.head_dim
@@ -284,8 +285,6 @@ class LlamaForward(nn.Module):
 
     @staticmethod
     def attend(layer: DecoderLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """The transformers attention-interface call (``[1, H, T, D]`` views in, ``[1, T, Hq, D]`` out)."""
-        kwargs = {} if layer.sliding_window is None else {"sliding_window": layer.sliding_window}
-        out, _ = attention.paged_attention_forward(layer, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                                   v.transpose(0, 1)[None], None, scaling=layer.scaling, **kwargs)
-        return out[0]
+        """The engine's attention on the packed token axis (``engine.attention.attend_tokens``, which the
+        transformers hook ``paged_attention_forward`` also runs): ``[T, H, D]`` in, ``[T, Hq, D]`` out."""
+        return attention.attend_tokens(layer, q, k, v, layer.scaling, layer.sliding_window)
