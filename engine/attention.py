@@ -43,6 +43,9 @@ class ForwardContext:
     # when sparsity is configured; the step's selection rules when some sequence attends sparsely now.
     block_bounds: list | None = None  # per layer kernels.block_sparse.BlockBounds
     sparse_plan: object | None = None  # kernels.block_sparse.SparsePlan
+    # Selected memory (sparse.position_mode compact, engine/selected_memory.py): bounds of pre-RoPE keys and
+    # attention over re-positioned selections; None in every other mode.
+    selected_memory: object | None = None  # engine.selected_memory.StepContext
     # Per-layer attention (window, sinks) of the model; None: every layer full (kernel tests, tools).
     layout: AttentionLayout | None = None
     # ``importance`` eviction: per scheduled sequence and logical block, the attention mass its observation
@@ -113,7 +116,8 @@ def attend_tokens(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: 
         prev = ctx.key_absmax[module.layer_idx]
         ctx.key_absmax[module.layer_idx] = m if prev is None else torch.maximum(prev, m)
     if ctx.block_bounds is not None:
-        _sparse.update_bounds(ctx.block_bounds[module.layer_idx], k, ctx.slot_mapping, ctx.block_size)
+        kb = k if ctx.selected_memory is None else ctx.selected_memory.bounds_keys(k, module.layer_idx)
+        _sparse.update_bounds(ctx.block_bounds[module.layer_idx], kb, ctx.slot_mapping, ctx.block_size)
     # Sparse selection on full-attention layers without learned sinks: a sliding-window layer is already
     # bounded by its window, and the block-sparse path has no sink logit (such layers stay on the paged path).
     sparse = ctx.sparse_plan is not None and window is None and sinks is None
@@ -145,6 +149,9 @@ def _score(ctx: ForwardContext, q: torch.Tensor, kv: object, scale: float, windo
 
 def _sparse_forward(ctx: ForwardContext, layer: int, q: torch.Tensor, kv: object, scale: float) -> torch.Tensor:
     assert ctx.block_bounds is not None and ctx.backend.block_sparse_attention is not None
+    if ctx.selected_memory is not None:
+        return ctx.selected_memory.attention(layer, q, kv, ctx.block_bounds[layer], ctx.block_tables, ctx.seq_lens,
+                                             ctx.query_start_loc, ctx.sparse_plan, scale)
     return ctx.backend.block_sparse_attention(q, kv, ctx.block_bounds[layer], ctx.block_tables, ctx.seq_lens,
                                               ctx.query_start_loc, ctx.sparse_plan, scale)
 

@@ -52,6 +52,12 @@ class LLMEngine:
         self.layout = read_attention_layout(config.model)
         validate_for_engine(self.layout, self.max_model_len, config.tensor_parallel_size)  # before any load
         config.sparse.validate(config.block_size, max_model_len=self.max_model_len)  # top_k within the context
+        config.sparse.validate_compact(config.block_size, config.cache_policy.protected_positions,
+                                       self.shape.max_position_embeddings)
+        # Selected memory (sparse.position_mode compact) keeps every block and re-positions what a query
+        # attends, so a sequence may outgrow the trained context: its limit is max_model_len if set, else
+        # the policy's max_stream_tokens (and the KV cache's capacity).
+        seq_limit = (config.max_model_len or config.cache_policy.max_stream_tokens) if config.sparse.compact else self.max_model_len
         # The executor sizes the KV cache where the model lives, after its weights are loaded; this
         # process may not own that device (a tensor-parallel driver), so it never measures memory.
         self.executor = (executor_factory or LocalExecutor)(config)
@@ -66,9 +72,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, self.policy, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_ids = self._eos_ids()
         self.counters = EngineCounters()
-        self.inputs = InputProcessor(self.tokenizer, self.shape.vocab_size, config.block_size, self.max_model_len)
+        self.inputs = InputProcessor(self.tokenizer, self.shape.vocab_size, config.block_size, seq_limit)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_ids, self.inputs.delimiter_ids, config.block_size,
-                                       self.max_model_len, self.scheduler, self.counters)
+                                       seq_limit, self.scheduler, self.counters)
         self._lock = threading.Lock()
         self._pending_adds: deque[Sequence] = deque()
         self._pending_aborts: deque[str] = deque()
@@ -80,6 +86,11 @@ class LLMEngine:
             logger.info("%s; forced set: protected positions %s, roles %s, per-request anchors, local window %d; "
                         "version %s", config.sparse.describe(), list(self.policy.protected_positions),
                         list(self.policy.protected_token_roles), config.sparse.local_window, self.policy_version)
+        if config.sparse.compact:
+            logger.info("selected memory: every block kept, sequences up to %d tokens; a query attends at most %d "
+                        "tokens (plus anchors), seen at consecutive positions inside the trained context of %d",
+                        seq_limit, config.sparse.selected_span(config.block_size, self.policy.protected_positions),
+                        self.shape.max_position_embeddings)
         logger.info("model attention: %s", self.layout.describe())
         logger.info("KV cache stores %s", self.describe_kv_cache())
 

@@ -88,6 +88,17 @@ def quant_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, blo
     return num_layers * h * (codes + k_scales + v_scales + outliers)
 
 
+def bounds_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, dtype: str, world_size: int = 1) -> int:
+    """Bytes of the sparse-attention key bounds of one block id (``block_bounds`` indexer), all layers, per rank:
+    a per-channel ``kmax`` and ``kmin`` per KV head in the model dtype, allocated for every block id beside its
+    K/V (packed or not), so the budget must pay for them too.
+
+    >>> bounds_bytes_per_block(32, 8, 128, "bfloat16")   # Llama-3-8B: 128 KiB per block id (1/16 of its 2 MiB of bf16 K/V)
+    131072
+    """
+    return num_layers * 2 * (num_kv_heads // world_size) * head_dim * DTYPE_BYTES[dtype]
+
+
 def fp_pool_blocks(max_num_seqs: int, max_num_batched_tokens: int, block_size: int, residual_window: int,
                    num_protected_positions: int, max_model_len: int) -> int:
     """16-bit side-pool blocks a quantized cache allocates by default.

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from engine import attention, kv_budget, sparse_runtime
+from engine import attention, kv_budget, selected_memory, sparse_runtime
 from engine.architectures import (
     SUPPORTED_ARCHITECTURES,
     layer_inv_freqs,
@@ -25,7 +25,7 @@ from engine.architectures import (
 )
 from engine.attention_backends import get_backend
 from engine.config import EngineConfig, kv_outlier_channels, kv_value_group_size, validate_kv_cache_for_model
-from engine.errors import ModelLoadError
+from engine.errors import ConfigError, ModelLoadError
 from engine.kv_budget import KVBudget, MemoryProfile
 from engine.rope import rotate_keys
 from engine.step_inputs import StepBuffers
@@ -130,15 +130,25 @@ def num_fp_pool_blocks(config: EngineConfig, max_model_len: int, num_kv_blocks: 
     return n if num_kv_blocks is None else max(1, min(n, num_kv_blocks - 1))
 
 
+def sparse_bytes_per_block(config: EngineConfig, shape: ModelShape, world_size: int = 1) -> int:
+    """Bytes sparse attention keeps per block id beside K/V (the key bounds; 0 with sparse attention off)."""
+    if not config.sparse.enabled:
+        return 0
+    return kv_budget.bounds_bytes_per_block(shape.num_layers, shape.num_kv_heads, shape.head_dim, config.dtype,
+                                            world_size)
+
+
 def kv_cache_bytes(config: EngineConfig, shape: ModelShape, max_model_len: int, num_kv_blocks: int,
                    world_size: int = 1) -> tuple[int, int, int]:
-    """``(total, per quantized block id, per 16-bit block)`` bytes of the KV cache (all layers, per rank).
-    Not quantized: every block is a 16-bit block and the per-quantized-block figure is 0."""
+    """``(total, per quantized block id, per 16-bit block)`` bytes of the KV cache (all layers, per rank),
+    the sparse-attention bounds of every block id included in the total. Not quantized: every block is a
+    16-bit block and the per-quantized-block figure is 0."""
     fp = kv_bytes_per_block(shape, config.block_size, config.dtype, world_size)
+    side = num_kv_blocks * sparse_bytes_per_block(config, shape, world_size)
     if not config.kv_quantized:
-        return num_kv_blocks * fp, 0, fp
+        return num_kv_blocks * fp + side, 0, fp
     q = quant_bytes_per_block(config, shape, world_size)
-    return num_kv_blocks * q + num_fp_pool_blocks(config, max_model_len, num_kv_blocks) * fp, q, fp
+    return num_kv_blocks * q + num_fp_pool_blocks(config, max_model_len, num_kv_blocks) * fp + side, q, fp
 
 
 def host_available_bytes() -> int:
@@ -181,6 +191,9 @@ class ModelRunner:
         self.model = self._load_model()
         # Per layer: the RoPE table its keys were rotated with (Gemma-3: local vs global), for eviction rotations.
         self.inv_freqs = layer_inv_freqs(self.model, self.layout)
+        if config.sparse.compact and any(f is None for f in self.inv_freqs):
+            raise ConfigError("sparse.position_mode", "'compact' re-positions keys by rotating them: it needs a model "
+                              "with rotary position embeddings in every layer")
         self.compiled = None  # engine.compiled_step.CompiledDecode once compile_decode_step succeeded
         self.buffers = StepBuffers(config.max_num_batched_tokens, config.max_num_seqs, self.device)
         # Only the rank that holds the full logits samples (rank 0; logits are all-reduced to every rank).
@@ -209,6 +222,8 @@ class ModelRunner:
             # The side pool is a fixed cost; the rest of the budget buys packed blocks.
             fixed = num_fp_pool_blocks(c, self.max_model_len) * per_block
             per_block = quant_bytes_per_block(c, self.shape, self.world_size)
+        # Every block id also carries its sparse-attention bounds (uncounted, they overcommit by 1/block_size).
+        per_block += sparse_bytes_per_block(c, self.shape, self.world_size)
         if c.on_cuda:
             budget = kv_budget.gpu_budget_bytes(self.profile_memory(), c.gpu_memory_utilization)
         else:
@@ -300,9 +315,9 @@ class ModelRunner:
                 cache.outlier_idx = idx
 
     def kv_allocated_bytes(self) -> int:
-        """Bytes the KV tensors of this rank occupy (every layer, every pool)."""
+        """Bytes the KV tensors of this rank occupy (every layer, every pool, the sparse bounds)."""
         seen: set[int] = set()
-        total = 0
+        total = sum(b.packed.numel() * b.packed.element_size() for b in self.block_bounds or ())
         for layer in self.kv_caches:
             tensors = vars(layer).values() if not isinstance(layer, tuple) else layer
             for t in tensors:
@@ -408,7 +423,9 @@ class ModelRunner:
         """Each layer's RoPE table on this device; refuses models without RoPE (rotations need it)."""
         if any(f is None for f in self.inv_freqs):
             raise RuntimeError("model has no rotary embedding; sliding-window retention needs RoPE")
-        return [f.to(self.device) for f in self.inv_freqs]  # type: ignore[union-attr]
+        if getattr(self, "_inv_freqs_on_device", None) is None:  # once: selected memory reads them every step
+            self._inv_freqs_on_device = [f.to(self.device) for f in self.inv_freqs]  # type: ignore[union-attr]
+        return self._inv_freqs_on_device
 
     @torch.inference_mode()
     def execute_and_sample(self, inp: ModelInput) -> SamplerOutput | None:
@@ -432,7 +449,8 @@ class ModelRunner:
         if inp.rotations:
             (self._rotate_quant_blocks if quantized else self._rotate_blocks)(inp.rotations)
         if self.block_bounds is not None:
-            sparse_runtime.apply_block_ops(self.block_bounds, self.kv_caches, inp, self.device)
+            sparse_runtime.apply_block_ops(self.block_bounds, self.kv_caches, inp, self.device,
+                                           position_free=self.config.sparse.compact)
         # A decode-only step (one token per sequence) runs the compiled graph of its bucket, if any (not while
         # importance eviction scores blocks: that runs Python per sequence, which a captured graph cannot).
         num = len(inp.input_ids)
@@ -455,6 +473,9 @@ class ModelRunner:
             block_importance=torch.zeros(st.block_tables.shape, dtype=torch.float32, device=self.device)
             if inp.score_importance else None,
             layout=self.layout,
+            selected_memory=selected_memory.StepContext(self._layer_inv_freqs(), st.positions,
+                                                        self.config.sparse.local_window)
+            if self.config.sparse.compact else None,
         )
         self.last_block_importance = None
         with attention.forward_context(ctx):
@@ -463,6 +484,13 @@ class ModelRunner:
                 return self.compiled.fn(st.input_ids, st.positions, st.padded_logits_indices[:bucket])[:n]
             logits = self.model(st.input_ids, st.positions, st.logits_indices)
         if ctx.block_importance is not None:
+            if self.world_size > 1:
+                # Each rank scored its own KV heads; the mean over all heads is the mean of the ranks'
+                # means (equal heads per rank), so every rank's scheduler input is the TP=1 score.
+                import torch.distributed as dist
+
+                dist.all_reduce(ctx.block_importance)
+                ctx.block_importance /= self.world_size
             bs = self.config.block_size
             rows = ctx.block_importance.cpu().tolist()
             self.last_block_importance = [r[: -(-n // bs)] for r, n in zip(rows, inp.seq_lens)]

@@ -11,6 +11,11 @@ selected, and the *forced set* is always added on top (it never counts against `
 The forced set is the sequence's protection set (``CachePolicy`` positions and roles, per-request
 anchors: the blocks retention pins) plus the blocks holding the newest ``local_window`` tokens before
 the query. Sequences shorter than ``min_context`` attend densely. Pure Python: no torch.
+
+``position_mode: compact`` is selected memory past the trained context (``engine/selected_memory.py``):
+the cache keeps every block, a sequence may grow to ``max_model_len`` (else the policy's
+``max_stream_tokens``) beyond the model's trained context, and the attended blocks are seen at consecutive
+positions, so the attended span (``selected_span``) must fit the trained context.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ from pathlib import Path
 from engine.errors import ConfigError
 
 INDEXERS = ("block_bounds", "trained")
+# "absolute": keys are seen at the positions they were stored at (sequences stay inside max_model_len);
+# "compact": selected memory, the attended blocks are re-positioned to be consecutive (engine/selected_memory.py).
+POSITION_MODES = ("absolute", "compact")
 # Trained lightning-indexer weights ship beside the model's weights under this name.
 INDEXER_WEIGHTS = "indexer.safetensors"
 
@@ -37,6 +45,8 @@ class SparseAttention:
     per-channel key min/max, Quest's upper bound; training-free, any model) or ``trained`` (a lightning
     indexer shipped as ``indexer.safetensors`` in the model directory). ``decode`` / ``prefill``: which
     steps select (a prefill chunk's queries select in groups of 64 that share one selection).
+    ``position_mode``: ``absolute`` (keys seen where they were stored) or ``compact`` (selected memory past
+    the trained context: the attended blocks are seen consecutively; see ``engine/selected_memory.py``).
     """
 
     enabled: bool = False
@@ -46,6 +56,7 @@ class SparseAttention:
     local_window: int = 256
     decode: bool = True
     prefill: bool = True
+    position_mode: str = "absolute"
 
     def validate(self, block_size: int, model_dir: str | None = None, max_model_len: int | None = None) -> None:
         """Raise ``ConfigError`` naming the field (``sparse.<name>``) if these settings cannot work."""
@@ -61,6 +72,19 @@ class SparseAttention:
             raise ConfigError("sparse.local_window", f"must be >= 1 (the query's own block), got {self.local_window}")
         if self.enabled and not (self.decode or self.prefill):
             raise ConfigError("sparse.decode", "sparse attention is enabled but neither decode nor prefill selects")
+        if self.position_mode not in POSITION_MODES:
+            raise ConfigError("sparse.position_mode", f"unknown mode {self.position_mode!r}; choose one of {list(POSITION_MODES)}")
+        if self.position_mode == "compact" and not self.enabled:
+            raise ConfigError("sparse.position_mode", "'compact' (selected memory) needs sparse.enabled: true")
+        if self.compact and self.indexer != "block_bounds":
+            # The trained indexer ranks tokens from post-RoPE index keys: it would need position-free index
+            # keys and the token-granular form of the shift rule (engine/selected_memory.py, block_size 1).
+            raise ConfigError("sparse.indexer", "position_mode 'compact' selects with 'block_bounds' (position-free "
+                              f"bounds); {self.indexer!r} is not wired to re-positioned selection yet")
+        if self.compact and not (self.decode and self.prefill):
+            # A dense step past the trained context would see keys at distances the model never trained on.
+            raise ConfigError("sparse.prefill" if not self.prefill else "sparse.decode",
+                              "position_mode 'compact' needs both decode and prefill to select")
         if self.enabled and self.indexer == "trained" and model_dir is not None:
             path = Path(model_dir) / INDEXER_WEIGHTS
             if not path.is_file():
@@ -68,6 +92,40 @@ class SparseAttention:
                                   "use 'block_bounds' for a model without a trained indexer")
             raise ConfigError("sparse.indexer", "the trained lightning indexer is not wired into the engine yet; "
                               "use 'block_bounds'")
+
+    @property
+    def compact(self) -> bool:
+        """Whether this is selected memory past the trained context (``position_mode: compact``)."""
+        return self.enabled and self.position_mode == "compact"
+
+    def selected_span(self, block_size: int, protected_positions: tuple[int, ...], prefill_group: int = 64) -> int:
+        """The most tokens one query (group) attends in compact mode, hence the longest distance it sees:
+        the blocks of the protected positions, ``top_k``, and the window of a prefill group (``local_window +
+        prefill_group - 1`` tokens, one more block when unaligned), in whole blocks. Per-request anchors
+        come on top.
+
+        >>> SparseAttention(enabled=True, top_k=128, local_window=64).selected_span(16, (0, 1, 2, 3))
+        288
+        """
+        window_blocks = -(-(self.local_window + prefill_group - 1) // block_size) + 1
+        protected = len({p // block_size for p in protected_positions})
+        return (protected + self.top_blocks(block_size) + window_blocks) * block_size
+
+    def validate_compact(self, block_size: int, protected_positions: tuple[int, ...], trained_context: int) -> None:
+        """Compact mode: the attended span and the dense steps must stay inside the model's trained context
+        (``max_position_embeddings``); ``ConfigError`` naming the field otherwise."""
+        if not self.compact:
+            return
+        span = self.selected_span(block_size, protected_positions)
+        if span > trained_context:
+            raise ConfigError("sparse.top_k", f"position_mode 'compact' attends up to {span} tokens per query "
+                              f"(protected blocks + top_k {self.top_k} + local_window {self.local_window} + a prefill "
+                              f"group, block granular), more than the model's trained context ({trained_context}); "
+                              "lower top_k or local_window")
+        if self.min_context > trained_context:
+            raise ConfigError("sparse.min_context", f"position_mode 'compact' needs min_context <= the trained "
+                              f"context ({trained_context}): a dense step past it would see untrained distances; "
+                              f"got {self.min_context}")
 
     def top_blocks(self, block_size: int) -> int:
         """Blocks the indexer selects per query (block granular ``top_k``)."""
@@ -78,9 +136,11 @@ class SparseAttention:
         if not self.enabled:
             return "sparse attention off"
         steps = [s for s, on in (("decode", self.decode), ("prefill", self.prefill)) if on]
+        mode = (", selected memory: attended blocks re-positioned to be consecutive (position_mode compact), "
+                "full cache, streams past the trained context" if self.compact else "")
         return (f"sparse attention on: indexer {self.indexer}, top_k {self.top_k} tokens + forced set "
                 f"(protection set, anchors, local window {self.local_window}) from {self.min_context} tokens of "
-                f"context, steps {steps}")
+                f"context, steps {steps}{mode}")
 
 
 def policy_version(policy_version: str, sparse: SparseAttention) -> str:
@@ -95,5 +155,8 @@ def policy_version(policy_version: str, sparse: SparseAttention) -> str:
     """
     if not sparse.enabled:
         return policy_version
-    blob = json.dumps({"policy": policy_version, "sparse": asdict(sparse)}, sort_keys=True).encode()
+    fields = asdict(sparse)
+    if sparse.position_mode == "absolute":
+        del fields["position_mode"]  # the default: existing sparse pools keep the versions they had
+    blob = json.dumps({"policy": policy_version, "sparse": fields}, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:12]

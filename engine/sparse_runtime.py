@@ -23,8 +23,10 @@ def allocate_bounds(num_layers: int, num_blocks: int, num_kv_heads: int, head_di
             for _ in range(num_layers)]
 
 
-def apply_block_ops(bounds: list[block_sparse.BlockBounds], kv_caches: list, inp, device: torch.device) -> None:
-    """Mirror a step's block copies and rotations (``ModelInput``; already applied to the K/V) on the bounds."""
+def apply_block_ops(bounds: list[block_sparse.BlockBounds], kv_caches: list, inp, device: torch.device,
+                    position_free: bool = False) -> None:
+    """Mirror a step's block copies and rotations (``ModelInput``; already applied to the K/V) on the bounds.
+    ``position_free``: the bounds hold pre-RoPE keys (selected memory), which rotations do not change."""
     copies = [(a, b) for op, a, b in inp.kv_ops if op == "copy"] + list(inp.copies)
     if copies:
         src = torch.tensor([a for a, _ in copies], dtype=torch.long, device=device)
@@ -32,7 +34,7 @@ def apply_block_ops(bounds: list[block_sparse.BlockBounds], kv_caches: list, inp
         for layer in bounds:  # in order: a chain of copies must see its predecessors (rare; loop is cheap)
             for i in range(len(copies)):
                 block_sparse.copy_bounds(layer, src[i : i + 1], dst[i : i + 1])
-    if inp.rotations:
+    if inp.rotations and not position_free:
         ids = torch.tensor(sorted({b for b, _ in inp.rotations}), dtype=torch.long, device=device)
         for layer, kv in zip(bounds, kv_caches):
             keys, _ = block_sparse.gather_blocks(kv, ids, torch.float32)

@@ -52,6 +52,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
             p.add_argument("--kv-budget", metavar="B,C", help="fixed-memory A/B instead: dense vs sinks + window vs "
                            "importance eviction keeping B%%, C%% of ~900-token documents (writes needle_budget.*; "
                            "evals.eviction; --chunk defaults to the whole document)")
+            p.add_argument("--selected-memory", metavar="L,M", help="hint-free needle past the trained context "
+                           "instead: dense at 1x vs sinks + window vs selected memory (sparse.position_mode compact) "
+                           "at L, M x ctx (writes needle_selected_memory.*; evals.selected_memory)")
+            p.add_argument("--top-k", type=int, help="selected memory's top_k (default evals.selected_memory.TOP_K)")
         p.add_argument("--sparse", metavar="N,M", help="run the sparse-attention A/B instead: dense vs the block_bounds "
                        "indexer vs a random control with top_k = ctx/N (comma-separated N, e.g. 8,16), inside the "
                        "trained context (writes <name>_sparse.*; long-ppl adds sparse_recall.*; evals.sparse)")
@@ -60,6 +64,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                             "engine's, 8 for int2 and 0 otherwise; 0 disables)")
         if name == "long-ppl":
             p.add_argument("--tokens", type=int, help="stream length (default 16x ctx; quick 2x)")
+            p.add_argument("--selected-memory", action="store_true", help="dense vs sinks + window vs selected "
+                           "memory (sparse.position_mode compact) over the stream (writes long_ppl_selected_memory.*)")
+            p.add_argument("--top-k", type=int, help="selected memory's top_k (default evals.selected_memory.TOP_K)")
+            p.add_argument("--kv-budget", metavar="B,C", help="fixed-memory arms instead: sinks + window vs importance "
+                           "eviction at the needle's B%%, C%% budgets, beside dense (writes long_ppl_budget.*; evals.eviction)")
             p.add_argument("--text", default="corpus", choices=("corpus", "licenses"), help="held-out text source")
             p.add_argument("--smooth", type=int, help="moving-average width of the plot (default ctx/2)")
         else:
@@ -196,6 +205,24 @@ def _sparse_ab(args: argparse.Namespace, ctx: int) -> EvalResult:
     return sparse.run_sparse_long_ppl(args.model, denoms, tokens, chunk, text=args.text)
 
 
+def _selected_memory(args: argparse.Namespace) -> EvalResult:
+    """``needle --selected-memory 4,16``: hint-free retrieval past the trained context (evals.selected_memory);
+    the report is rewritten after every point."""
+    from evals import selected_memory as sm
+
+    def write_partial(partial: EvalResult) -> None:
+        partial.meta["command"] = "sinkserve eval needle" + _flags(args)
+        write_report(partial, Path(args.out))
+
+    if args.eval_name == "long-ppl":
+        ctx = A.trained_context(args.model)
+        return sm.run_selected_long_ppl(args.model, args.tokens or (2 if args.quick else 16) * ctx, args.chunk or 128,
+                                        args.top_k or sm.TOP_K, args.text)
+    lengths = tuple(float(x) for x in args.selected_memory.split(","))
+    return sm.run_selected_needle(args.model, lengths, args.docs or (4 if args.quick else 50), args.chunk or 128,
+                                  args.top_k or sm.TOP_K, on_point=write_partial)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the chosen eval, write its files, print the table(s). Returns the exit code."""
     A.setup_torch(args.threads)
@@ -203,11 +230,18 @@ def run(args: argparse.Namespace) -> int:
     ctx = A.trained_context(args.model)
     if getattr(args, "kv_cache_dtype", None):
         result = _kv_ab(args, ctx)
+    elif getattr(args, "kv_budget", None) and args.eval_name == "long-ppl":
+        from evals import eviction
+
+        result = eviction.run_budget_long_ppl(args.model, tuple(int(x) for x in args.kv_budget.split(",")),
+                                              args.tokens or (2 if args.quick else 16) * ctx, args.chunk or 128, args.text)
     elif getattr(args, "kv_budget", None):
         from evals import eviction
 
         result = eviction.run_budget_needle(args.model, tuple(int(x) for x in args.kv_budget.split(",")),
                                             args.docs or (4 if args.quick else 50), args.chunk)
+    elif getattr(args, "selected_memory", None):
+        result = _selected_memory(args)
     elif getattr(args, "sparse", None):
         result = _sparse_ab(args, ctx)
     else:

@@ -99,3 +99,44 @@ def run_budget_needle(model: str, budgets: tuple[int, ...], docs: int, chunk: in
               "local_window": LOCAL_WINDOW, "sinks": list(A.SINK_POSITIONS), "block_size": A.BLOCK_SIZE,
               "anchor": "none", "scores": "attention mass of the last 32 queries of each step (engine/importance.py)",
               "wall_s": round(time.perf_counter() - t0, 1)})
+
+
+def run_budget_long_ppl(model: str, budgets: tuple[int, ...], n_tokens: int, chunk: int, text: str = "corpus",
+                        doc_tokens: int | None = None) -> EvalResult:
+    """``sinkserve eval long-ppl --kv-budget 25,50``: perplexity of one held-out stream of ``n_tokens`` under
+    the needle's fixed budgets (``B`` % of ``doc_tokens`` kept, the same arms as ``run_budget_needle``),
+    streamed in ``chunk``-token prefill chunks (eviction between chunks), beside dense in trained-context
+    windows."""
+    from transformers import AutoTokenizer
+
+    import numpy as np
+
+    from evals.long_ppl import PplConfig, heldout_stream, moving_ppl, ppl, score_dense, score_streaming, steady_blocks
+
+    t0 = time.perf_counter()
+    ctx = A.trained_context(model)
+    doc_tokens = doc_tokens or min(DOC_TOKENS, ctx * 7 // 8)
+    ids = heldout_stream(AutoTokenizer.from_pretrained(model), n_tokens, text)
+    cfg = PplConfig(model=model, n_tokens=n_tokens, window=ctx // 2, chunk=chunk, text=text)
+    rows, ref, series = [], None, []
+    for arm in budget_arms(doc_tokens, budgets):
+        sc = score_dense(cfg, ids, ctx) if not arm.evicts else score_streaming(cfg, arm, ids)
+        series.append(Series(arm.name, *moving_ppl(sc.nll[~np.isnan(sc.nll)], ctx // 2)))
+        p = ppl(sc.nll[~np.isnan(sc.nll)])
+        ref = p if ref is None else ref
+        held = steady_blocks(sc.blocks, ctx) if sc.blocks else []
+        kept = "all (windows of ctx)" if not arm.evicts else (
+            f"{arm.block_budget * A.BLOCK_SIZE}" if arm.eviction == "importance" else f"{A.BLOCK_SIZE + (arm.window or 0)}")
+        rows.append({"arm": arm.name, "kept tokens": kept, "ppl": round(p, 3), "vs dense": f"{100 * (p / ref - 1):+.1f}%",
+                     "blocks held (after 1x)": f"{min(held)}..{max(held)}" if held else "-", "wall s": round(sc.wall_s, 1)})
+        logger.info("budget long-ppl %s: %.3f (%.0fs)", arm.name, p, sc.wall_s)
+    return EvalResult(
+        name="long_ppl_budget", title="Perplexity at a fixed KV budget: score-driven eviction vs sliding window",
+        columns=["arm", "kept tokens", "ppl", "vs dense", "blocks held (after 1x)", "wall s"], rows=rows,
+        panels=[Panel(f"perplexity over the stream (moving average of {ctx // 2} tokens)", "token position", "ppl",
+                      series)],
+        notes=[f"held-out {text} text, {n_tokens} tokens streamed by one request in {chunk}-token prefill chunks "
+               f"(eviction between chunks; blocks are scored by the last 32 queries of each chunk); budgets as the "
+               f"fixed-budget needle ({doc_tokens}-token documents); dense = windows of the trained context"],
+        meta={"model": model, "trained_context": ctx, "tokens": n_tokens, "chunk": chunk, "local_window": LOCAL_WINDOW,
+              "wall_s": round(time.perf_counter() - t0, 1)})

@@ -111,6 +111,34 @@ def test_kv_budget_needle_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest
     assert "25% budget: importance" in printed and ("MET" in printed or "MISSED" in printed)
 
 
+def test_selected_memory_needle_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--selected-memory``: dense at 1x, then per length the sliding-window control and selected memory
+    on documents past the (tiny) model's trained context, with a met/missed line per length."""
+    printed = run_cli(["eval", "needle", "--quick", "--selected-memory", "2", "--top-k", "128", "--model",
+                       str(tiny_llama), "--out", str(tmp_path), "--docs", "2"], capsys)
+    blob = load(tmp_path, "needle_selected_memory")
+    assert [(r["arm"], r["x_context"]) for r in blob["rows"]] == [
+        ("dense", 1.0), ("selected_memory", 1.0), ("sinks_window", 2.0), ("selected_memory", 2.0)]
+    assert 960 < blob["rows"][-1]["L"] <= 1024 and blob["meta"]["sparse"]["position_mode"] == "compact"
+    assert "2x: selected memory" in printed and ("MET" in printed or "MISSED" in printed)
+
+
+def test_selected_memory_long_ppl_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_cli(["eval", "long-ppl", "--quick", "--selected-memory", "--top-k", "128", "--model", str(tiny_llama), "--out",
+             str(tmp_path)], capsys)
+    blob = load(tmp_path, "long_ppl_selected_memory")
+    assert [r["arm"] for r in blob["rows"]] == ["dense", "sinks_window", "selected_memory"]
+    assert blob["meta"]["tokens"] == 1024 and all(r["ppl"] > 1 for r in blob["rows"])  # 2x the tiny context
+
+
+def test_kv_budget_long_ppl_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_cli(["eval", "long-ppl", "--quick", "--kv-budget", "25", "--model", str(tiny_llama), "--out", str(tmp_path)],
+            capsys)
+    blob = load(tmp_path, "long_ppl_budget")
+    assert [r["arm"] for r in blob["rows"]] == ["dense", "sinks_window_25", "importance_25"]
+    assert all(r["ppl"] > 1 for r in blob["rows"])
+
+
 def test_model_fingerprint_covers_weights_and_config(tmp_path):
     from evals.arms import model_fingerprint
 

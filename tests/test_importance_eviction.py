@@ -127,6 +127,82 @@ def test_stream_never_evicts_protected_or_window_and_stays_within_budget(tiny_ll
     assert kept_outside >= budget - 2 - (window // bs + 1) - 1
 
 
+@pytest.mark.parametrize("storage", ["int8", "int4", "sparse"])
+def test_budget_holds_over_packed_kv_and_sparse_attention(tiny_llama: Path, storage: str) -> None:
+    """Importance eviction composed with a packed KV cache (scores read quantized blocks, kept blocks are
+    rotated in packed form) and with block-sparse attention (evicted blocks drop out of the selection):
+    the stream stays within its budget, the cache stays consistent, protected blocks stay."""
+    from engine.sparse_config import SparseAttention
+
+    budget, window, bs = 12, 16, 4
+    extra: dict = {"kv_cache_dtype": storage} if storage != "sparse" else {
+        "sparse": SparseAttention(enabled=True, top_k=16, min_context=64, local_window=16)}
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), block_size=bs, num_kv_blocks=64, max_num_batched_tokens=4,
+                                    cache_policy=CachePolicy(eviction_policy="importance", window=window,
+                                                             block_budget=budget, protected_positions=(0, 1, 2, 3),
+                                                             residual_window=8),
+                                    **extra))
+    rng = random.Random(5)
+    engine.add_request("s", [rng.randrange(0, 250) for _ in range(160)],
+                       SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True), anchors=[(100, 104)])
+    engine.step()
+    seq = engine.scheduler.find("s")
+    used, quantized, sparse_steps = [], 0, 0
+    while engine.has_unfinished():
+        engine.step()
+        engine.check_integrity()
+        if engine.has_unfinished():
+            used.append(sum(1 for b in seq.block_table if b))
+            assert 0 in {i for i, b in enumerate(seq.block_table) if b}, "the sink block was evicted"
+            st = engine.stats()
+            quantized = max(quantized, st.blocks_quantized)
+            sparse_steps = st.sparse_sequence_steps_total
+    steady = used[budget * bs // 4:]
+    assert steady and max(steady) <= budget + 1 and min(steady) >= budget - 1, (min(steady), max(steady))
+    assert engine.stats().tokens_evicted > 0 and engine.stats().blocks_used == 0
+    if storage == "sparse":
+        assert sparse_steps > 0, "no step attended sparsely"
+    else:
+        assert quantized > 0, "no block was packed"
+
+
+def test_tp2_scores_all_heads_and_evicts_what_tp1_evicts(tiny_llama: Path) -> None:
+    """Under tensor parallelism each rank sees half the KV heads; the scores are all-reduced so the
+    eviction choices (and the greedy tokens) are TP=1's, not rank 0's heads alone."""
+    from tests.tp_harness import ProcessTPExecutor
+
+    policy = CachePolicy(eviction_policy="importance", window=16, block_budget=10, protected_positions=(0, 1, 2, 3))
+    kw = dict(model=str(tiny_llama), block_size=4, num_kv_blocks=64, max_num_batched_tokens=8, cache_policy=policy)
+    rng = random.Random(9)
+    prompt = [rng.randrange(0, 250) for _ in range(90)]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+
+    def run(engine: LLMEngine) -> tuple[list[int], list, list[list[float]]]:
+        engine.add_request("s", prompt, params)
+        toks: list[int] = []
+        scores: list[list[float]] = []
+        seq = None
+        while engine.has_unfinished():
+            for out in engine.step():
+                toks += out.token_ids
+            seq = seq or engine.scheduler.find("s")  # admitted by the first step
+            scores.append(list(seq.block_importance))
+        return toks, [(r.evicted_ranges, r.freed_blocks) for r in engine.eviction_log], scores
+
+    one = run(LLMEngine(EngineConfig(**kw)))
+    engine = LLMEngine(EngineConfig(**kw, tensor_parallel_size=2), ProcessTPExecutor)
+    try:
+        two = run(engine)
+    finally:
+        engine.executor.shutdown()
+    assert one[1], "nothing was evicted"
+    assert two[:2] == one[:2]
+    # The running scores themselves are TP=1's (rank 0's heads alone differ by far more than this).
+    assert len(two[2]) == len(one[2])
+    for a, b in zip(one[2], two[2]):
+        assert len(a) == len(b) and all(abs(x - y) < 1e-5 for x, y in zip(a, b)), (a, b)
+
+
 def test_per_request_budget_is_checked_against_the_pool(tiny_llama: Path) -> None:
     from engine.errors import InvalidRequestError
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from engine.errors import ConfigError
-from engine.kv_budget import GiB, MemoryProfile, blocks_for_budget, cpu_budget_bytes, gpu_budget_bytes, kv_bytes_per_block
+from engine.kv_budget import (GiB, MemoryProfile, blocks_for_budget, bounds_bytes_per_block, cpu_budget_bytes,
+                              gpu_budget_bytes, kv_bytes_per_block)
 
 # Llama-3-8B: 32 layers, 8 KV heads of 128, bf16, 16-token blocks -> 2 MiB per block (128 KiB per token)
 LLAMA3_8B_BLOCK = kv_bytes_per_block(32, 8, 128, 16, "bfloat16")
@@ -16,6 +17,12 @@ def test_block_bytes_of_llama3_8b_and_its_tp_shards() -> None:
     assert LLAMA3_8B_BLOCK == 2 * 32 * 16 * 8 * 128 * 2 == 2 << 20
     assert kv_bytes_per_block(32, 8, 128, 16, "bfloat16", world_size=2) == LLAMA3_8B_BLOCK // 2
     assert kv_bytes_per_block(32, 8, 128, 16, "float32") == 2 * LLAMA3_8B_BLOCK
+
+
+def test_sparse_bounds_cost_one_token_of_16bit_kv_per_block() -> None:
+    # kmax + kmin per KV head and layer, in the model dtype: as much as one token of 16-bit K + V.
+    assert bounds_bytes_per_block(32, 8, 128, "bfloat16") == LLAMA3_8B_BLOCK // 16 == 128 << 10
+    assert bounds_bytes_per_block(32, 8, 128, "bfloat16", world_size=2) == 64 << 10
 
 
 def test_h200_with_an_8b_model_at_0_9() -> None:

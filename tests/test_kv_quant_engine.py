@@ -93,6 +93,16 @@ def test_packed_pool_is_allocated_at_its_packed_size(tiny_llama: Path) -> None:
     # Allocated tensors == the budget arithmetic (engine.kv_budget), codes + scales + side pool.
     assert runner.kv_allocated_bytes() == q4.kv_bytes_total
     assert full.executor.runner.kv_allocated_bytes() == full.kv_bytes_total
+    # Sparse attention's key bounds ride beside every block id and are paid for in the same arithmetic.
+    from engine.sparse_config import SparseAttention
+
+    for kw in ({}, {"kv_cache_dtype": "int4", "kv_fp_pool_blocks": 8}):
+        sp = make(tiny_llama, sparse=SparseAttention(enabled=True, top_k=16, min_context=64), **kw)
+        assert sp.executor.runner.block_bounds is not None
+        assert sp.executor.runner.kv_allocated_bytes() == sp.kv_bytes_total
+        plain = full if not kw else q4
+        # float32, 2 layers, 2 KV heads, D 16: kmax + kmin = 2 * 2 * 2 * 16 * 4 B = 512 B per block id
+        assert sp.kv_bytes_total - plain.kv_bytes_total == 512 * sp.num_kv_blocks
     cache = runner.kv_caches[0]
     assert cache.k_codes.dtype == torch.uint8 and cache.k_codes.shape == (96, 4, 2, 8)  # 16 channels in 8 bytes
     assert cache.fp_k.shape[0] == 8
