@@ -152,13 +152,17 @@ class Result:
     load_after: float
     note: str = ""
     outputs: list[list[int]] = field(default_factory=list, repr=False)
-    # CPU seconds the process used over the timed region (engine rows): on a shared host, where this
-    # process gets a varying share of the cores, tokens per CPU-second moves far less than tokens per second.
-    cpu_seconds: float | None = None
+    # CPU seconds this process used during the run (every thread: transformers' continuous batching steps
+    # in its own thread). On a shared host the wall clock counts time other jobs held the CPU; this does not.
+    cpu_seconds: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.seconds
+
+    @property
+    def tokens_per_cpu_s(self) -> float:
+        return self.output_tokens / self.cpu_seconds if self.cpu_seconds else 0.0
 
     @property
     def load(self) -> float:
@@ -196,8 +200,7 @@ def run_engine(model_dir: Path, reqs: list[Request], concurrency: int, max_num_b
     ids = [f"r{i}" for i in range(len(reqs))]
     tokens: dict[str, list[int]] = {rid: [] for rid in ids}
     load_before = _load1()
-    cpu_start = time.process_time()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for rid, r in zip(ids, reqs):
         engine.add_request(rid, r.prompt, SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True))
     with _progress(len(reqs), f"engine c={concurrency} b={max_num_batched_tokens}", quiet) as bar:
@@ -206,8 +209,7 @@ def run_engine(model_dir: Path, reqs: list[Request], concurrency: int, max_num_b
                 tokens[out.request_id].extend(out.token_ids)
                 if out.finished:
                     bar.update(1)
-    seconds = time.perf_counter() - start
-    cpu_seconds = time.process_time() - cpu_start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     steps = engine.stats().steps_total
     engine.shutdown()
     outputs = [tokens[rid] for rid in ids]
@@ -231,14 +233,14 @@ def run_sequential(model: Any, reqs: list[Request], quiet: bool = False) -> Resu
     model.generate(torch.tensor([reqs[0].prompt[:8]]), generation_config=_greedy_config(2))  # warm-up
     outputs = []
     load_before = _load1()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for r in _iter_progress(reqs, "hf 1-at-a-time", quiet):
         ids = torch.tensor([r.prompt])
         out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=_greedy_config(r.max_tokens))
         outputs.append(out[0, len(r.prompt):].tolist())
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     return Result(SYSTEM_SEQUENTIAL, "1", sum(map(len, outputs)), sum(len(r.prompt) for r in reqs), seconds,
-                  load_before, _load1(), outputs=outputs)
+                  load_before, _load1(), outputs=outputs, cpu_seconds=cpu_seconds)
 
 
 def _iter_progress(items: list[Any], desc: str, quiet: bool) -> Any:
@@ -256,7 +258,7 @@ def run_static_batch(model: Any, reqs: list[Request], concurrency: int, quiet: b
     model.generate(torch.tensor([reqs[0].prompt[:8]] * 2), generation_config=_greedy_config(2))  # warm-up
     outputs: list[list[int]] = []
     load_before = _load1()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     batches = [reqs[i : i + concurrency] for i in range(0, len(reqs), concurrency)]
     with _progress(len(reqs), f"hf static c={concurrency}", quiet) as bar:
         for batch in batches:
@@ -270,9 +272,9 @@ def run_static_batch(model: Any, reqs: list[Request], concurrency: int, quiet: b
                                  generation_config=_greedy_config(max(r.max_tokens for r in batch)))
             outputs.extend(out[i, width : width + r.max_tokens].tolist() for i, r in enumerate(batch))
             bar.update(len(batch))
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     return Result(SYSTEM_STATIC, str(concurrency), sum(map(len, outputs)), sum(len(r.prompt) for r in reqs), seconds,
-                  load_before, _load1(), note="useful tokens only", outputs=outputs)
+                  load_before, _load1(), note="useful tokens only", outputs=outputs, cpu_seconds=cpu_seconds)
 
 
 @torch.inference_mode()
@@ -303,12 +305,12 @@ def run_hf_continuous(model: Any, reqs: list[Request], max_batch_tokens: int, qu
         _collect(manager, {"warmup"}, timeout_s, None)
         ids = [f"r{i}" for i in range(len(reqs))]
         load_before = _load1()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         for rid, r in zip(ids, reqs):
             manager.add_request(r.prompt, request_id=rid, max_new_tokens=r.max_tokens, eos_token_id=-1)
         with _progress(len(reqs), "hf continuous batching", quiet) as bar:
             done = _collect(manager, set(ids), timeout_s, bar)
-        seconds = time.perf_counter() - start
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
         load_after = _load1()
     finally:
         manager.stop(block=True, timeout=60)
@@ -317,7 +319,7 @@ def run_hf_continuous(model: Any, reqs: list[Request], max_batch_tokens: int, qu
     note = (f"attn {model.config._attn_implementation}, max_batch_tokens={cfg.max_batch_tokens}, "
             f"max_requests_per_batch={cfg.max_requests_per_batch}, {num_blocks} x {page}-token pages")
     return Result(SYSTEM_CB, f"auto (<= {len(reqs)})", sum(map(len, outputs)), sum(len(r.prompt) for r in reqs),
-                  seconds, load_before, load_after, note=note, outputs=outputs)
+                  seconds, load_before, load_after, note=note, outputs=outputs, cpu_seconds=cpu_seconds)
 
 
 def _collect(manager: Any, wanted: set[str], timeout_s: float, bar: Any) -> dict[str, list[int]]:
@@ -370,6 +372,8 @@ class Benchmark:
     def rows(self) -> list[dict[str, str]]:
         base = next((r.tokens_per_s for r in self.results if r.system == SYSTEM_SEQUENTIAL), None)
         cb = next((r.tokens_per_s for r in self.results if r.system == SYSTEM_CB), None)
+        base_cpu = next((r.tokens_per_cpu_s for r in self.results if r.system == SYSTEM_SEQUENTIAL), None)
+        cb_cpu = next((r.tokens_per_cpu_s for r in self.results if r.system == SYSTEM_CB), None)
         limit = self.limit_tokens_per_s()
         rows = []
         for r in self.results:
@@ -382,10 +386,12 @@ class Benchmark:
                 "output tok/s": f"{r.tokens_per_s:.1f}",
                 "x 1-at-a-time": f"{r.tokens_per_s / base:.1f}x" if base else "-",
                 "x hf CB": f"{r.tokens_per_s / cb:.2f}x" if cb else "-",
+                "output tok / CPU-s": f"{r.tokens_per_cpu_s:.1f}",
+                "CPU-time x 1-at-a-time / x hf CB": f"{r.tokens_per_cpu_s / base_cpu:.1f}x / {r.tokens_per_cpu_s / cb_cpu:.2f}x"
+                if base_cpu and cb_cpu else "-",
                 "% of limit (output)": f"{100 * r.tokens_per_s / limit:.2f}%",
                 "% of limit (prompt+output)": f"{100 * all_tps / limit:.1f}%",
                 "load 1m (before/after)": f"{r.load_before:.1f} / {r.load_after:.1f}",
-                "output tok / CPU s": f"{r.output_tokens / r.cpu_seconds:.1f}" if r.cpu_seconds else "-",
                 "same tokens as generate": _agree(self.mismatches.get(_label(r)), len(r.outputs)),
                 "notes": r.note,
             })
@@ -408,6 +414,12 @@ class Benchmark:
         one = next((r for r in engine if int(r.concurrency) == 1), None)
         if one and base:
             parts.append(f"at concurrency 1 {one.tokens_per_s / base.tokens_per_s:.2f}x transformers generate (target >= 2x)")
+        if base and cb and base.cpu_seconds and cb.cpu_seconds and best.cpu_seconds:
+            cpu = (f"per CPU-second: concurrency {top} {best.tokens_per_cpu_s / base.tokens_per_cpu_s:.1f}x one-at-a-time "
+                   f"generate and {best.tokens_per_cpu_s / cb.tokens_per_cpu_s:.2f}x continuous batching")
+            if one and one.cpu_seconds:
+                cpu += f", concurrency 1 {one.tokens_per_cpu_s / base.tokens_per_cpu_s:.2f}x generate"
+            parts.append(cpu)
         return "; ".join(parts) + "."
 
     def markdown(self) -> str:
@@ -564,7 +576,9 @@ def report(bench: Benchmark, command: str, args: argparse.Namespace) -> str:
         f"**Summary:** {bench.summary()}",
         "",
         "Columns: *x 1-at-a-time* / *x hf CB* is output tok/s relative to `generate` on one request at a time / "
-        "to transformers' continuous batching; "
+        "to transformers' continuous batching; *output tok / CPU-s* divides by the CPU time the process used during "
+        "the run instead of the wall clock (on a shared host the wall clock also counts time other jobs held the "
+        "cores, which drifts between the systems' runs), and the next column gives the same ratios on that basis; "
         "*same tokens as generate* counts requests whose greedy tokens equal one-at-a-time `generate`'s "
         "(the padded batch and transformers' continuous batching may differ on a few near-tied logits, "
         "which does not change the amount of work: lengths are fixed). Static batches count only each "

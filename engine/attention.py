@@ -95,18 +95,25 @@ def paged_attention_forward(
     Per layer, ``sliding_window`` (checked against the engine's layout, ``engine/architectures.py``) limits
     what each query sees, and ``s_aux`` (gpt-oss) carries the learned sink logits ``[Hq]``.
     """
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError("attention logit softcapping is not supported by the sinkserve attention backends")
+    out = attend_tokens(module, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                        scaling if scaling is not None else query.shape[-1] ** -0.5, kwargs.get("sliding_window"),
+                        kwargs.get("s_aux"))
+    return out.unsqueeze(0), None
+
+
+def attend_tokens(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """``paged_attention_forward`` on the packed token axis: ``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` ->
+    ``[T, Hq, D]``. The native forward calls this directly (its tensors already have this layout); the
+    transformers hook reaches it through ``paged_attention_forward``, so both paths run the same code."""
     ctx = _CONTEXT.get()
     if ctx is None:
         raise RuntimeError("sinkserve attention called outside a forward_context (use the engine's model runner)")
-    if kwargs.get("softcap") is not None:
-        raise NotImplementedError("attention logit softcapping is not supported by the sinkserve attention backends")
     window = None
     if ctx.layout is not None:
-        window = check_hook_window(ctx.layout, module.layer_idx, kwargs.get("sliding_window")).window  # type: ignore[arg-type]
-    sinks = kwargs.get("s_aux")
-    q = query[0].transpose(0, 1)
-    k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        window = check_hook_window(ctx.layout, module.layer_idx, sliding_window).window  # type: ignore[arg-type]
     if ctx.key_absmax is not None:
         m = k.detach().abs().amax(0).float()  # [Hkv, D]
         prev = ctx.key_absmax[module.layer_idx]
@@ -125,19 +132,17 @@ def paged_attention_forward(
         ctx.backend.write_kv_quant(k, v, cache, ctx.slot_mapping)
         _score(ctx, q, cache, scale, window)
         if sparse:
-            return _sparse_forward(ctx, module.layer_idx, q, cache, scale), None
-        out = ctx.backend.paged_attention_quant(q, cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, scale,
-                                                window=window, sinks=sinks, **plan)
-        return out.unsqueeze(0), None
+            return _sparse_forward(ctx, module.layer_idx, q, cache, scale)
+        return ctx.backend.paged_attention_quant(q, cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, scale,
+                                                 window=window, sinks=sinks, **plan)
     k_cache, v_cache = ctx.kv_caches[module.layer_idx]
     plan = ctx.plan_kwargs(window, k_cache.shape[1])
     ctx.backend.write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
     _score(ctx, q, (k_cache, v_cache), scale, window)
     if sparse:
-        return _sparse_forward(ctx, module.layer_idx, q, (k_cache, v_cache), scale), None
-    out = ctx.backend.paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, scale,
-                                      window=window, sinks=sinks, **plan)
-    return out.unsqueeze(0), None
+        return _sparse_forward(ctx, module.layer_idx, q, (k_cache, v_cache), scale)
+    return ctx.backend.paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, scale,
+                                       window=window, sinks=sinks, **plan)
 
 
 def _score(ctx: ForwardContext, q: torch.Tensor, kv: object, scale: float, window: int | None) -> None:
@@ -156,12 +161,10 @@ def _sparse_forward(ctx: ForwardContext, layer: int, q: torch.Tensor, kv: object
                                                     scale).unsqueeze(0)
     assert ctx.block_bounds is not None and ctx.backend.block_sparse_attention is not None
     if ctx.selected_memory is not None:
-        out = ctx.selected_memory.attention(layer, q, kv, ctx.block_bounds[layer], ctx.block_tables, ctx.seq_lens,
-                                            ctx.query_start_loc, ctx.sparse_plan, scale)
-        return out.unsqueeze(0)
-    out = ctx.backend.block_sparse_attention(q, kv, ctx.block_bounds[layer], ctx.block_tables, ctx.seq_lens,
+        return ctx.selected_memory.attention(layer, q, kv, ctx.block_bounds[layer], ctx.block_tables, ctx.seq_lens,
                                              ctx.query_start_loc, ctx.sparse_plan, scale)
-    return out.unsqueeze(0)
+    return ctx.backend.block_sparse_attention(q, kv, ctx.block_bounds[layer], ctx.block_tables, ctx.seq_lens,
+                                              ctx.query_start_loc, ctx.sparse_plan, scale)
 
 
 def _no_mask(*args: object, **kwargs: object) -> None:

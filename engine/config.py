@@ -53,11 +53,12 @@ def resolve_dtype(dtype: str, device: str) -> str:
 
 
 def resolve_attention_backend(backend: str, device: str) -> str:
-    """``"auto"``: the Triton kernels on CUDA, the torch reference anywhere else. Follows the configured
-    device, never the machine: ``device="cpu"`` on a GPU host must not get GPU kernels."""
+    """``"auto"``: the Triton kernels on CUDA, the ``cpu`` backend (the torch reference with a C decode
+    attention kernel, ``kernels/cpu_attention.py``) anywhere else. Follows the configured device, never
+    the machine: ``device="cpu"`` on a GPU host must not get GPU kernels."""
     if backend != "auto":
         return backend
-    return "triton" if is_cuda(device) else "torch"
+    return "triton" if is_cuda(device) else "cpu"
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,9 @@ A backend is two pure functions over the paged layout (``kernels/layout.py``):
 ``window`` (a sliding-window layer's width) and ``sinks`` (``[Hq]`` learned sink logits) are per layer
 and keyword arguments of every attention entry point (``kernels/reference.py`` defines them).
 
-``torch`` (``kernels/reference.py``) is the exact reference and runs everywhere; ``triton`` runs the
+``torch`` (``kernels/reference.py``) is the exact reference and runs everywhere; ``cpu``
+(``kernels/cpu_attention.py``) is the reference with its decode attention in a small C kernel (what
+``auto`` picks on CPU; the reference when no C compiler is there); ``triton`` runs the
 Triton kernels (CUDA, or the CPU interpreter with ``TRITON_INTERPRET=1``), imported only when asked
 for, so a CPU install never needs a working Triton compiler. A backend may also supply
 ``warm_up(shapes)``: compile every kernel configuration its launchers can pick for the engine's model,
@@ -19,6 +21,7 @@ so no request pays a JIT compile.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -67,6 +70,19 @@ def torch_backend() -> AttentionBackend:
                                                                        select=ix.select_torch, attend=ix.attend_torch))
 
 
+def cpu_backend() -> AttentionBackend:
+    """The reference with one-token queries attended by ``kernels/cpu_attention.py``'s C kernel; the
+    plain ``torch`` backend when that kernel cannot be built here (it logs why)."""
+    from kernels import cpu_attention as ca
+    from kernels import cpu_ops
+
+    base = torch_backend()
+    if ca.load() is None:
+        return base
+    return dataclasses.replace(base, name="cpu", write_kv=cpu_ops.write_kv, paged_attention=ca.paged_attention,
+                               paged_attention_quant=ca.paged_attention_quant, plan=ca.plan)
+
+
 def triton_backend() -> AttentionBackend:
     """The Triton ``write_kv`` and ``paged_attention`` (reference signatures), and ``warm_up``, which
     compiles every configuration they can launch for a model shape (CUDA only). Without CUDA the kernels
@@ -87,4 +103,5 @@ def triton_backend() -> AttentionBackend:
 
 
 # name -> zero-argument factory
-BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": torch_backend, "triton": triton_backend}
+BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": torch_backend, "cpu": cpu_backend,
+                                                        "triton": triton_backend}

@@ -24,11 +24,12 @@ def cuda_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_auto_backend_and_dtype_follow_the_device(cuda_everywhere: None) -> None:
     cpu = EngineConfig()
-    assert (cpu.attention_backend, cpu.dtype) == ("torch", "float32")
+    assert (cpu.attention_backend, cpu.dtype) == ("cpu", "float32")
     gpu = EngineConfig(device="cuda")
     assert (gpu.attention_backend, gpu.dtype) == ("triton", "bfloat16")
     assert EngineConfig(device="cuda:1", dtype="float32").dtype == "float32"
-    assert get_backend("auto", "cpu").name == "torch"
+    # The C decode kernel's backend, or the plain reference where it cannot be built (kernels/cpu_attention.py).
+    assert get_backend("auto", "cpu").name in ("cpu", "torch")
 
 
 def test_device_and_memory_fields_are_validated_by_name() -> None:

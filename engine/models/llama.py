@@ -4,7 +4,7 @@ One decoder layer on the packed token axis ``T`` of a ragged step (``engine/mode
 
     h [T, hidden] ── RMSNorm ── x @ W_qkv^T (+ b) ──┬─ q [T, Hq, D] ─ (q_norm) ─ RoPE ─┐
          │                                          ├─ k [T, Hkv, D] ─ (k_norm) ─ RoPE ─┤ engine.attention.
-         │                                          └─ v [T, Hkv, D] ───────────────────┤ paged_attention_forward
+         │                                          └─ v [T, Hkv, D] ───────────────────┤ attend_tokens
          │                                                                              ▼  (paged KV cache)
          ├──────────────────── + ◀── all-reduce ◀── o @ W_o^T ◀──────────── o [T, Hq*D]
          │
@@ -12,7 +12,8 @@ One decoder layer on the packed token axis ``T`` of a ragged step (``engine/mode
 
 ``W_qkv`` is ``[q_proj; k_proj; v_proj]`` and ``W_gate_up`` is ``[gate_proj; up_proj]`` stacked on the
 output axis at load time (one GEMM each instead of three and two). Attention goes through the same
-entry point transformers models call (``engine.attention.paged_attention_forward``), with the layer
+code transformers models reach through their hook (``engine.attention.attend_tokens``, which
+``paged_attention_forward`` calls after its layout transposes), with the layer
 object in the role of the transformers module (``layer_idx``, ``sliding_window``, ``scaling``), so a
 feature added there (quantized KV, windows, sinks, sparse selection) runs on both paths.
 
@@ -33,6 +34,7 @@ from torch import nn
 
 from engine import attention
 from engine.architectures import attention_layout
+from kernels import cpu_ops
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -146,11 +148,20 @@ class Rope(nn.Module):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm: normalise in float32, cast back, then scale (one fused op in float32)."""
+    """transformers' LlamaRMSNorm: normalise in float32, cast back, then scale (one C call for float32 rows
+    on CPU, ``kernels.cpu_ops``; ``F.rms_norm`` otherwise)."""
     if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        return cpu_ops.rms_norm(x, weight, eps) if x.dim() == 2 else F.rms_norm(x, (x.shape[-1],), weight, eps)
     y = F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
     return y if weight is None else weight * y
+
+
+def add_rms_norm(h: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``h += r`` (the residual stream, in place), then ``rms_norm(h, weight)``: one pass in float32 on CPU."""
+    if h.dtype == torch.float32:
+        return cpu_ops.add_rms_norm(h, r, weight, eps)
+    h.add_(r)
+    return rms_norm(h, weight, eps)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -165,7 +176,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, spec: LlamaSpec, layer_idx: int, config: Any, tensors: dict[str, torch.Tensor | None],
                  rank_heads: int, rank_kv_heads: int) -> None:
         super().__init__()
-        # Read by engine.attention.paged_attention_forward, as on a transformers attention module.
+        # Read by engine.attention.attend_tokens, as on a transformers attention module.
         self.layer_idx = layer_idx
         self.config = config
         self.head_dim = spec.head_dim
@@ -245,11 +256,12 @@ class LlamaForward(nn.Module):
         """``input_ids, positions [T]`` -> logits ``[len(logits_indices), vocab]`` (float32). Runs inside
         an ``engine.attention.forward_context`` (the paged KV metadata of the step)."""
         eps, d = self.spec.rms_norm_eps, self.spec.head_dim
-        h = F.embedding(input_ids, self.embed)
+        h = F.embedding(input_ids, self.embed)  # the residual stream, updated in place below
         cos, sin = self.rotary_emb.cos_sin(positions, h.dtype)
         t = h.shape[0]
-        for layer in self.layers:
-            x = rms_norm(h, layer.input_norm, eps)
+        layers = self.layers
+        x = rms_norm(h, layers[0].input_norm, eps)
+        for i, layer in enumerate(layers):
             # q and k side by side ([T, Hq + Hkv, D]): one norm (Qwen3) and one RoPE for both.
             qk, v = F.linear(x, layer.qkv_w, layer.qkv_b).split(layer.split, dim=-1)
             qk = qk.view(t, -1, d)
@@ -258,18 +270,21 @@ class LlamaForward(nn.Module):
             q, k = apply_rope(qk, cos, sin).split((layer.num_heads, layer.num_kv_heads), dim=1)
             o = self.attend(layer, q, k, v.view(t, -1, d))
             o = self._reduce(F.linear(o.reshape(t, -1), layer.o_w))
-            h = h + (o if layer.o_b is None else o + layer.o_b)
-            x = rms_norm(h, layer.post_norm, eps)
+            # Residual add and the next norm in one pass (kernels.cpu_ops), biases added to the branch first.
+            x = add_rms_norm(h, o if layer.o_b is None else o.add_(layer.o_b), layer.post_norm, eps)
             gate, up = F.linear(x, layer.gate_up_w, layer.gate_up_b).chunk(2, dim=-1)
             y = self._reduce(F.linear(F.silu(gate) * up, layer.down_w))
-            h = h + (y if layer.down_b is None else y + layer.down_b)
+            if layer.down_b is not None:
+                y.add_(layer.down_b)
+            if i + 1 < len(layers):
+                x = add_rms_norm(h, y, layers[i + 1].input_norm, eps)
+            else:
+                h.add_(y)
         h = rms_norm(h.index_select(0, logits_indices), self.norm, eps)
         return F.linear(h, self.lm_head).float()
 
     @staticmethod
     def attend(layer: DecoderLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """The transformers attention-interface call (``[1, H, T, D]`` views in, ``[1, T, Hq, D]`` out)."""
-        kwargs = {} if layer.sliding_window is None else {"sliding_window": layer.sliding_window}
-        out, _ = attention.paged_attention_forward(layer, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                                   v.transpose(0, 1)[None], None, scaling=layer.scaling, **kwargs)
-        return out[0]
+        """The engine's attention on the packed token axis (``engine.attention.attend_tokens``, which the
+        transformers hook ``paged_attention_forward`` also runs): ``[T, H, D]`` in, ``[T, Hq, D]`` out."""
+        return attention.attend_tokens(layer, q, k, v, layer.scaling, layer.sliding_window)

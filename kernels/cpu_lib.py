@@ -1,0 +1,86 @@
+"""Build and load the CPU kernels in ``kernels/csrc/*.c`` (one shared library, called through ctypes).
+
+Compiled once per machine with the system C compiler (``cc -O3 -march=native -ffast-math``, about a
+second) into ``$SINKSERVE_CACHE`` (default ``~/.cache/sinkserve``), keyed by the sources, the flags and
+the CPU's feature flags, so a cache shared between machines never loads code built for another CPU. No
+compiler, or a failed build: ``load()`` returns None (one log line) and every caller uses torch ops.
+The C files include only the C library (no torch headers), which keeps the build short.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.c")))
+# -ffast-math lets the compiler vectorise the reductions and expf (libmvec); no kernel sees an inf or
+# NaN (scores are finite, a maximum starts from a real score). Compiled and linked in two steps, so the
+# shared object does not pull in crtfastmath.o (which would set flush-to-zero for the whole process).
+CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC")
+
+_p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+SIGNATURES = {
+    "sinkserve_decode_attention": ([_p, _i64, _i64, _p, _p, _p, _i64, _p, _p, _i32, _i32, _i32, _i32, _i32, _f32,
+                                    _i32, _p, _p, _p, _i64], ctypes.c_int),
+    "sinkserve_rms_norm": ([_p, _i64, _p, _p, _i64, _i32, _f32], None),
+    "sinkserve_add_rms_norm": ([_p, _p, _i64, _p, _p, _i64, _i32, _f32], None),
+    "sinkserve_write_kv": ([_p, _i64, _i64, _p, _i64, _i64, _p, _p, _p, _i64, _i32, _i32, _i64], ctypes.c_int),
+}
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("SINKSERVE_CACHE") or Path.home() / ".cache" / "sinkserve") / "kernels"
+
+
+def _build() -> Path:
+    digest = hashlib.sha256(" ".join(CFLAGS).encode() + _cpu_flags().encode())
+    for src in SOURCES:
+        digest.update(src.name.encode() + src.read_bytes())
+    out = _cache_dir() / f"sinkserve_cpu-{digest.hexdigest()[:16]}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cc = os.environ.get("CC", "cc")
+    # Build beside the target and rename: concurrent engines never load a half-written library.
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        objs = []
+        for src in SOURCES:
+            obj = Path(tmp) / (src.stem + ".o")
+            subprocess.run([cc, *CFLAGS, "-c", str(src), "-o", str(obj)], check=True, capture_output=True, timeout=120)
+            objs.append(str(obj))
+        tmp_so = Path(tmp) / out.name
+        subprocess.run([cc, "-shared", *objs, "-o", str(tmp_so), "-lm"], check=True, capture_output=True, timeout=120)
+        os.replace(tmp_so, out)
+    return out
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The compiled library with its signatures set, or None (with one log line) when it cannot be built."""
+    try:
+        lib = ctypes.CDLL(str(_build()))
+    except (OSError, subprocess.SubprocessError) as exc:
+        err = getattr(exc, "stderr", None)
+        detail = err.decode(errors="replace").strip().splitlines()[:1] if err else []
+        logger.warning("CPU kernels unavailable, using torch ops (%s)", detail[0] if detail else exc)
+        return None
+    for name, (args, res) in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, res
+    return lib

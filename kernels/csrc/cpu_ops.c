@@ -1,0 +1,53 @@
+/* Small fused float32 CPU ops of the native forward (kernels/cpu_attention.py builds and calls them),
+ * each one call where torch issues several kernels on a few hundred floats:
+ *
+ *   rms_norm:      out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w          (7 ATen ops in torch 2.13 on CPU)
+ *   add_rms_norm:  h[t] += r[t]; out[t] = rms_norm(h[t])                  (the residual add fused in)
+ *   write_kv:      k_cache[slot[t]] = k[t], v_cache[slot[t]] = v[t]; slot < 0 skipped (no mask, no sync);
+ *                  a slot past the cache writes nothing and returns -1
+ *
+ * Rows are contiguous in their last dimension; strides are in elements. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline void norm_row(const float *x, const float *w, float *out, int n, float eps) {
+    float ss = 0.0f;
+    for (int i = 0; i < n; i++) ss += x[i] * x[i];
+    const float r = 1.0f / sqrtf(ss / (float)n + eps);
+    if (w)
+        for (int i = 0; i < n; i++) out[i] = (x[i] * r) * w[i];
+    else
+        for (int i = 0; i < n; i++) out[i] = x[i] * r;
+}
+
+void sinkserve_rms_norm(const float *x, int64_t x_st, const float *w, float *out, int64_t rows, int n, float eps) {
+    for (int64_t t = 0; t < rows; t++) norm_row(x + t * x_st, w, out + t * n, n, eps);
+}
+
+void sinkserve_add_rms_norm(float *h, const float *r, int64_t r_st, const float *w, float *out, int64_t rows, int n,
+                            float eps) {
+    for (int64_t t = 0; t < rows; t++) {
+        float *hr = h + t * n;
+        const float *rr = r + t * r_st;
+        for (int i = 0; i < n; i++) hr[i] += rr[i];
+        norm_row(hr, w, out + t * n, n, eps);
+    }
+}
+
+int sinkserve_write_kv(const float *k, int64_t k_st, int64_t k_sh, const float *v, int64_t v_st, int64_t v_sh,
+                       float *k_cache, float *v_cache, const int64_t *slots, int64_t rows, int hkv, int d,
+                       int64_t num_slots) {
+    const int64_t slot_elems = (int64_t)hkv * d;
+    for (int64_t t = 0; t < rows; t++)
+        if (slots[t] >= num_slots) return -1; /* checked before any write: an error leaves the cache as it was */
+    for (int64_t t = 0; t < rows; t++) {
+        const int64_t s = slots[t];
+        if (s < 0) continue;
+        for (int h = 0; h < hkv; h++) {
+            memcpy(k_cache + s * slot_elems + (int64_t)h * d, k + t * k_st + h * k_sh, sizeof(float) * d);
+            memcpy(v_cache + s * slot_elems + (int64_t)h * d, v + t * v_st + h * v_sh, sizeof(float) * d);
+        }
+    }
+    return 0;
+}

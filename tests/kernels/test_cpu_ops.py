@@ -1,0 +1,48 @@
+"""The fused CPU ops (``kernels/cpu_ops.py``) against the torch ops they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_ops, reference
+from kernels.cpu_lib import load
+
+pytestmark = pytest.mark.skipif(load() is None, reason="no C compiler: the torch ops run")
+
+
+def test_rms_norm_and_fused_residual_match_torch():
+    g = torch.Generator().manual_seed(0)
+    wide = torch.randn(5, 300, generator=g) * 3
+    x = wide[:, 20:276]  # strided rows
+    w = torch.randn(256, generator=g)
+    torch.testing.assert_close(cpu_ops.rms_norm(x, w, 1e-5), F.rms_norm(x, (256,), w, 1e-5), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cpu_ops.rms_norm(x, None, 1e-6), F.rms_norm(x, (256,), None, 1e-6), rtol=1e-5, atol=1e-5)
+    h = torch.randn(5, 256, generator=g)
+    h_ref = h.clone()
+    out = cpu_ops.add_rms_norm(h, x, w, 1e-5)
+    h_ref += x
+    torch.testing.assert_close(h, h_ref)
+    torch.testing.assert_close(out, F.rms_norm(h_ref, (256,), w, 1e-5), rtol=1e-5, atol=1e-5)
+
+
+def test_write_kv_matches_reference_and_checks_slots():
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(6, 4 + 2 + 2, 8, generator=g)
+    k, v = qkv[:, 4:6], qkv[:, 6:]  # strided views, as the native forward passes them
+    slots = torch.tensor([3, 17, -1, 40, 0, 63])
+    caches = [torch.randn(4, 16, 2, 8, generator=g) for _ in range(2)]
+    ref = [c.clone() for c in caches]
+    cpu_ops.write_kv(k, v, *caches, slots)
+    reference.write_kv(k, v, *ref, slots)
+    assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])
+    with pytest.raises(IndexError):
+        cpu_ops.write_kv(k, v, *caches, torch.tensor([0, 1, 2, 3, 4, 64]))
+    assert torch.equal(caches[0], ref[0])  # nothing written
+
+
+def test_other_dtypes_take_the_torch_path():
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    w = torch.randn(64, dtype=torch.bfloat16)
+    assert torch.equal(cpu_ops.rms_norm(x, w, 1e-5), F.rms_norm(x, (64,), w, 1e-5))
