@@ -75,6 +75,31 @@ def visible_gpu_count() -> int:
     return torch.cuda.device_count()
 
 
+def shm_allreduce_buffer(rank: int, env: dict[str, str] | None = None) -> str:
+    """The ``/dev/shm`` file DeepSpeed's CPU shared-memory all-reduce creates for ``rank`` in
+    ``init_distributed`` (``deepspeed/ops/csrc/cpu/comm/shm.cpp``: buffer name, uid, master address and
+    port, rank)."""
+    env = os.environ if env is None else env
+    return f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{env['MASTER_ADDR']}_{env['MASTER_PORT']}_{rank}"
+
+
+def unlink_shm_allreduce_buffer(rank: int) -> None:
+    """Remove this rank's shared-memory all-reduce file once every rank has mapped it.
+
+    DeepSpeed never unlinks it: each TP start left 64 MiB per rank in ``/dev/shm`` (RAM) after its
+    processes exited, until the host ran out of memory. The mappings outlive the name, so after a
+    barrier (every rank's ``init_distributed`` has opened every peer's buffer) the name can go now,
+    and the memory is freed with the last process that maps it.
+    """
+    import torch.distributed as dist
+
+    dist.barrier()
+    try:
+        os.unlink(shm_allreduce_buffer(rank))
+    except FileNotFoundError:  # no shared-memory all-reduce (GPU, or DeepSpeed built without it)
+        pass
+
+
 class TPWorkerActor:
     """One tensor-parallel rank: joins the process group, loads its shard of the model (DeepSpeed
     AutoTP inside ``engine.model_runner.ModelRunner`` when ``world_size > 1``), measures what KV cache
@@ -99,6 +124,8 @@ class TPWorkerActor:
 
         # Env rendezvous (RANK/WORLD_SIZE/MASTER_*), never MPI discovery.
         deepspeed.init_distributed(dist_backend=dist_backend(self.config.device), auto_mpi_discovery=False)
+        if not self.config.device.startswith("cuda"):  # the shared-memory all-reduce is DeepSpeed's CPU path
+            unlink_shm_allreduce_buffer(self.rank)
         self.runner = ModelRunner(self.config, None, self.rank, self.world_size)
         return True
 

@@ -193,6 +193,12 @@ def test_tp2_scores_all_heads_and_evicts_what_tp1_evicts(tiny_llama: Path) -> No
     engine = LLMEngine(EngineConfig(**kw, tensor_parallel_size=2), ProcessTPExecutor)
     try:
         two = run(engine)
+        # DeepSpeed's shared-memory all-reduce files are unlinked once both ranks mapped them (they
+        # leaked 64 MiB of /dev/shm per rank per TP start), and the all-reduce above still worked.
+        from app.tp_executor import shm_allreduce_buffer
+
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(engine.executor.port)}
+        assert not [r for r in (0, 1) if Path(shm_allreduce_buffer(r, env)).exists()]
     finally:
         engine.executor.shutdown()
     assert one[1], "nothing was evicted"

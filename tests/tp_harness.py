@@ -34,7 +34,7 @@ class ProcessTPExecutor:
     def __init__(self, config: Any) -> None:
         ctx = mp.get_context("spawn")
         n = config.tensor_parallel_size
-        port = free_port()
+        self.port = port = free_port()
         self.conns, self.procs = [], []
         for rank in range(n):
             parent, child = ctx.Pipe()
