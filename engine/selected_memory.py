@@ -145,36 +145,17 @@ def selected_memory_attention(query: torch.Tensor, kv, bounds: bs.BlockBounds, b
     visible block, so every shift is 0 and they attend at their stored positions. ``bounds`` must hold pre-RoPE keys
     (``position_free_keys``); ``score`` receives canonical queries. ``selections`` (optional) receives each
     sequence's ``[G, N]`` selection."""
-    block_size = bs.bounds_block_size(kv)
-    out = torch.empty_like(query)
     starts = query_start_loc.tolist()
-    for s, seq_len in enumerate(seq_lens.tolist()):
-        r0, r1 = starts[s], starts[s + 1]
-        n = r1 - r0
-        if n == 0:
-            continue
-        nb = -(-seq_len // block_size)
-        table = block_tables[s, :nb]
-        group = 1 if n == 1 else plan.prefill_group
-        g = -(-n // group)
-        q = query[r0:r1]
-        q_pos = torch.arange(seq_len - n, seq_len, device=query.device)
-        first = q_pos[::group]
-        last = q_pos[torch.clamp(torch.arange(1, g + 1, device=query.device) * group, max=n) - 1]
-        qc = canonical_queries(q.float(), q_pos, distance, inv_freq)
-        if group == 1:
-            q_groups = qc
-        else:
-            pad = g * group - n
-            qp = torch.nn.functional.pad(qc, (0, 0, 0, 0, 0, pad)).view(g, group, *q.shape[1:])
-            counts = torch.clamp(n - torch.arange(g, device=query.device) * group, max=group).float()
-            q_groups = qp.sum(1) / counts[:, None, None]
-        sel = bs.select_blocks(q_groups, bounds, table, plan.forced[s, :nb], first, last, plan.top_blocks[s],
-                               plan.window, block_size, scale, score)
-        if selections is not None:
-            selections.append(sel)
-        out[r0:r1] = attend_compact(q, q_pos, kv, table, sel, seq_len, block_size, group, scale, inv_freq)
-    return out
+    q_pos = torch.cat([torch.arange(n - (starts[s + 1] - starts[s]), n, device=query.device)
+                       for s, n in enumerate(seq_lens.tolist())])
+
+    def attend(q: torch.Tensor, pos: torch.Tensor, kv, table: torch.Tensor, sel: torch.Tensor, seq_len: int,
+               block_size: int, group: int, scale: float) -> torch.Tensor:
+        return attend_compact(q, pos, kv, table, sel, seq_len, block_size, group, scale, inv_freq)
+
+    return bs.block_sparse_attention(query, kv, bounds, block_tables, seq_lens, query_start_loc, plan, scale,
+                                     attend=attend, selections=selections, score=score,
+                                     score_query=canonical_queries(query[: starts[-1]].float(), q_pos, distance, inv_freq))
 
 
 @dataclass(frozen=True)

@@ -281,12 +281,14 @@ def attend_slots_triton(query: torch.Tensor, q_pos: torch.Tensor, kv, table: tor
 def block_sparse_attention(query: torch.Tensor, kv, bounds: BlockBounds, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, query_start_loc: torch.Tensor, plan: SparsePlan, scale: float,
                            attend: Attend = attend_gather, selections: list | None = None,
-                           score: Score = block_scores) -> torch.Tensor:
+                           score: Score = block_scores, score_query: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of packed queries ``[T, Hq, D]`` over each sequence's forced + selected blocks.
 
     ``kv`` is ``(k_cache, v_cache)`` or a ``QuantKVCache``; ``attend`` is the backend's attention over a
     selection (``attend_gather``: torch; ``attend_slots_triton``). ``selections`` (optional list) receives
-    each sequence's ``[G, N]`` selection, for tests and evals.
+    each sequence's ``[G, N]`` selection, for tests and evals. ``score_query`` (``[T, Hq, D]``, default
+    ``query``): the queries the blocks are scored with (selected memory scores position-free queries and
+    attends the real ones).
     """
     block_size = bounds_block_size(kv)
     out = torch.empty_like(query)
@@ -305,11 +307,12 @@ def block_sparse_attention(query: torch.Tensor, kv, bounds: BlockBounds, block_t
         q_pos = torch.arange(seq_len - n, seq_len, device=query.device)
         first = q_pos[::group]
         last = q_pos[torch.clamp(torch.arange(1, g + 1, device=query.device) * group, max=n) - 1]
+        qs = q if score_query is None else score_query[r0:r1]
         if group == 1:
-            q_groups = q
+            q_groups = qs
         else:
             pad = g * group - n
-            qp = torch.nn.functional.pad(q.float(), (0, 0, 0, 0, 0, pad)).view(g, group, *q.shape[1:])
+            qp = torch.nn.functional.pad(qs.float(), (0, 0, 0, 0, 0, pad)).view(g, group, *q.shape[1:])
             counts = torch.clamp(n - torch.arange(g, device=query.device) * group, max=group).float()
             q_groups = qp.sum(1) / counts[:, None, None]
         sel = select_blocks(q_groups, bounds, table, plan.forced[s, :nb], first, last, plan.top_blocks[s],
