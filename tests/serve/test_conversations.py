@@ -192,20 +192,37 @@ def test_conversation_past_the_largest_prompt_bound_streams_on_in_the_evicting_p
         assert turns[-1]["prompt_tokens"] > 900 and pools[-1] == "long", (pools, turns)
 
 
+def _fill_quota(c: httpx.Client, body: dict) -> tuple[int, int, int, int, httpx.Response | None, bool]:
+    """Spend the tenant's per-minute quota from the start of a clock-aligned window: ``(used, served,
+    last request's tokens, its prompt tokens, the refusal, whether it all fell in one window)``. The
+    window is waited for when this one is not fresh or too short: on a loaded host the loop can take
+    longer than what is left of a minute, and a reset mid-loop lets more than the quota through."""
+    q = c.get("/v1/tenant/usage").json()["quotas"][0]
+    if q["used"] > 0 or q["resets_at"] - time.time() < 45:
+        time.sleep(max(0.0, q["resets_at"] - time.time()) + 0.3)
+        q = c.get("/v1/tenant/usage").json()["quotas"][0]
+    used, served, last, prompt, refusal = 0, 0, 0, 0, None
+    for _ in range(40):
+        r = c.post("/v1/completions", json=body)
+        if r.status_code == 429:
+            refusal = r
+            break
+        assert r.status_code == 200, r.text
+        last = r.json()["usage"]["total_tokens"]
+        prompt = r.json()["usage"]["prompt_tokens"]
+        used += last
+        served += 1
+    return used, served, last, prompt, refusal, time.time() < q["resets_at"]
+
+
 def test_tenant_quota_429_within_one_request_across_ingress_replicas(conv):
     with client(conv, ACME_KEY) as c:
         body = {"prompt": "The pass key is 48213. " * 6, "max_tokens": 24, "temperature": 0, "sinkserve": {"ignore_eos": True}}
-        used, served, last, refusal = 0, 0, 0, None
-        for _ in range(40):
-            r = c.post("/v1/completions", json=body)
-            if r.status_code == 429:
-                refusal = r
+        for _attempt in range(2):
+            used, served, last, prompt, refusal, one_window = _fill_quota(c, body)
+            if one_window:
                 break
-            assert r.status_code == 200, r.text
-            last = r.json()["usage"]["total_tokens"]
-            prompt = r.json()["usage"]["prompt_tokens"]
-            used += last
-            served += 1
+        assert one_window, "the host was too slow to spend the quota within one minute, twice"
         assert refusal is not None and served >= 5, used
         # The last request served still fitted (what was used before it plus its prompt), the next did not:
         # the refusal came at the first request past the quota, whichever ingress replica served it.
