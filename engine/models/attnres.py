@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.llama import LlamaForward, LlamaSpec, NativeUnsupported, apply_rope, rms_norm
-from engine.models.registry import _random_weights, _sharded_get, _tp_all_reduce, register_architecture
+from engine.models.registry import _tp_all_reduce, register_architecture, weight_getter
 
 ARCHITECTURE = "AttnResForCausalLM"
 
@@ -191,15 +191,9 @@ def build_attnres(cfg: Any, model_dir: str, load_format: str, dtype: torch.dtype
     """The native AttnRes forward from the checkpoint's safetensors (or random weights of its shapes);
     same signature as ``registry.build_llama``."""
     spec = AttnResSpec.from_config(cfg)
-    if load_format == "dummy":
-        get = _random_weights(spec, dtype, device, rank, world_size, seed)
-    else:
-        from engine.models.checkpoint import Checkpoint
-
-        ckpt = Checkpoint(model_dir, device, dtype)
-        get = lambda name, dim=None: ckpt.get(name, dim, rank, world_size)  # noqa: E731
+    get = weight_getter(spec, model_dir, load_format, dtype, device, rank, world_size, seed)
     with torch.no_grad():
-        return AttnResForward(cfg, spec, _sharded_get(get, world_size), device, rank, world_size,
+        return AttnResForward(cfg, spec, get, device, rank, world_size,
                               _tp_all_reduce() if world_size > 1 else None).eval()
 
 

@@ -48,6 +48,16 @@ def build_llama(cfg: Any, model_dir: str, load_format: str, dtype: torch.dtype, 
                 rank: int, world_size: int, seed: int) -> nn.Module:
     """Llama/Mistral/Qwen2/Qwen3 from the checkpoint's safetensors (or random weights of its shapes)."""
     spec = LlamaSpec.from_config(cfg)
+    sharded = weight_getter(spec, model_dir, load_format, dtype, device, rank, world_size, seed)
+    with torch.no_grad():
+        return LlamaForward(cfg, spec, sharded, device, rank, world_size,
+                            _tp_all_reduce() if world_size > 1 else None).eval()
+
+
+def weight_getter(spec: LlamaSpec, model_dir: str, load_format: str, dtype: torch.dtype, device: torch.device,
+                  rank: int, world_size: int, seed: int) -> Callable[..., torch.Tensor]:
+    """``get(name, dim=None)`` of this rank's tensors: from the checkpoint's safetensors, or seeded random
+    tensors of the spec's shapes (``load_format: dummy``), sharded for tensor parallelism."""
     if load_format == "dummy":
         get = _random_weights(spec, dtype, device, rank, world_size, seed)
     else:
@@ -55,10 +65,7 @@ def build_llama(cfg: Any, model_dir: str, load_format: str, dtype: torch.dtype, 
 
         ckpt = Checkpoint(model_dir, device, dtype)
         get = lambda name, dim=None: ckpt.get(name, dim, rank, world_size)  # noqa: E731
-    sharded = _sharded_get(get, world_size)
-    with torch.no_grad():
-        return LlamaForward(cfg, spec, sharded, device, rank, world_size,
-                            _tp_all_reduce() if world_size > 1 else None).eval()
+    return _sharded_get(get, world_size)
 
 
 def _sharded_get(get: Callable[..., torch.Tensor], world_size: int) -> Callable[..., torch.Tensor]:
