@@ -37,9 +37,12 @@ from engine.architectures import attention_layout
 from kernels import cpu_decode, cpu_ops
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-# Decode steps of up to this many sequences run as one C call (kernels/cpu_decode.py); larger batches keep
-# the eager forward, whose GEMMs reuse each weight row across the batch far better than the C loops do.
-DECODE_KERNEL_MAX_ROWS = 8
+# Decode steps of up to this many sequences run as one C call (kernels/cpu_decode.py) when torch runs one
+# thread (as every engine process under Ray does: OMP_NUM_THREADS=1 for pools with num_cpus < 1). At one
+# thread the C step's median step time beat the eager forward's at every batch measured, 1 to 64, on the
+# reference model and bench.throughput's; at 64 its best steps were slower (docs/cpu_decode_step.md). With
+# more threads the eager GEMMs use them and the single-threaded C step would not.
+DECODE_KERNEL_MAX_ROWS = 32
 
 
 class NativeUnsupported(Exception):
@@ -258,7 +261,7 @@ class LlamaForward(nn.Module):
 
     def decode_kernel_applies(self, ctx: attention.ForwardContext, rows: int) -> bool:
         """Whether this step can run as one C call (``kernels/cpu_decode.py``): a float32 CPU model on one
-        rank, the ``cpu`` attention backend, every sequence decoding one token, at most
+        rank and one torch thread, the ``cpu`` attention backend, every sequence decoding one token, at most
         ``DECODE_KERNEL_MAX_ROWS`` of them, and none of the attention features the C step does not carry
         (quantized KV, sparse attention and its bounds, the trained indexer, importance scoring, outlier
         calibration, selected memory, learned sinks). Everything else runs the eager forward below."""
@@ -267,7 +270,7 @@ class LlamaForward(nn.Module):
                 and not ctx.quantized and ctx.key_absmax is None and ctx.block_bounds is None and ctx.indexer is None
                 and ctx.sparse_plan is None and ctx.block_importance is None and ctx.selected_memory is None
                 and (ctx.layout is None or not ctx.layout.sinks) and self.spec.head_dim <= 256
-                and cpu_decode.available())
+                and torch.get_num_threads() == 1 and cpu_decode.available())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         """``input_ids, positions [T]`` -> logits ``[len(logits_indices), vocab]`` (float32). Runs inside

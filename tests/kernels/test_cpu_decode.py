@@ -18,6 +18,15 @@ from tests.tiny_models import build_model
 
 pytestmark = pytest.mark.skipif(load() is None, reason="no C compiler: the eager forward runs")
 
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The engine takes the C step only at one torch thread (what Ray gives an engine process)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
 YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128}
 CASES = {
     "llama": ("llama", {}),
@@ -97,4 +106,9 @@ def test_steps_the_c_step_does_not_carry_run_eagerly(tiny_llama: Path, monkeypat
     batch = prompts(seed=4)[:2]
     run_engine(tiny_llama, batch, staggered=False, kv_cache_dtype="int8")  # quantized KV
     run_engine(tiny_llama, batch, staggered=False, attention_backend="torch")  # the pure reference backend
+    torch.set_num_threads(2)  # the eager GEMMs can use the threads; the C step cannot
+    run_engine(tiny_llama, batch, staggered=False)
     assert rows == []
+    torch.set_num_threads(1)
+    run_engine(tiny_llama, batch, staggered=False)
+    assert rows
