@@ -59,7 +59,8 @@ llm = Llama(model_path=path, n_ctx=work["n_ctx"], n_batch=n_batch, n_ubatch=n_ba
 out = {"version": llama_cpp.__version__, "system_info": llama_cpp.llama_print_system_info().decode()}
 llm.reset(); llm.eval(work["prefill"][:8])  # warm-up
 llm.reset()
-t = time.perf_counter(); llm.eval(work["prefill"]); out["prefill_s"] = time.perf_counter() - t
+t, c = time.perf_counter(), time.process_time(); llm.eval(work["prefill"])
+out["prefill_s"], out["prefill_cpu_s"] = time.perf_counter() - t, time.process_time() - c
 n_vocab = llm.n_vocab()
 def last_logits():  # the last evaluated token's row (without logits_all, eval keeps no scores)
     return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))
@@ -69,10 +70,10 @@ tok = int(np.argmax(last_logits())); toks = [tok]
 t = None
 for i in range(work["decode"] - 1):
     if i == 0:
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
     llm.eval([tok])
     tok = int(np.argmax(last_logits())); toks.append(tok)
-out["decode_s"] = time.perf_counter() - t
+out["decode_s"], out["decode_cpu_s"] = time.perf_counter() - t, time.process_time() - c
 out["tokens"] = toks
 print("RESULT " + json.dumps(out))
 """
@@ -161,9 +162,9 @@ def run_engine(model_dir: Path, work: dict, model_impl: str, compile_decode: boo
                                     model_impl=model_impl, compile_decode=compile_decode))
     greedy = dict(temperature=0.0, ignore_eos=True)
     engine.generate([work["prefill"][:8]], SamplingParams(max_tokens=2, **greedy))  # warm-up
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     engine.generate([work["prefill"]], SamplingParams(max_tokens=1, **greedy))
-    prefill_s = time.perf_counter() - t
+    prefill_s, prefill_cpu_s = time.perf_counter() - t, time.process_time() - c
     engine.add_request("d", work["prompt"], SamplingParams(max_tokens=work["decode"], **greedy))
     tokens: list[int] = []
     t = None
@@ -171,10 +172,11 @@ def run_engine(model_dir: Path, work: dict, model_impl: str, compile_decode: boo
         for out in engine.step():
             tokens.extend(out.token_ids)
         if t is None and tokens:
-            t = time.perf_counter()  # from the first token on: decode steps only
-    decode_s = time.perf_counter() - t
+            t, c = time.perf_counter(), time.process_time()  # from the first token on: decode steps only
+    decode_s, decode_cpu_s = time.perf_counter() - t, time.process_time() - c
     engine.shutdown()
-    return {"prefill_s": prefill_s, "decode_s": decode_s, "tokens": tokens}
+    return {"prefill_s": prefill_s, "decode_s": decode_s, "prefill_cpu_s": prefill_cpu_s, "decode_cpu_s": decode_cpu_s,
+            "tokens": tokens}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
 
     dec = {k: rate(k, "decode_s", args.decode - 1) for k in runs}
     pre = {k: rate(k, "prefill_s", args.prefill) for k in runs}
+    dec_cpu = {k: rate(k, "decode_cpu_s", args.decode - 1) for k in runs}
+    pre_cpu = {k: rate(k, "prefill_cpu_s", args.prefill) for k in runs}
     head = names[1]
     info = runs[head][0]
     import transformers
@@ -257,6 +261,14 @@ def main(argv: list[str] | None = None) -> int:
         f"| prefill tokens/s ({args.prefill}-token prompt, one batch) | "
         + " | ".join(f"{pre[n]:.0f}" for n in names) + " | "
         + " | ".join(f"{pre['engine'] / pre[n]:.2f}x" for n in names[1:]) + " | >= 1x |",
+        "| decode tokens per CPU-second | " + " | ".join(f"{dec_cpu[n]:.0f}" for n in names) + " | "
+        + " | ".join(f"{dec_cpu['engine'] / dec_cpu[n]:.2f}x" for n in names[1:]) + " | >= 0.8x |",
+        "| prefill tokens per CPU-second | " + " | ".join(f"{pre_cpu[n]:.0f}" for n in names) + " | "
+        + " | ".join(f"{pre_cpu['engine'] / pre_cpu[n]:.2f}x" for n in names[1:]) + " | >= 1x |",
+        "",
+        "Tokens/s is the wall clock; tokens per CPU-second (`time.process_time`, every thread of the process: one "
+        "here) leaves out the time other jobs on this shared host took the core away, so it moves much less "
+        "between rounds.",
         "",
         "Greedy tokens, first round, positions equal to the engine's of "
         + ", ".join(f"{n}: {sum(a == b for a, b in zip(runs['engine'][0]['tokens'], runs[n][0]['tokens']))}/{args.decode}"
