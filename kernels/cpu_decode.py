@@ -22,8 +22,8 @@ from kernels.cpu_lib import load
 FIELDS = ("input_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "qk_norm", "gate_up_w", "gate_up_b", "down_w",
           "down_b", "k_cache", "v_cache", "window")
 _K, _V = FIELDS.index("k_cache"), FIELDS.index("v_cache")
-ERRORS = {-1: "a slot past the KV cache", -2: "head_dim over 256", -3: "a token id past the vocabulary",
-          -4: "out of memory"}
+ERRORS = {-1: "a slot past the KV cache", -3: "a token id past the vocabulary", -4: "out of memory",
+          -11: "attention scratch too small", -12: "head_dim over 256"}
 
 
 def available() -> bool:

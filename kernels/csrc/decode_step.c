@@ -22,7 +22,7 @@
  * contiguous; caches contiguous [num_blocks, B, Hkv, D]. The per-layer pointers come as one int64 table
  * [L, LAYER_FIELDS] (field order below; 0 = absent). Returns 0, or < 0 before writing anything when an
  * argument is out of range (-1 a slot past the cache, -3 a token id past the vocabulary, -4 no memory),
- * or the attention kernel's own error code (< 0). */
+ * or the attention kernel's error code minus 10 (-11 scratch too small, -12 head_dim over 256). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -149,7 +149,7 @@ int sinkserve_llama_decode(const int64_t *layers, int num_layers, const float *e
         rc = sinkserve_decode_attention(qkv, qkv_n, d, k_cache, v_cache, block_tables, bt_stride, seq_lens, starts,
                                         rows, hq, hkv, d, block, scale, (int)L[F_WINDOW], NULL, att, scratch,
                                         scratch_len);
-        if (rc != 0) break;
+        if (rc != 0) { rc -= 10; break; } /* the attention kernel's code, shifted out of this file's range */
         linear(att, rows, hq * d, PTR(L, F_O_W), PTR(L, F_O_B), hidden, o);
         for (int t = 0; t < rows; t++) {
             float *hr = h + (int64_t)t * hidden;

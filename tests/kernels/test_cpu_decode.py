@@ -112,3 +112,20 @@ def test_steps_the_c_step_does_not_carry_run_eagerly(tiny_llama: Path, monkeypat
     torch.set_num_threads(1)
     run_engine(tiny_llama, batch, staggered=False)
     assert rows
+
+
+def test_out_of_range_inputs_are_refused_before_any_write(tiny_llama: Path) -> None:
+    runner = ModelRunner(EngineConfig(model=str(tiny_llama), block_size=16, max_num_seqs=4), num_kv_blocks=8)
+    step = cpu_decode.DecodeStep(runner.model)
+    kv = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    i64, i32 = torch.int64, torch.int32
+    args = dict(positions=torch.tensor([3], dtype=i64), block_tables=torch.tensor([[1]], dtype=i32),
+                seq_lens=torch.tensor([4], dtype=i32), query_start_loc=torch.tensor([0, 1], dtype=i32),
+                logits_indices=torch.tensor([0], dtype=i64), kv_caches=runner.kv_caches)
+    with pytest.raises(RuntimeError, match="slot past"):
+        step(torch.tensor([5], dtype=i64), slot_mapping=torch.tensor([8 * 16], dtype=i64), **args)
+    with pytest.raises(RuntimeError, match="token id"):
+        step(torch.tensor([10 ** 6], dtype=i64), slot_mapping=torch.tensor([19], dtype=i64), **args)
+    for (k, v), (k0, v0) in zip(runner.kv_caches, kv):
+        assert torch.equal(k, k0) and torch.equal(v, v0)
+    assert step(torch.tensor([5], dtype=i64), slot_mapping=torch.tensor([19], dtype=i64), **args).shape == (1, 256)
