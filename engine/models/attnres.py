@@ -2,18 +2,18 @@
 
 The layers are the Llama family's (``llama.py``: fused q/k/v and gate/up weights, RoPE, the engine's
 paged attention entry point, the same tensor-parallel sharding); only the residual stream is replaced by
-depth mixing, done for all the step's tokens at once. Two buffers, allocated once per step, hold every
-source the mixes read: the embedding, then one slot per block of sub-layers (the open block's running
-sum accumulates in its slot, so a completed block is already in place)::
+depth mixing, done for all the step's tokens at once. Two buffers, allocated once per step
+(``kernels.depth_mix.DepthMix``), hold every source the mixes read: the embedding, then one slot per block
+of sub-layers (the open block's running sum accumulates in its slot, so a completed block is already in
+place)::
 
     src   [T, S, Q + D + 1]  per slot: raw dots with every pseudo-query (Q) | values (D) | c = sqrt(D eps)
-    logit [Q, T, 1, S]       float32 softmax logits w_k . rms(v) of every slot for every mix k;
-                             -inf until the slot is written (weight 0; unwritten values are zeros)
+    logit [Q, T, 1, S]       float32 softmax logits w_k . rms(v) of every slot for every mix k
 
     the twins (6 layers, 6 blocks of 2 sub-layers): S = 7 slots, Q = 13 queries (12 sub-layers + final)
     sub-layer k: 0=attn0 1=mlp0 2=attn1 3=mlp1 ...        its output goes to slot 1 + k // 2
-    mix k (query k) reads slots 0 .. k // 2 + k % 2:
-        k=0  [e]              the embedding itself (no mix)
+    mix k (query k) reads slots 0 .. k // 2 + k % 2 (after sub-layer k - 1 wrote the last of them):
+        k=0  [e]              the embedding itself (weight 1)
         k=1  [e, a0]          slot 1 holds a0, the open block
         k=2  [e, b0]          slot 1 = a0 + m0, completed
         k=3  [e, b0, a1]
@@ -23,18 +23,19 @@ Where the work goes (decode on CPU is bound by the number of small ops, not thei
 
 * dots are free: each sub-layer's output projection (``o_proj``, ``down_proj``) is extended at load time
   with Q rows ``W_mix @ W_o``, so one GEMM writes a source's dots and values into its slot (``mm`` with
-  ``out=``), and an open block accumulates both with one ``addmm_`` (dots are linear in the source);
-* the normalisation is one scalar per source and token, two ops per sub-layer (a norm, a division):
-  ``w . rms(v) = (sqrt(D) w) . v / |[v, c]|`` since ``|[v, c]|^2 = D (mean(v^2) + eps)``; ``W_mix``
-  carries the ``sqrt(D)``, and the division writes the slot's logits for every query at once;
-* a mix is a softmax over ``logit[k]`` (all S slots, unwritten ones at -inf: no per-mix slicing) and
-  one batched product ``[T, 1, S] x [T, S, D]``;
-* the embedding's logits depend on the token only: a ``[vocab, Q]`` table computed at load time.
+  ``out=``), and an open block accumulates both with one ``addmm_`` (dots are linear in the source); the
+  embedding's dots come from a ``[vocab, Q]`` table made at load time;
+* the normalisation is one scalar per source and token: ``w . rms(v) = (sqrt(D) w) . v / |[v, c]|`` since
+  ``|[v, c]|^2 = D (mean(v^2) + eps)``; ``W_mix`` carries the ``sqrt(D)``;
+* ``DepthMix.mix`` then does the rest in one C call on float32 CPU tensors (``kernels/csrc/depth_mix.c``):
+  the new slot's logits for every query, the softmax over the written slots, the weighted sum of values,
+  and the next sub-layer's RMSNorm (which the standard forward fuses with its residual add).
 
-So a sub-layer costs four small ops more than a residual add (norm, division, softmax, batched product);
-docs/attnres.md measures what that is per decode step. Tensor parallelism needs nothing more: the
-pseudo-queries are replicated, and the extension rows of a row-parallel projection are partial sums like
-its other rows, all-reduced with them.
+So a sub-layer costs what a standard one does: its output GEMM and one fused call (``add_rms_norm``
+there, the mix here). Elsewhere (bf16, GPU, a compiled step) the mix is five torch ops (norm, division,
+softmax, batched product, RMSNorm). docs/attnres.md measures what that is per decode step. Tensor
+parallelism needs nothing more: the pseudo-queries are replicated, and the extension rows of a
+row-parallel projection are partial sums like its other rows, all-reduced with them.
 """
 
 from __future__ import annotations
