@@ -17,6 +17,7 @@ import torch
 from engine.grammar import GrammarBackend
 from engine.logits_processing import LogitsProcessing
 from engine.sampling_params import SamplingParams
+from kernels.cpu_ops import greedy
 
 GeneratorFactory = Callable[[torch.device, int], torch.Generator]
 
@@ -98,6 +99,8 @@ def sample(
     penalties, bias, grammar masks, temperature and filters), so they measure the model, not the
     sampling settings.
     """
+    if (raw is None or raw is logits) and all(p.greedy for p in params):
+        return greedy(logits)  # every row greedy: one C call on CPU (argmax + log_softmax + gather)
     logprobs = torch.log_softmax(logits if raw is None else raw, dim=-1)
     tokens = torch.argmax(logits, dim=-1)
     for i, p in enumerate(params):

@@ -5,6 +5,8 @@
  *   add_rms_norm:  h[t] += r[t]; out[t] = rms_norm(h[t])                  (the residual add fused in)
  *   write_kv:      k_cache[slot[t]] = k[t], v_cache[slot[t]] = v[t]; slot < 0 skipped (no mask, no sync);
  *                  a slot past the cache writes nothing and returns -1
+ *   greedy:        token[r] = argmax(logits[r]) (the first of equal maxima, as torch.argmax),
+ *                  logprob[r] = logits[r, token] - logsumexp(logits[r])  (argmax + log_softmax + gather)
  *
  * Rows are contiguous in their last dimension; strides are in elements. */
 #include <math.h>
@@ -50,4 +52,25 @@ int sinkserve_write_kv(const float *k, int64_t k_st, int64_t k_sh, const float *
         }
     }
     return 0;
+}
+
+void sinkserve_greedy(const float *logits, int64_t rows, int64_t vocab, int64_t *token, float *logprob) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *x = logits + r * vocab;
+        int64_t best = 0;
+        float m = x[0];
+        for (int64_t i = 1; i < vocab; i++)
+            if (x[i] > m) { m = x[i]; best = i; }
+        /* float partial sums over chunks (vectorised expf), added in double: a 150k vocabulary summed
+         * in one float loses digits the reference keeps */
+        double sum = 0.0;
+        for (int64_t c = 0; c < vocab; c += 1024) {
+            const int64_t end = c + 1024 < vocab ? c + 1024 : vocab;
+            float part = 0.0f;
+            for (int64_t i = c; i < end; i++) part += expf(x[i] - m);
+            sum += part;
+        }
+        token[r] = best;
+        logprob[r] = (float)(-log(sum));
+    }
 }

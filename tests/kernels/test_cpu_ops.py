@@ -46,3 +46,19 @@ def test_other_dtypes_take_the_torch_path():
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     w = torch.randn(64, dtype=torch.bfloat16)
     assert torch.equal(cpu_ops.rms_norm(x, w, 1e-5), F.rms_norm(x, (64,), w, 1e-5))
+
+
+@pytest.mark.parametrize("vocab", [5, 4096, 151_936])
+def test_greedy_matches_argmax_and_log_softmax(vocab: int):
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(4, vocab, generator=g) * 8
+    logits[1, 3] = logits[1, vocab - 1] = logits[1].max() + 1  # a tie: the first index wins, as in torch
+    logits[2] = -1e4  # a flat row: token 0, log-prob -log(vocab)
+    tokens, lps = cpu_ops.greedy(logits)
+    ref = torch.argmax(logits, dim=-1)
+    assert tokens == ref.tolist() and tokens[1] == 3 and tokens[2] == 0
+    torch.testing.assert_close(torch.tensor(lps), torch.log_softmax(logits, -1).gather(1, ref[:, None])[:, 0],
+                               rtol=1e-5, atol=2e-5)
+    strided = torch.randn(3, 2 * vocab, generator=g)[:, ::2]  # not contiguous: the torch path, same answer
+    tokens, lps = cpu_ops.greedy(strided)
+    assert tokens == torch.argmax(strided, -1).tolist()
