@@ -26,6 +26,36 @@ class RequestOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
+def _cat(a: list | None, b: list | None) -> list | None:
+    return None if a is None and b is None else (a or []) + (b or [])
+
+
+def merge_deltas(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """One delta equal to ``first`` followed by ``then`` (two consecutive deltas of one request): the
+    lists and the text concatenated, the counts and the finish from ``then``. A reader that fell behind
+    takes what is ready as one delta instead of one per step.
+
+    >>> a = RequestOutput("r", "Hel", [1], [-0.5], False, None, 3, 1)
+    >>> b = RequestOutput("r", "lo", [2], [-0.25], True, "length", 3, 2)
+    >>> m = merge_deltas(a, b)
+    >>> (m.text, m.token_ids, m.logprobs, m.finished, m.finish_reason, m.completion_tokens)
+    ('Hello', [1, 2], [-0.5, -0.25], True, 'length', 2)
+    """
+    return RequestOutput(
+        request_id=then.request_id,
+        text=first.text + then.text,
+        token_ids=first.token_ids + then.token_ids,
+        logprobs=_cat(first.logprobs, then.logprobs),
+        finished=then.finished,
+        finish_reason=then.finish_reason,
+        prompt_tokens=then.prompt_tokens,
+        completion_tokens=then.completion_tokens,
+        cached_tokens=then.cached_tokens,
+        prompt_logprobs=_cat(first.prompt_logprobs, then.prompt_logprobs),
+        top_logprobs=_cat(first.top_logprobs, then.top_logprobs),
+    )
+
+
 @dataclass
 class CompletionResult:
     """A whole finished request, as returned by ``LLMEngine.generate``."""

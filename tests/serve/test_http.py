@@ -430,7 +430,8 @@ def test_stream_deltas_travel_on_the_token_bus(server):
     assert all(b.endswith("data: [DONE]") and '"completion_tokens":12' in b for b in bodies)
     after = h.info.remote().result()["token_bus"]
     sent = after["deltas"] - before["deltas"]
-    assert sent == 4 * 12  # one delta per token (the pool merges nothing; the ingress may)
+    # At most one delta per token (the pool merges steps that were ready together; so may the ingress).
+    assert 4 <= sent <= 4 * 12
     assert 0 < after["frames"] - before["frames"] <= sent
 
 
