@@ -51,12 +51,27 @@ class StepBuffers:
         if s + 1 > self.seqs.shape[1]:
             self.seqs = torch.zeros(2, s + 1, dtype=torch.int32, device=self.device)
         pad = width - t
-        rows = torch.tensor([input_ids + [0] * pad, positions + [0] * pad, slot_mapping + [-1] * pad,
-                             logits_indices + [0] * (width - n)], dtype=torch.long)
-        tok = self.tokens[:, :width]
-        tok.copy_(rows, non_blocking=True)
-        seq = self.seqs[:, : s + 1]
-        seq.copy_(torch.tensor([seq_lens + [0], query_start_loc], dtype=torch.int32), non_blocking=True)
+        # One flat list per dtype, one host tensor each (building from flat lists is cheaper than from
+        # nested ones); the int32 one holds the per-sequence rows and then the block table.
+        rows = torch.tensor(input_ids + [0] * pad + positions + [0] * pad + slot_mapping + [-1] * pad
+                            + logits_indices + [0] * (width - n), dtype=torch.long).view(4, width)
         w = max((len(b) for b in block_tables), default=1) or 1
-        tables = torch.tensor([b + [0] * (w - len(b)) for b in block_tables], dtype=torch.int32).to(self.device)
+        flat = seq_lens + [0] + query_start_loc
+        for b in block_tables:
+            flat += b
+            if len(b) < w:
+                flat += [0] * (w - len(b))
+        ints = torch.tensor(flat, dtype=torch.int32)
+        if self.device.type == "cpu":
+            # On the CPU the host tensors are the step's tensors: no copy into the persistent buffers
+            # (they exist for devices, where a copy is one transfer and captured graphs need fixed
+            # addresses; a compiled CPU graph takes its inputs as arguments).
+            tok, seq = rows, ints[: 2 * (s + 1)].view(2, s + 1)
+            tables = ints[2 * (s + 1):].view(s, w)
+        else:
+            tok = self.tokens[:, :width]
+            tok.copy_(rows, non_blocking=True)
+            seq = self.seqs[:, : s + 1]
+            seq.copy_(ints[: 2 * (s + 1)].view(2, s + 1), non_blocking=True)
+            tables = ints[2 * (s + 1):].view(s, w).to(self.device)
         return StepTensors(tok[0], tok[1], tok[2], tok[3, :n], tok[3], tables, seq[0, :s], seq[1])
