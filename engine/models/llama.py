@@ -228,6 +228,7 @@ class LlamaForward(nn.Module):
         heads, kv_heads = spec.num_heads // world_size, spec.num_kv_heads // world_size
         self.layers = nn.ModuleList(self._layer(i, get, heads, kv_heads) for i in range(spec.num_layers))
         self._decode_kernel: cpu_decode.DecodeStep | None = None  # built on the first step it applies to
+        self._decode_model_fits: bool | None = None  # the per-model part of decode_kernel_applies, on first use
 
     def _layer(self, i: int, get: Callable[..., torch.Tensor], heads: int, kv_heads: int) -> DecoderLayer:
         s, p = self.spec, f"model.layers.{i}."
@@ -265,12 +266,14 @@ class LlamaForward(nn.Module):
         ``DECODE_KERNEL_MAX_ROWS`` of them, and none of the attention features the C step does not carry
         (quantized KV, sparse attention and its bounds, the trained indexer, importance scoring, outlier
         calibration, selected memory, learned sinks). Everything else runs the eager forward below."""
-        return (rows <= DECODE_KERNEL_MAX_ROWS and rows == ctx.seq_lens.shape[0] and self.all_reduce is None
-                and ctx.backend.name == "cpu" and self.embed.dtype == torch.float32 and self.embed.is_cpu
-                and not ctx.quantized and ctx.key_absmax is None and ctx.block_bounds is None and ctx.indexer is None
-                and ctx.sparse_plan is None and ctx.block_importance is None and ctx.selected_memory is None
-                and (ctx.layout is None or not ctx.layout.sinks) and self.spec.head_dim <= 256
-                and torch.get_num_threads() == 1 and cpu_decode.available())
+        if self._decode_model_fits is None:  # what does not change between steps, checked once
+            self._decode_model_fits = (self.all_reduce is None and self.embed.dtype == torch.float32
+                                       and self.embed.is_cpu and self.spec.head_dim <= 256 and cpu_decode.available())
+        return (self._decode_model_fits and rows <= DECODE_KERNEL_MAX_ROWS and rows == ctx.seq_lens.shape[0]
+                and ctx.backend.name == "cpu" and not ctx.quantized and ctx.key_absmax is None
+                and ctx.block_bounds is None and ctx.indexer is None and ctx.sparse_plan is None
+                and ctx.block_importance is None and ctx.selected_memory is None
+                and (ctx.layout is None or not ctx.layout.sinks) and torch.get_num_threads() == 1)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         """``input_ids, positions [T]`` -> logits ``[len(logits_indices), vocab]`` (float32). Runs inside
