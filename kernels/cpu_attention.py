@@ -4,12 +4,27 @@ On CPU the reference's decode attention costs more than the model's matmuls at b
 copies every sequence's context out of the paged cache (``index_select``), builds a mask and calls
 SDPA, whose CPU kernel is tuned for long query blocks, not one query row. ``csrc/decode_attention.c``
 reads each key and value once, straight from the blocks the table names, with one query token per
-sequence (see its header for the exact semantics: null blocks, sliding windows, sinks). Everything
-else -- prefill segments, KV writes, quantized and sparse attention -- is the reference's.
+sequence (see its header for the exact semantics: null blocks, sliding windows, sinks).
 
-The C file is compiled once per machine (``kernels/cpu_lib.py``); no compiler or a failed build ->
+A packed cache (``kv_cache_dtype`` int8 / int4 / int2) is decoded the same way by
+``csrc/decode_attention_quant.c``: for each block the table names it reads either the 16-bit side-pool
+block or the packed codes with their scales (and the outlier key channels' 16-bit copies), decoding a
+chunk of tokens at a time into a small tile, with an online softmax. The torch path it replaces
+(``kernels/packed_decode.py``: gather split by precision, dequantize, SDPA; ~25 torch ops per layer)
+stays the reference and the ``torch`` backend's path::
+
+    table [ 7 | 12 | 0 | 3 | 9 ]    fp_index: 7 -> 0, 9 -> 1, 12 and 3 -> -1
+            |   |    |   |   |
+            |   |    |   |   '-- 16-bit: fp_k[1], fp_v[1] read in place
+            |   '----|---'------ packed: codes * scale + zero (+ outlier channels) -> tile
+            |        '---------- null block: skipped
+            '------------------- 16-bit: fp_k[0], fp_v[0] read in place
+
+Prefill segments, sparse attention and the quantization of blocks are the reference's.
+
+The C files are compiled once per machine (``kernels/cpu_lib.py``); no compiler or a failed build ->
 ``load()`` returns None and the engine runs the plain ``torch`` backend (one log line). Float32 caches
-only (other dtypes: the reference).
+and 16-bit pools only (other dtypes: the reference).
 """
 
 from __future__ import annotations
