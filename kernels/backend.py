@@ -80,7 +80,8 @@ def cpu_backend() -> AttentionBackend:
     if ca.load() is None:
         return base
     return dataclasses.replace(base, name="cpu", write_kv=cpu_ops.write_kv, paged_attention=ca.paged_attention,
-                               paged_attention_quant=ca.paged_attention_quant, plan=ca.plan)
+                               write_kv_quant=cpu_ops.write_kv_quant, paged_attention_quant=ca.paged_attention_quant,
+                               plan=ca.plan)
 
 
 def triton_backend() -> AttentionBackend:
