@@ -121,6 +121,7 @@ def main() -> int:
         model_dir = Path(tmp)
         (model_dir / "config.json").write_text(json.dumps(MODEL))
         runner = make_runner(model_dir, max(decode_lengths + prefill_lengths) + CHUNK)
+        args.backend_name = runner.backend.name
         # Rounds over every point (not repeats of one point): a load spike on the shared host then costs one
         # round of some points, and the best round of each point is reported.
         # Wall and CPU time are each the best round of the point (independently).
@@ -190,7 +191,7 @@ def write(rows: list[dict], rounds: list[dict], out: Path, args: argparse.Namesp
         "Wall time is the target's measure; CPU time (this process) is shown beside it because the host is "
         "shared: it leaves out the time other jobs held the core (not their cache and memory traffic).", "",
         "Model: Llama shape, 2 layers, 8 query heads = 8 KV heads x head_dim 128 (hidden 1024), MLP 256, vocab 256, "
-        "dummy weights, float32, torch backend. Sparse: block_bounds indexer, top_k 2048 tokens + forced set "
+        f"dummy weights, float32, {args.backend_name} attention backend. Sparse: block_bounds indexer, top_k 2048 tokens + forced set "
         "(sink block, newest 256 tokens), from 4,096 tokens of context; prefill in chunks of "
         f"{CHUNK} tokens (queries select in groups of {block_sparse.PREFILL_GROUP}). Decode reads a cache of L random "
         "tokens (bounds computed from them); TTFT runs the whole chunked prefill to the first token's logits.", "",
