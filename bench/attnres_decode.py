@@ -9,9 +9,11 @@ time (``time.thread_time``), which the other jobs of a shared host disturb far l
 ``uptime`` before and after. Both models run the engine's default path (``model_impl="auto"``: the native
 forwards, ``engine/models/llama.py`` and ``engine/models/attnres.py``).
 
-Depth mixing costs a fixed handful of small tensor ops per sub-layer whatever the width, while the
-layers' matrix products grow with the width squared; on CPU at hidden 128 the fixed per-op cost
-dominates. The width sweep builds a standard Llama and a Block AttnRes model (6 layers, 6 blocks, the
+Depth mixing costs a fixed amount per sub-layer whatever the width (since the fused kernel,
+``kernels/depth_mix.py``, one C call; before it, four small torch ops), while the layers' matrix
+products grow with the width squared; on CPU at hidden 128 a fixed per-op cost dominates.
+
+The width sweep builds a standard Llama and a Block AttnRes model (6 layers, 6 blocks, the
 twins' shape scaled in width; head_dim 32 as the twins, MLP 3.5x) from config only
 (``load_format=dummy``).
 """

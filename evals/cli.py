@@ -93,6 +93,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--windows", type=int, help="held-out windows of the trained context (default 16; quick 2)")
     p.add_argument("--rounds", type=int, help="alternating latency rounds per model and batch (default 6; quick 1)")
     p.add_argument("--steps", type=int, help="decode steps per latency round (default 64; quick 8)")
+    p.add_argument("--needle", help="BASELINE_DIR,MODEL_DIR: both models' `eval needle --out` folders; adds their "
+                                    "retrieval and the first-last consistency verdict")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: see evals.arms)")
     parser.set_defaults(run=run)
     return parser
@@ -167,7 +169,8 @@ def _twins(args: argparse.Namespace, ctx: int) -> EvalResult:
 
     return run_twins([args.baseline, args.model], n_windows=args.windows or (2 if args.quick else 16),
                      latency_rounds=args.rounds or (1 if args.quick else 6),
-                     latency_steps=args.steps or (8 if args.quick else 64))
+                     latency_steps=args.steps or (8 if args.quick else 64),
+                     needle=args.needle.split(",") if args.needle else None)
 
 
 EVALS = {"long-ppl": _long_ppl, "needle": _needle, "retrieval": _retrieval, "twins": _twins}

@@ -10,7 +10,9 @@ docs/attnres.md, or any two causal LMs sharing a tokenizer):
   the first (position 0 carries the sink's outlier norm, reported apart);
 - depth-mix weights (AttnRes only): per sub-layer, the mean softmax weight on each source;
 - decode latency in the engine: per-step wall time of decode steps at batch 1 and 8 after a prompt of
-  ``ctx/4`` tokens, the models stepping in lockstep so each pair of steps shares the host's load.
+  ``ctx/4`` tokens, the models stepping in lockstep so each pair of steps shares the host's load;
+- with ``--needle`` (the two models' ``sinkserve eval needle`` folders): their retrieval side by side and
+  the seed's first-last consistency claim stated as met / not met / not measurable (``evals.first_last``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from typing import Any
 
 import torch
 
+from engine.errors import ConfigError
 from evals import arms as A
+from evals.first_last import load_needle, verdict
 from evals.report import EvalResult, Panel, Series
 
 logger = logging.getLogger(__name__)
@@ -133,9 +137,21 @@ def decode_latency(models: list[str], batches: tuple[int, ...], prompt_len: int,
     return out
 
 
-def run_twins(models: list[str], n_windows: int, latency_rounds: int, latency_steps: int) -> EvalResult:
-    """Every measurement above for ``models`` (the first is the baseline of the latency ratio)."""
+def run_twins(models: list[str], n_windows: int, latency_rounds: int, latency_steps: int,
+              needle: list[str] | None = None) -> EvalResult:
+    """Every measurement above for ``models`` (the first is the baseline of the latency ratio); ``needle``:
+    each model's needle results folder, in the same order."""
     from training import model_card as card
+
+    needles = None
+    if needle is not None:
+        if len(needle) != len(models):
+            raise ConfigError("needle", f"{len(needle)} result folders for {len(models)} models")
+        needles = [load_needle(n) for n in needle]
+        for m, n in zip(models, needles):
+            if n.model_sha256 != A.model_fingerprint(m):
+                raise ConfigError("needle", f"{n.path} measured model {n.model_sha256}, not {m} "
+                                            f"({A.model_fingerprint(m)})")
 
     t0 = time.time()
     per: dict[str, dict[str, Any]] = {}
@@ -173,6 +189,11 @@ def run_twins(models: list[str], n_windows: int, latency_rounds: int, latency_st
             "vs baseline b=1": f"{lat['paired_overhead_pct'][m]['1']:+.1f}%",
             "vs baseline b=8": f"{lat['paired_overhead_pct'][m]['8']:+.1f}%",
         })
+        if needles is not None:  # correct / docs: dense in context, then the best retention arm per length
+            n = needles[models.index(m)]
+            lens = sorted(set().union(*(x.long_lengths() for x in needles)))
+            rows[-1]["needle: dense 1x, best arm " + ", ".join(f"{x:g}x" for x in lens)] = ", ".join(
+                f"{c}/{k}" for c, k in [n.dense_1x()] + [n.best(x) for x in lens])
     depth = list(range(len(per[models[0]]["hidden_norm"]["per_layer"])))
     panels = [
         Panel("hidden-state norm per layer input", "layer (last = final norm input)", "mean |h| (positions >= 1)",
@@ -189,5 +210,9 @@ def run_twins(models: list[str], n_windows: int, latency_rounds: int, latency_st
     notes = [f"decode latency: {latency_rounds} rounds x {latency_steps} decode steps per model and batch after a "
              f"{ctx // 4}-token prompt, the models stepping in lockstep (order alternating); ms = median step time, "
              f"overhead = median of the paired step-time ratios; host load average {load[0]:.1f} at the end"]
+    if needles is not None:
+        meta["first_last"] = verdict(needles[0], needles[-1])
+        meta["needle"] = needle
+        notes.append(f"first-last consistency (the seed's claim), from {', '.join(needle)}: {meta['first_last']}")
     return EvalResult(name="twins", title="AttnRes vs standard residual: same inputs", columns=list(rows[0]),
                       rows=rows, meta=meta, notes=notes, panels=panels, extra={"per_model": per})

@@ -2,18 +2,18 @@
 
 The layers are the Llama family's (``llama.py``: fused q/k/v and gate/up weights, RoPE, the engine's
 paged attention entry point, the same tensor-parallel sharding); only the residual stream is replaced by
-depth mixing, done for all the step's tokens at once. Two buffers, allocated once per step, hold every
-source the mixes read: the embedding, then one slot per block of sub-layers (the open block's running
-sum accumulates in its slot, so a completed block is already in place)::
+depth mixing, done for all the step's tokens at once. Two buffers, allocated once per step
+(``kernels.depth_mix.DepthMix``), hold every source the mixes read: the embedding, then one slot per block
+of sub-layers (the open block's running sum accumulates in its slot, so a completed block is already in
+place)::
 
     src   [T, S, Q + D + 1]  per slot: raw dots with every pseudo-query (Q) | values (D) | c = sqrt(D eps)
-    logit [Q, T, 1, S]       float32 softmax logits w_k . rms(v) of every slot for every mix k;
-                             -inf until the slot is written (weight 0; unwritten values are zeros)
+    logit [Q, T, 1, S]       float32 softmax logits w_k . rms(v) of every slot for every mix k
 
     the twins (6 layers, 6 blocks of 2 sub-layers): S = 7 slots, Q = 13 queries (12 sub-layers + final)
     sub-layer k: 0=attn0 1=mlp0 2=attn1 3=mlp1 ...        its output goes to slot 1 + k // 2
-    mix k (query k) reads slots 0 .. k // 2 + k % 2:
-        k=0  [e]              the embedding itself (no mix)
+    mix k (query k) reads slots 0 .. k // 2 + k % 2 (after sub-layer k - 1 wrote the last of them):
+        k=0  [e]              the embedding itself (weight 1)
         k=1  [e, a0]          slot 1 holds a0, the open block
         k=2  [e, b0]          slot 1 = a0 + m0, completed
         k=3  [e, b0, a1]
@@ -23,24 +23,25 @@ Where the work goes (decode on CPU is bound by the number of small ops, not thei
 
 * dots are free: each sub-layer's output projection (``o_proj``, ``down_proj``) is extended at load time
   with Q rows ``W_mix @ W_o``, so one GEMM writes a source's dots and values into its slot (``mm`` with
-  ``out=``), and an open block accumulates both with one ``addmm_`` (dots are linear in the source);
-* the normalisation is one scalar per source and token, two ops per sub-layer (a norm, a division):
-  ``w . rms(v) = (sqrt(D) w) . v / |[v, c]|`` since ``|[v, c]|^2 = D (mean(v^2) + eps)``; ``W_mix``
-  carries the ``sqrt(D)``, and the division writes the slot's logits for every query at once;
-* a mix is a softmax over ``logit[k]`` (all S slots, unwritten ones at -inf: no per-mix slicing) and
-  one batched product ``[T, 1, S] x [T, S, D]``;
-* the embedding's logits depend on the token only: a ``[vocab, Q]`` table computed at load time.
+  ``out=``), and an open block accumulates both with one ``addmm_`` (dots are linear in the source); the
+  embedding's dots come from a ``[vocab, Q]`` table made at load time;
+* the normalisation is one scalar per source and token: ``w . rms(v) = (sqrt(D) w) . v / |[v, c]|`` since
+  ``|[v, c]|^2 = D (mean(v^2) + eps)``; ``W_mix`` carries the ``sqrt(D)``;
+* ``DepthMix.mix`` then does the rest in one C call on float32 CPU tensors (``kernels/csrc/depth_mix.c``):
+  the new slot's logits for every query, the softmax over the written slots, the weighted sum of values,
+  and the next sub-layer's RMSNorm (which the standard forward fuses with its residual add).
 
-So a sub-layer costs four small ops more than a residual add (norm, division, softmax, batched product);
-docs/attnres.md measures what that is per decode step. Tensor parallelism needs nothing more: the
-pseudo-queries are replicated, and the extension rows of a row-parallel projection are partial sums like
-its other rows, all-reduced with them.
+So a sub-layer costs what a standard one does: its output GEMM and one fused call (``add_rms_norm``
+there, the mix here). Elsewhere (bf16, GPU, a compiled step) the mix is five torch ops (norm, division,
+softmax, batched product, RMSNorm). docs/attnres.md measures what that is per decode step. Tensor
+parallelism needs nothing more: the pseudo-queries are replicated, and the extension rows of a
+row-parallel projection are partial sums like its other rows, all-reduced with them.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +49,7 @@ from torch import nn
 
 from engine.models.llama import LlamaForward, LlamaSpec, NativeUnsupported, apply_rope, rms_norm
 from engine.models.registry import _tp_all_reduce, register_architecture, weight_getter
+from kernels.depth_mix import DepthMix
 
 ARCHITECTURE = "AttnResForCausalLM"
 
@@ -111,53 +113,42 @@ class AttnResForward(LlamaForward):
         self.norm_floor = floor
         # per sub-layer k: (its block's slot, whether k opens the block)
         self.plan = tuple((1 + k // spec.block_size, k % spec.block_size == 0) for k in range(2 * spec.num_layers))
-        emb = self.embed.float()
-        dots = (emb @ w_mix.T).to(dtype).float()  # rounded like the GEMM's dots in the model dtype
-        norms = torch.linalg.vector_norm(emb, dim=-1, keepdim=True)
-        self.register_buffer("embed_logits", dots / torch.hypot(norms, torch.tensor(floor)), persistent=False)
+        # Slot 0's dots depend on the token only: a [vocab, Q] table, rounded like the GEMMs' dots.
+        self.register_buffer("embed_dots", (self.embed.float() @ w_mix.T).to(dtype), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         """``input_ids, positions [T]`` -> logits ``[len(logits_indices), vocab]`` (float32), inside an
         ``engine.attention.forward_context`` like ``LlamaForward``."""
         s = self.spec
-        eps, hd, d, nq, ns = s.rms_norm_eps, s.head_dim, s.hidden_size, s.num_queries, s.num_slots
-        t, dtype, dev = input_ids.shape[0], self.embed.dtype, input_ids.device
-        # Zeros and -inf: a slot not yet written has weight exp(-inf) = 0 in every mix, times finite values.
-        # A slot's row is [dots (Q) | values (D) | c]: the GEMMs write the first Q + D columns, c stays.
-        src = torch.zeros(t, ns, nq + d + 1, dtype=dtype, device=dev)
-        src[:, :, -1] = self.norm_floor
-        logit = torch.full((nq, t, 1, ns), float("-inf"), dtype=torch.float32, device=dev)
-        h = torch.empty(t, d, dtype=dtype, device=dev)
-        # Views made once per step (no slicing inside the layer loop).
-        st = _StepViews(
-            slots=src[:, :, : nq + d].unbind(1), norm_in=src[:, :, nq:].unbind(1), dots=src[:, :, :nq].unbind(1),
-            slot_logits=logit.view(nq, t, ns).permute(1, 0, 2).unbind(2), mix_logits=logit.unbind(0),
-            values=src[:, :, nq : nq + d], h3=h.view(t, 1, d),
-            norm_dtype=None if dtype == torch.float32 else torch.float32)  # norms in float32, as transformers'
-        x = st.norm_in[0][:, :d]
-        torch.index_select(self.embed, 0, input_ids, out=x)
-        torch.index_select(self.embed_logits, 0, input_ids, out=st.slot_logits[0])
+        eps, hd = s.rms_norm_eps, s.head_dim
+        t, dtype = input_ids.shape[0], self.embed.dtype
+        mix = DepthMix(t, s.num_slots, s.num_queries, s.hidden_size, self.norm_floor, dtype, input_ids.device)
+        torch.index_select(self.embed, 0, input_ids, out=mix.embed_values)
+        torch.index_select(self.embed_dots, 0, input_ids, out=mix.embed_dots)
+        layers = self.layers
+        x = mix.mix(0, 0, layers[0].input_norm, eps)  # mix 0 reads slot 0 alone: the embedding itself
         cos, sin = self.rotary_emb.cos_sin(positions, dtype)
-        for i, layer in enumerate(self.layers):
-            x = rms_norm(x if i == 0 else h, layer.input_norm, eps)  # mix 0 is the embedding itself
+        for i, layer in enumerate(layers):
             qk, v = F.linear(x, layer.qkv_w, layer.qkv_b).split(layer.split, dim=-1)
             qk = qk.view(t, -1, hd)
             if layer.qk_norm is not None:
                 qk = layer.qk_norm * rms_norm(qk, None, eps)
             q, k = apply_rope(qk, cos, sin).split((layer.num_heads, layer.num_kv_heads), dim=1)
             o = self.attend(layer, q, k, v.view(t, -1, hd)).reshape(t, -1)
-            self._emit(2 * i, o, layer.o_wt, layer.o_b, st)
-            gate, up = F.linear(rms_norm(h, layer.post_norm, eps), layer.gate_up_w, layer.gate_up_b).chunk(2, dim=-1)
-            self._emit(2 * i + 1, F.silu(gate) * up, layer.down_wt, layer.down_b, st)
-        h = rms_norm(h.index_select(0, logits_indices), self.norm, eps)
-        return F.linear(h, self.lm_head).float()
+            x = self._emit(2 * i, o, layer.o_wt, layer.o_b, mix, layer.post_norm)
+            gate, up = F.linear(x, layer.gate_up_w, layer.gate_up_b).chunk(2, dim=-1)
+            last = i + 1 == len(layers)
+            x = self._emit(2 * i + 1, F.silu(gate) * up, layer.down_wt, layer.down_b, mix,
+                           self.norm if last else layers[i + 1].input_norm)
+        return F.linear(x.index_select(0, logits_indices), self.lm_head).float()
 
-    def _emit(self, k: int, x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None, st: "_StepViews") -> None:
+    def _emit(self, k: int, x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None, mix: DepthMix,
+              norm: torch.Tensor) -> torch.Tensor:
         """Sub-layer ``k``'s output projection ``x @ wt (+ b)`` (dots, values) into its block's slot (written
-        when ``k`` opens the block, accumulated otherwise), that slot's logits for every query, and then mix
-        ``k + 1`` (the next sub-layer's input, or the final norm's) into ``st.h3``."""
+        when ``k`` opens the block, accumulated otherwise), then mix ``k + 1`` normalised by ``norm``: the next
+        sub-layer's input (or the final norm's output, after the last)."""
         slot, opens = self.plan[k]
-        out = st.slots[slot]
+        out = mix.slots[slot]
         if self.all_reduce is None:
             torch.mm(x, wt, out=out) if opens else out.addmm_(x, wt)
         else:  # the rank's partial product is summed over ranks before it joins the block
@@ -166,24 +157,7 @@ class AttnResForward(LlamaForward):
             out.copy_(y) if opens else out.add_(y)
         if b is not None:
             out.add_(b)
-        norm = torch.linalg.vector_norm(st.norm_in[slot], 2, -1, True, dtype=st.norm_dtype)
-        torch.div(st.dots[slot], norm, out=st.slot_logits[slot])
-        weights = torch.softmax(st.mix_logits[k + 1], -1)  # [T, 1, S]; unwritten slots -> 0
-        torch.bmm(weights if weights.dtype == st.values.dtype else weights.to(st.values.dtype), st.values,
-                  out=st.h3)
-
-
-class _StepViews(NamedTuple):
-    """One step's views into the slot buffers (module docstring)."""
-
-    slots: tuple[torch.Tensor, ...]  # per slot [T, Q + D]: what a GEMM writes
-    norm_in: tuple[torch.Tensor, ...]  # per slot [T, D + 1]: values and c
-    dots: tuple[torch.Tensor, ...]  # per slot [T, Q]
-    slot_logits: tuple[torch.Tensor, ...]  # per slot [T, Q] (strided into logit)
-    mix_logits: tuple[torch.Tensor, ...]  # per query [T, 1, S]
-    values: torch.Tensor  # [T, S, D]
-    h3: torch.Tensor  # [T, 1, D]: the current mix
-    norm_dtype: torch.dtype | None
+        return mix.mix(slot, k + 1, norm, eps=self.spec.rms_norm_eps)
 
 
 def build_attnres(cfg: Any, model_dir: str, load_format: str, dtype: torch.dtype, device: torch.device,
