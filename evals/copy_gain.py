@@ -1,0 +1,197 @@
+"""First-last copy gain: a span at the start of a long input, the same span again at the end.
+
+The needle eval asks for an exact answer, which a small model that has not formed its copy circuit never
+gives (0/10 in context for both twins), so it cannot say whether early facts stay reachable. This is the
+continuous version: how much cheaper (in nats/token) a span is the second time the model reads it, when
+the first time was at the start of the input. Layout of one input of ``L`` tokens (``lead`` = 48, past
+the sink block, as the needle's fact; ``span`` = 40)::
+
+    position  0     1 .. 47        48 .. 87      88 .. L-41        L-40 .. L-1
+              BOS   held-out text  S (1st)       held-out text     S (2nd)
+                                   |<----------- gap = L - 128 ---------->|
+
+    gain = NLL(S, 1st) - NLL(S, 2nd)      mean nats/token over S's tokens 2..40 (the first token of an
+                                          occurrence is not predictable from it); > 0: the end reuses
+                                          the start
+
+    worked example (L = 228, gap 100): NLL 1st 5.40, 2nd 5.30 -> gain 0.10 nats/token
+
+Span kinds: ``fact`` (fact sentences of the needle's held-out templates, joined and cut to ``span``
+tokens: names, numbers, cities) and ``random`` (uniform token ids, which only the earlier copy predicts).
+Sample ``i`` has the same span and the same filler start at every length and for every model, so the
+two models' gains pair sample by sample.
+
+Points, all through the engine with ``prompt_logprobs`` (teacher forcing)::
+
+    dense                  L <= trained context - 1: in context, at several gaps
+    sinks_window           L = 4x, 16x: window ctx/2 + sinks; S(1st) has left the window (the control:
+                           the gain should vanish)
+    sinks_window_anchor    the same + S(1st) as a token-range anchor: kept, seen at consecutive positions
+                           (the gain should persist)
+    selected_memory        hint-free: every block kept, sinks + top-k blocks by block bounds + a local
+                           window (``evals.selected_memory``)
+
+The verdict over these numbers is ``evals.first_last.copy_verdict``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from engine import SamplingParams
+from evals import arms as A
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("fact", "random")
+JUDGED_ARM = A.SINKS_WINDOW_ANCHOR.name  # past the trained context: the arm that keeps the early span
+
+
+@dataclass(frozen=True)
+class CopyConfig:
+    """What to measure: ``gaps`` in context, ``lengths`` (multiples of the trained context) past it."""
+
+    samples: int = 12
+    gaps: tuple[int, ...] = (100, 400, 800)  # plus the longest that fits the trained context
+    lengths: tuple[float, ...] = (4.0, 16.0)
+    arms: tuple[str, ...] = (A.SINKS_WINDOW.name, JUDGED_ARM, "selected_memory")
+    span: int = 40
+    lead: int = 48
+    chunk: int = 128
+    seed: int = 8_000_000
+
+
+@dataclass(frozen=True)
+class CopyInput:
+    """One input: token ids and the two occurrences' ``[start, end)`` token ranges."""
+
+    ids: list[int]
+    first: tuple[int, int]
+    second: tuple[int, int]
+
+
+def fact_span(tokenizer: Any, rng: random.Random, span: int) -> list[int]:
+    """Fact sentences of the held-out needle templates, joined until ``span`` tokens, cut to ``span``."""
+    from evals import longmem
+
+    ids: list[int] = []
+    while len(ids) < span:
+        t = longmem.HELDOUT_TEMPLATES[rng.randrange(len(longmem.HELDOUT_TEMPLATES))]
+        ids += tokenizer(" " + t.fill(rng)["fact"], add_special_tokens=False)["input_ids"]
+    return ids[:span]
+
+
+def build_input(stream: list[int], bos: int, span_ids: list[int], start: int, length: int, lead: int) -> CopyInput:
+    """``[BOS] text S text S`` of ``length`` tokens, the text read from ``stream`` at ``start`` (wrapping).
+
+    >>> x = build_input(list(range(10, 30)), 0, [7, 8], start=3, length=9, lead=3)
+    >>> x.ids, x.first, x.second
+    ([0, 13, 14, 7, 8, 15, 16, 7, 8], (3, 5), (7, 9))
+    """
+    span = len(span_ids)
+    gap = length - lead - 2 * span
+    if gap < 0:
+        raise ValueError(f"length {length} < lead {lead} + 2 x span {span}")
+    text = [stream[(start + k) % len(stream)] for k in range(lead - 1 + gap)]
+    ids = [bos] + text[: lead - 1] + span_ids + text[lead - 1:] + span_ids
+    return CopyInput(ids, (lead, lead + span), (length - span, length))
+
+
+def build_inputs(tokenizer: Any, stream: list[int], kind: str, length: int, cfg: CopyConfig) -> list[CopyInput]:
+    """The ``cfg.samples`` inputs of one kind at one length (sample ``i``: the same span and text start at
+    every length)."""
+    out = []
+    vocab = len(tokenizer)
+    for i in range(cfg.samples):
+        rng = random.Random(f"copy-gain:{kind}:{cfg.seed + i}")
+        start = rng.randrange(len(stream))
+        s = fact_span(tokenizer, rng, cfg.span) if kind == "fact" else [rng.randrange(3, vocab) for _ in range(cfg.span)]
+        out.append(build_input(stream, tokenizer.bos_token_id, s, start, length, cfg.lead))
+    return out
+
+
+def occurrence_nll(lps: list[float], rng: tuple[int, int]) -> float:
+    """Mean NLL of tokens ``start+1 .. end-1`` (``lps[j]`` is the log-prob of token ``j + 1``).
+
+    >>> occurrence_nll([-1.0, -2.0, -3.0, -4.0], (1, 4))
+    2.5
+    """
+    vals = [-lps[t - 1] for t in range(rng[0] + 1, rng[1])]
+    return sum(vals) / len(vals)
+
+
+def arm_by_name(name: str) -> A.Arm:
+    if name == "selected_memory":
+        from evals.selected_memory import selected_arm
+
+        return selected_arm()
+    return {a.name: a for a in (A.DENSE, A.WINDOW_ONLY, A.SINKS_WINDOW, A.SINKS_WINDOW_ANCHOR)}[name]
+
+
+def score(model: str, arm: A.Arm, inputs: list[CopyInput], window: int, chunk: int,
+          max_num_seqs: int = 4) -> list[tuple[float, float]]:
+    """(NLL 1st, NLL 2nd) per input, teacher-forced through the engine under ``arm``."""
+    longest = max(len(x.ids) for x in inputs)
+    anchor_blocks = -(-(inputs[0].first[1] - inputs[0].first[0]) // A.BLOCK_SIZE) + 1
+    per_seq = (A.blocks_for_stream(arm.window or window, chunk, 1 + anchor_blocks) if arm.evicts
+               else -(-(longest + 2) // A.BLOCK_SIZE) + 1)
+    seqs = min(max_num_seqs, len(inputs))
+    engine = A.make_engine(model, arm.policy(window), chunk if arm.evicts or arm.sparse else max(chunk, 1024),
+                           seqs * per_seq + 1, seqs, sparse=arm.sparse, selector=arm.selector, **arm.kv_storage())
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=True)
+    lps: dict[str, list[float]] = {str(i): [] for i in range(len(inputs))}
+    for i, x in enumerate(inputs):
+        engine.add_request(str(i), x.ids, params, anchors=[x.first] if arm.anchor else None)
+    while engine.has_unfinished():
+        for out in engine.step():
+            lps[out.request_id].extend(out.prompt_logprobs or [])
+    engine.shutdown()
+    res = []
+    for i, x in enumerate(inputs):
+        got = lps[str(i)]
+        if len(got) != len(x.ids) - 1:
+            raise RuntimeError(f"{arm.name}: {len(got)} prompt logprobs for {len(x.ids)} tokens")
+        res.append((occurrence_nll(got, x.first), occurrence_nll(got, x.second)))
+    return res
+
+
+def run_copy_gain(models: list[str], cfg: CopyConfig) -> dict[str, Any]:
+    """Every (kind, arm, length) point for every model on the same inputs.
+
+    Returns ``{"points": [{"kind", "arm", "L", "gap", "x_context", "first": {model: [...]}, "second": {...}}],
+    "meta": {...}}``; per-sample lists in sample order, so models pair sample by sample.
+    """
+    from transformers import AutoTokenizer
+
+    from training import model_card as card
+
+    t0 = time.perf_counter()
+    ctx = A.trained_context(models[0])
+    window = ctx // 2
+    tok = AutoTokenizer.from_pretrained(models[0])
+    stream = card.heldout_stream(tok)
+    base = cfg.lead + 2 * cfg.span
+    plan = [(A.DENSE.name, base + g) for g in cfg.gaps if base + g < ctx - 1] + [(A.DENSE.name, ctx - 1)]
+    plan += [(a, int(round(m * ctx))) for m in cfg.lengths for a in cfg.arms]
+    points = []
+    for kind in KINDS:
+        for arm_name, length in plan:
+            inputs = build_inputs(tok, stream, kind, length, cfg)
+            arm = arm_by_name(arm_name)
+            p: dict[str, Any] = {"kind": kind, "arm": arm_name, "L": length, "gap": length - base,
+                                 "x_context": round(length / ctx, 3), "first": {}, "second": {}}
+            for m in models:
+                t1 = time.perf_counter()
+                got = score(m, arm, inputs, window, cfg.chunk)
+                p["first"][m] = [round(a, 4) for a, _ in got]
+                p["second"][m] = [round(b, 4) for _, b in got]
+                logger.info("copy gain %s %s L=%d %s: %.3f (%.0fs)", kind, arm_name, length, m,
+                            sum(a - b for a, b in got) / len(got), time.perf_counter() - t1)
+            points.append(p)
+    return {"points": points, "meta": {"trained_context": ctx, "window": window, "prefill_chunk": cfg.chunk,
+                                       "samples": cfg.samples, "span": cfg.span, "lead": cfg.lead,
+                                       "judged_arm": JUDGED_ARM, "wall_s": round(time.perf_counter() - t0, 1)}}
