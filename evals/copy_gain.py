@@ -11,10 +11,18 @@ the sink block, as the needle's fact; ``span`` = 40)::
                                    |<----------- gap = L - 128 ---------->|
 
     gain = NLL(S, 1st) - NLL(S, 2nd)      mean nats/token over S's tokens 2..40 (the first token of an
-                                          occurrence is not predictable from it); > 0: the end reuses
-                                          the start
+                                          occurrence is not predictable from it)
+    copy = NLL(S, 2nd | decoy) - NLL(S, 2nd)
+                                          the decoy input is the same input with another span of the same
+                                          kind at the start: same positions, same text, only the earlier
+                                          copy missing; > 0: the end reuses the start
 
-    worked example (L = 228, gap 100): NLL 1st 5.40, 2nd 5.30 -> gain 0.10 nats/token
+    worked example (L = 228, gap 100): NLL 1st 5.40, 2nd 5.30, 2nd after a decoy 5.38
+                                       -> gain 0.10, copy 0.08 nats/token
+
+``gain`` is what the twins' cards report; it also counts everything else that makes the end of an input
+cheaper than its start (more context, a warmed-up topic), which the window arm that has evicted the first
+span shows (its ``gain`` stays > 0 for text-like spans). ``copy`` removes that: the verdict uses it.
 
 Span kinds: ``fact`` (fact sentences of the needle's held-out templates, joined and cut to ``span``
 tokens: names, numbers, cities) and ``random`` (uniform token ids, which only the earlier copy predicts).
@@ -67,11 +75,13 @@ class CopyConfig:
 
 @dataclass(frozen=True)
 class CopyInput:
-    """One input: token ids and the two occurrences' ``[start, end)`` token ranges."""
+    """One input: token ids and the two occurrences' ``[start, end)`` token ranges; ``decoy``: the same
+    ids with another span in ``first`` (the control without the earlier copy)."""
 
     ids: list[int]
     first: tuple[int, int]
     second: tuple[int, int]
+    decoy: list[int] | None = None
 
 
 def fact_span(tokenizer: Any, rng: random.Random, span: int) -> list[int]:
@@ -101,6 +111,18 @@ def build_input(stream: list[int], bos: int, span_ids: list[int], start: int, le
     return CopyInput(ids, (lead, lead + span), (length - span, length))
 
 
+def with_decoy(x: CopyInput, decoy_span: list[int]) -> CopyInput:
+    """``x`` with its control: ``decoy_span`` in place of the first occurrence.
+
+    >>> with_decoy(CopyInput([0, 13, 7, 8, 15, 7, 8], (2, 4), (5, 7)), [5, 6]).decoy
+    [0, 13, 5, 6, 15, 7, 8]
+    """
+    a, b = x.first
+    if len(decoy_span) != b - a:
+        raise ValueError(f"decoy span of {len(decoy_span)} tokens for an occurrence of {b - a}")
+    return CopyInput(x.ids, x.first, x.second, x.ids[:a] + decoy_span + x.ids[b:])
+
+
 def build_inputs(tokenizer: Any, stream: list[int], kind: str, length: int, cfg: CopyConfig) -> list[CopyInput]:
     """The ``cfg.samples`` inputs of one kind at one length (sample ``i``: the same span and text start at
     every length)."""
@@ -109,8 +131,9 @@ def build_inputs(tokenizer: Any, stream: list[int], kind: str, length: int, cfg:
     for i in range(cfg.samples):
         rng = random.Random(f"copy-gain:{kind}:{cfg.seed + i}")
         start = rng.randrange(len(stream))
-        s = fact_span(tokenizer, rng, cfg.span) if kind == "fact" else [rng.randrange(3, vocab) for _ in range(cfg.span)]
-        out.append(build_input(stream, tokenizer.bos_token_id, s, start, length, cfg.lead))
+        s, d = ((fact_span(tokenizer, rng, cfg.span), fact_span(tokenizer, rng, cfg.span)) if kind == "fact" else
+                ([rng.randrange(3, vocab) for _ in range(cfg.span)], [rng.randrange(3, vocab) for _ in range(cfg.span)]))
+        out.append(with_decoy(build_input(stream, tokenizer.bos_token_id, s, start, length, cfg.lead), d))
     return out
 
 
@@ -133,8 +156,9 @@ def arm_by_name(name: str) -> A.Arm:
 
 
 def score(model: str, arm: A.Arm, inputs: list[CopyInput], window: int, chunk: int,
-          max_num_seqs: int = 4) -> list[tuple[float, float]]:
-    """(NLL 1st, NLL 2nd) per input, teacher-forced through the engine under ``arm``."""
+          max_num_seqs: int = 4) -> list[tuple[float, float, float | None]]:
+    """(NLL 1st, NLL 2nd, NLL 2nd in the decoy input or None) per input, teacher-forced through the engine
+    under ``arm`` (the anchor arm anchors the first occurrence, the decoy's too)."""
     longest = max(len(x.ids) for x in inputs)
     anchor_blocks = -(-(inputs[0].first[1] - inputs[0].first[0]) // A.BLOCK_SIZE) + 1
     per_seq = (A.blocks_for_stream(arm.window or window, chunk, 1 + anchor_blocks) if arm.evicts
@@ -143,26 +167,27 @@ def score(model: str, arm: A.Arm, inputs: list[CopyInput], window: int, chunk: i
     engine = A.make_engine(model, arm.policy(window), chunk if arm.evicts or arm.sparse else max(chunk, 1024),
                            seqs * per_seq + 1, seqs, sparse=arm.sparse, selector=arm.selector, **arm.kv_storage())
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=True)
-    lps: dict[str, list[float]] = {str(i): [] for i in range(len(inputs))}
-    for i, x in enumerate(inputs):
-        engine.add_request(str(i), x.ids, params, anchors=[x.first] if arm.anchor else None)
+    requests = {str(i): x.ids for i, x in enumerate(inputs)}
+    requests.update({f"d{i}": x.decoy for i, x in enumerate(inputs) if x.decoy is not None})
+    lps: dict[str, list[float]] = {k: [] for k in requests}
+    for k, ids in requests.items():
+        engine.add_request(k, ids, params, anchors=[inputs[int(k.lstrip("d"))].first] if arm.anchor else None)
     while engine.has_unfinished():
         for out in engine.step():
             lps[out.request_id].extend(out.prompt_logprobs or [])
     engine.shutdown()
-    res = []
-    for i, x in enumerate(inputs):
-        got = lps[str(i)]
-        if len(got) != len(x.ids) - 1:
-            raise RuntimeError(f"{arm.name}: {len(got)} prompt logprobs for {len(x.ids)} tokens")
-        res.append((occurrence_nll(got, x.first), occurrence_nll(got, x.second)))
-    return res
+    for k, ids in requests.items():
+        if len(lps[k]) != len(ids) - 1:
+            raise RuntimeError(f"{arm.name}: {len(lps[k])} prompt logprobs for {len(ids)} tokens")
+    return [(occurrence_nll(lps[str(i)], x.first), occurrence_nll(lps[str(i)], x.second),
+             occurrence_nll(lps[f"d{i}"], x.second) if x.decoy is not None else None) for i, x in enumerate(inputs)]
 
 
 def run_copy_gain(models: list[str], cfg: CopyConfig) -> dict[str, Any]:
     """Every (kind, arm, length) point for every model on the same inputs.
 
-    Returns ``{"points": [{"kind", "arm", "L", "gap", "x_context", "first": {model: [...]}, "second": {...}}],
+    Returns ``{"points": [{"kind", "arm", "L", "gap", "x_context", "first": {model: [...]}, "second": {...},
+    "decoy": {...}}],
     "meta": {...}}``; per-sample lists in sample order, so models pair sample by sample.
     """
     from transformers import AutoTokenizer
@@ -183,14 +208,16 @@ def run_copy_gain(models: list[str], cfg: CopyConfig) -> dict[str, Any]:
             inputs = build_inputs(tok, stream, kind, length, cfg)
             arm = arm_by_name(arm_name)
             p: dict[str, Any] = {"kind": kind, "arm": arm_name, "L": length, "gap": length - base,
-                                 "x_context": round(length / ctx, 3), "first": {}, "second": {}}
+                                 "x_context": round(length / ctx, 3), "first": {}, "second": {}, "decoy": {}}
             for m in models:
                 t1 = time.perf_counter()
                 got = score(m, arm, inputs, window, cfg.chunk)
-                p["first"][m] = [round(a, 4) for a, _ in got]
-                p["second"][m] = [round(b, 4) for _, b in got]
-                logger.info("copy gain %s %s L=%d %s: %.3f (%.0fs)", kind, arm_name, length, m,
-                            sum(a - b for a, b in got) / len(got), time.perf_counter() - t1)
+                p["first"][m] = [round(a, 4) for a, _, _ in got]
+                p["second"][m] = [round(b, 4) for _, b, _ in got]
+                p["decoy"][m] = [round(c, 4) for _, _, c in got]
+                logger.info("copy gain %s %s L=%d %s: gain %.3f, copy %.3f (%.0fs)", kind, arm_name, length, m,
+                            sum(a - b for a, b, _ in got) / len(got), sum(c - b for _, b, c in got) / len(got),
+                            time.perf_counter() - t1)
             points.append(p)
     return {"points": points, "meta": {"trained_context": ctx, "window": window, "prefill_chunk": cfg.chunk,
                                        "samples": cfg.samples, "span": cfg.span, "lead": cfg.lead,

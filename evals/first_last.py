@@ -15,11 +15,12 @@ under each retention arm. Read side by side for a model and its baseline::
 
 Copy gain (the continuous measure; rule fixed before the twins were measured)::
 
-    per sample i and point (span kind, arm, L): gain_i = NLL(S, 1st) - NLL(S, 2nd)   nats/token
+    per sample i and point (span kind, arm, L): copy_i = NLL(S, 2nd | decoy) - NLL(S, 2nd)   nats/token
+    (the same input with another span at the start: only the earlier copy differs; evals.copy_gain),
     mean and 95 % t-interval over the n samples (the same inputs for both models, so the model-minus-
-    baseline difference d_i = gain_i(model) - gain_i(baseline) pairs sample by sample)
+    baseline difference d_i = copy_i(model) - copy_i(baseline) pairs sample by sample)
 
-    in context  the shortest gap, dense: neither model's gain has its 95 % interval above 0
+    in context  the shortest gap, dense: neither model's copy has its 95 % interval above 0
                 -> "not measurable": neither copies the span even in context
     judged      the longest gap that fits the trained context (dense), and every L past it under
                 sinks + window + anchor (the arm that keeps the early span; sinks + window, which evicts
@@ -125,9 +126,11 @@ def mean_ci(xs: list[float]) -> tuple[float, float, float]:
     return m, m - h, m + h
 
 
-def gains(point: dict[str, Any], model: str) -> list[float]:
-    """Per-sample copy gain of ``model`` at a copy-gain point (``evals.copy_gain.run_copy_gain``)."""
-    return [a - b for a, b in zip(point["first"][model], point["second"][model])]
+def gains(point: dict[str, Any], model: str, measure: str = "copy") -> list[float]:
+    """Per-sample ``copy`` (NLL 2nd after a decoy - NLL 2nd) or ``gain`` (NLL 1st - NLL 2nd) of ``model`` at a
+    copy-gain point (``evals.copy_gain.run_copy_gain``)."""
+    before = point["decoy" if measure == "copy" else "first"][model]
+    return [a - b for a, b in zip(before, point["second"][model])]
 
 
 def _ci(v: tuple[float, float, float]) -> str:
@@ -145,7 +148,7 @@ def copy_verdict(points: list[dict[str, Any]], baseline: str, model: str, kind: 
     cb, cm = mean_ci(gains(short, baseline)), mean_ci(gains(short, model))
     if cb[1] <= 0 and cm[1] <= 0:
         return (f"not measurable at this scale: neither model copies the {kind} span even in context "
-                f"(gain at gap {short['gap']}, nats/token, mean [95 % CI]: baseline {_ci(cb)}, model {_ci(cm)})")
+                f"(copy at gap {short['gap']}, nats/token, mean [95 % CI]: baseline {_ci(cb)}, model {_ci(cm)})")
     judged = [dense[-1]] + sorted((p for p in mine if p["arm"] == judged_arm), key=lambda p: p["L"])
     cells, short_of = [], []
     for p in judged:
@@ -155,7 +158,7 @@ def copy_verdict(points: list[dict[str, Any]], baseline: str, model: str, kind: 
         if d[1] <= 0:
             short_of.append(where)
     head = "met" if not short_of else "not met at " + ", ".join(short_of)
-    return f"{head} ({kind} span, model minus baseline copy gain, nats/token, mean [95 % CI]: {'; '.join(cells)})"
+    return f"{head} ({kind} span, model minus baseline copy, nats/token, mean [95 % CI]: {'; '.join(cells)})"
 
 
 def first_last(needle: tuple[NeedleSummary, NeedleSummary] | None, copy_points: list[dict[str, Any]] | None,
