@@ -4,7 +4,8 @@
     sinkserve eval needle    [--quick] [--with] [--without] [--workers 2] [--out docs/evals]
     sinkserve eval needle|long-ppl --sparse 8,16 [--quick]   (dense vs block_bounds vs random selection)
     sinkserve eval retrieval [--quick] [--docs 400] [--mixes 4,16] [--budgets 32,64] [--out docs/evals]
-    sinkserve eval twins     --model A --baseline B [--quick] [--windows 16] [--rounds 6] [--out docs/evals]
+    sinkserve eval twins     --model A --baseline B [--quick] [--windows 16] [--rounds 6] [--needle B_DIR,A_DIR]
+                             [--copy-samples 12] [--copy-lengths 4,16] [--out docs/evals]
 
 Each writes ``<out>/<name>.{md,json,png}`` and prints the table. ``--with`` / ``--without`` run only the
 protected arm (sinks [+ anchor]) / the unprotected arm (window only) on the same inputs; both together

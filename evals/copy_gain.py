@@ -222,3 +222,54 @@ def run_copy_gain(models: list[str], cfg: CopyConfig) -> dict[str, Any]:
     return {"points": points, "meta": {"trained_context": ctx, "window": window, "prefill_chunk": cfg.chunk,
                                        "samples": cfg.samples, "span": cfg.span, "lead": cfg.lead,
                                        "judged_arm": JUDGED_ARM, "wall_s": round(time.perf_counter() - t0, 1)}}
+
+
+def summary(points: list[dict[str, Any]], models: list[str]) -> list[dict[str, Any]]:
+    """Per point and model: mean NLLs, the ``1st - 2nd`` gain and the copy with its 95 % interval."""
+    from evals.first_last import gains, mean_ci
+
+    rows = []
+    for p in points:
+        for m in models:
+            c = mean_ci(gains(p, m))
+            rows.append({"model": m, "kind": p["kind"], "arm": p["arm"], "L": p["L"], "gap": p["gap"],
+                         "gain": round(mean_ci(gains(p, m, "gain"))[0], 4), "copy": round(c[0], 4),
+                         "copy_ci95": [round(c[1], 4), round(c[2], 4)]})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m evals.copy_gain --models A[,B] --out FILE.json``: the copy-gain points alone (e.g. a
+    positive control: a model that has a copy circuit), without the rest of ``sinkserve eval twins``."""
+    import argparse
+    import json
+    import os
+    from pathlib import Path
+
+    ap = argparse.ArgumentParser(prog="python -m evals.copy_gain")
+    ap.add_argument("--models", required=True, help="comma-separated model directories sharing a tokenizer")
+    ap.add_argument("--samples", type=int, default=CopyConfig.samples)
+    ap.add_argument("--lengths", default="4,16", help="multiples of the trained context past it ('none': in context only)")
+    ap.add_argument("--arms", default=",".join(CopyConfig.arms), help="retention arms past the trained context")
+    ap.add_argument("--out", required=True, help="JSON file for the points and their summary")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    A.setup_torch(args.threads)
+    models = args.models.split(",")
+    lengths = () if args.lengths == "none" else tuple(float(x) for x in args.lengths.split(","))
+    cfg = CopyConfig(samples=args.samples, lengths=lengths, arms=tuple(args.arms.split(",")))
+    res = run_copy_gain(models, cfg)
+    res["meta"].update(models=models, model_sha256={m: A.model_fingerprint(m) for m in models},
+                       loadavg=[round(x, 2) for x in os.getloadavg()],
+                       command="python -m evals.copy_gain " + " ".join(argv if argv is not None else __import__("sys").argv[1:]))
+    res["summary"] = summary(res["points"], models)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    for r in res["summary"]:
+        print(r)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

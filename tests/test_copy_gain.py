@@ -63,3 +63,21 @@ def test_the_anchor_keeps_the_early_span_the_window_evicts_it(tiny_llama: Path) 
         assert abs(got["sinks_window_anchor"][i][1] - got["sinks_window"][i][1]) > 1e-3
         # in the decoy input the anchor keeps the decoy: its second occurrence differs from the copy's
         assert abs(got["sinks_window_anchor"][i][2] - got["sinks_window_anchor"][i][1]) > 1e-3
+
+
+def test_cli_writes_the_points_and_their_summary(tiny_llama: Path, tmp_path: Path, monkeypatch) -> None:
+    import json
+
+    from evals import copy_gain
+
+    # a stand-in held-out stream (the corpus's held-out split is the twins' text, not this byte tokenizer's)
+    monkeypatch.setattr("training.model_card.heldout_stream", lambda tok: list(range(3, 203)))
+    out = tmp_path / "c.json"
+    assert copy_gain.main(["--models", str(tiny_llama), "--samples", "2", "--lengths", "none", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    ctx = 512
+    assert [p["L"] for p in res["points"]] == [228, ctx - 1] * 2  # gaps 400 and 800 do not fit 512 positions
+    assert {r["kind"] for r in res["summary"]} == {"fact", "random"} and len(res["summary"]) == 4
+    for p, r in zip(res["points"], res["summary"]):
+        copies = [d - s for d, s in zip(p["decoy"][str(tiny_llama)], p["second"][str(tiny_llama)])]
+        assert r["copy"] == pytest.approx(sum(copies) / 2, abs=1e-3) and r["copy_ci95"][0] <= r["copy"]
