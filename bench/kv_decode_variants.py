@@ -17,7 +17,18 @@ blocks, 8 query / 2 KV heads, D = 32, 1 thread, median CPU time of one layer's c
     int2: split 9.2 ms, folded 14.0 ms      they avoid; max |folded - split| 5e-7 (float32)
 
 In the engine (``bench/throughput.py``, 32 concurrent, 2 threads, load ~5.5) the folded variant gave int4
-0.46x of 16-bit throughput; the split one is what ``docs/kv_cache.md`` reports.
+0.46x of 16-bit throughput.
+
+``C`` (the ``cpu`` backend, what ``auto`` runs on CPU; ``kernels/csrc/decode_attention_quant.c``) reads the
+codes in place, and beside it the 16-bit C kernel on the same (dequantized) keys. One run, load ~4.3
+(2026-12-01 16:11 UTC):
+
+    int8: split 6.46 ms, folded 8.24 ms, C 1.17 ms (16-bit C 1.09 ms)
+    int4: split 5.93 ms, folded 9.05 ms, C 1.11 ms (16-bit C 1.22 ms)
+    int2: split 10.89 ms, folded 16.39 ms, C 1.06 ms (16-bit C 1.19 ms)    max |variant - split| 5.2e-7
+
+The split path remains the ``torch`` backend's and the C kernel's reference; ``docs/kv_cache.md`` has the
+engine figures.
 
     python -m bench.kv_decode_variants
 """
@@ -35,7 +46,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from kernels import reference  # noqa: E402
+from kernels import cpu_attention, reference  # noqa: E402
 from kernels.kv_quant import QuantKVCache  # noqa: E402
 from kernels.workspace import workspace  # noqa: E402
 
@@ -164,8 +175,15 @@ def main() -> int:
         split = lambda: reference.paged_attention_quant(q, cache, bt, sl, qsl, scale, plan=plan)  # noqa: E731
         folded = lambda: folded_attention(q, cache, plan.decode, plan.decode_mask, scale)  # noqa: E731
         err = float((folded() - split()).abs().max())
-        print(f"int{bits}: split {_cpu_ms(split):.2f} ms, folded {_cpu_ms(folded):.2f} ms; "
-              f"max |folded - split| {err:.1e}")
+        line = f"int{bits}: split {_cpu_ms(split):.2f} ms, folded {_cpu_ms(folded):.2f} ms"
+        if cpu_attention.load() is not None:  # the cpu backend's C kernels (the product on CPU)
+            cplan = cpu_attention.plan(bt, sl, qsl, cache.block_size)
+            c = lambda: cpu_attention.paged_attention_quant(q, cache, bt, sl, qsl, scale, plan=cplan)  # noqa: E731
+            k_deq, v_deq = reference.dequantize_cache(cache)
+            fp = lambda: cpu_attention.paged_attention(q, k_deq, v_deq, bt, sl, qsl, scale, plan=cplan)  # noqa: E731
+            err = max(err, float((c() - split()).abs().max()))
+            line += f", C {_cpu_ms(c):.2f} ms (16-bit C kernel on the same keys: {_cpu_ms(fp):.2f} ms)"
+        print(f"{line}; max |variant - split| {err:.1e}")
     return 0
 
 

@@ -2,8 +2,10 @@
 
 llama.cpp runs through llama-cpp-python, built from the registry's sdist into its own virtual
 environment outside the repository (``--venv``, default ``/work/venvs/llamacpp``; about 6 minutes on
-two cores the first time); the model is converted to GGUF (float32, like the engine's weights) by the
-``convert_hf_to_gguf.py`` that sdist ships. Two things of the converter are bypassed, both about the
+two cores the first time); the model is converted to GGUF by the ``convert_hf_to_gguf.py`` that sdist
+ships, once per ``--outtypes`` entry (cached in ``<venv>/gguf``): ``f32``, the engine's own precision, is
+the headline comparison; ``auto``, the converter's default (16-bit floats), is what a llama.cpp user
+gets without asking. Two things of the converter are bypassed, both about the
 tokenizer only, which this benchmark never uses (it feeds token ids): its SentencePiece probe (the
 reference model has no ``tokenizer.model``) and its table of known BPE pre-tokenizers (the reference
 model's tokenizer is not in it; ``gpt-2`` is declared).
@@ -57,7 +59,8 @@ llm = Llama(model_path=path, n_ctx=work["n_ctx"], n_batch=n_batch, n_ubatch=n_ba
 out = {"version": llama_cpp.__version__, "system_info": llama_cpp.llama_print_system_info().decode()}
 llm.reset(); llm.eval(work["prefill"][:8])  # warm-up
 llm.reset()
-t = time.perf_counter(); llm.eval(work["prefill"]); out["prefill_s"] = time.perf_counter() - t
+t, c = time.perf_counter(), time.process_time(); llm.eval(work["prefill"])
+out["prefill_s"], out["prefill_cpu_s"] = time.perf_counter() - t, time.process_time() - c
 n_vocab = llm.n_vocab()
 def last_logits():  # the last evaluated token's row (without logits_all, eval keeps no scores)
     return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))
@@ -67,10 +70,10 @@ tok = int(np.argmax(last_logits())); toks = [tok]
 t = None
 for i in range(work["decode"] - 1):
     if i == 0:
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
     llm.eval([tok])
     tok = int(np.argmax(last_logits())); toks.append(tok)
-out["decode_s"] = time.perf_counter() - t
+out["decode_s"], out["decode_cpu_s"] = time.perf_counter() - t, time.process_time() - c
 out["tokens"] = toks
 print("RESULT " + json.dumps(out))
 """
@@ -89,15 +92,18 @@ runpy.run_path("convert_hf_to_gguf.py", run_name="__main__")
 """
 
 
-def ensure_llamacpp(venv: Path) -> Path:
+def ensure_llamacpp(venv: Path, server: bool = False) -> Path:
     """The venv's python with llama_cpp importable (built from the sdist on first use) and the sdist's
-    llama.cpp tree (for the converter); returns the llama.cpp directory."""
+    llama.cpp tree (for the converter); returns the llama.cpp directory. ``server``: also the package's
+    ``[server]`` extra (its OpenAI-compatible server: FastAPI, uvicorn, ...), for bench/http_llamacpp.py."""
     py = venv / "bin" / "python"
     if not py.exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    if subprocess.run([str(py), "-c", "import llama_cpp"], capture_output=True).returncode:
+    probe = "import llama_cpp.server.app" if server else "import llama_cpp"
+    if subprocess.run([str(py), "-c", probe], capture_output=True).returncode:
         env = {**os.environ, "CMAKE_ARGS": "-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"}
-        subprocess.run([str(py), "-m", "pip", "install", "--no-binary", "llama-cpp-python", LLAMA_CPP_PYTHON, "numpy"],
+        spec = LLAMA_CPP_PYTHON.replace("==", "[server]==") if server else LLAMA_CPP_PYTHON
+        subprocess.run([str(py), "-m", "pip", "install", "--no-binary", "llama-cpp-python", spec, "numpy"],
                        check=True, env=env)
     src = venv / "src"
     sdists = sorted(src.glob("llama_cpp_python-*.tar.gz"))
@@ -112,14 +118,31 @@ def ensure_llamacpp(venv: Path) -> Path:
     return root / "vendor" / "llama.cpp"
 
 
-def convert(llama_cpp_dir: Path, model_dir: Path, out: Path) -> Path:
-    """``model_dir`` as a float32 GGUF at ``out`` (reused when it is newer than the checkpoint)."""
+def convert(llama_cpp_dir: Path, model_dir: Path, out: Path, outtype: str = "f32") -> Path:
+    """``model_dir`` as a GGUF of ``outtype`` (the converter's ``--outtype``: f32 = the engine's precision;
+    ``auto``, the converter's default, picks 16-bit floats) at ``out``, reused when it is newer than the
+    checkpoint's files."""
     weights = max(p.stat().st_mtime for p in model_dir.glob("*.safetensors"))
     if not out.exists() or out.stat().st_mtime < weights:
         out.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-c", CONVERT, str(model_dir), "--outtype", "f32", "--outfile", str(out)],
+        subprocess.run([sys.executable, "-c", CONVERT, str(model_dir.resolve()), "--outtype", outtype, "--outfile", str(out)],
                        cwd=llama_cpp_dir, check=True, capture_output=True)
     return out
+
+
+def gguf_path(venv: Path, model_dir: Path, outtype: str = "f32") -> Path:
+    """Where the conversion of ``model_dir`` to ``outtype`` is cached (beside llama-cpp-python's venv)."""
+    return venv / "gguf" / f"{model_dir.name}-{outtype}.gguf"
+
+
+def gguf_weight_types(llama_cpp_dir: Path, gguf: Path) -> str:
+    """The tensor types of a GGUF file with their parameter counts, e.g. ``F16 1.3M, F32 0.0M``
+    (read with the sdist's gguf-py, as the converter is run)."""
+    code = ("import sys, collections; sys.path[:0] = ['gguf-py']; import gguf; r = gguf.GGUFReader(sys.argv[1]); "
+            "c = collections.Counter(); [c.update({t.tensor_type.name: int(t.n_elements)}) for t in r.tensors]; "
+            "print(', '.join(f'{k} {v / 1e6:.2f}M' for k, v in sorted(c.items())))")
+    proc = subprocess.run([sys.executable, "-c", code, str(gguf.resolve())], capture_output=True, text=True, cwd=llama_cpp_dir)
+    return proc.stdout.strip() or "unknown"
 
 
 def run_llamacpp(venv: Path, gguf: Path, threads: int, work: dict) -> dict:
@@ -139,9 +162,9 @@ def run_engine(model_dir: Path, work: dict, model_impl: str, compile_decode: boo
                                     model_impl=model_impl, compile_decode=compile_decode))
     greedy = dict(temperature=0.0, ignore_eos=True)
     engine.generate([work["prefill"][:8]], SamplingParams(max_tokens=2, **greedy))  # warm-up
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     engine.generate([work["prefill"]], SamplingParams(max_tokens=1, **greedy))
-    prefill_s = time.perf_counter() - t
+    prefill_s, prefill_cpu_s = time.perf_counter() - t, time.process_time() - c
     engine.add_request("d", work["prompt"], SamplingParams(max_tokens=work["decode"], **greedy))
     tokens: list[int] = []
     t = None
@@ -149,17 +172,20 @@ def run_engine(model_dir: Path, work: dict, model_impl: str, compile_decode: boo
         for out in engine.step():
             tokens.extend(out.token_ids)
         if t is None and tokens:
-            t = time.perf_counter()  # from the first token on: decode steps only
-    decode_s = time.perf_counter() - t
+            t, c = time.perf_counter(), time.process_time()  # from the first token on: decode steps only
+    decode_s, decode_cpu_s = time.perf_counter() - t, time.process_time() - c
     engine.shutdown()
-    return {"prefill_s": prefill_s, "decode_s": decode_s, "tokens": tokens}
+    return {"prefill_s": prefill_s, "decode_s": decode_s, "prefill_cpu_s": prefill_cpu_s, "decode_cpu_s": decode_cpu_s,
+            "tokens": tokens}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", type=Path, default=REPO_ROOT / "assets" / "reference-model")
     p.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="llama-cpp-python's venv (outside the repo)")
-    p.add_argument("--gguf", type=Path, help="converted model (default: <venv>/gguf/<model>-f32.gguf)")
+    p.add_argument("--outtypes", default="f32,auto",
+                   help="GGUF weight types, comma-separated (the converter's --outtype); the first is the headline "
+                        "comparison: f32 = the engine's precision; auto = the converter's default (16-bit floats)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--decode", type=int, default=256)
@@ -174,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     llama_dir = ensure_llamacpp(args.venv)
-    gguf = convert(llama_dir, args.model, args.gguf or args.venv / "gguf" / f"{args.model.name}-f32.gguf")
+    outtypes = args.outtypes.split(",")
+    ggufs = {t: convert(llama_dir, args.model, gguf_path(args.venv, args.model, t), t) for t in outtypes}
+    types = {t: gguf_weight_types(llama_dir, g) for t, g in ggufs.items()}
     cfg = json.loads((args.model / "config.json").read_text())
     rng = random.Random(0)
     vocab = cfg["vocab_size"]
@@ -182,11 +210,13 @@ def main(argv: list[str] | None = None) -> int:
             "prefill": [rng.randrange(3, vocab) for _ in range(args.prefill)],
             "decode": args.decode, "n_ctx": min(cfg.get("max_position_embeddings", 2048),
                                                 max(args.prefill, args.prompt + args.decode) + 16)}
-    runs: dict[str, list[dict]] = {"engine": [], "llama.cpp": []}
+    names = ["engine"] + [f"llama.cpp {t}" for t in outtypes]
+    runs: dict[str, list[dict]] = {k: [] for k in names}
     load = [os.getloadavg()[0]]
     for _ in range(args.rounds):
         runs["engine"].append(run_engine(args.model, work, args.model_impl, args.compile_decode))
-        runs["llama.cpp"].append(run_llamacpp(args.venv, gguf, args.threads, work))
+        for t in outtypes:
+            runs[f"llama.cpp {t}"].append(run_llamacpp(args.venv, ggufs[t], args.threads, work))
         load.append(os.getloadavg()[0])
 
     def rate(name: str, key: str, n: int) -> float:
@@ -194,44 +224,65 @@ def main(argv: list[str] | None = None) -> int:
 
     dec = {k: rate(k, "decode_s", args.decode - 1) for k in runs}
     pre = {k: rate(k, "prefill_s", args.prefill) for k in runs}
-    same = sum(a == b for a, b in zip(runs["engine"][0]["tokens"], runs["llama.cpp"][0]["tokens"]))
-    info = runs["llama.cpp"][0]
+    dec_cpu = {k: rate(k, "decode_cpu_s", args.decode - 1) for k in runs}
+    pre_cpu = {k: rate(k, "prefill_cpu_s", args.prefill) for k in runs}
+    head = names[1]
+    info = runs[head][0]
     import transformers
 
-    text = "\n".join([
+    engine_bytes = sum(f.stat().st_size for f in args.model.glob("model*.safetensors"))
+    lines = [
         "# Single stream: sinkserve engine vs llama.cpp",
         "",
         f"`python -m bench.llamacpp {' '.join(sys.argv[1:] if argv is None else argv)}` on "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
         "",
         f"**Host:** {cpu_name()}, {os.cpu_count()} logical CPUs, shared with other jobs: 1-minute load average "
-        f"{min(load):.1f}-{max(load):.1f} during the run. {args.threads} thread(s) for both systems. "
+        f"{min(load):.1f}-{max(load):.1f} during the run. {args.threads} thread(s) for every system. "
         f"{args.rounds} rounds, alternating; medians.",
         "",
         f"**Versions:** llama-cpp-python {info['version']} (built from the sdist, `GGML_NATIVE=ON`), its "
-        f"`convert_hf_to_gguf.py` (float32 GGUF); torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"`convert_hf_to_gguf.py`; torch {torch.__version__}, transformers {transformers.__version__}, "
         f"Python {platform.python_version()}. ggml: `{info['system_info'].strip()}`",
         "",
-        f"**Model:** `{args.model.name}` ({cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, vocab {vocab}), "
-        f"float32 in both. Engine forward: {args.model_impl}"
-        f"{', compiled decode step' if args.compile_decode else ''}.",
+        f"**Model:** `{args.model.name}` ({cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, vocab {vocab}). "
+        f"Engine: float32 weights ({engine_bytes / 1e6:.1f} MB of safetensors), forward {args.model_impl}"
+        f"{', compiled decode step' if args.compile_decode else ''}. "
+        "llama.cpp weight precision per GGUF (tensor types, parameters): "
+        + "; ".join(f"`--outtype {t}`: {types[t]} ({ggufs[t].stat().st_size / 1e6:.1f} MB)" for t in outtypes)
+        + ". The first GGUF is the headline comparison"
+        + (" (equal precision: float32 both)." if outtypes[0] == "f32" else "."),
         "",
-        "| | sinkserve engine | llama.cpp | engine / llama.cpp | target |",
-        "|---|---:|---:|---:|---|",
-        f"| decode tokens/s ({args.prompt}-token prompt, {args.decode} tokens) | {dec['engine']:.0f} | "
-        f"{dec['llama.cpp']:.0f} | {dec['engine'] / dec['llama.cpp']:.2f}x | >= 0.8x |",
-        f"| prefill tokens/s ({args.prefill}-token prompt, one batch) | {pre['engine']:.0f} | {pre['llama.cpp']:.0f} | "
-        f"{pre['engine'] / pre['llama.cpp']:.2f}x | >= 1x |",
+        "| | " + " | ".join(names) + " | " + " | ".join(f"engine / {n}" for n in names[1:]) + " | target |",
+        "|---|" + "---:|" * (2 * len(names) - 1) + "---|",
+        f"| decode tokens/s ({args.prompt}-token prompt, {args.decode} tokens) | "
+        + " | ".join(f"{dec[n]:.0f}" for n in names) + " | "
+        + " | ".join(f"{dec['engine'] / dec[n]:.2f}x" for n in names[1:]) + " | >= 0.8x |",
+        f"| prefill tokens/s ({args.prefill}-token prompt, one batch) | "
+        + " | ".join(f"{pre[n]:.0f}" for n in names) + " | "
+        + " | ".join(f"{pre['engine'] / pre[n]:.2f}x" for n in names[1:]) + " | >= 1x |",
+        "| decode tokens per CPU-second | " + " | ".join(f"{dec_cpu[n]:.0f}" for n in names) + " | "
+        + " | ".join(f"{dec_cpu['engine'] / dec_cpu[n]:.2f}x" for n in names[1:]) + " | >= 0.8x |",
+        "| prefill tokens per CPU-second | " + " | ".join(f"{pre_cpu[n]:.0f}" for n in names) + " | "
+        + " | ".join(f"{pre_cpu['engine'] / pre_cpu[n]:.2f}x" for n in names[1:]) + " | >= 1x |",
         "",
-        f"Greedy tokens, first round: {same}/{args.decode} positions equal between the two systems (float32 both; "
-        "different summation orders can flip near-tied logits, after which the streams diverge).",
+        "Tokens/s is the wall clock; tokens per CPU-second (`time.process_time`, every thread of the process: one "
+        "here) leaves out the time other jobs on this shared host took the core away, so it moves much less "
+        "between rounds.",
         "",
-        "Per round (decode tok/s engine / llama.cpp; prefill tok/s engine / llama.cpp): "
-        + "; ".join(f"{(args.decode - 1) / e['decode_s']:.0f} / {(args.decode - 1) / lc['decode_s']:.0f}, "
-                    f"{args.prefill / e['prefill_s']:.0f} / {args.prefill / lc['prefill_s']:.0f}"
-                    for e, lc in zip(runs["engine"], runs["llama.cpp"])),
+        "Greedy tokens, first round, positions equal to the engine's of "
+        + ", ".join(f"{n}: {sum(a == b for a, b in zip(runs['engine'][0]['tokens'], runs[n][0]['tokens']))}/{args.decode}"
+                    for n in names[1:])
+        + " (different summation orders, or 16-bit weights, can flip near-tied logits, after which the streams diverge).",
         "",
-    ])
+        "Per round, decode tok/s (" + " / ".join(names) + "): "
+        + "; ".join(" / ".join(f"{(args.decode - 1) / runs[n][i]['decode_s']:.0f}" for n in names) for i in range(args.rounds)),
+        "",
+        "Per round, prefill tok/s (" + " / ".join(names) + "): "
+        + "; ".join(" / ".join(f"{args.prefill / runs[n][i]['prefill_s']:.0f}" for n in names) for i in range(args.rounds)),
+        "",
+    ]
+    text = "\n".join(lines)
     print(text)
     if args.out:
         args.out.write_text(text)

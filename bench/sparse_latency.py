@@ -77,23 +77,27 @@ def fill_cache(runner: ModelRunner, length: int) -> None:
         block_sparse.set_bounds(bounds, ids, k[ids])
 
 
-def decode_ms(runner: ModelRunner, length: int, sparse: bool, steps: int) -> float:
+def decode_ms(runner: ModelRunner, length: int, sparse: bool, steps: int) -> tuple[float, float]:
+    """Median (wall, CPU) milliseconds of a decode step at ``length`` tokens of context."""
     fill_cache(runner, length)
     runner.execute(step_input(length - 1, 1, sparse))  # warm-up
-    times = []
+    walls, cpus = [], []
     for i in range(steps):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         runner.execute(step_input(length - 1, 1, sparse))  # the same position: the cache does not grow
-        times.append(time.perf_counter() - t)
+        walls.append(time.perf_counter() - t)
+        cpus.append(time.process_time() - c)
     # The median step: a shared host's load spikes hit single steps, not the typical one.
-    return statistics.median(times) * 1000
+    return statistics.median(walls) * 1000, statistics.median(cpus) * 1000
 
 
-def ttft_s(runner: ModelRunner, length: int, sparse: bool) -> float:
-    t = time.perf_counter()
+def ttft_s(runner: ModelRunner, length: int, sparse: bool) -> tuple[float, float]:
+    """(wall, CPU) seconds of the chunked prefill of ``length`` tokens to the first token's logits. CPU time
+    (this process, one torch thread) leaves out the time other jobs on a shared host held the core."""
+    t, c = time.perf_counter(), time.process_time()
     for start in range(0, length, CHUNK):
         runner.execute(step_input(start, min(CHUNK, length - start), sparse))
-    return time.perf_counter() - t
+    return time.perf_counter() - t, time.process_time() - c
 
 
 def main() -> int:
@@ -104,6 +108,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=15, help="timed decode steps per point (median reported)")
     ap.add_argument("--repeats", type=int, default=2, help="rounds over all points; each point's best is reported")
     ap.add_argument("--dense-prefill-max", type=int, default=8192, help="longest dense prefill (memory: T x L scores)")
+    ap.add_argument("--baseline", action="append", default=[], metavar="LABEL=JSON",
+                    help="an earlier run's json, drawn faded in the plot under LABEL (history)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)
@@ -115,37 +121,43 @@ def main() -> int:
         model_dir = Path(tmp)
         (model_dir / "config.json").write_text(json.dumps(MODEL))
         runner = make_runner(model_dir, max(decode_lengths + prefill_lengths) + CHUNK)
+        args.backend_name = runner.backend.name
         # Rounds over every point (not repeats of one point): a load spike on the shared host then costs one
         # round of some points, and the best round of each point is reported.
-        best: dict[tuple[str, int, str], float] = {}
+        # Wall and CPU time are each the best round of the point (independently).
+        best: dict[tuple[str, int, str], list[float]] = {}
+        rounds: list[dict] = []
         for rnd in range(args.repeats):
             for length in decode_lengths:
                 for sparse in (False, True):
                     ms = decode_ms(runner, length, sparse, args.steps)
                     key = ("decode", length, "sparse" if sparse else "dense")
-                    best[key] = min(ms, best.get(key, ms))
-                    logger.info("round %d decode L=%d %s: %.1f ms/token", rnd, length, key[2], ms)
+                    best[key] = [min(a, b) for a, b in zip(ms, best.get(key, ms))]
+                    rounds.append({"round": rnd, "kind": "decode", "L": length, "mode": key[2], "value": ms[0],
+                                   "cpu": ms[1]})
+                    logger.info("round %d decode L=%d %s: %.1f ms/token (CPU %.1f)", rnd, length, key[2], *ms)
             for length in prefill_lengths:
                 for sparse in (False, True):
                     if not sparse and length > args.dense_prefill_max:
                         continue
                     s = ttft_s(runner, length, sparse)
                     key = ("ttft", length, "sparse" if sparse else "dense")
-                    best[key] = min(s, best.get(key, s))
-                    logger.info("round %d ttft L=%d %s: %.2f s", rnd, length, key[2], s)
-        rows = [{"kind": k, "L": n, "mode": m, "value": v} for (k, n, m), v in best.items()]
+                    best[key] = [min(a, b) for a, b in zip(s, best.get(key, s))]
+                    rounds.append({"round": rnd, "kind": "ttft", "L": length, "mode": key[2], "value": s[0], "cpu": s[1]})
+                    logger.info("round %d ttft L=%d %s: %.2f s (CPU %.2f)", rnd, length, key[2], *s)
+        rows = [{"kind": k, "L": n, "mode": m, "value": v[0], "cpu": v[1]} for (k, n, m), v in best.items()]
     load_after = Path("/proc/loadavg").read_text().split()[:3]
-    write(rows, Path(args.out), args, load_before, load_after, time.perf_counter() - t0)
+    write(rows, rounds, Path(args.out), args, load_before, load_after, time.perf_counter() - t0)
     return 0
 
 
-def ratio(rows: list[dict], kind: str, mode: str, a: int, b: int) -> float | None:
-    v = {r["L"]: r["value"] for r in rows if r["kind"] == kind and r["mode"] == mode}
+def ratio(rows: list[dict], kind: str, mode: str, a: int, b: int, field: str = "value") -> float | None:
+    v = {r["L"]: r[field] for r in rows if r["kind"] == kind and r["mode"] == mode}
     return v[a] / v[b] if a in v and b in v else None
 
 
-def write(rows: list[dict], out: Path, args: argparse.Namespace, load_before: list[str], load_after: list[str],
-          wall: float) -> None:
+def write(rows: list[dict], rounds: list[dict], out: Path, args: argparse.Namespace, load_before: list[str],
+          load_after: list[str], wall: float) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -161,7 +173,10 @@ def write(rows: list[dict], out: Path, args: argparse.Namespace, load_before: li
         r = ratio(rows, kind, mode, hi, lo)
         if r is not None:
             verdict = f" (target <= {bound:g}: {'MET' if r <= bound else 'MISSED'})" if bound else " (report)"
-            checks.append(f"{kind} {mode}: L={hi} / L={lo} = {r:.2f}{verdict}")
+            per_round = [ratio([x for x in rounds if x["round"] == i], kind, mode, hi, lo) for i in range(args.repeats)]
+            checks.append(f"{kind} {mode}: L={hi} / L={lo} = {r:.2f}{verdict}; CPU time "
+                          f"{ratio(rows, kind, mode, hi, lo, 'cpu'):.2f}; single rounds (wall) "
+                          + ", ".join(f"{x:.2f}" for x in per_round if x is not None))
     dense_pre = {r["L"]: r["value"] for r in rows if r["kind"] == "ttft" and r["mode"] == "dense"}
     if len(dense_pre) >= 2:
         a, b = max(dense_pre), min(dense_pre)
@@ -172,29 +187,40 @@ def write(rows: list[dict], out: Path, args: argparse.Namespace, load_before: li
         f"`nice -n 10 .venv/bin/python bench/sparse_latency.py{' --quick' if args.quick else ''} --threads "
         f"{args.threads} --steps {args.steps} --repeats {args.repeats}` -- one run; host {cpu_name()}, torch threads {args.threads}, "
         f"decode = median of {args.steps} steps; each point the best of {args.repeats} rounds over all points; "
-        f"load average before {' '.join(load_before)}, after {' '.join(load_after)}; wall {wall:.0f} s.", "",
+        f"load average before {' '.join(load_before)}, after {' '.join(load_after)}; wall {wall:.0f} s. "
+        "Wall time is the target's measure; CPU time (this process) is shown beside it because the host is "
+        "shared: it leaves out the time other jobs held the core (not their cache and memory traffic).", "",
         "Model: Llama shape, 2 layers, 8 query heads = 8 KV heads x head_dim 128 (hidden 1024), MLP 256, vocab 256, "
-        "dummy weights, float32, torch backend. Sparse: block_bounds indexer, top_k 2048 tokens + forced set "
+        f"dummy weights, float32, {args.backend_name} attention backend. Sparse: block_bounds indexer, top_k 2048 tokens + forced set "
         "(sink block, newest 256 tokens), from 4,096 tokens of context; prefill in chunks of "
         f"{CHUNK} tokens (queries select in groups of {block_sparse.PREFILL_GROUP}). Decode reads a cache of L random "
         "tokens (bounds computed from them); TTFT runs the whole chunked prefill to the first token's logits.", "",
-        "| kind | L | dense | sparse | sparse / dense |", "|---|---|---|---|---|",
+        "| kind | L | dense | sparse | sparse / dense | dense CPU | sparse CPU |", "|---|---|---|---|---|---|---|",
     ]
     for kind, unit in (("decode", "ms/token"), ("ttft", "s")):
         for length in lengths:
-            d = next((r["value"] for r in rows if r["kind"] == kind and r["L"] == length and r["mode"] == "dense"), None)
-            s = next((r["value"] for r in rows if r["kind"] == kind and r["L"] == length and r["mode"] == "sparse"), None)
-            if d is None and s is None:
+            pick = {m: next((r for r in rows if r["kind"] == kind and r["L"] == length and r["mode"] == m), None)
+                    for m in ("dense", "sparse")}
+            if pick["dense"] is None and pick["sparse"] is None:
                 continue
             fmt = (lambda x: f"{x:.1f} {unit}") if kind == "decode" else (lambda x: f"{x:.2f} {unit}")
-            lines.append(f"| {kind} | {length} | {fmt(d) if d is not None else '-'} | {fmt(s) if s is not None else '-'} | "
-                         f"{f'{s / d:.2f}' if d and s else '-'} |")
+            cell = lambda m, f: fmt(pick[m][f]) if pick[m] is not None else "-"  # noqa: E731
+            d, s = (pick[m]["value"] if pick[m] else None for m in ("dense", "sparse"))
+            lines.append(f"| {kind} | {length} | {cell('dense', 'value')} | {cell('sparse', 'value')} | "
+                         f"{f'{s / d:.2f}' if d and s else '-'} | {cell('dense', 'cpu')} | {cell('sparse', 'cpu')} |")
     lines += ["", "Against the targets:", ""] + [f"- {c}" for c in checks]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps({"rows": rows, "checks": checks, "load_before": load_before,
+    out.with_suffix(".json").write_text(json.dumps({"rows": rows, "rounds": rounds, "checks": checks,
+                                                    "load_before": load_before,
                                                     "load_after": load_after, "threads": args.threads}, indent=1))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    earlier = [(b.split("=", 1)[0], json.loads(Path(b.split("=", 1)[1]).read_text())["rows"]) for b in args.baseline]
     for ax, kind, ylabel in ((axes[0], "decode", "decode ms/token"), (axes[1], "ttft", "time to first token (s)")):
+        for label, old in earlier:
+            pts = sorted((r["L"], r["value"]) for r in old if r["kind"] == kind and r["mode"] == "sparse")
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], ":x", color="grey", alpha=0.6,
+                        label=f"sparse, {label}")
         for mode, style in (("dense", "-s"), ("sparse", "-o")):
             pts = sorted((r["L"], r["value"]) for r in rows if r["kind"] == kind and r["mode"] == mode)
             if pts:

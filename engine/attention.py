@@ -71,6 +71,11 @@ class ForwardContext:
 _CONTEXT: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("sinkserve_forward", default=None)
 
 
+def current_context() -> ForwardContext | None:
+    """The forward context the model runner set for this step (None outside a step)."""
+    return _CONTEXT.get()
+
+
 @contextlib.contextmanager
 def forward_context(ctx: ForwardContext) -> Iterator[None]:
     token = _CONTEXT.set(ctx)

@@ -6,7 +6,21 @@ in a replacement character, and text that could still become a stop string is he
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
+
+
+def backend_decode(tokenizer: Any) -> Callable[..., str] | None:
+    """The ``tokenizers.Tokenizer.decode`` that ``tokenizer.decode(ids, skip_special_tokens=...,
+    clean_up_tokenization_spaces=False)`` ends in, when ``tokenizer`` is a transformers fast tokenizer that
+    does not override ``_decode``; None otherwise. Calling it directly skips transformers' argument
+    conversion: 5.5 -> 1.6 us per call on the reference tokenizer, two calls per token."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    if isinstance(tokenizer, TokenizersBackend) and type(tokenizer)._decode is TokenizersBackend._decode:
+        return tokenizer._tokenizer.decode
+    return None
 
 
 class IncrementalDetokenizer:
@@ -14,6 +28,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()) -> None:
         self.tokenizer = tokenizer
+        self._backend_decode = backend_decode(tokenizer)
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.text = ""  # decoded output so far
@@ -23,6 +38,8 @@ class IncrementalDetokenizer:
         self.stopped = False
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend_decode is not None:
+            return self._backend_decode(ids, skip_special_tokens=True)
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def update(self, output_ids: list[int], finished: bool = False) -> str:

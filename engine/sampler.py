@@ -174,7 +174,9 @@ class Sampler:
         lps: list[float] = []
         tops: list[list[tuple[int, float]] | None] = []
         if sampling:
-            rows = logits[torch.tensor(sample_rows, dtype=torch.long, device=logits.device)]
+            # Every row sampled, in order (a decode step): the logits themselves, no gathered copy.
+            every = not prompt_rows and len(sample_rows) == logits.shape[0]
+            rows = logits if every else logits[torch.tensor(sample_rows, dtype=torch.long, device=logits.device)]
             params = [s.params for s in sampling]
             gens = [None if p.greedy else self.generator_for(s.request_id, p.seed) for s, p in zip(sampling, params)]
             shaped = rows

@@ -33,6 +33,13 @@ INDEXERS = ("block_bounds", "trained")
 POSITION_MODES = ("absolute", "compact")
 # Trained lightning-indexer weights ship beside the model's weights under this name.
 INDEXER_WEIGHTS = "indexer.safetensors"
+# A prefill chunk's queries select blocks (block_bounds) in groups of this many consecutive tokens that share
+# one selection: each group pays one K/V gather, mask and attention call over ~top_k + window keys, so
+# larger groups share that overhead (128 vs 64: half the gathered bytes per chunk; docs/sparse_attention.md).
+PREFILL_GROUP = 128
+# Selected memory (position_mode compact) keeps groups of 64: a group's own tokens are part of the attended
+# span that must fit the trained context (``selected_span``), and that mode's budgets were sized for 64.
+COMPACT_PREFILL_GROUP = 64
 
 
 @dataclass(frozen=True)
@@ -44,7 +51,8 @@ class SparseAttention:
     context (cached + new tokens) reaches this many tokens. ``indexer``: ``block_bounds`` (per-block
     per-channel key min/max, Quest's upper bound; training-free, any model) or ``trained`` (a lightning
     indexer shipped as ``indexer.safetensors`` in the model directory). ``decode`` / ``prefill``: which
-    steps select (a prefill chunk's queries select in groups of 64 that share one selection).
+    steps select (a prefill chunk's queries select in groups of ``prefill_group`` tokens that share one
+    selection; the trained indexer selects per query).
     ``position_mode``: ``absolute`` (keys seen where they were stored) or ``compact`` (selected memory past
     the trained context: the attended blocks are seen consecutively; see ``engine/selected_memory.py``).
     """
@@ -96,16 +104,22 @@ class SparseAttention:
         """Whether this is selected memory past the trained context (``position_mode: compact``)."""
         return self.enabled and self.position_mode == "compact"
 
-    def selected_span(self, block_size: int, protected_positions: tuple[int, ...], prefill_group: int = 64) -> int:
+    @property
+    def prefill_group(self) -> int:
+        """Consecutive prefill queries that share one block selection (``PREFILL_GROUP``; selected memory:
+        ``COMPACT_PREFILL_GROUP``)."""
+        return COMPACT_PREFILL_GROUP if self.compact else PREFILL_GROUP
+
+    def selected_span(self, block_size: int, protected_positions: tuple[int, ...]) -> int:
         """The most tokens one query (group) attends in compact mode, hence the longest distance it sees:
         the blocks of the protected positions, ``top_k``, and the window of a prefill group (``local_window +
         prefill_group - 1`` tokens, one more block when unaligned), in whole blocks. Per-request anchors
         come on top.
 
-        >>> SparseAttention(enabled=True, top_k=128, local_window=64).selected_span(16, (0, 1, 2, 3))
+        >>> SparseAttention(enabled=True, top_k=128, local_window=64, position_mode="compact").selected_span(16, (0, 1, 2, 3))
         288
         """
-        window_blocks = -(-(self.local_window + prefill_group - 1) // block_size) + 1
+        window_blocks = -(-(self.local_window + self.prefill_group - 1) // block_size) + 1
         protected = len({p // block_size for p in protected_positions})
         return (protected + self.top_blocks(block_size) + window_blocks) * block_size
 

@@ -57,4 +57,4 @@ def plan(sparse_forced: list[list[int] | None], config: EngineConfig, table_widt
         if ids:
             forced[i, ids] = True
     return block_sparse.SparsePlan(forced.to(device), top, config.sparse.local_window,
-                                   top_tokens=config.sparse.top_k)
+                                   prefill_group=config.sparse.prefill_group, top_tokens=config.sparse.top_k)

@@ -65,7 +65,9 @@ def torch_backend() -> AttentionBackend:
                             write_kv_quant=reference.write_kv_quant,
                             paged_attention_quant=reference.paged_attention_quant,
                             quantize_blocks=reference.quantize_fp_slots, plan=reference.plan_attention,
-                            block_sparse_attention=functools.partial(bs.block_sparse_attention, attend=bs.attend_gather),
+                            block_sparse_attention=functools.partial(
+                                bs.block_sparse_attention, attend=bs.attend_gather,
+                                paged=bs.PagedDecode(reference.paged_attention, reference.paged_attention_quant)),
                             indexed_sparse_attention=functools.partial(ix.indexed_sparse_attention,
                                                                        select=ix.select_torch, attend=ix.attend_torch))
 
@@ -79,8 +81,14 @@ def cpu_backend() -> AttentionBackend:
     base = torch_backend()
     if ca.load() is None:
         return base
+    from kernels import block_sparse as bs
+
+    # Sparse decode tokens attend their selected blocks through the C kernel too (no per-sequence gather).
+    sparse = functools.partial(bs.block_sparse_attention, attend=bs.attend_gather,
+                               paged=bs.PagedDecode(ca.paged_attention, ca.paged_attention_quant))
     return dataclasses.replace(base, name="cpu", write_kv=cpu_ops.write_kv, paged_attention=ca.paged_attention,
-                               paged_attention_quant=ca.paged_attention_quant, plan=ca.plan)
+                               write_kv_quant=cpu_ops.write_kv_quant, paged_attention_quant=ca.paged_attention_quant,
+                               plan=ca.plan, block_sparse_attention=sparse)
 
 
 def triton_backend() -> AttentionBackend:

@@ -4,16 +4,32 @@ On CPU the reference's decode attention costs more than the model's matmuls at b
 copies every sequence's context out of the paged cache (``index_select``), builds a mask and calls
 SDPA, whose CPU kernel is tuned for long query blocks, not one query row. ``csrc/decode_attention.c``
 reads each key and value once, straight from the blocks the table names, with one query token per
-sequence (see its header for the exact semantics: null blocks, sliding windows, sinks). Everything
-else -- prefill segments, KV writes, quantized and sparse attention -- is the reference's.
+sequence (see its header for the exact semantics: null blocks, sliding windows, sinks).
 
-The C file is compiled once per machine (``kernels/cpu_lib.py``); no compiler or a failed build ->
+A packed cache (``kv_cache_dtype`` int8 / int4 / int2) is decoded the same way by
+``csrc/decode_attention_quant.c``: for each block the table names it reads either the 16-bit side-pool
+block or the packed codes with their scales (and the outlier key channels' 16-bit copies), decoding a
+chunk of tokens at a time into a small tile, with an online softmax. The torch path it replaces
+(``kernels/packed_decode.py``: gather split by precision, dequantize, SDPA; ~25 torch ops per layer)
+stays the reference and the ``torch`` backend's path::
+
+    table [ 7 | 12 | 0 | 3 | 9 ]    fp_index: 7 -> 0, 9 -> 1, 12 and 3 -> -1
+            |   |    |   |   |
+            |   |    |   |   '-- 16-bit: fp_k[1], fp_v[1] read in place
+            |   '----|---'------ packed: codes * scale + zero (+ outlier channels) -> tile
+            |        '---------- null block: skipped
+            '------------------- 16-bit: fp_k[0], fp_v[0] read in place
+
+Prefill segments, sparse attention and the quantization of blocks are the reference's.
+
+The C files are compiled once per machine (``kernels/cpu_lib.py``); no compiler or a failed build ->
 ``load()`` returns None and the engine runs the plain ``torch`` backend (one log line). Float32 caches
-only (other dtypes: the reference).
+and 16-bit pools only (other dtypes: the reference).
 """
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 
 import torch
@@ -108,9 +124,68 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out
 
 
+class QuantCacheArgs(ctypes.Structure):
+    """``csrc/decode_attention_quant.c``'s ``QuantCache``: one layer's packed cache as the kernel reads it."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero",
+                                                      "fp_k", "fp_v", "fp_index", "outlier_idx", "k_outlier")]
+    _fields_ += [("bits", ctypes.c_int32), ("group", ctypes.c_int32), ("n_outlier", ctypes.c_int32)]
+
+
+def _quant_kernel_ok(query: torch.Tensor, cache) -> bool:
+    """What the packed-decode kernel reads: float32 query and 16-bit side pool (and outlier copies), every
+    cache tensor contiguous on the CPU, a head dim that is a multiple of 16 up to 256."""
+    d = query.shape[-1]
+    tensors = [cache.k_codes, cache.v_codes, cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero, cache.fp_k,
+               cache.fp_v, cache.fp_index]
+    if cache.outlier_idx is not None:
+        if cache.k_outlier is None or cache.k_outlier.dtype != torch.float32 or cache.outlier_idx.dtype != torch.int64:
+            return False
+        tensors += [cache.outlier_idx, cache.k_outlier]
+    return (query.dtype == cache.fp_k.dtype == cache.fp_v.dtype == torch.float32 and query.device.type == "cpu"
+            and query.stride(-1) == 1 and d % 16 == 0 and 16 <= d <= 256 and cache.k_scale.dtype == torch.float16
+            and cache.v_scale.dtype == torch.float16 and cache.fp_index.dtype == torch.int32
+            and all(t.is_contiguous() and t.device.type == "cpu" for t in tensors))
+
+
+def decode_rows_quant(query: torch.Tensor, cache, plan: CpuPlan, scale: float, window: int | None,
+                      sinks: torch.Tensor | None, out: torch.Tensor) -> None:
+    """``decode_rows`` over a packed cache (``kernels.kv_quant.QuantKVCache``): each block is read where it
+    lives, the 16-bit side pool or the packed codes with their scales (``csrc/decode_attention_quant.c``)."""
+    lib = load()
+    assert lib is not None and out.is_contiguous()
+    _, hq, d = query.shape
+    o = 0 if cache.outlier_idx is None else int(cache.outlier_idx.shape[-1])
+    kv = QuantCacheArgs(cache.k_codes.data_ptr(), cache.v_codes.data_ptr(), cache.k_scale.data_ptr(),
+                        cache.k_zero.data_ptr(), cache.v_scale.data_ptr(), cache.v_zero.data_ptr(), cache.fp_k.data_ptr(),
+                        cache.fp_v.data_ptr(), cache.fp_index.data_ptr(), cache.outlier_idx.data_ptr() if o else None,
+                        cache.k_outlier.data_ptr() if o else None, cache.bits, cache.group_size, o)
+    sink_ptr = None
+    if sinks is not None:
+        sinks = sinks.to(torch.float32).contiguous()
+        sink_ptr = sinks.data_ptr()
+    rc = lib.sinkserve_decode_attention_quant(  # signature: kernels/cpu_lib.py
+        query.data_ptr(), query.stride(0), query.stride(1), ctypes.byref(kv), plan.tables.data_ptr(),
+        plan.tables.stride(0), plan.lens.data_ptr(), plan.starts.data_ptr(), plan.lens.shape[0], hq,
+        cache.num_kv_heads, d, cache.block_size, float(scale), window or 0, sink_ptr, out.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"packed decode attention kernel refused its arguments (code {rc})")
+
+
 def paged_attention_quant(query: torch.Tensor, cache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                           query_start_loc: torch.Tensor, scale: float, window: int | None = None,
                           sinks: torch.Tensor | None = None, plan: CpuPlan | None = None) -> torch.Tensor:
-    """Quantized KV: the reference's, with the reference plan."""
-    return reference.paged_attention_quant(query, cache, block_tables, seq_lens, query_start_loc, scale, window=window,
-                                           sinks=sinks, plan=None if plan is None else plan.full())
+    """``kernels.reference.paged_attention_quant`` with the one-token segments computed by the C kernel
+    (prefill segments dequantize on gather, as in the reference)."""
+    plan = plan or globals()["plan"](block_tables, seq_lens, query_start_loc, cache.block_size, window)
+    if not _quant_kernel_ok(query, cache):
+        return reference.paged_attention_quant(query, cache, block_tables, seq_lens, query_start_loc, scale,
+                                               window=window, sinks=sinks, plan=plan.full())
+    if plan.decode_only:
+        out = torch.empty(query.shape, dtype=query.dtype)
+    else:  # prefill segments through the reference; the decode rows are overwritten below
+        prefill_only = reference.AttentionPlan(None, None, None, plan.full().prefill)
+        out = reference._paged_attention(query, lambda g: reference._gather_quant(cache, g, query.dtype), prefill_only,
+                                         scale, sinks).contiguous()
+    decode_rows_quant(query, cache, plan, scale, window, sinks, out)
+    return out

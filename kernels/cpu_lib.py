@@ -30,10 +30,15 @@ _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_f
 SIGNATURES = {
     "sinkserve_decode_attention": ([_p, _i64, _i64, _p, _p, _p, _i64, _p, _p, _i32, _i32, _i32, _i32, _i32, _f32,
                                     _i32, _p, _p, _p, _i64], ctypes.c_int),
+    "sinkserve_decode_attention_quant": ([_p, _i64, _i64, _p, _p, _i64, _p, _p, _i32, _i32, _i32, _i32, _i32, _f32,
+                                          _i32, _p, _p], ctypes.c_int),
     "sinkserve_rms_norm": ([_p, _i64, _p, _p, _i64, _i32, _f32], None),
     "sinkserve_add_rms_norm": ([_p, _p, _i64, _p, _p, _i64, _i32, _f32], None),
     "sinkserve_depth_mix": ([_p, _p, _p, _p, _i64, _i32, _i32, _i32, _i32, _i32, _f32], None),
-    "sinkserve_write_kv": ([_p, _i64, _i64, _p, _i64, _i64, _p, _p, _p, _i64, _i32, _i32, _i64], ctypes.c_int),
+    "sinkserve_llama_decode": ([_p, _i32, _p, _p, _p, _p, _f32, _i32, _i32, _i32, _i32, _i32, _i32, _f32, _f32, _i32,
+                                _p, _p, _p, _p, _i64, _p, _p, _i32, _i64, _p, _i32, _p], ctypes.c_int),
+    "sinkserve_write_kv": ([_p, _i64, _i64, _p, _i64, _i64, _p, _p, _p, _i64, _i32, _i32, _i64, _p, _i32, _i64],
+                           ctypes.c_int),
 }
 
 

@@ -2,10 +2,11 @@
 
 Each replaces several small ATen kernels on a few hundred floats -- where dispatch, not arithmetic, is
 the cost -- by one C call: ``rms_norm`` (torch 2.13 runs 7 kernels for ``F.rms_norm`` on CPU),
-``add_rms_norm`` (the residual add and the next norm in one pass) and ``write_kv`` (the paged KV write
-without the mask and host sync the reference needs for padding slots). Anything that is not a
-contiguous float32 CPU tensor -- and every tensor when the library could not be built -- takes the
-torch path, which is exactly what the reference computes.
+``add_rms_norm`` (the residual add and the next norm in one pass) and ``write_kv`` / ``write_kv_quant``
+(the paged KV write -- into a packed cache's 16-bit pool for the latter -- without the mask and host
+sync the reference needs for padding slots). Anything that is not a contiguous float32 CPU tensor --
+and every tensor when the library could not be built -- takes the torch path, which is exactly what
+the reference computes.
 """
 
 from __future__ import annotations
@@ -68,6 +69,28 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     slots = k_cache.shape[0] * k_cache.shape[1]
     rc = load().sinkserve_write_kv(key.data_ptr(), key.stride(0), key.stride(1), value.data_ptr(), value.stride(0),
                                    value.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), t,
-                                   hkv, d, slots)
+                                   hkv, d, slots, None, 0, 0)
     if rc != 0:
         raise IndexError(f"slot_mapping has a slot >= the cache's {slots} slots")
+
+
+def write_kv_quant(key: torch.Tensor, value: torch.Tensor, cache, slot_mapping: torch.Tensor) -> None:
+    """``kernels.reference.write_kv_quant`` in one pass: tokens of 16-bit-resident blocks land in their side-pool
+    slots (through ``cache.fp_index``), tokens of packed blocks and slots < 0 are skipped."""
+    if not (_fast(key, value, cache.fp_k, cache.fp_v) and cache.fp_k.is_contiguous() and cache.fp_v.is_contiguous()
+            and cache.fp_index.dtype == torch.int32 and cache.fp_index.is_contiguous()
+            and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()):
+        reference.write_kv_quant(key, value, cache, slot_mapping)
+        return
+    t, hkv, d = key.shape
+    if cache.fp_k.shape[2:] != (hkv, d) or cache.fp_v.shape != cache.fp_k.shape or slot_mapping.shape != (t,):
+        raise ValueError(f"keys {tuple(key.shape)} do not fit the 16-bit pool {tuple(cache.fp_k.shape)} or their "
+                         f"slot_mapping {tuple(slot_mapping.shape)}")
+    b = cache.block_size
+    slots, fp_slots = cache.num_blocks * b, cache.fp_k.shape[0] * b
+    rc = load().sinkserve_write_kv(key.data_ptr(), key.stride(0), key.stride(1), value.data_ptr(), value.stride(0),
+                                   value.stride(1), cache.fp_k.data_ptr(), cache.fp_v.data_ptr(), slot_mapping.data_ptr(),
+                                   t, hkv, d, slots, cache.fp_index.data_ptr(), b, fp_slots)
+    if rc != 0:
+        raise IndexError(f"slot_mapping has a slot >= the cache's {slots} slots, or a block maps past the "
+                         f"16-bit pool's {fp_slots} slots")

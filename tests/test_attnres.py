@@ -330,5 +330,6 @@ def test_decode_latency_pairs_wall_and_cpu_time(attnres: Path, tiny_llama: Path)
         assert set(lat[f"{key}paired_overhead_pct"][str(attnres)]) == {"1", "2"}
     for m in (str(tiny_llama), str(attnres)):
         for b in ("1", "2"):
-            # one thread steps the engine: its CPU time cannot exceed the wall time it took
-            assert 0 < lat["cpu_per_model"][m][b] <= lat["per_model"][m][b] * 1.01 + 0.01
+            # one thread steps the engine: its CPU time cannot exceed the wall time it took, up to the
+            # VM's CPU-clock accounting (a loaded CI host read 1.248 ms CPU against 1.224 ms wall)
+            assert 0 < lat["cpu_per_model"][m][b] <= lat["per_model"][m][b] * 1.1 + 0.05

@@ -34,9 +34,15 @@ from torch import nn
 
 from engine import attention
 from engine.architectures import attention_layout
-from kernels import cpu_ops
+from kernels import cpu_decode, cpu_ops
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# Decode steps of up to this many sequences run as one C call (kernels/cpu_decode.py) when torch runs one
+# thread (as every engine process under Ray does: OMP_NUM_THREADS=1 for pools with num_cpus < 1). At one
+# thread the C step's median step beat the eager forward's at every batch from 1 to 32 on the reference
+# model (5.6x at 1, 1.26x at 32) and bench.throughput's (1.8x, 1.14x); at 64 it lost on the latter (0.74x;
+# docs/cpu_decode_step.md). With more threads the eager GEMMs use them and the single-threaded C step cannot.
+DECODE_KERNEL_MAX_ROWS = 32
 
 
 class NativeUnsupported(Exception):
@@ -221,6 +227,7 @@ class LlamaForward(nn.Module):
         self.lm_head = self.embed if spec.tie_word_embeddings else nn.Parameter(get("lm_head.weight"), requires_grad=False)
         heads, kv_heads = spec.num_heads // world_size, spec.num_kv_heads // world_size
         self.layers = nn.ModuleList(self._layer(i, get, heads, kv_heads) for i in range(spec.num_layers))
+        self._decode_kernel: cpu_decode.DecodeStep | None = None  # built on the first step it applies to
 
     def _layer(self, i: int, get: Callable[..., torch.Tensor], heads: int, kv_heads: int) -> DecoderLayer:
         s, p = self.spec, f"model.layers.{i}."
@@ -252,9 +259,33 @@ class LlamaForward(nn.Module):
             self.all_reduce(x)
         return x
 
+    def decode_kernel_applies(self, ctx: attention.ForwardContext, rows: int) -> bool:
+        """Whether this step can run as one C call (``kernels/cpu_decode.py``): a float32 CPU model on one
+        rank and one torch thread, the ``cpu`` attention backend, every sequence decoding one token, at most
+        ``DECODE_KERNEL_MAX_ROWS`` of them, and none of the attention features the C step does not carry
+        (quantized KV, sparse attention and its bounds, the trained indexer, importance scoring, outlier
+        calibration, selected memory, learned sinks). Everything else runs the eager forward below."""
+        return (rows <= DECODE_KERNEL_MAX_ROWS and rows == ctx.seq_lens.shape[0] and self.all_reduce is None
+                and ctx.backend.name == "cpu" and self.embed.dtype == torch.float32 and self.embed.is_cpu
+                and not ctx.quantized and ctx.key_absmax is None and ctx.block_bounds is None and ctx.indexer is None
+                and ctx.sparse_plan is None and ctx.block_importance is None and ctx.selected_memory is None
+                and (ctx.layout is None or not ctx.layout.sinks) and self.spec.head_dim <= 256
+                and torch.get_num_threads() == 1 and cpu_decode.available())
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         """``input_ids, positions [T]`` -> logits ``[len(logits_indices), vocab]`` (float32). Runs inside
         an ``engine.attention.forward_context`` (the paged KV metadata of the step)."""
+        if not torch.compiler.is_compiling():  # a compiled graph (engine/compiled_step.py) traces the torch ops
+            ctx = attention.current_context()
+            if ctx is not None and self.decode_kernel_applies(ctx, input_ids.shape[0]):
+                if self._decode_kernel is None:
+                    self._decode_kernel = cpu_decode.DecodeStep(self)
+                return self._decode_kernel(input_ids, positions, ctx.slot_mapping, ctx.block_tables, ctx.seq_lens,
+                                           ctx.query_start_loc, logits_indices, ctx.kv_caches)
+        return self.eager_forward(input_ids, positions, logits_indices)
+
+    def eager_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """The forward in torch ops, for any step (the reference of the C decode step)."""
         eps, d = self.spec.rms_norm_eps, self.spec.head_dim
         h = F.embedding(input_ids, self.embed)  # the residual stream, updated in place below
         cos, sin = self.rotary_emb.cos_sin(positions, h.dtype)

@@ -99,6 +99,74 @@ def test_sparse_selection_attends_only_selected_blocks() -> None:
         assert int(s.sum(1).max()) <= 1 + 2 + 2 + -(-bs.PREFILL_GROUP // BS) + 1
 
 
+@pytest.mark.parametrize("n", [1, 127, 128, 129, 256, 300])
+def test_prefill_groups_split_at_the_group_size(n: int) -> None:
+    """A chunk of n queries selects in ceil(n / PREFILL_GROUP) groups (one row for a decode token); each
+    group's selection is the one its mean query makes alone, and its rows attend exactly that selection."""
+    grp = bs.PREFILL_GROUP
+    seq_len = 600
+    b = make_batch([n], [seq_len], 4, 2, 32, BS, seed=11)
+    plan = _plan(b, 3, window=16, forced={0: [0]})
+    bounds = _bounds_of(b.k_cache)
+    sel: list[torch.Tensor] = []
+    out = bs.block_sparse_attention(b.query, (b.k_cache, b.v_cache), bounds, b.block_tables, b.seq_lens,
+                                    b.query_start_loc, plan, 0.2, selections=sel)
+    group = 1 if n == 1 else grp
+    assert sel[0].shape[0] == -(-n // group)
+    nb = -(-seq_len // BS)
+    table = b.block_tables[0, :nb]
+    for i in range(sel[0].shape[0]):
+        a, z = i * group, min(n, (i + 1) * group)
+        alone = bs.select_blocks(b.query[a:z].mean(0, keepdim=True), bounds, table, plan.forced[0, :nb],
+                                 torch.tensor([seq_len - n + a]), torch.tensor([seq_len - n + z - 1]), 3, 16, BS, 0.2)
+        assert torch.equal(sel[0][i], alone[0]), i
+    slots = bs.selection_slots(torch.arange(seq_len - n, seq_len), table, sel[0], seq_len, BS, group)
+    torch.testing.assert_close(out, reference.sparse_attention(b.query, b.k_cache, b.v_cache, slots, 0.2),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("quant", [False, True], ids=["fp32", "int8"])
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_paged_decode_equals_the_gather_path(quant: bool, backend: str) -> None:
+    """Decode tokens of several sequences attend their selections in one paged call over compacted tables
+    (the cpu backend: the C kernel): the same output as the per-sequence gather, with null blocks, partial
+    last blocks and a prefill sequence in the same step (which keeps the gather path)."""
+    from kernels.backend import BACKENDS
+
+    b = make_batch([1, 1, 40, 1], [300, 161, 200, 97], 4, 2, 32, BS, seed=21)
+    plan = _plan(b, 3, window=16, forced={0: [0], 1: [0, 4], 2: [0], 3: []})
+    if quant:
+        kv = QuantKVCache.allocate(b.k_cache.shape[0], 1, BS, 2, 32, bits=8, group_size=16, dtype=torch.float32,
+                                   device="cpu")
+        reference.quantize_into(kv, torch.arange(b.k_cache.shape[0]), b.k_cache, b.v_cache)
+    else:
+        kv = (b.k_cache, b.v_cache)
+    bounds = _bounds_of(b.k_cache)
+    args = (b.query, kv, bounds, b.block_tables, b.seq_lens, b.query_start_loc, plan, 0.2)
+    sel_g: list[torch.Tensor] = []
+    sel_p: list[torch.Tensor] = []
+    gathered = bs.block_sparse_attention(*args, selections=sel_g)
+    paged = BACKENDS[backend]().block_sparse_attention(*args, selections=sel_p)
+    assert all(torch.equal(a, c) for a, c in zip(sel_g, sel_p))
+    torch.testing.assert_close(paged, gathered, atol=1e-5, rtol=1e-5)
+
+
+def test_compact_mode_keeps_its_smaller_prefill_group() -> None:
+    from engine.sparse_config import COMPACT_PREFILL_GROUP, SparseAttention
+
+    from types import SimpleNamespace
+
+    from engine import sparse_runtime
+
+    for sparse, group in ((SparseAttention(enabled=True), bs.PREFILL_GROUP),
+                          (SparseAttention(enabled=True, position_mode="compact"), COMPACT_PREFILL_GROUP)):
+        assert sparse.prefill_group == group
+        # The step's plan carries the mode's group to the kernels.
+        step = sparse_runtime.plan([[0]], SimpleNamespace(sparse=sparse, block_size=BS), 4, torch.device("cpu"))
+        assert step.prefill_group == group
+    assert (bs.PREFILL_GROUP, COMPACT_PREFILL_GROUP) == (128, 64)
+
+
 @pytest.mark.parametrize("quant", [False, True], ids=["fp32", "int8"])
 def test_triton_path_matches_torch_path(quant: bool, device) -> None:
     """Same selection (shared code), same output: Triton sparse kernel vs the torch gather path (the CPU

@@ -42,6 +42,33 @@ def test_write_kv_matches_reference_and_checks_slots():
     assert torch.equal(caches[0], ref[0])  # nothing written
 
 
+def test_write_kv_quant_matches_reference_and_checks_slots():
+    """Tokens of 16-bit-resident blocks land in their side-pool slots; tokens of packed blocks and slot -1 do not."""
+    from kernels.kv_quant import QuantKVCache
+
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(6, 4 + 2 + 2, 8, generator=g)
+    k, v = qkv[:, 4:6], qkv[:, 6:]
+    cache = QuantKVCache.allocate(6, 3, 16, 2, 8, bits=4, group_size=4, dtype=torch.float32)
+    cache.fp_index[torch.tensor([1, 4, 5])] = torch.tensor([2, 0, 1], dtype=torch.int32)  # blocks 2, 3 packed
+    cache.fp_k.normal_(generator=g)
+    cache.fp_v.normal_(generator=g)
+    want = QuantKVCache(**{**vars(cache), "fp_k": cache.fp_k.clone(), "fp_v": cache.fp_v.clone()})
+    before = cache.fp_k.clone()
+    slots = torch.tensor([17, 40, -1, 70, 95, 31])  # blocks 1, 2 (packed), -, 4, 5, 1
+    cpu_ops.write_kv_quant(k, v, cache, slots)
+    reference.write_kv_quant(k, v, want, slots)
+    assert torch.equal(cache.fp_k, want.fp_k) and torch.equal(cache.fp_v, want.fp_v)
+    assert not torch.equal(cache.fp_k, before)
+    assert torch.equal(cache.fp_k[2, 1], k[0]) and torch.equal(cache.fp_v[1, 15], v[4])
+    cache.fp_index[3] = 7  # past the 3-block pool
+    with pytest.raises(IndexError):
+        cpu_ops.write_kv_quant(k, v, cache, torch.tensor([17, 40, -1, 50, 95, 31]))  # block 3
+    with pytest.raises(IndexError):
+        cpu_ops.write_kv_quant(k, v, cache, torch.tensor([17, 40, -1, 70, 96, 31]))  # past 6 blocks
+    assert torch.equal(cache.fp_k, want.fp_k)  # nothing written
+
+
 def test_other_dtypes_take_the_torch_path():
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     w = torch.randn(64, dtype=torch.bfloat16)

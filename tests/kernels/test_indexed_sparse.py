@@ -114,3 +114,50 @@ def test_sparse_output_is_attention_over_the_selected_tokens_only() -> None:
     assert int((slots >= 0).sum(1).max()) <= 16 + 16 + 32 < 200
     ref = reference.sparse_attention(b.query, b.k_cache, b.v_cache, slots, 0.2)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_select_top_is_a_stable_descending_sorts_first_k() -> None:
+    g = torch.Generator().manual_seed(12)
+    key = torch.randint(0, 4, (64, 40), generator=g).float()  # many ties at every threshold
+    key[:, :3] = float("inf")
+    key[5:, -6:] = float("-inf")
+    valid = key > float("-inf")
+    k = torch.randint(1, 45, (64,), generator=g)
+    got = ix.select_top(key, valid, k)
+    for r in range(64):
+        order = torch.sort(key[r], descending=True, stable=True).indices[: int(k[r])]
+        want = torch.zeros(40, dtype=torch.bool).index_fill_(0, order, True) & valid[r]
+        assert torch.equal(got[r], want), r
+
+
+@pytest.mark.parametrize("budget", [ix.MEMORY_BUDGET, 4 * 16 * 500], ids=["one batch", "split rows"])
+def test_batched_selection_equals_each_sequence_alone(budget: int, monkeypatch) -> None:
+    """Every row of a step selects together (decode rows of several sequences with different k, a prefill
+    split across batches when the score budget is small): the same slots as each sequence alone and as
+    the reference indexer + top-k; decode rows attend their own tokens in one call (attend_rows)."""
+    monkeypatch.setattr(ix, "MEMORY_BUDGET", budget)
+    b = make_batch([1, 1, 75, 1], [300, 170, 240, 90], 4, 2, 32, BS, seed=13)
+    cache, iq, iw = _index(b, 14)
+    forced = {0: [0], 1: [0, 4], 2: [0, 2], 3: []}
+    plan = _plan(b, 48, 24, forced)
+    sel: list[torch.Tensor] = []
+    out = ix.indexed_sparse_attention(b.query, (b.k_cache, b.v_cache), iq, iw, cache, b.block_tables, b.seq_lens,
+                                      b.query_start_loc, plan, 0.2, selections=sel)
+    assert len({s.shape[1] for s in sel}) > 1  # the sequences' k differ
+    starts = b.query_start_loc.tolist()
+    for s, n in enumerate(b.seq_lens.tolist()):
+        r0, r1 = starts[s], starts[s + 1]
+        nb = -(-n // BS)
+        seq = ix.SeqRows(0, r1 - r0, n, b.block_tables[s, :nb], plan.forced[s, :nb].repeat_interleave(BS),
+                         sel[s].shape[1])
+        alone = ix.select_torch(iq[r0:r1], iw[r0:r1], cache, [seq], 24)[0]
+        assert torch.equal(sel[s], alone), s
+        scores = reference.indexer_scores(iq[r0:r1], iw[r0:r1], cache.keys, b.block_tables[s : s + 1, :nb],
+                                          torch.tensor([n]), torch.tensor([0, r1 - r0]), cache.scale, nb * BS)
+        ref = reference.topk_select(scores, sel[s].shape[1], b.block_tables[s : s + 1, :nb], torch.tensor([n]),
+                                    torch.tensor([0, r1 - r0]), BS, 24, seq.forced_mask[None])
+        assert torch.equal(sel[s], ref), s
+    width = max(s.shape[1] for s in sel)
+    slots = torch.cat([torch.nn.functional.pad(s, (0, width - s.shape[1]), value=-1) for s in sel])
+    torch.testing.assert_close(out, reference.sparse_attention(b.query, b.k_cache, b.v_cache, slots, 0.2),
+                               atol=1e-5, rtol=1e-5)

@@ -1,0 +1,131 @@
+"""The C decode step (``kernels/cpu_decode.py``) against the eager native forward it replaces, and where
+the engine uses it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import engine.models.llama as llama
+from engine import EngineConfig
+from engine.model_runner import ModelInput, ModelRunner
+from kernels import cpu_decode
+from kernels.cpu_lib import load
+from tests.test_engine_equivalence import prompts, reference, run_engine
+from tests.tiny_models import build_model
+
+pytestmark = pytest.mark.skipif(load() is None, reason="no C compiler: the eager forward runs")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The engine takes the C step only at one torch thread (what Ray gives an engine process)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128}
+CASES = {
+    "llama": ("llama", {}),
+    "llama_biases_linear_rope": ("llama", dict(attention_bias=True, mlp_bias=True,
+                                               rope_parameters={"rope_type": "linear", "rope_theta": 10000.0,
+                                                                "factor": 2.0})),
+    "qwen2_tied": ("qwen2", dict(tie_word_embeddings=True)),
+    "qwen3_yarn": ("qwen3", dict(rope_parameters=YARN_ROPE)),
+    "mistral_window_8": ("mistral", dict(sliding_window=8)),
+}
+
+
+def _step(lens: list[int], start: list[int], bs: int, rng: torch.Generator, vocab: int) -> ModelInput:
+    """Sequence i's tokens start[i] .. lens[i]-1 (block table: blocks 1 + 8 i ..), one logits row each."""
+    inp = ModelInput([], [], [], [], [], [0], [])
+    for i, (n, s) in enumerate(zip(lens, start)):
+        table = [1 + 8 * i + b for b in range(-(-n // bs))]
+        if len(table) > 2:
+            table[0] = 0  # an evicted (null) block: attention skips it
+        inp.input_ids.extend(torch.randint(3, vocab, (n - s,), generator=rng).tolist())
+        inp.positions.extend(range(s, n))
+        inp.slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(s, n))
+        inp.block_tables.append(table)
+        inp.seq_lens.append(n)
+        inp.query_start_loc.append(inp.query_start_loc[-1] + n - s)
+        inp.logits_indices.append(inp.query_start_loc[-1] - 1)
+    return inp
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_c_decode_step_matches_the_eager_forward(case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    family, overrides = CASES[case]
+    model_dir = build_model(tmp_path / case, family, seed=3, **overrides)
+    runner = ModelRunner(EngineConfig(model=str(model_dir), block_size=16, max_num_seqs=8), num_kv_blocks=40)
+    assert isinstance(runner.model, llama.LlamaForward)
+    calls: list[int] = []
+    real = cpu_decode.DecodeStep.__call__
+    monkeypatch.setattr(cpu_decode.DecodeStep, "__call__", lambda self, ids, *a: calls.append(len(ids)) or real(self, ids, *a))
+    rng = torch.Generator().manual_seed(7)
+    lens = [5, 21, 40]  # 40: three blocks, the first evicted; window 8 reaches back into block 1
+    runner.execute(_step(lens, [0, 0, 0], 16, rng, 250))  # prefill: the eager forward
+    assert calls == []
+    dec = _step([n + 1 for n in lens], lens, 16, rng, 250)
+    before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    fast = runner.execute(dec)
+    assert calls == [3]
+    after_fast = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    for (k, v), (k0, v0) in zip(runner.kv_caches, before):
+        k.copy_(k0), v.copy_(v0)
+    monkeypatch.setattr(llama, "DECODE_KERNEL_MAX_ROWS", 0)
+    eager = runner.execute(dec)
+    assert calls == [3]  # the eager forward this time
+    torch.testing.assert_close(fast, eager, rtol=1e-5, atol=1e-5)
+    for (k, v), (kf, vf) in zip(runner.kv_caches, after_fast):
+        torch.testing.assert_close(kf, k, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(vf, v, rtol=1e-5, atol=1e-6)  # the projections sum in another order than MKL
+
+
+def test_engine_decodes_through_the_c_step_with_transformers_tokens(tiny_llama: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    rows: list[int] = []
+    real = cpu_decode.DecodeStep.__call__
+    monkeypatch.setattr(cpu_decode.DecodeStep, "__call__", lambda self, ids, *a: rows.append(len(ids)) or real(self, ids, *a))
+    batch = prompts(seed=4)[:3]
+    ref_tokens, ref_logits = reference(tiny_llama, batch)
+    tokens, logits, _ = run_engine(tiny_llama, batch, staggered=True)
+    assert rows and max(rows) <= llama.DECODE_KERNEL_MAX_ROWS
+    assert tokens == ref_tokens
+    for got, want in zip(logits, ref_logits):
+        assert (torch.stack(got) - want).abs().max().item() < 1e-4
+
+
+def test_steps_the_c_step_does_not_carry_run_eagerly(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    rows: list[int] = []
+    real = cpu_decode.DecodeStep.__call__
+    monkeypatch.setattr(cpu_decode.DecodeStep, "__call__", lambda self, ids, *a: rows.append(len(ids)) or real(self, ids, *a))
+    batch = prompts(seed=4)[:2]
+    run_engine(tiny_llama, batch, staggered=False, kv_cache_dtype="int8")  # quantized KV
+    run_engine(tiny_llama, batch, staggered=False, attention_backend="torch")  # the pure reference backend
+    torch.set_num_threads(2)  # the eager GEMMs can use the threads; the C step cannot
+    run_engine(tiny_llama, batch, staggered=False)
+    assert rows == []
+    torch.set_num_threads(1)
+    run_engine(tiny_llama, batch, staggered=False)
+    assert rows
+
+
+def test_out_of_range_inputs_are_refused_before_any_write(tiny_llama: Path) -> None:
+    runner = ModelRunner(EngineConfig(model=str(tiny_llama), block_size=16, max_num_seqs=4), num_kv_blocks=8)
+    step = cpu_decode.DecodeStep(runner.model)
+    kv = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    i64, i32 = torch.int64, torch.int32
+    args = dict(positions=torch.tensor([3], dtype=i64), block_tables=torch.tensor([[1]], dtype=i32),
+                seq_lens=torch.tensor([4], dtype=i32), query_start_loc=torch.tensor([0, 1], dtype=i32),
+                logits_indices=torch.tensor([0], dtype=i64), kv_caches=runner.kv_caches)
+    with pytest.raises(RuntimeError, match="slot past"):
+        step(torch.tensor([5], dtype=i64), slot_mapping=torch.tensor([8 * 16], dtype=i64), **args)
+    with pytest.raises(RuntimeError, match="token id"):
+        step(torch.tensor([10 ** 6], dtype=i64), slot_mapping=torch.tensor([19], dtype=i64), **args)
+    for (k, v), (k0, v0) in zip(runner.kv_caches, kv):
+        assert torch.equal(k, k0) and torch.equal(v, v0)
+    assert step(torch.tensor([5], dtype=i64), slot_mapping=torch.tensor([19], dtype=i64), **args).shape == (1, 256)
