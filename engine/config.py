@@ -186,10 +186,10 @@ class EngineConfig:
             )
         if self.attention_backend == "triton":
             if self.kv_cache_dtype == "int2":
-                raise ConfigError("kv_cache_dtype", "int2 runs on the torch backend only; with attention_backend "
+                raise ConfigError("kv_cache_dtype", "int2 runs on the torch and cpu backends only; with attention_backend "
                                   "'triton' choose one of ['auto', 'int8', 'int4']")
             if self.kv_outlier_channels:  # None (auto) is 0 for int8 / int4
-                raise ConfigError("kv_outlier_channels", "outlier channels run on the torch backend only; "
+                raise ConfigError("kv_outlier_channels", "outlier channels run on the torch and cpu backends only; "
                                   "use 0 with attention_backend 'triton'")
 
     @property

@@ -4,7 +4,8 @@
     sinkserve eval needle    [--quick] [--with] [--without] [--workers 2] [--out docs/evals]
     sinkserve eval needle|long-ppl --sparse 8,16 [--quick]   (dense vs block_bounds vs random selection)
     sinkserve eval retrieval [--quick] [--docs 400] [--mixes 4,16] [--budgets 32,64] [--out docs/evals]
-    sinkserve eval twins     --model A --baseline B [--quick] [--windows 16] [--rounds 6] [--out docs/evals]
+    sinkserve eval twins     --model A --baseline B [--quick] [--windows 16] [--rounds 6] [--needle B_DIR,A_DIR]
+                             [--copy-samples 12] [--copy-lengths 4,16] [--out docs/evals]
 
 Each writes ``<out>/<name>.{md,json,png}`` and prints the table. ``--with`` / ``--without`` run only the
 protected arm (sinks [+ anchor]) / the unprotected arm (window only) on the same inputs; both together
@@ -94,7 +95,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--rounds", type=int, help="alternating latency rounds per model and batch (default 6; quick 1)")
     p.add_argument("--steps", type=int, help="decode steps per latency round (default 64; quick 8)")
     p.add_argument("--needle", help="BASELINE_DIR,MODEL_DIR: both models' `eval needle --out` folders; adds their "
-                                    "retrieval and the first-last consistency verdict")
+                                    "retrieval (the first-last verdict uses it when it is measurable)")
+    p.add_argument("--copy-samples", type=int, help="first-last copy gain: samples per point (default 12; quick 2; "
+                                                    "0 skips it; evals/copy_gain.py)")
+    p.add_argument("--copy-lengths", help="copy gain past the trained context at these multiples (default 4,16; "
+                                          "quick 2)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: see evals.arms)")
     parser.set_defaults(run=run)
     return parser
@@ -165,12 +170,16 @@ def _retrieval(args: argparse.Namespace, ctx: int) -> EvalResult:
 
 
 def _twins(args: argparse.Namespace, ctx: int) -> EvalResult:
+    from evals.copy_gain import CopyConfig
     from evals.twins import run_twins
 
+    samples = args.copy_samples if args.copy_samples is not None else (2 if args.quick else 12)
+    lengths = args.copy_lengths or ("2" if args.quick else "4,16")
+    copy = CopyConfig(samples=samples, lengths=tuple(float(x) for x in lengths.split(","))) if samples > 0 else None
     return run_twins([args.baseline, args.model], n_windows=args.windows or (2 if args.quick else 16),
                      latency_rounds=args.rounds or (1 if args.quick else 6),
                      latency_steps=args.steps or (8 if args.quick else 64),
-                     needle=args.needle.split(",") if args.needle else None)
+                     needle=args.needle.split(",") if args.needle else None, copy=copy)
 
 
 EVALS = {"long-ppl": _long_ppl, "needle": _needle, "retrieval": _retrieval, "twins": _twins}

@@ -1,4 +1,5 @@
-"""The seed's first-last consistency claim, judged from two models' needle results (``sinkserve eval needle``).
+"""The seed's first-last consistency claim, judged from two models' needle results (``sinkserve eval needle``)
+or, where the needle cannot tell, from their first-last copy gain (``evals.copy_gain``).
 
 The claim (seed 003, Attention Residuals): facts seen early stay reachable at the end of long inputs.
 The needle eval puts a fact at the start and asks for it at length L = 1x, 4x, 16x the trained context
@@ -12,14 +13,40 @@ under each retention arm. Read side by side for a model and its baseline::
     worked example: baseline dense 1x 6/10, best 4x 2/10, best 16x 1/10;
                     model    dense 1x 7/10, best 4x 5/10, best 16x 1/10  -> not met (16x: 1/10 vs 1/10)
 
-Pure bookkeeping over the needle JSON (no torch).
+Copy gain (the continuous measure; rule fixed before the twins were measured)::
+
+    per sample i and point (span kind, arm, L): copy_i = NLL(S, 2nd | decoy) - NLL(S, 2nd)   nats/token
+    (the same input with another span at the start: only the earlier copy differs; evals.copy_gain),
+    mean and 95 % t-interval over the n samples (the same inputs for both models, so the model-minus-
+    baseline difference d_i = copy_i(model) - copy_i(baseline) pairs sample by sample)
+
+    in context  the shortest gap, dense: neither model's copy has its 95 % interval above 0
+                -> "not measurable": neither copies the span even in context
+    judged      the longest gap that fits the trained context (dense), and every L past it under
+                sinks + window + anchor (the arm that keeps the early span; sinks + window, which evicts
+                it, is the control)
+    "met"       d's 95 % interval lies above 0 at every judged point (the model's early span is more
+                reachable at the end than the baseline's by more than the sample-to-sample spread)
+    otherwise   "not met" at the points where it does not
+
+    worked example (n = 4): in context both gains ~0.3 with intervals above 0 -> measurable;
+                 d at 1x-gap 0.10, 0.12, 0.08, 0.10 -> mean 0.10, interval [0.07, 0.13]   above 0
+                 d at 16x     0.10, -0.10, 0.05, -0.05 -> mean 0.0, interval [-0.15, 0.15] -> not met at 16x
+
+The twins are one training run each, so the interval covers the inputs only, not training seeds; a
+"met" would still be a one-seed result. The verdict is judged per span kind; the headline is ``fact``.
+
+Pure bookkeeping over the needle JSON and the copy-gain points (no torch).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from engine.errors import ConfigError
 
@@ -76,3 +103,73 @@ def verdict(baseline: NeedleSummary, model: NeedleSummary) -> str:
              if model.best(x)[0] / max(1, model.best(x)[1]) <= baseline.best(x)[0] / max(1, baseline.best(x)[1])]
     head = "met" if not short else "not met at " + ", ".join(f"{x:g}x" for x in short)
     return f"{head} (best arm, model vs baseline: {'; '.join(cells)})"
+
+
+# Two-sided 95 % Student t quantiles by degrees of freedom (normal beyond the table).
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+         11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
+         20: 2.086, 24: 2.064, 30: 2.042, 40: 2.021, 60: 2.000, 120: 1.980}
+
+
+def mean_ci(xs: list[float]) -> tuple[float, float, float]:
+    """(mean, low, high): the 95 % t-interval of the mean (``low = high = mean`` for one sample).
+
+    >>> [round(v, 3) for v in mean_ci([0.10, 0.12, 0.08, 0.10])]
+    [0.1, 0.074, 0.126]
+    """
+    m = statistics.fmean(xs)
+    if len(xs) < 2:
+        return m, m, m
+    df = len(xs) - 1
+    t = _T975.get(df) or next((v for k, v in sorted(_T975.items()) if k >= df), 1.960)
+    h = t * statistics.stdev(xs) / math.sqrt(len(xs))
+    return m, m - h, m + h
+
+
+def gains(point: dict[str, Any], model: str, measure: str = "copy") -> list[float]:
+    """Per-sample ``copy`` (NLL 2nd after a decoy - NLL 2nd) or ``gain`` (NLL 1st - NLL 2nd) of ``model`` at a
+    copy-gain point (``evals.copy_gain.run_copy_gain``)."""
+    before = point["decoy" if measure == "copy" else "first"][model]
+    return [a - b for a, b in zip(before, point["second"][model])]
+
+
+def _ci(v: tuple[float, float, float]) -> str:
+    return f"{v[0]:+.3f} [{v[1]:+.3f}, {v[2]:+.3f}]"
+
+
+def copy_verdict(points: list[dict[str, Any]], baseline: str, model: str, kind: str = "fact",
+                 judged_arm: str = "sinks_window_anchor") -> str:
+    """``met`` / ``not met`` / ``not measurable`` from the copy gain of one span kind (module docstring)."""
+    mine = [p for p in points if p["kind"] == kind]
+    dense = sorted((p for p in mine if p["arm"] == "dense"), key=lambda p: p["L"])
+    if not dense:
+        return f"not measurable: no in-context {kind} points"
+    short = dense[0]
+    cb, cm = mean_ci(gains(short, baseline)), mean_ci(gains(short, model))
+    if cb[1] <= 0 and cm[1] <= 0:
+        return (f"not measurable at this scale: neither model copies the {kind} span even in context "
+                f"(copy at gap {short['gap']}, nats/token, mean [95 % CI]: baseline {_ci(cb)}, model {_ci(cm)})")
+    judged = [dense[-1]] + sorted((p for p in mine if p["arm"] == judged_arm), key=lambda p: p["L"])
+    cells, short_of = [], []
+    for p in judged:
+        d = mean_ci([a - b for a, b in zip(gains(p, model), gains(p, baseline))])
+        where = f"gap {p['gap']}" if p["arm"] == "dense" else f"{p['x_context']:g}x"
+        cells.append(f"{where} {_ci(d)}")
+        if d[1] <= 0:
+            short_of.append(where)
+    head = "met" if not short_of else "not met at " + ", ".join(short_of)
+    return f"{head} ({kind} span, model minus baseline copy, nats/token, mean [95 % CI]: {'; '.join(cells)})"
+
+
+def first_last(needle: tuple[NeedleSummary, NeedleSummary] | None, copy_points: list[dict[str, Any]] | None,
+               baseline: str, model: str) -> tuple[str, str]:
+    """``(source, verdict)``: the needle's verdict when it is measurable, else the copy gain's (``fact``
+    span), saying why; ``source`` is ``"needle"`` or ``"copy gain"``."""
+    nv = verdict(*needle) if needle is not None else None
+    if nv is not None and not nv.startswith("not measurable"):
+        return "needle", nv
+    if copy_points is None:
+        return "needle", nv or "not measurable: neither needle results nor copy-gain points"
+    cv = copy_verdict(copy_points, baseline, model)
+    why = f"; needle {nv}" if nv is not None else ""
+    return "copy gain", cv + why

@@ -56,6 +56,7 @@ class EvalResult:
     ab_rows: list[dict[str, Any]] = field(default_factory=list)
     panels: list[Panel] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # bulky per-token/per-doc data, JSON only
+    ab_title: str = "With / without protection (same inputs)"  # heading of the second table
 
 
 def _fmt(value: Any) -> str:
@@ -66,11 +67,22 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def _cell(text: str) -> str:
+    """A ``|`` inside a cell or a column name would end the cell: escape it."""
+    return text.replace("|", "\\|")
+
+
 def markdown_table(columns: list[str], rows: list[dict[str, Any]]) -> str:
-    """A GitHub markdown table; missing cells are blank."""
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    """A GitHub markdown table; missing cells are blank; ``|`` in names and cells escaped.
+
+    >>> print(markdown_table(["|h|", "n"], [{"|h|": 1.5, "n": "a|b"}]))
+    | \\|h\\| | n |
+    |---|---|
+    | 1.5 | a\\|b |
+    """
+    lines = ["| " + " | ".join(_cell(c) for c in columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
-        lines.append("| " + " | ".join(_fmt(row.get(c, "")) for c in columns) + " |")
+        lines.append("| " + " | ".join(_cell(_fmt(row.get(c, ""))) for c in columns) + " |")
     return "\n".join(lines)
 
 
@@ -80,7 +92,7 @@ def render_markdown(result: EvalResult) -> str:
         parts += [f"- {k}: `{v}`" for k, v in result.meta.items()] + [""]
     parts += [markdown_table(result.columns, result.rows), ""]
     if result.ab_rows:
-        parts += ["## With / without protection (same inputs)", "", markdown_table(result.ab_columns, result.ab_rows), ""]
+        parts += [f"## {result.ab_title}", "", markdown_table(result.ab_columns, result.ab_rows), ""]
     if result.notes:
         parts += ["## Notes", ""] + [f"- {n}" for n in result.notes] + [""]
     if result.panels:

@@ -11,8 +11,14 @@ docs/attnres.md, or any two causal LMs sharing a tokenizer):
 - depth-mix weights (AttnRes only): per sub-layer, the mean softmax weight on each source;
 - decode latency in the engine: per-step wall time of decode steps at batch 1 and 8 after a prompt of
   ``ctx/4`` tokens, the models stepping in lockstep so each pair of steps shares the host's load;
-- with ``--needle`` (the two models' ``sinkserve eval needle`` folders): their retrieval side by side and
-  the seed's first-last consistency claim stated as met / not met / not measurable (``evals.first_last``).
+- first-last copy gain (``evals.copy_gain``): a span at the start repeated at the end, in context at
+  several gaps and at 4x / 16x the trained context under the retention arms, both models on the same
+  inputs (a second table, and copy gain vs gap in the plot);
+- with ``--needle`` (the two models' ``sinkserve eval needle`` folders): their retrieval side by side.
+
+The seed's first-last consistency claim is stated as met / not met / not measurable from the needle
+when the needle can tell (some retrieval in context), else from the copy gain, and the verdict says which
+(``evals.first_last.first_last``).
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ import torch
 
 from engine.errors import ConfigError
 from evals import arms as A
-from evals.first_last import load_needle, verdict
+from evals.copy_gain import KINDS, CopyConfig, run_copy_gain
+from evals.first_last import copy_verdict, first_last, gains, load_needle, mean_ci
 from evals.report import EvalResult, Panel, Series
 
 logger = logging.getLogger(__name__)
@@ -137,10 +144,50 @@ def decode_latency(models: list[str], batches: tuple[int, ...], prompt_len: int,
     return out
 
 
+def copy_rows(points: list[dict[str, Any]], models: list[str]) -> list[dict[str, Any]]:
+    """The copy-gain table: per point, each model's NLL at both occurrences and after the decoy, its
+    ``1st - 2nd`` gain, its copy (mean [95 % CI]), and the last model's copy minus the first's, paired by
+    sample (``evals.copy_gain``)."""
+    rows = []
+    for p in points:
+        row: dict[str, Any] = {"span": p["kind"], "arm": p["arm"], "L": p["L"], "gap": p["gap"]}
+        for m in models:
+            name = Path(m).name
+            row[f"{name} 1st"] = round(sum(p["first"][m]) / len(p["first"][m]), 3)
+            row[f"{name} 2nd"] = round(sum(p["second"][m]) / len(p["second"][m]), 3)
+            row[f"{name} 2nd after decoy"] = round(sum(p["decoy"][m]) / len(p["decoy"][m]), 3)
+            row[f"{name} 1st-2nd"] = round(mean_ci(gains(p, m, "gain"))[0], 3)
+            g = mean_ci(gains(p, m))
+            row[f"{name} copy [95% CI]"] = f"{g[0]:+.3f} [{g[1]:+.3f}, {g[2]:+.3f}]"
+        d = mean_ci([a - b for a, b in zip(gains(p, models[-1]), gains(p, models[0]))])
+        row["copy difference [95% CI]"] = f"{d[0]:+.3f} [{d[1]:+.3f}, {d[2]:+.3f}]"
+        rows.append(row)
+    return rows
+
+
+def copy_panels(points: list[dict[str, Any]], models: list[str]) -> list[Panel]:
+    """Copy (NLL 2nd after a decoy - NLL 2nd) vs gap, one panel per span kind: each model's in-context
+    curve and its points per arm past the trained context."""
+    styles = {"dense": "-o", "sinks_window": "x", "sinks_window_anchor": "s", "selected_memory": "^"}
+    panels = []
+    for kind in KINDS:
+        series = []
+        for m in models:
+            for arm, style in styles.items():
+                ps = sorted((p for p in points if p["kind"] == kind and p["arm"] == arm), key=lambda p: p["gap"])
+                if ps:
+                    series.append(Series(f"{Path(m).name} {arm}", [float(p["gap"]) for p in ps],
+                                         [mean_ci(gains(p, m))[0] for p in ps], style))
+        panels.append(Panel(f"first-last copy, {kind} span (in context: dense; past it: retention arms)",
+                            "gap between the two occurrences (tokens)", "NLL 2nd after decoy - NLL 2nd (nats/token)",
+                            series, logx=True, hlines=[(0.0, "no gain")]))
+    return panels
+
+
 def run_twins(models: list[str], n_windows: int, latency_rounds: int, latency_steps: int,
-              needle: list[str] | None = None) -> EvalResult:
+              needle: list[str] | None = None, copy: CopyConfig | None = None) -> EvalResult:
     """Every measurement above for ``models`` (the first is the baseline of the latency ratio); ``needle``:
-    each model's needle results folder, in the same order."""
+    each model's needle results folder, in the same order; ``copy``: the copy-gain settings (None: skip)."""
     from training import model_card as card
 
     needles = None
@@ -173,6 +220,7 @@ def run_twins(models: list[str], n_windows: int, latency_rounds: int, latency_st
         logger.info("%s: ppl %.3f, sink %s, norms %s", m, per[m]["ppl"], per[m]["sink_mass"],
                     per[m]["hidden_norm"]["per_layer"])
     ctx = A.trained_context(models[0])
+    copied = run_copy_gain(models, copy) if copy is not None else None
     lat = decode_latency(models, (1, 8), ctx // 4, latency_steps, latency_rounds)
     rows = []
     for m in models:
@@ -184,7 +232,7 @@ def run_twins(models: list[str], n_windows: int, latency_rounds: int, latency_st
                 f" ({d['attn_res_num_blocks']} blocks)" if d["attn_res_num_blocks"] else ""),
             "ppl@ctx": d["ppl"],
             "sink mass L1..": round(sum(d["sink_mass"][1:]) / max(1, len(d["sink_mass"]) - 1), 3),
-            "|h| first layer": norms[0], "|h| final": norms[-1], "growth": round(norms[-1] / norms[0], 2),
+            "norm h first layer": norms[0], "norm h final": norms[-1], "growth": round(norms[-1] / norms[0], 2),
             "decode ms b=1": ms["1"], "decode ms b=8": ms["8"],
             "vs baseline b=1": f"{lat['paired_overhead_pct'][m]['1']:+.1f}%",
             "vs baseline b=8": f"{lat['paired_overhead_pct'][m]['8']:+.1f}%",
@@ -211,8 +259,29 @@ def run_twins(models: list[str], n_windows: int, latency_rounds: int, latency_st
              f"{ctx // 4}-token prompt, the models stepping in lockstep (order alternating); ms = median step time, "
              f"overhead = median of the paired step-time ratios; host load average {load[0]:.1f} at the end"]
     if needles is not None:
-        meta["first_last"] = verdict(needles[0], needles[-1])
         meta["needle"] = needle
-        notes.append(f"first-last consistency (the seed's claim), from {', '.join(needle)}: {meta['first_last']}")
+    extra: dict[str, Any] = {"per_model": per}
+    ab_rows: list[dict[str, Any]] = []
+    if copied is not None:
+        meta["copy_gain"] = copied["meta"]
+        extra["copy_gain_points"] = copied["points"]
+        ab_rows = copy_rows(copied["points"], models)
+        panels += copy_panels(copied["points"], models)
+        notes.append(f"copy gain: {copied['meta']['samples']} samples per point, the same inputs for both models; "
+                     f"span {copied['meta']['span']} tokens at token {copied['meta']['lead']}, again at the end; "
+                     f"window {copied['meta']['window']}, prefill chunk {copied['meta']['prefill_chunk']}; "
+                     f"1st-2nd = NLL at the start minus at the end (the cards' measure; it also counts context effects); "
+                     f"copy = NLL at the end after a decoy span minus after the same span (only the earlier copy "
+                     f"differs; the verdict's measure), mean [95 % t-interval]; copy difference = "
+                     f"{Path(models[-1]).name} minus {Path(models[0]).name}, paired by sample")
+        notes.append("copy gain, random span (reported, not the headline): "
+                     + copy_verdict(copied["points"], models[0], models[-1], kind="random"))
+    if needles is not None or copied is not None:
+        source, text = first_last((needles[0], needles[-1]) if needles is not None else None,
+                                  copied["points"] if copied is not None else None, models[0], models[-1])
+        meta["first_last"], meta["first_last_source"] = text, source
+        notes.insert(0, f"first-last consistency (the seed's claim), judged from the {source}: {text}")
     return EvalResult(name="twins", title="AttnRes vs standard residual: same inputs", columns=list(rows[0]),
-                      rows=rows, meta=meta, notes=notes, panels=panels, extra={"per_model": per})
+                      rows=rows, meta=meta, notes=notes, panels=panels, extra=extra,
+                      ab_columns=list(ab_rows[0]) if ab_rows else [], ab_rows=ab_rows,
+                      ab_title="First-last copy gain (a span at the start, again at the end; NLL in nats/token)")

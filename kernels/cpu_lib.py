@@ -21,6 +21,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.c")))
+HEADERS = tuple(sorted((Path(__file__).parent / "csrc").glob("*.h")))  # part of the build key, not compiled alone
 # -ffast-math lets the compiler vectorise the reductions and expf (libmvec); no kernel sees an inf or
 # NaN (scores are finite, a maximum starts from a real score). Compiled and linked in two steps, so the
 # shared object does not pull in crtfastmath.o (which would set flush-to-zero for the whole process).
@@ -57,7 +58,7 @@ def _cache_dir() -> Path:
 
 def _build() -> Path:
     digest = hashlib.sha256(" ".join(CFLAGS).encode() + _cpu_flags().encode())
-    for src in SOURCES:
+    for src in (*SOURCES, *HEADERS):
         digest.update(src.name.encode() + src.read_bytes())
     out = _cache_dir() / f"sinkserve_cpu-{digest.hexdigest()[:16]}.so"
     if out.exists():

@@ -43,7 +43,7 @@ def test_bad_kv_cache_settings_name_the_field_and_the_choices(tiny_llama: Path) 
     with pytest.raises(ConfigError, match="kv_cache_dtype: int2 needs a high-precision set"):
         EngineConfig(kv_cache_dtype="int2", cache_policy=CachePolicy(residual_window=0, keep_protected_16bit=False))
     EngineConfig(kv_cache_dtype="int4", cache_policy=CachePolicy(residual_window=0, keep_protected_16bit=False))
-    with pytest.raises(ConfigError, match="kv_cache_dtype: int2 runs on the torch backend only"):
+    with pytest.raises(ConfigError, match="kv_cache_dtype: int2 runs on the torch and cpu backends only"):
         EngineConfig(kv_cache_dtype="int2", attention_backend="triton")
     with pytest.raises(ConfigError, match="kv_key_scheme"):
         EngineConfig(kv_key_scheme="per_token")

@@ -15,15 +15,7 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline void norm_row(const float *x, const float *w, float *out, int n, float eps) {
-    float ss = 0.0f;
-    for (int i = 0; i < n; i++) ss += x[i] * x[i];
-    const float r = 1.0f / sqrtf(ss / (float)n + eps);
-    if (w)
-        for (int i = 0; i < n; i++) out[i] = (x[i] * r) * w[i];
-    else
-        for (int i = 0; i < n; i++) out[i] = x[i] * r;
-}
+#include "rms_row.h"
 
 void sinkserve_rms_norm(const float *x, int64_t x_st, const float *w, float *out, int64_t rows, int n, float eps) {
     for (int64_t t = 0; t < rows; t++) norm_row(x + t * x_st, w, out + t * n, n, eps);

@@ -37,15 +37,7 @@ int sinkserve_decode_attention(const float *q, int64_t q_st, int64_t q_sh, const
                                float scale, int window, const float *sinks, float *out, float *scratch,
                                int64_t scratch_len);
 
-static inline void norm_row(const float *x, const float *w, float *out, int n, float eps) {
-    float ss = 0.0f;
-    for (int i = 0; i < n; i++) ss += x[i] * x[i];
-    const float r = 1.0f / sqrtf(ss / (float)n + eps);
-    if (w)
-        for (int i = 0; i < n; i++) out[i] = (x[i] * r) * w[i];
-    else
-        for (int i = 0; i < n; i++) out[i] = x[i] * r;
-}
+#include "rms_row.h"
 
 /* y[t][o] = x[t] . w[o] (+ b[o]) for rows t; four output rows at a time, so each input row is read once
  * per four weight rows and the four dot products vectorise side by side. */
