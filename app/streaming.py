@@ -28,6 +28,7 @@ from typing import Any, AsyncIterator, TypeVar
 from app.errors import APIError
 from app.events import RoutePlan, RouteInfo, TokenDelta
 from app.token_bus import TokenInbox
+from engine.outputs import concat_optional
 
 logger = logging.getLogger("sinkserve.streaming")
 
@@ -48,10 +49,7 @@ def merge_deltas(a: TokenDelta, b: TokenDelta) -> TokenDelta:
     """
     if a.index != b.index:
         raise ValueError(f"cannot merge deltas of choices {a.index} and {b.index}")
-
-    def cat(x: tuple | None, y: tuple | None) -> tuple | None:
-        return None if x is None and y is None else (x or ()) + (y or ())
-
+    cat = concat_optional
     return replace(b, text=a.text + b.text, token_ids=a.token_ids + b.token_ids, logprobs=cat(a.logprobs, b.logprobs),
                    tokens=cat(a.tokens, b.tokens), top_logprobs=cat(a.top_logprobs, b.top_logprobs),
                    prompt_logprobs=cat(a.prompt_logprobs, b.prompt_logprobs))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Sequence as Seq
 
 from engine.errors import RequestAbortedError
 
@@ -26,8 +27,12 @@ class RequestOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
-def _cat(a: list | None, b: list | None) -> list | None:
-    return None if a is None and b is None else (a or []) + (b or [])
+def concat_optional(a: Seq | None, b: Seq | None) -> Seq | None:
+    """``a + b`` where either may be absent (None): None only when both are. Lists or tuples; merging two
+    deltas (here and in ``app.streaming``) concatenates their optional per-token fields with it."""
+    if a is None:
+        return b
+    return a if b is None else a + b
 
 
 def merge_deltas(first: RequestOutput, then: RequestOutput) -> RequestOutput:
@@ -45,14 +50,14 @@ def merge_deltas(first: RequestOutput, then: RequestOutput) -> RequestOutput:
         request_id=then.request_id,
         text=first.text + then.text,
         token_ids=first.token_ids + then.token_ids,
-        logprobs=_cat(first.logprobs, then.logprobs),
+        logprobs=concat_optional(first.logprobs, then.logprobs),
         finished=then.finished,
         finish_reason=then.finish_reason,
         prompt_tokens=then.prompt_tokens,
         completion_tokens=then.completion_tokens,
         cached_tokens=then.cached_tokens,
-        prompt_logprobs=_cat(first.prompt_logprobs, then.prompt_logprobs),
-        top_logprobs=_cat(first.top_logprobs, then.top_logprobs),
+        prompt_logprobs=concat_optional(first.prompt_logprobs, then.prompt_logprobs),
+        top_logprobs=concat_optional(first.top_logprobs, then.top_logprobs),
     )
 
 
