@@ -53,6 +53,25 @@ def cpu_seconds(pids: list[int]) -> dict[int, tuple[str, float]]:
     return out
 
 
+def thread_seconds(pid: int) -> dict[int, tuple[str, float]]:
+    """tid -> (thread name, user + system CPU seconds so far) for every thread of ``pid``."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                head, rest = f.read().rsplit(")", 1)
+            fields = rest.split()
+        except OSError:
+            continue
+        out[int(tid)] = (head.split("(", 1)[1], (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
 def main() -> None:
     """Start the app, warm it, time 16 one-stream requests of 64 and of 1 token, print the split."""
     lock = open(h.RAY_LOCK, "a")
@@ -65,16 +84,21 @@ def main() -> None:
         asyncio.run(h.run_level(srv, prompts[:8], 1, 64))  # warm
         for max_tokens in (64, 1):
             pids = process_tree(proc.pid)
+            threads = {p: thread_seconds(p) for p in pids}
             before, t = cpu_seconds(pids), time.perf_counter()
             r = asyncio.run(h.run_level(srv, prompts[8:24], 1, max_tokens))
             wall, after, n, reqs = time.perf_counter() - t, cpu_seconds(pids), r["completion_tokens"], r["requests"]
             p50 = sorted(r["latency"])[reqs // 2]
             print(f"max_tokens={max_tokens}: {reqs} requests, {n} tokens, wall {wall * 1e3:.0f} ms = "
                   f"{wall / reqs * 1e3:.1f} ms/request, p50 latency {p50 * 1e3:.1f} ms")
-            used = sorted(((after[p][1] - before[p][1], after[p][0]) for p in after if p in before), reverse=True)
-            for dt, name in used[:10]:
+            used = sorted(((after[p][1] - before[p][1], after[p][0], p) for p in after if p in before), reverse=True)
+            for dt, name, pid in used[:10]:
                 if dt > 0:
                     print(f"  {dt * 1e3:7.0f} ms CPU  {dt / n * 1e3:6.3f} ms/token  {dt / reqs * 1e3:6.1f} ms/request  {name}")
+                    # Its threads (Serve replicas: the actor's loop, the user-code loop, Ray's C++ threads).
+                    now = thread_seconds(pid)
+                    busy = sorted(((now[t][1] - threads[pid][t][1], now[t][0]) for t in now if t in threads[pid]), reverse=True)
+                    print("           threads: " + ", ".join(f"{nm} {d * 1e3:.0f}" for d, nm in busy[:5] if d > 0))
         print(subprocess.run(["uptime"], capture_output=True, text=True).stdout)
     finally:
         h.stop(proc)

@@ -23,11 +23,24 @@ when the child does, so neither outlives the other unnoticed. Start:
 message, ``Ready(stats)`` or ``LoadFailed(traceback)`` the answer. Every message is one of the
 frozen dataclasses below (pickled by ``multiprocessing.connection``), never a tagged tuple.
 
-A step's ``StepResult`` carries the engine's stats snapshot only when it can matter to a reader: at
-most ``STATS_INTERVAL_S`` after the last one while requests run, and always on the step that finishes
-a request, on the first step after requests arrived or were aborted, and when the engine goes idle --
-so a snapshot read after a request's last delta, or while nothing runs, is exact. (Building and
-pickling the snapshot is ~20 us, a tenth of a decode step of a small model.)
+Deltas are held in the child for up to ``STREAM_INTERVAL_S`` and go out merged (one delta per request,
+``merge_deltas``): on a small model a decode step is ~0.3 ms, and a message per step cost more than the
+step's Python -- the write that wakes the serving process took a quarter of the engine process's time,
+and every message wakes the pool replica and the ingress once more (docs/fast_step.md, "Fifth pass").
+What a reader waits on goes out at once: a request's first delta (time to first token), its last (or
+an abort), a step after requests arrived or were aborted, and everything when the engine goes idle.
+A held delta waits at most about ``STREAM_INTERVAL_S``: it goes out after the step that would take it
+past that, judged by the last step's length. Worked example, steps of 0.35 ms, interval 2 ms::
+
+    step      1    2    3    4    5    6    7   ...  64
+    tokens    t1   t2   t3   t4   t5   t6   t7       t64
+    message   t1   .    .    .    .    .    t2..t7   t64 (finished: at once)
+
+Each ``StepResult`` sent carries the engine's stats snapshot only when it can matter to a reader: at
+most ``STATS_INTERVAL_S`` after the last one while requests run, and always with a request's last
+delta, after requests arrived or were aborted, and when the engine goes idle -- so a snapshot read
+after a request's last delta, or while nothing runs, is exact. (Building and pickling the snapshot is
+~20 us, a tenth of a decode step of a small model.)
 """
 
 from __future__ import annotations
@@ -99,11 +112,13 @@ class LoadFailed:
 
 
 STATS_INTERVAL_S = 0.05  # how stale the serving side's stats may be while requests run
+STREAM_INTERVAL_S = 0.002  # how long a delta may wait in the child for the next steps' (see above)
 
 
 @dataclass(frozen=True)
 class StepResult:
-    """One step's deltas and the stats after it (None: unchanged as far as a reader needs, see above)."""
+    """The deltas of the steps since the last message, one per request, and the stats after the last
+    step (None: unchanged as far as a reader needs, see above)."""
 
     outputs: list[RequestOutput]
     stats: EngineStats | None
@@ -344,6 +359,8 @@ def serve_engine(conn: Connection) -> None:
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_receive_forever, args=(conn, inbox), daemon=True, name="engine-inbox").start()
     stats_at = 0.0  # when the last snapshot went out (monotonic)
+    held: dict[str, RequestOutput] = {}  # deltas not sent yet, merged per request
+    held_since = 0.0  # when the oldest of them was made
     while True:
         msgs = [inbox.get()] if not engine.has_unfinished() else []
         while not inbox.empty():
@@ -361,21 +378,37 @@ def serve_engine(conn: Connection) -> None:
             elif isinstance(msg, SetPolicy):
                 engine.set_cache_policy(msg.policy)
             elif isinstance(msg, Stop):
+                if held:
+                    conn.send(StepResult(list(held.values()), None))
                 engine.shutdown()
                 return
+        started = time.monotonic()
         try:
             outputs = engine.step() if engine.has_unfinished() else []
         except Exception:  # noqa: BLE001 - the parent fails every stream and its health check
             logger.exception("engine step failed")
+            if held:
+                conn.send(StepResult(list(held.values()), None))
             conn.send(EngineDied(traceback.format_exc(limit=5)))
             return
         now = time.monotonic()
-        if (msgs or now - stats_at >= STATS_INTERVAL_S or not engine.has_unfinished()
-                or any(out.finished for out in outputs)):
-            stats_at = now
-            conn.send(StepResult(outputs, engine.stats()))
-        else:
-            conn.send(StepResult(outputs, None))
+        urgent = last = False
+        for out in outputs:
+            prev = held.get(out.request_id)
+            if prev is None:
+                held_since = now if not held else held_since
+                held[out.request_id] = out
+            else:
+                held[out.request_id] = merge_deltas(prev, out)
+            # The first delta (its tokens are all it has) and the last go out at once.
+            last = last or out.finished
+            urgent = urgent or out.completion_tokens <= len(out.token_ids)
+        with_stats = bool(msgs) or last or not engine.has_unfinished() or now - stats_at >= STATS_INTERVAL_S
+        if with_stats or (held and (urgent or now + (now - started) - held_since >= STREAM_INTERVAL_S)):
+            if with_stats:
+                stats_at = now
+            conn.send(StepResult(list(held.values()), engine.stats() if with_stats else None))
+            held = {}
 
 
 def main() -> None:
