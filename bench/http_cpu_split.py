@@ -72,6 +72,20 @@ def thread_seconds(pid: int) -> dict[int, tuple[str, float]]:
     return out
 
 
+def bus_frames(port: int) -> tuple[float, float]:
+    """Token-bus frames and deltas sent by the pools so far (the StatsHub's view: up to a push
+    interval old, so read it a second or more after the load)."""
+    import httpx
+
+    frames = deltas = 0.0
+    for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text.splitlines():
+        if line.startswith("sinkserve_token_bus_frames_total"):
+            frames += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("sinkserve_token_bus_deltas_total"):
+            deltas += float(line.rsplit(" ", 1)[1])
+    return frames, deltas
+
+
 def main() -> None:
     """Start the app, warm it, time 16 one-stream requests of 64 and of 1 token, print the split."""
     lock = open(h.RAY_LOCK, "a")
@@ -83,20 +97,26 @@ def main() -> None:
         prompts = h.make_prompts(40, 24)
         asyncio.run(h.run_level(srv, prompts[:8], 1, 64))  # warm
         for max_tokens in (64, 1):
+            time.sleep(1.5)  # the hub's view of the bus counters catches up
             pids = process_tree(proc.pid)
+            frames0 = bus_frames(port)
             threads = {p: thread_seconds(p) for p in pids}
             before, t = cpu_seconds(pids), time.perf_counter()
             r = asyncio.run(h.run_level(srv, prompts[8:24], 1, max_tokens))
             wall, after, n, reqs = time.perf_counter() - t, cpu_seconds(pids), r["completion_tokens"], r["requests"]
+            threads_after = {p: thread_seconds(p) for p in pids}
             p50 = sorted(r["latency"])[reqs // 2]
+            time.sleep(1.5)
+            frames1 = bus_frames(port)
             print(f"max_tokens={max_tokens}: {reqs} requests, {n} tokens, wall {wall * 1e3:.0f} ms = "
-                  f"{wall / reqs * 1e3:.1f} ms/request, p50 latency {p50 * 1e3:.1f} ms")
+                  f"{wall / reqs * 1e3:.1f} ms/request, p50 latency {p50 * 1e3:.1f} ms; token bus "
+                  f"{frames1[0] - frames0[0]:.0f} frames, {frames1[1] - frames0[1]:.0f} deltas")
             used = sorted(((after[p][1] - before[p][1], after[p][0], p) for p in after if p in before), reverse=True)
             for dt, name, pid in used[:10]:
                 if dt > 0:
                     print(f"  {dt * 1e3:7.0f} ms CPU  {dt / n * 1e3:6.3f} ms/token  {dt / reqs * 1e3:6.1f} ms/request  {name}")
                     # Its threads (Serve replicas: the actor's loop, the user-code loop, Ray's C++ threads).
-                    now = thread_seconds(pid)
+                    now = threads_after[pid]
                     busy = sorted(((now[t][1] - threads[pid][t][1], now[t][0]) for t in now if t in threads[pid]), reverse=True)
                     print("           threads: " + ", ".join(f"{nm} {d * 1e3:.0f}" for d, nm in busy[:5] if d > 0))
         print(subprocess.run(["uptime"], capture_output=True, text=True).stdout)

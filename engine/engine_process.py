@@ -30,11 +30,17 @@ and every message wakes the pool replica and the ingress once more (docs/fast_st
 What a reader waits on goes out at once: a request's first delta (time to first token), its last (or
 an abort), a step after requests arrived or were aborted, and everything when the engine goes idle.
 A held delta waits at most about ``STREAM_INTERVAL_S``: it goes out after the step that would take it
-past that, judged by the last step's length. Worked example, steps of 0.35 ms, interval 2 ms::
+past that, judged by the last step's length. Worked example, one request of 64 tokens, steps of
+0.35 ms, interval 4 ms (a delta made after step k waits while (steps since it was made + 1) x 0.35 ms
+< 4 ms)::
 
-    step      1    2    3    4    5    6    7   ...  64
-    tokens    t1   t2   t3   t4   t5   t6   t7       t64
-    message   t1   .    .    .    .    .    t2..t7   t64 (finished: at once)
+    after step   1    2 .. 12   13         14 .. 24   25          ...  61          62 63   64
+    message      t1   (held)    t2..t13    (held)     t14..t25    ...  t50..t61    (held)  t62..t64 (finished: at once)
+
+Seven messages instead of 64. A client sees tokens in bursts at most ~4 ms apart (a screen refreshes
+every ~16 ms); the ingress's inter-token latency metric spreads a burst's gap over its tokens
+(``app.ingress._Timing``), so its mean is unchanged. With 16 streams a step takes a few ms and every
+message carries one or two steps.
 
 Each ``StepResult`` sent carries the engine's stats snapshot only when it can matter to a reader: at
 most ``STATS_INTERVAL_S`` after the last one while requests run, and always with a request's last
@@ -112,7 +118,7 @@ class LoadFailed:
 
 
 STATS_INTERVAL_S = 0.05  # how stale the serving side's stats may be while requests run
-STREAM_INTERVAL_S = 0.002  # how long a delta may wait in the child for the next steps' (see above)
+STREAM_INTERVAL_S = 0.004  # how long a delta may wait in the child for the next steps' (see above)
 
 
 @dataclass(frozen=True)
