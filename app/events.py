@@ -89,7 +89,7 @@ class PoolRequest:
     timeout_s: float | None = None
     soft_timeout_s: float | None = None  # the ingress ends the stream cleanly here (app/streaming.py)
     # The caller's token-bus inbox (host, port, secret): every delta and any error go there,
-    # one frame per engine step (app/token_bus.py).
+    # one frame per engine message (app/token_bus.py).
     reply_to: tuple[str, int, bytes] | None = None
     # A session's id: the pool's router sends every turn of a session to the same replica
     # (app/affinity.py), where its earlier turns' blocks sit in the prefix cache.

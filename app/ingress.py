@@ -150,7 +150,7 @@ class Ingress:
         self.quotas = Quotas(self.store, dict(spec.tenants))
         self.jobs = JobQueue(self.store)
         self.audit = AuditLog(spec.audit_path, spec.audit_text) if spec.audit_path else None
-        # Deltas and errors come back on the token bus, one frame per engine step (app/token_bus.py).
+        # Deltas and errors come back on the token bus, one frame per engine message (app/token_bus.py).
         self.inbox = TokenInbox()
         await self.inbox.start(node_address())
         self._push = None

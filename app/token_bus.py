@@ -1,5 +1,6 @@
 """Token bus: token deltas from pool replicas to ingress replicas, one TCP connection per pair and
-one frame per engine step, beside the Serve handle call that still carries the request.
+one frame per engine message (a step's deltas; at one stream a few steps' merged, held up to
+``engine.engine_process.STREAM_INTERVAL_S``), beside the Serve handle call that still carries the request.
 
 Why: every item a Serve streaming handle yields costs a gRPC message, a pickle and a few event-loop
 wakeups on each side, per token per hop -- on small models as much as the engine's own work per token

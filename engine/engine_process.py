@@ -14,7 +14,8 @@ reason.)
     abort()    --- AbortRequest(id) ------------>      |
     set_cache_policy() -- SetPolicy(p) -------->      v
                                                  main thread: drain inbox, step(),
-    reader (loop.add_reader) <-- StepResult(deltas, stats) -- one message per step (stats: see below)
+    reader (loop.add_reader) <-- StepResult(deltas, stats) -- at most one per step, deltas held
+                                                                up to STREAM_INTERVAL_S (see below)
                              <-- Rejected(id, field, message) -- invalid request
 
 The child exits when the pipe closes (the serving process died) and the parent marks the engine dead
