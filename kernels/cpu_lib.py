@@ -78,6 +78,25 @@ def _build() -> Path:
     return out
 
 
+def load_source(source: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """C source text built alone (``CFLAGS`` + ``extra_flags``) into a fresh library with the signatures of
+    the functions it defines set: for tests and benchmarks that compare builds of one kernel (an older
+    revision, or the portable path with ``-mno-avx512f``). Not cached; raises if the build fails."""
+    cc = os.environ.get("CC", "cc")
+    with tempfile.TemporaryDirectory() as tmp:
+        src, obj, so = Path(tmp) / "kernel.c", Path(tmp) / "kernel.o", Path(tmp) / "kernel.so"
+        src.write_text(source)
+        subprocess.run([cc, *CFLAGS, *extra_flags, "-c", str(src), "-o", str(obj)], check=True, capture_output=True,
+                       timeout=120)
+        subprocess.run([cc, "-shared", str(obj), "-o", str(so), "-lm"], check=True, capture_output=True, timeout=120)
+        lib = ctypes.CDLL(str(so))  # mapped: the file may go
+    for name, (args, res) in SIGNATURES.items():
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            fn.argtypes, fn.restype = args, res
+    return lib
+
+
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled library with its signatures set, or None (with one log line) when it cannot be built."""

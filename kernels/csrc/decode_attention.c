@@ -84,10 +84,236 @@ static void NAME(const float *q, int64_t q_sh, const float *k_cache, const float
     for (int g = 0; g < g_n; g++) memcpy(out + (int64_t)g * D, acc[g], sizeof(float) * D);                 \
 }
 
+#ifndef __AVX512F__
 DEFINE_HEAD(head_d32, 32)
 DEFINE_HEAD(head_d64, 64)
 DEFINE_HEAD(head_d128, 128)
+#endif
 DEFINE_HEAD(head_any, 0)
+
+#ifdef __AVX512F__
+/* AVX-512 copies of the head function (the portable ones above are the fallback and the reference for
+ * what they compute). One pass over the keys in chunks of 16 positions of one block, with an online
+ * softmax; K and V of a chunk are read together:
+ *
+ *   scores   for each query head g: 16 partial vectors q[g] * k_j (D/16 FMAs each), summed across lanes
+ *            by one transpose-add tree (45 shuffles/adds for 16 keys, instead of ~8 per key), so the
+ *            chunk's 16 scores land in one vector, key j in lane j
+ *   softmax  m = max(m, max over the chunk);  p = e^(s - m);  l = l * e^(m_old - m) + p;
+ *            acc *= e^(m_old - m)   (lanes past the chunk's last key are masked to 0)
+ *   values   acc[g] += p[g][j] * v_j in register tiles of up to 4 heads x 64 dims, loaded and stored
+ *            once per chunk (not once per FMA)
+ *   end      out[g] = acc[g] / (sum of l's lanes [+ e^(sink - m)])
+ *
+ * A chunk shorter than 16 (end of a block or of the context) points its missing keys at a zero row and
+ * masks them out, so the score code has no remainder loop. */
+#include <immintrin.h>
+
+#define KEYS 16 /* keys per chunk: one per vector lane */
+#define INLINE static inline __attribute__((always_inline))
+
+static const float zero_row[256] __attribute__((aligned(64)));
+
+/* e^x for x <= 0 (every argument is a score minus the running maximum): Cephes' expf polynomial on
+ * r = x - n ln2 (|r| <= ln2 / 2, ~1 ulp), times 2^n by vscalefps, which goes to 0 below -88 instead of
+ * wrapping the exponent. */
+INLINE __m512 exp_nonpos(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(y, n);
+}
+
+/* The transpose-add tree. Within each 128-bit lane: a, b -> [a b a b] partials (unpack), then
+ * ab, cd -> [a b c d] (shuffle); across lanes: two [k0..k3 | k0..k3 | k4..k7 | k4..k7]-style halvings. */
+INLINE __m512 add_pair(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+}
+INLINE __m512 add_quad(__m512 ab, __m512 cd) {
+    return _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+INLINE __m512 add_lanes(__m512 x, __m512 y) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+/* lane j of the result = the sum of part[j]'s 16 lanes */
+INLINE __m512 sum16(const __m512 *part) {
+    __m512 c[4];
+    for (int i = 0; i < 4; i++)
+        c[i] = add_quad(add_pair(part[4 * i], part[4 * i + 1]), add_pair(part[4 * i + 2], part[4 * i + 3]));
+    return add_lanes(add_lanes(c[0], c[1]), add_lanes(c[2], c[3]));
+}
+
+/* acc[gi][d0 .. d0 + 16 DT) = acc * alpha[gi] + sum_j p[gi][j] * v_j[d0 ..] for GT heads: GT x DT
+ * accumulators in registers for the chunk's n keys. */
+INLINE void value_tile(float *acc, const float *p, const float *alpha, const float *vc, int64_t tok_stride,
+                       int n, int D, int d0, const int GT, const int DT) {
+    __m512 r[4][4];
+    for (int gi = 0; gi < GT; gi++) {
+        const __m512 a = _mm512_set1_ps(alpha[gi]);
+        for (int c = 0; c < DT; c++) r[gi][c] = _mm512_mul_ps(_mm512_load_ps(acc + gi * D + d0 + 16 * c), a);
+    }
+    for (int j = 0; j < n; j++) {
+        const float *vp = vc + j * tok_stride + d0;
+        __m512 v[4];
+        for (int c = 0; c < DT; c++) {
+            v[c] = _mm512_loadu_ps(vp + 16 * c);
+            __asm__("" : "+v"(v[c])); /* keep v_j in a register: GCC would fold the load into every head's FMA */
+        }
+        for (int gi = 0; gi < GT; gi++) {
+            const __m512 pb = _mm512_set1_ps(p[gi * KEYS + j]);
+            for (int c = 0; c < DT; c++) r[gi][c] = _mm512_fmadd_ps(pb, v[c], r[gi][c]);
+        }
+    }
+    for (int gi = 0; gi < GT; gi++)
+        for (int c = 0; c < DT; c++) _mm512_store_ps(acc + gi * D + d0 + 16 * c, r[gi][c]);
+}
+
+/* Up to HEADS_PER_PASS * 16 / D query heads of one sequence per pass over its keys (all of them for any
+ * usual shape: 8 KV heads x 4 x 128 = 4,096 floats), so each cache row -- every KV head of a token --
+ * is read once, whole, and the next block is prefetched while this one is computed. */
+#define PASS_FLOATS 4096
+#ifndef PREFETCH_BLOCKS
+#define PREFETCH_BLOCKS 1
+#endif
+
+INLINE void prefetch_block(const float *k_cache, const float *v_cache, const int32_t *table, int32_t bi,
+                           int32_t len, int block, int64_t tok_stride) {
+    const int32_t first = bi * block;
+    if (first >= len || table[bi] == 0) return;
+    const int32_t rows = len - first < block ? len - first : block;
+    const int64_t base = (int64_t)table[bi] * block * tok_stride;
+    const char *kb = (const char *)(k_cache + base), *vb = (const char *)(v_cache + base);
+    for (int64_t b = 0; b < (int64_t)rows * tok_stride * 4; b += 64) {
+        _mm_prefetch(kb + b, _MM_HINT_T0);
+        _mm_prefetch(vb + b, _MM_HINT_T0);
+    }
+}
+
+/* One sequence's one-token query (q: its Hq heads, stride q_sh; out: its [Hq, D] rows), D a multiple of
+ * 16 (a constant in the specialised copies). */
+INLINE void seq512(const float *q, int64_t q_sh, const float *k_cache, const float *v_cache,
+                   const int32_t *table, int32_t lo, int32_t len, int block, int hq, int hkv, const int D,
+                   float scale, const float *sinks, float *out) {
+    const int NV = D / 16, G = hq / hkv;
+    const int64_t tok_stride = (int64_t)hkv * D;
+    __attribute__((aligned(64))) float qs[PASS_FLOATS], acc[PASS_FLOATS];
+    __attribute__((aligned(64))) float p[PASS_FLOATS / 16 * KEYS], lsum[PASS_FLOATS / 16 * KEYS];
+    float m[PASS_FLOATS / 16], alpha[PASS_FLOATS / 16];
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int h0 = 0; h0 < hq;) {
+        const int h1 = hq - h0 < PASS_FLOATS / D ? hq : h0 + PASS_FLOATS / D, nh = h1 - h0;
+        for (int h = 0; h < nh; h++) {
+            for (int c = 0; c < NV; c++) {
+                _mm512_store_ps(qs + h * D + 16 * c,
+                                _mm512_mul_ps(_mm512_loadu_ps(q + (h0 + h) * q_sh + 16 * c), vscale));
+                _mm512_store_ps(acc + h * D + 16 * c, _mm512_setzero_ps());
+            }
+            _mm512_store_ps(lsum + h * KEYS, _mm512_setzero_ps());
+        }
+        int seen = 0;
+        for (int32_t pos = lo; pos < len;) {
+            const int32_t bi = pos / block;
+            const int32_t end = (bi + 1) * block < len ? (bi + 1) * block : len;
+            const int32_t blk = table[bi];
+            if (PREFETCH_BLOCKS) prefetch_block(k_cache, v_cache, table, bi + PREFETCH_BLOCKS, len, block, tok_stride);
+            if (blk == 0) { pos = end; continue; }
+            const int64_t base = ((int64_t)blk * block) * tok_stride;
+            for (; pos < end;) {
+                const int n = end - pos < KEYS ? end - pos : KEYS;
+                const int64_t off = base + (int64_t)(pos % block) * tok_stride;
+                const __mmask16 live = (__mmask16)((1u << n) - 1u);
+                /* the heads h0 .. h1-1 in runs sharing a KV head: [h, hn) reads KV head hk */
+                for (int h = h0; h < h1;) {
+                    const int hk = h / G, hn = (hk + 1) * G < h1 ? (hk + 1) * G : h1;
+                    const float *kc = k_cache + off + (int64_t)hk * D, *vc = v_cache + off + (int64_t)hk * D;
+                    const float *kp[KEYS];
+                    for (int j = 0; j < KEYS; j++) kp[j] = j < n ? kc + j * tok_stride : zero_row;
+                    for (int g = h - h0; g < hn - h0; g++) {
+                        const float *qg = qs + g * D;
+                        __m512 part[KEYS];
+                        for (int j = 0; j < KEYS; j++) {
+                            __m512 a = _mm512_mul_ps(_mm512_load_ps(qg), _mm512_loadu_ps(kp[j]));
+                            for (int c = 1; c < NV; c++)
+                                a = _mm512_fmadd_ps(_mm512_load_ps(qg + 16 * c), _mm512_loadu_ps(kp[j] + 16 * c), a);
+                            part[j] = a;
+                        }
+                        const __m512 s = sum16(part);
+                        const float mx = _mm512_mask_reduce_max_ps(live, s);
+                        float mnew = mx, a = 0.0f;
+                        if (seen) {
+                            mnew = mx > m[g] ? mx : m[g];
+                            a = mnew == m[g] ? 1.0f : expf(m[g] - mnew);
+                        }
+                        m[g] = mnew;
+                        alpha[g] = a;
+                        const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpos(_mm512_sub_ps(s, _mm512_set1_ps(mnew))));
+                        _mm512_store_ps(p + g * KEYS, e);
+                        _mm512_store_ps(lsum + g * KEYS,
+                                        _mm512_fmadd_ps(_mm512_load_ps(lsum + g * KEYS), _mm512_set1_ps(a), e));
+                    }
+                    for (int d0 = 0; d0 < D; d0 += 64) {
+                        const int dt = D - d0 >= 64 ? 4 : (D - d0) / 16;
+                        for (int g0 = h - h0; g0 < hn - h0; g0 += 4) {
+                            const int gt = hn - h0 - g0 >= 4 ? 4 : hn - h0 - g0;
+                            float *at = acc + g0 * D;
+                            const float *pt = p + g0 * KEYS, *al = alpha + g0;
+#define VT(GT, DT) case GT * 4 + DT: value_tile(at, pt, al, vc, tok_stride, n, D, d0, GT, DT); break;
+                            switch (gt * 4 + dt) {
+                                VT(1, 1) VT(1, 2) VT(1, 3) VT(1, 4) VT(2, 1) VT(2, 2) VT(2, 3) VT(2, 4)
+                                VT(3, 1) VT(3, 2) VT(3, 3) VT(3, 4) VT(4, 1) VT(4, 2) VT(4, 3) VT(4, 4)
+                            }
+#undef VT
+                        }
+                    }
+                    h = hn;
+                }
+                seen = 1;
+                pos += n;
+            }
+        }
+        for (int g = 0; g < nh; g++) {
+            float *o = out + (int64_t)(h0 + g) * D;
+            if (!seen) {
+                memset(o, 0, sizeof(float) * D);
+                continue;
+            }
+            /* with a sink: both sides rescaled to max(m, sink), as the portable path's maximum includes it */
+            const float sink = sinks ? sinks[h0 + g] : 0.0f;
+            const float l = _mm512_reduce_add_ps(_mm512_load_ps(lsum + g * KEYS));
+            const float top = sinks && sink > m[g] ? sink : m[g];
+            const float r = top == m[g] ? 1.0f : expf(m[g] - top);
+            const float f = r / (l * r + (sinks ? expf(sink - top) : 0.0f));
+            const __m512 vf = _mm512_set1_ps(f);
+            for (int c = 0; c < NV; c++)
+                _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc + g * D + 16 * c), vf));
+        }
+        h0 = h1;
+    }
+}
+
+#define DEFINE_SEQ512(NAME, DCONST)                                                                        \
+static void NAME(const float *q, int64_t q_sh, const float *k_cache, const float *v_cache,                \
+                 const int32_t *table, int32_t lo, int32_t len, int block, int hq, int hkv, int d_rt,      \
+                 float scale, const float *sinks, float *out) {                                            \
+    seq512(q, q_sh, k_cache, v_cache, table, lo, len, block, hq, hkv, DCONST > 0 ? DCONST : d_rt, scale,    \
+           sinks, out);                                                                                    \
+}
+DEFINE_SEQ512(seq_d32, 32)
+DEFINE_SEQ512(seq_d64, 64)
+DEFINE_SEQ512(seq_d128, 128)
+DEFINE_SEQ512(seq_v16, 0) /* any other multiple of 16 */
+#endif
 
 int sinkserve_decode_attention(const float *q, int64_t q_st, int64_t q_sh,
                                const float *k_cache, const float *v_cache,
@@ -105,6 +331,21 @@ int sinkserve_decode_attention(const float *q, int64_t q_st, int64_t q_sh,
         const int32_t lo = (window > 0 && len > window) ? len - window : 0;
         if ((int64_t)(len - lo) * (g_per < MAX_GROUP ? g_per : MAX_GROUP) > scratch_len) return -1;
         const int32_t *table = block_tables + (int64_t)s * bt_stride;
+#ifdef __AVX512F__
+        if (d % 16 == 0) {
+            const float *qp = q + t * q_st;
+            float *op = out + (int64_t)t * hq * d;
+            if (d == 32)
+                seq_d32(qp, q_sh, k_cache, v_cache, table, lo, len, block, hq, hkv, d, scale, sinks, op);
+            else if (d == 64)
+                seq_d64(qp, q_sh, k_cache, v_cache, table, lo, len, block, hq, hkv, d, scale, sinks, op);
+            else if (d == 128)
+                seq_d128(qp, q_sh, k_cache, v_cache, table, lo, len, block, hq, hkv, d, scale, sinks, op);
+            else
+                seq_v16(qp, q_sh, k_cache, v_cache, table, lo, len, block, hq, hkv, d, scale, sinks, op);
+            continue;
+        }
+#endif
         for (int hk = 0; hk < hkv; hk++) {
             for (int g0 = 0; g0 < g_per; g0 += MAX_GROUP) {
                 const int g_n = g_per - g0 < MAX_GROUP ? g_per - g0 : MAX_GROUP;
@@ -112,6 +353,7 @@ int sinkserve_decode_attention(const float *q, int64_t q_st, int64_t q_sh,
                 const float *qp = q + t * q_st + h0 * q_sh;
                 float *op = out + ((int64_t)t * hq + h0) * d;
                 const float *sp = sinks ? sinks + h0 : NULL;
+#ifndef __AVX512F__
                 if (d == 32)
                     head_d32(qp, q_sh, k_cache, v_cache, table, lo, len, block, tok_stride, hk, g_n, d, scale, sp, op, scratch);
                 else if (d == 64)
@@ -119,6 +361,7 @@ int sinkserve_decode_attention(const float *q, int64_t q_st, int64_t q_sh,
                 else if (d == 128)
                     head_d128(qp, q_sh, k_cache, v_cache, table, lo, len, block, tok_stride, hk, g_n, d, scale, sp, op, scratch);
                 else
+#endif
                     head_any(qp, q_sh, k_cache, v_cache, table, lo, len, block, tok_stride, hk, g_n, d, scale, sp, op, scratch);
             }
         }
