@@ -183,6 +183,12 @@ INLINE void value_tile(float *acc, const float *p, const float *alpha, const flo
  * usual shape: 8 KV heads x 4 x 128 = 4,096 floats), so each cache row -- every KV head of a token --
  * is read once, whole, and the next block is prefetched while this one is computed. */
 #define PASS_FLOATS 4096
+#ifndef PF_HINT
+#define PF_HINT _MM_HINT_T1
+#endif
+#ifndef PREFETCH_CUR
+#define PREFETCH_CUR 0
+#endif
 #ifndef PREFETCH_BLOCKS
 #define PREFETCH_BLOCKS 1
 #endif
@@ -195,8 +201,8 @@ INLINE void prefetch_block(const float *k_cache, const float *v_cache, const int
     const int64_t base = (int64_t)table[bi] * block * tok_stride;
     const char *kb = (const char *)(k_cache + base), *vb = (const char *)(v_cache + base);
     for (int64_t b = 0; b < (int64_t)rows * tok_stride * 4; b += 64) {
-        _mm_prefetch(kb + b, _MM_HINT_T0);
-        _mm_prefetch(vb + b, _MM_HINT_T0);
+        _mm_prefetch(kb + b, PF_HINT);
+        _mm_prefetch(vb + b, PF_HINT);
     }
 }
 
@@ -227,6 +233,7 @@ INLINE void seq512(const float *q, int64_t q_sh, const float *k_cache, const flo
             const int32_t end = (bi + 1) * block < len ? (bi + 1) * block : len;
             const int32_t blk = table[bi];
             if (PREFETCH_BLOCKS) prefetch_block(k_cache, v_cache, table, bi + PREFETCH_BLOCKS, len, block, tok_stride);
+            if (PREFETCH_CUR) prefetch_block(k_cache, v_cache, table, bi, len, block, tok_stride);
             if (blk == 0) { pos = end; continue; }
             const int64_t base = ((int64_t)blk * block) * tok_stride;
             for (; pos < end;) {
@@ -249,14 +256,16 @@ INLINE void seq512(const float *q, int64_t q_sh, const float *k_cache, const flo
                             part[j] = a;
                         }
                         const __m512 s = sum16(part);
-                        const float mx = _mm512_mask_reduce_max_ps(live, s);
-                        float mnew = mx, a = 0.0f;
-                        if (seen) {
-                            mnew = mx > m[g] ? mx : m[g];
-                            a = mnew == m[g] ? 1.0f : expf(m[g] - mnew);
+                        /* the horizontal max only when a live score passes the running one (after the
+                         * first chunks, rarely): otherwise nothing is rescaled */
+                        float a = 1.0f;
+                        if (!seen || _mm512_mask_cmp_ps_mask(live, s, _mm512_set1_ps(m[g]), _CMP_GT_OQ)) {
+                            const float mx = _mm512_mask_reduce_max_ps(live, s);
+                            a = seen ? expf(m[g] - mx) : 0.0f;
+                            m[g] = mx;
                         }
-                        m[g] = mnew;
                         alpha[g] = a;
+                        const float mnew = m[g];
                         const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpos(_mm512_sub_ps(s, _mm512_set1_ps(mnew))));
                         _mm512_store_ps(p + g * KEYS, e);
                         _mm512_store_ps(lsum + g * KEYS,
