@@ -183,27 +183,39 @@ INLINE void value_tile(float *acc, const float *p, const float *alpha, const flo
  * usual shape: 8 KV heads x 4 x 128 = 4,096 floats), so each cache row -- every KV head of a token --
  * is read once, whole, and the next block is prefetched while this one is computed. */
 #define PASS_FLOATS 4096
-#ifndef PF_HINT
 #define PF_HINT _MM_HINT_T1
-#endif
-#ifndef PREFETCH_CUR
-#define PREFETCH_CUR 0
-#endif
-#ifndef PREFETCH_BLOCKS
-#define PREFETCH_BLOCKS 1
-#endif
+#define PF_DIST 1 /* blocks ahead (1, 2 and 3 measured alike) */
 
-INLINE void prefetch_block(const float *k_cache, const float *v_cache, const int32_t *table, int32_t bi,
-                           int32_t len, int block, int64_t tok_stride) {
+/* The prefetch of one block's K and V rows (into L2: with T0 the random-block read rate stayed where it
+ * was), issued a slice at a time between the heads' score loops instead of in one burst: a burst fills
+ * the miss queues and stalls the computation behind it. */
+typedef struct {
+    const char *k, *v;
+    int64_t off, end, step;
+} Prefetch;
+
+INLINE void pf_some(Prefetch *pf) {
+    const int64_t stop = pf->off + pf->step < pf->end ? pf->off + pf->step : pf->end;
+    for (; pf->off < stop; pf->off += 64) {
+        _mm_prefetch(pf->k + pf->off, PF_HINT);
+        _mm_prefetch(pf->v + pf->off, PF_HINT);
+    }
+}
+
+/* Finish the previous block's prefetch, then aim at block bi, spread over `slices` calls of pf_some. */
+INLINE void pf_start(Prefetch *pf, const float *k_cache, const float *v_cache, const int32_t *table, int32_t bi,
+                     int32_t len, int block, int64_t tok_stride, int slices) {
+    pf->step = pf->end;
+    pf_some(pf);
+    pf->off = pf->end = 0;
     const int32_t first = bi * block;
     if (first >= len || table[bi] == 0) return;
     const int32_t rows = len - first < block ? len - first : block;
     const int64_t base = (int64_t)table[bi] * block * tok_stride;
-    const char *kb = (const char *)(k_cache + base), *vb = (const char *)(v_cache + base);
-    for (int64_t b = 0; b < (int64_t)rows * tok_stride * 4; b += 64) {
-        _mm_prefetch(kb + b, PF_HINT);
-        _mm_prefetch(vb + b, PF_HINT);
-    }
+    pf->k = (const char *)(k_cache + base);
+    pf->v = (const char *)(v_cache + base);
+    pf->end = (int64_t)rows * tok_stride * 4; /* a multiple of 64: D % 16 == 0 */
+    pf->step = (pf->end / 64 + slices - 1) / slices * 64;
 }
 
 /* One sequence's one-token query (q: its Hq heads, stride q_sh; out: its [Hq, D] rows), D a multiple of
@@ -228,12 +240,17 @@ INLINE void seq512(const float *q, int64_t q_sh, const float *k_cache, const flo
             _mm512_store_ps(lsum + h * KEYS, _mm512_setzero_ps());
         }
         int seen = 0;
+        Prefetch pf = {0};
+        for (int i = 0; i < PF_DIST; i++) {
+            pf_start(&pf, k_cache, v_cache, table, lo / block + i, len, block, tok_stride, 1);
+            pf_some(&pf);
+        }
         for (int32_t pos = lo; pos < len;) {
             const int32_t bi = pos / block;
             const int32_t end = (bi + 1) * block < len ? (bi + 1) * block : len;
             const int32_t blk = table[bi];
-            if (PREFETCH_BLOCKS) prefetch_block(k_cache, v_cache, table, bi + PREFETCH_BLOCKS, len, block, tok_stride);
-            if (PREFETCH_CUR) prefetch_block(k_cache, v_cache, table, bi, len, block, tok_stride);
+            pf_start(&pf, k_cache, v_cache, table, bi + PF_DIST, len, block, tok_stride,
+                     (end - pos + KEYS - 1) / KEYS * nh);
             if (blk == 0) { pos = end; continue; }
             const int64_t base = ((int64_t)blk * block) * tok_stride;
             for (; pos < end;) {
@@ -247,6 +264,7 @@ INLINE void seq512(const float *q, int64_t q_sh, const float *k_cache, const flo
                     const float *kp[KEYS];
                     for (int j = 0; j < KEYS; j++) kp[j] = j < n ? kc + j * tok_stride : zero_row;
                     for (int g = h - h0; g < hn - h0; g++) {
+                        pf_some(&pf);
                         const float *qg = qs + g * D;
                         __m512 part[KEYS];
                         for (int j = 0; j < KEYS; j++) {
