@@ -273,7 +273,11 @@ INLINE void seq512(const float *q, int64_t q_sh, const float *k_cache, const flo
                                 a = _mm512_fmadd_ps(_mm512_load_ps(qg + 16 * c), _mm512_loadu_ps(kp[j] + 16 * c), a);
                             part[j] = a;
                         }
-                        const __m512 s = sum16(part);
+                        _mm512_store_ps(p + g * KEYS, sum16(part)); /* the scores, for now */
+                    }
+                    /* softmax apart from the score loop: the heads' exp chains (~15 dependent ops) overlap */
+                    for (int g = h - h0; g < hn - h0; g++) {
+                        const __m512 s = _mm512_load_ps(p + g * KEYS);
                         /* the horizontal max only when a live score passes the running one (after the
                          * first chunks, rarely): otherwise nothing is rescaled */
                         float a = 1.0f;
@@ -283,8 +287,7 @@ INLINE void seq512(const float *q, int64_t q_sh, const float *k_cache, const flo
                             m[g] = mx;
                         }
                         alpha[g] = a;
-                        const float mnew = m[g];
-                        const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpos(_mm512_sub_ps(s, _mm512_set1_ps(mnew))));
+                        const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpos(_mm512_sub_ps(s, _mm512_set1_ps(m[g]))));
                         _mm512_store_ps(p + g * KEYS, e);
                         _mm512_store_ps(lsum + g * KEYS,
                                         _mm512_fmadd_ps(_mm512_load_ps(lsum + g * KEYS), _mm512_set1_ps(a), e));
