@@ -202,27 +202,38 @@ INLINE void pf_some(Prefetch *pf) {
     }
 }
 
-/* Finish the previous block's prefetch, then aim at block bi, spread over `slices` calls of pf_some. */
-INLINE void pf_start(Prefetch *pf, const float *k_cache, const float *v_cache, const int32_t *table, int32_t bi,
-                     int32_t len, int block, int64_t tok_stride, int slices) {
+/* One sequence's keys: positions lo .. len-1 of the blocks `table` names. */
+typedef struct {
+    const int32_t *table;
+    int32_t lo, len;
+} Span;
+
+/* Finish the previous block's prefetch, then aim at block bi of `sp` (none past its end or where
+ * `sp` is NULL), spread over `slices` calls of pf_some. */
+INLINE void pf_start(Prefetch *pf, const float *k_cache, const float *v_cache, const Span *sp, int32_t bi,
+                     int block, int64_t tok_stride, int slices) {
     pf->step = pf->end;
     pf_some(pf);
     pf->off = pf->end = 0;
+    if (!sp) return;
     const int32_t first = bi * block;
-    if (first >= len || table[bi] == 0) return;
-    const int32_t rows = len - first < block ? len - first : block;
-    const int64_t base = (int64_t)table[bi] * block * tok_stride;
+    if (first >= sp->len || sp->table[bi] == 0) return;
+    const int32_t rows = sp->len - first < block ? sp->len - first : block;
+    const int64_t base = (int64_t)sp->table[bi] * block * tok_stride;
     pf->k = (const char *)(k_cache + base);
     pf->v = (const char *)(v_cache + base);
     pf->end = (int64_t)rows * tok_stride * 4; /* a multiple of 64: D % 16 == 0 */
     pf->step = (pf->end / 64 + slices - 1) / slices * 64;
 }
 
-/* One sequence's one-token query (q: its Hq heads, stride q_sh; out: its [Hq, D] rows), D a multiple of
- * 16 (a constant in the specialised copies). */
-INLINE void seq512(const float *q, int64_t q_sh, const float *k_cache, const float *v_cache,
-                   const int32_t *table, int32_t lo, int32_t len, int block, int hq, int hkv, const int D,
-                   float scale, const float *sinks, float *out) {
+/* One sequence's one-token query (q: its Hq heads, stride q_sh; out: its [Hq, D] rows) over `cur`, D a
+ * multiple of 16 (a constant in the specialised copies). The last blocks prefetch the first ones of
+ * `next` (the following decode sequence; NULL: none); `primed`: this sequence's first blocks were. */
+INLINE void seq512(const float *q, int64_t q_sh, const float *k_cache, const float *v_cache, const Span *cur,
+                   const Span *next, int primed, int block, int hq, int hkv, const int D, float scale,
+                   const float *sinks, float *out) {
+    const int32_t *table = cur->table, lo = cur->lo, len = cur->len;
+    const int32_t nblocks = (len + block - 1) / block;
     const int NV = D / 16, G = hq / hkv;
     const int64_t tok_stride = (int64_t)hkv * D;
     __attribute__((aligned(64))) float qs[PASS_FLOATS], acc[PASS_FLOATS];
@@ -241,16 +252,21 @@ INLINE void seq512(const float *q, int64_t q_sh, const float *k_cache, const flo
         }
         int seen = 0;
         Prefetch pf = {0};
-        for (int i = 0; i < PF_DIST; i++) {
-            pf_start(&pf, k_cache, v_cache, table, lo / block + i, len, block, tok_stride, 1);
+        for (int i = 0; i < PF_DIST && !(primed && h0 == 0); i++) {
+            pf_start(&pf, k_cache, v_cache, cur, lo / block + i, block, tok_stride, 1);
             pf_some(&pf);
         }
         for (int32_t pos = lo; pos < len;) {
             const int32_t bi = pos / block;
             const int32_t end = (bi + 1) * block < len ? (bi + 1) * block : len;
             const int32_t blk = table[bi];
-            pf_start(&pf, k_cache, v_cache, table, bi + PF_DIST, len, block, tok_stride,
-                     (end - pos + KEYS - 1) / KEYS * nh);
+            const int32_t ahead = bi + PF_DIST; /* past the end: the next sequence's first blocks */
+            if (ahead < nblocks)
+                pf_start(&pf, k_cache, v_cache, cur, ahead, block, tok_stride, (end - pos + KEYS - 1) / KEYS * nh);
+            else
+                pf_start(&pf, k_cache, v_cache, h1 == hq ? next : NULL,
+                         next ? next->lo / block + ahead - nblocks : 0, block, tok_stride,
+                         (end - pos + KEYS - 1) / KEYS * nh);
             if (blk == 0) { pos = end; continue; }
             const int64_t base = ((int64_t)blk * block) * tok_stride;
             for (; pos < end;) {
@@ -333,10 +349,10 @@ INLINE void seq512(const float *q, int64_t q_sh, const float *k_cache, const flo
 }
 
 #define DEFINE_SEQ512(NAME, DCONST)                                                                        \
-static void NAME(const float *q, int64_t q_sh, const float *k_cache, const float *v_cache,                \
-                 const int32_t *table, int32_t lo, int32_t len, int block, int hq, int hkv, int d_rt,      \
-                 float scale, const float *sinks, float *out) {                                            \
-    seq512(q, q_sh, k_cache, v_cache, table, lo, len, block, hq, hkv, DCONST > 0 ? DCONST : d_rt, scale,    \
+static void NAME(const float *q, int64_t q_sh, const float *k_cache, const float *v_cache, const Span *cur, \
+                 const Span *next, int primed, int block, int hq, int hkv, int d_rt, float scale,          \
+                 const float *sinks, float *out) {                                                         \
+    seq512(q, q_sh, k_cache, v_cache, cur, next, primed, block, hq, hkv, DCONST > 0 ? DCONST : d_rt, scale, \
            sinks, out);                                                                                    \
 }
 DEFINE_SEQ512(seq_d32, 32)
@@ -354,6 +370,9 @@ int sinkserve_decode_attention(const float *q, int64_t q_st, int64_t q_sh,
     if (d > 256) return -2;
     const int g_per = hq / hkv;
     const int64_t tok_stride = (int64_t)hkv * d; /* one slot of one block */
+#ifdef __AVX512F__
+    int primed = 0; /* the previous decode sequence prefetched this one's first blocks */
+#endif
     for (int s = 0; s < num_seqs; s++) {
         const int32_t t = query_start_loc[s];
         if (query_start_loc[s + 1] - t != 1) continue;
@@ -365,14 +384,24 @@ int sinkserve_decode_attention(const float *q, int64_t q_st, int64_t q_sh,
         if (d % 16 == 0) {
             const float *qp = q + t * q_st;
             float *op = out + (int64_t)t * hq * d;
+            const Span cur = {table, lo, len};
+            Span next = {NULL, 0, 0};
+            for (int s2 = s + 1; s2 < num_seqs && !next.table; s2++) /* the next decode sequence */
+                if (query_start_loc[s2 + 1] - query_start_loc[s2] == 1) {
+                    next.table = block_tables + (int64_t)s2 * bt_stride;
+                    next.len = seq_lens[s2];
+                    next.lo = (window > 0 && next.len > window) ? next.len - window : 0;
+                }
+            const Span *np = next.table ? &next : NULL;
             if (d == 32)
-                seq_d32(qp, q_sh, k_cache, v_cache, table, lo, len, block, hq, hkv, d, scale, sinks, op);
+                seq_d32(qp, q_sh, k_cache, v_cache, &cur, np, primed, block, hq, hkv, d, scale, sinks, op);
             else if (d == 64)
-                seq_d64(qp, q_sh, k_cache, v_cache, table, lo, len, block, hq, hkv, d, scale, sinks, op);
+                seq_d64(qp, q_sh, k_cache, v_cache, &cur, np, primed, block, hq, hkv, d, scale, sinks, op);
             else if (d == 128)
-                seq_d128(qp, q_sh, k_cache, v_cache, table, lo, len, block, hq, hkv, d, scale, sinks, op);
+                seq_d128(qp, q_sh, k_cache, v_cache, &cur, np, primed, block, hq, hkv, d, scale, sinks, op);
             else
-                seq_v16(qp, q_sh, k_cache, v_cache, table, lo, len, block, hq, hkv, d, scale, sinks, op);
+                seq_v16(qp, q_sh, k_cache, v_cache, &cur, np, primed, block, hq, hkv, d, scale, sinks, op);
+            primed = 1;
             continue;
         }
 #endif

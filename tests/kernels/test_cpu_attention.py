@@ -164,6 +164,10 @@ def test_refused_arguments(build):
     assert _call(lib, b, scratch_len=70 * 4 - 1)[0] == -1
     assert _call(lib, b, window=20, scratch_len=20 * 4)[0] == 0
     assert _call(lib, b, d=257)[0] == -2
-    m = make_batch([1, 3, 1], [30, 12, 70], 8, 2, 32, seed=2)
+    m = make_batch([1, 3, 1, 2, 1], [30, 12, 70, 40, 5], 8, 2, 32, seed=2)
     rc, out = _call(lib, m)
-    assert rc == 0 and torch.isnan(out[1:4]).all() and not torch.isnan(out[0]).any() and not torch.isnan(out[4]).any()
+    assert rc == 0 and torch.isnan(out[1:4]).all() and torch.isnan(out[5:7]).all()
+    ref = reference.paged_attention(m.query, m.k_cache, m.v_cache, m.block_tables, m.seq_lens, m.query_start_loc,
+                                    32 ** -0.5)
+    decode_rows = [0, 4, 7]  # the one-token segments, around the prefill ones
+    check(f"cpu decode_attention builds ({build})", out[decode_rows], ref[decode_rows], torch.float32)
