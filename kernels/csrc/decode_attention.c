@@ -12,9 +12,17 @@
  *     when sinks are given);  out[h] = sum_j p_j v_j;  no visible key -> zeros
  *
  * Sequences with longer segments (prefill chunks) are skipped: their rows are left to the caller.
- * Two passes per (sequence, KV head): scores into a scratch row, then max / exp / sum, then the
- * weighted sum of values (accumulated in registers: D is a constant in the 32/64/128 copies). Layouts: q [T, Hq, D] with strides (q_st, q_sh, 1); caches contiguous
- * [num_blocks, B, Hkv, D]; out contiguous [T, Hq, D]; block_tables int32 [S, bt_stride]. */
+ * Layouts: q [T, Hq, D] with strides (q_st, q_sh, 1); caches contiguous [num_blocks, B, Hkv, D]; out
+ * contiguous [T, Hq, D]; block_tables int32 [S, bt_stride]. Returns 0, -1 (scratch_len under the longest
+ * visible span times min(G, 16)) or -2 (D over 256).
+ *
+ * Two builds of the same semantics (tests/kernels/test_cpu_attention.py runs both against the reference):
+ *   AVX-512, D a multiple of 16 (below): one pass per sequence over every head, online softmax, the next
+ *     block prefetched; ~1.5-2x the portable path with the cache in L2/L3, ~2-4x from DRAM
+ *     (bench/cpu_decode_attention.py, docs/cpu_decode_attention.md).
+ *   portable C (head_*), any CPU and any D <= 256: two passes per (sequence, KV head): scores into the
+ *     scratch row, then max / exp / sum, then the weighted sum of values (in registers: D is a constant
+ *     in the 32/64/128 copies). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -92,21 +100,26 @@ DEFINE_HEAD(head_d128, 128)
 DEFINE_HEAD(head_any, 0)
 
 #ifdef __AVX512F__
-/* AVX-512 copies of the head function (the portable ones above are the fallback and the reference for
- * what they compute). One pass over the keys in chunks of 16 positions of one block, with an online
- * softmax; K and V of a chunk are read together:
+/* The AVX-512 path. Per sequence, one pass over its keys in chunks of up to 16 positions of one block
+ * for all its query heads (so a token's row -- every KV head -- is read once, whole), K and V of a chunk
+ * together, with an online softmax:
  *
- *   scores   for each query head g: 16 partial vectors q[g] * k_j (D/16 FMAs each), summed across lanes
- *            by one transpose-add tree (45 shuffles/adds for 16 keys, instead of ~8 per key), so the
- *            chunk's 16 scores land in one vector, key j in lane j
- *   softmax  m = max(m, max over the chunk);  p = e^(s - m);  l = l * e^(m_old - m) + p;
- *            acc *= e^(m_old - m)   (lanes past the chunk's last key are masked to 0)
- *   values   acc[g] += p[g][j] * v_j in register tiles of up to 4 heads x 64 dims, loaded and stored
- *            once per chunk (not once per FMA)
- *   end      out[g] = acc[g] / (sum of l's lanes [+ e^(sink - m)])
+ *   scores   per query head g: 16 partial vectors q[g] * k_j (D/16 FMAs each), summed across lanes by
+ *            one transpose-add tree (45 shuffles/adds for 16 keys, not ~8 per key): key j's score in lane j
+ *   softmax  where a live score passes the running max m: m' = the chunk's max, a = e^(m - m'), else a = 1;
+ *            p = e^(s - m);  l = l * a + p (lane-wise; summed at the end);  acc *= a
+ *   values   acc[g] += p[g][j] * v_j in register tiles of up to 4 heads x 64 dims, loaded and stored once
+ *            per chunk (not once per FMA)
+ *   end      out[g] = acc[g] * r / (l * r + e^(sink - m*))   with m* = max(m, sink), r = e^(m - m*)
  *
- * A chunk shorter than 16 (end of a block or of the context) points its missing keys at a zero row and
- * masks them out, so the score code has no remainder loop. */
+ *   e.g. B = 16, Hkv = 2, Hq = 8, D = 32, keys 0..39 in blocks [7 | 0 | 3]:
+ *     chunk 0: block 7 slots 0..15 (block 3 prefetched meanwhile)  -- heads 0-3 read K/V[.., 0, :],
+ *                                                                     heads 4-7 K/V[.., 1, :]
+ *     block 0: null, skipped
+ *     chunk 1: block 3 slots 0..7, lanes 8..15 masked (their keys point at a zero row), the next decode
+ *              sequence's first block prefetched meanwhile
+ *
+ * Heads are processed PASS_FLOATS / D at a time (all of them unless Hq x D > 4,096: 32 x 128). */
 #include <immintrin.h>
 
 #define KEYS 16 /* keys per chunk: one per vector lane */
@@ -179,10 +192,7 @@ INLINE void value_tile(float *acc, const float *p, const float *alpha, const flo
         for (int c = 0; c < DT; c++) _mm512_store_ps(acc + gi * D + d0 + 16 * c, r[gi][c]);
 }
 
-/* Up to HEADS_PER_PASS * 16 / D query heads of one sequence per pass over its keys (all of them for any
- * usual shape: 8 KV heads x 4 x 128 = 4,096 floats), so each cache row -- every KV head of a token --
- * is read once, whole, and the next block is prefetched while this one is computed. */
-#define PASS_FLOATS 4096
+#define PASS_FLOATS 4096 /* q and acc floats per pass over a sequence's keys: its heads x D */
 #define PF_HINT _MM_HINT_T1
 #define PF_DIST 1 /* blocks ahead (1, 2 and 3 measured alike) */
 
