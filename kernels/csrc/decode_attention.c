@@ -128,10 +128,10 @@ DEFINE_HEAD(head_any, 0)
 static const float zero_row[256] __attribute__((aligned(64)));
 
 /* e^x for x <= 0 (every argument is a score minus the running maximum): Cephes' expf polynomial on
- * r = x - n ln2 (|r| <= ln2 / 2, ~1 ulp), times 2^n by vscalefps, which goes to 0 below -88 instead of
- * wrapping the exponent. */
+ * r = x - n ln2 (|r| <= ln2 / 2, ~1 ulp), times 2^n by vscalefps. x is clamped at -86: e^-86 ~ 4e-38
+ * stays a normal float (no denormal arithmetic), and next to the maximum's weight 1 it is nothing. */
 INLINE __m512 exp_nonpos(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));
+    x = _mm512_max_ps(x, _mm512_set1_ps(-86.0f));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
