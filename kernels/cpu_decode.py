@@ -8,19 +8,28 @@ SiLU, down, biases), the final norm and ``lm_head`` -- to C. The eager forward i
 engine calls this only where it computes the same thing (``LlamaForward.decode_kernel_applies``), and
 ``tests/kernels/test_cpu_decode.py`` holds the two together.
 
-The weight pointers are read once (they do not move); the cache pointers are refreshed when the runner
-allocates new caches.
+The linear weights and ``lm_head`` are copied once into the C step's packed layout (panels of output
+rows, transposed: ``sinkserve_pack_linear`` in decode_step.c), which lets a batch of rows run as a
+register-tiled GEMM instead of one dot product per row and output. The copy costs one more float32 copy
+of those weights (logged); the eager forward (prefill, mixed steps) keeps using the originals. The weight
+pointers are read once (they do not move); the cache pointers are refreshed when the runner allocates
+new caches.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from kernels.cpu_lib import load
 
+logger = logging.getLogger(__name__)
+
 # Column order of the per-layer pointer table (decode_step.c's LAYER_FIELDS enum).
 FIELDS = ("input_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "qk_norm", "gate_up_w", "gate_up_b", "down_w",
           "down_b", "k_cache", "v_cache", "window")
+PACKED = frozenset({"qkv_w", "o_w", "gate_up_w", "down_w"})  # the C step reads these (and lm_head) packed
 _K, _V = FIELDS.index("k_cache"), FIELDS.index("v_cache")
 ERRORS = {-1: "a slot past the KV cache", -3: "a token id past the vocabulary", -4: "out of memory",
           -11: "attention scratch too small", -12: "head_dim over 256"}
@@ -31,22 +40,44 @@ def available() -> bool:
     return load() is not None
 
 
+def pack_linear(w: torch.Tensor) -> torch.Tensor:
+    """``w [out, in]`` (float32, contiguous) in the C step's packed layout: ``[ceil(out / PW), in, PW]``,
+    ``packed[j, i, r] = w[j * PW + r, i]`` (zero past ``out``); PW is the library's vector width."""
+    lib = load()
+    out, inp = w.shape
+    pw = lib.sinkserve_pack_width()
+    packed = torch.empty(-(-out // pw), inp, pw, dtype=torch.float32)
+    lib.sinkserve_pack_linear(w.contiguous().data_ptr(), out, inp, packed.data_ptr())
+    return packed
+
+
 class DecodeStep:
     """One ``LlamaForward``'s weights as the C step's pointer table; call it with the step's tensors."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         rows = []
+        self._packed: list[torch.Tensor] = []  # kept alive: the table holds their addresses
         for layer in model.layers:
-            row = [0 if getattr(layer, f) is None else getattr(layer, f).data_ptr() for f in FIELDS[:_K]]
+            row = []
+            for f in FIELDS[:_K]:
+                t = getattr(layer, f)
+                if t is not None and f in PACKED:
+                    t = pack_linear(t.detach())
+                    self._packed.append(t)
+                row.append(0 if t is None else t.data_ptr())
             rows.append(row + [0, 0, layer.sliding_window or 0])
         self.table = torch.tensor(rows, dtype=torch.int64)
+        lm_head = pack_linear(model.lm_head.detach())
+        self._packed.append(lm_head)
+        logger.info("C decode step: linear weights packed (%.1f MB more host memory)",
+                    sum(t.numel() * 4 for t in self._packed) / 1e6)
         self._caches: list | None = None
         self._cache_args: tuple[int, int] = (0, 0)  # block size, slots: set by _bind
         s, first = model.spec, model.layers[0]
         # The call's model arguments, read once (module attribute reads cost ~2 us each per step).
         self._head = (self.table.data_ptr(), len(model.layers), model.embed.data_ptr(), model.norm.data_ptr(),
-                      model.lm_head.data_ptr(), model.rotary_emb.inv_freq.data_ptr(), model.rotary_emb.scaling,
+                      lm_head.data_ptr(), model.rotary_emb.inv_freq.data_ptr(), model.rotary_emb.scaling,
                       s.hidden_size, first.gate_up_w.shape[0] // 2, first.num_heads, first.num_kv_heads, s.head_dim,
                       s.vocab_size, s.rms_norm_eps, first.scaling)
         self._vocab = s.vocab_size

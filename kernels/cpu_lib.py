@@ -16,6 +16,8 @@ import logging
 import os
 import subprocess
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -39,6 +41,8 @@ SIGNATURES = {
     "sinkserve_greedy": ([_p, _i64, _i64, _p, _p], None),
     "sinkserve_llama_decode": ([_p, _i32, _p, _p, _p, _p, _f32, _i32, _i32, _i32, _i32, _i32, _i32, _f32, _f32, _i32,
                                 _p, _p, _p, _p, _i64, _p, _p, _i32, _i64, _p, _i32, _p], ctypes.c_int),
+    "sinkserve_pack_width": ([], ctypes.c_int),
+    "sinkserve_pack_linear": ([_p, _i32, _i32, _p], None),
     "sinkserve_write_kv": ([_p, _i64, _i64, _p, _i64, _i64, _p, _p, _p, _i64, _i32, _i32, _i64, _p, _i32, _i64],
                            ctypes.c_int),
 }
@@ -62,20 +66,46 @@ def _build() -> Path:
         digest.update(src.name.encode() + src.read_bytes())
     out = _cache_dir() / f"sinkserve_cpu-{digest.hexdigest()[:16]}.so"
     if out.exists():
+        logger.info("CPU kernels: %s (built before, from the cache)", out)
         return out
+    start = time.perf_counter()
     out.parent.mkdir(parents=True, exist_ok=True)
     cc = os.environ.get("CC", "cc")
     # Build beside the target and rename: concurrent engines never load a half-written library.
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        objs = []
-        for src in SOURCES:
-            obj = Path(tmp) / (src.stem + ".o")
-            subprocess.run([cc, *CFLAGS, "-c", str(src), "-o", str(obj)], check=True, capture_output=True, timeout=120)
-            objs.append(str(obj))
+        objs = [str(Path(tmp) / (src.stem + ".o")) for src in SOURCES]
+
+        def compile_one(src_obj: tuple[Path, str]) -> None:
+            subprocess.run([cc, *CFLAGS, "-c", str(src_obj[0]), "-o", src_obj[1]], check=True, capture_output=True,
+                           timeout=120)
+
+        # The files compile side by side (the start-up cost of a first run is the slowest file, not the sum).
+        with ThreadPoolExecutor(max_workers=len(SOURCES)) as pool:
+            list(pool.map(compile_one, zip(SOURCES, objs)))  # list(): a failed compile raises here
         tmp_so = Path(tmp) / out.name
         subprocess.run([cc, "-shared", *objs, "-o", str(tmp_so), "-lm"], check=True, capture_output=True, timeout=120)
         os.replace(tmp_so, out)
+    logger.info("CPU kernels: built %s in %.1f s (cached for the next start)", out, time.perf_counter() - start)
     return out
+
+
+def load_source(source: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """C source text built alone (``CFLAGS`` + ``extra_flags``) into a fresh library with the signatures of
+    the functions it defines set: for tests and benchmarks that compare builds of one kernel (an older
+    revision, or the portable path with ``-mno-avx512f``). Not cached; raises if the build fails."""
+    cc = os.environ.get("CC", "cc")
+    with tempfile.TemporaryDirectory() as tmp:
+        src, obj, so = Path(tmp) / "kernel.c", Path(tmp) / "kernel.o", Path(tmp) / "kernel.so"
+        src.write_text(source)
+        subprocess.run([cc, *CFLAGS, *extra_flags, "-c", str(src), "-o", str(obj)], check=True, capture_output=True,
+                       timeout=120)
+        subprocess.run([cc, "-shared", str(obj), "-o", str(so), "-lm"], check=True, capture_output=True, timeout=120)
+        lib = ctypes.CDLL(str(so))  # mapped: the file may go
+    for name, (args, res) in SIGNATURES.items():
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            fn.argtypes, fn.restype = args, res
+    return lib
 
 
 @functools.cache

@@ -294,6 +294,10 @@ class LlamaForward(nn.Module):
         cos, sin = self.rotary_emb.cos_sin(positions, h.dtype)
         t = h.shape[0]
         layers = self.layers
+        # The last layer's output is read only at the logits rows, and its o-projection, norm and MLP act
+        # row by row: they run on those rows alone (exact). A prefill chunk that samples one token skips
+        # ~1/num_layers of its matmuls. Every rank of a TP group has the same rows, so the all-reduces match.
+        only_logit_rows = logits_indices.shape[0] < t
         x = rms_norm(h, layers[0].input_norm, eps)
         for i, layer in enumerate(layers):
             # q and k side by side ([T, Hq + Hkv, D]): one norm (Qwen3) and one RoPE for both.
@@ -302,8 +306,10 @@ class LlamaForward(nn.Module):
             if layer.qk_norm is not None:
                 qk = layer.qk_norm * rms_norm(qk, None, eps)
             q, k = apply_rope(qk, cos, sin).split((layer.num_heads, layer.num_kv_heads), dim=1)
-            o = self.attend(layer, q, k, v.view(t, -1, d))
-            o = self._reduce(F.linear(o.reshape(t, -1), layer.o_w))
+            o = self.attend(layer, q, k, v.view(t, -1, d))  # every row: the KV writes and any scoring
+            if only_logit_rows and i + 1 == len(layers):
+                o, h = o.index_select(0, logits_indices), h.index_select(0, logits_indices)
+            o = self._reduce(F.linear(o.flatten(1), layer.o_w))
             # Residual add and the next norm in one pass (kernels.cpu_ops), biases added to the branch first.
             x = add_rms_norm(h, o if layer.o_b is None else o.add_(layer.o_b), layer.post_norm, eps)
             gate, up = F.linear(x, layer.gate_up_w, layer.gate_up_b).chunk(2, dim=-1)
@@ -314,7 +320,7 @@ class LlamaForward(nn.Module):
                 x = add_rms_norm(h, y, layers[i + 1].input_norm, eps)
             else:
                 h.add_(y)
-        h = rms_norm(h.index_select(0, logits_indices), self.norm, eps)
+        h = rms_norm(h if only_logit_rows else h.index_select(0, logits_indices), self.norm, eps)
         return F.linear(h, self.lm_head).float()
 
     @staticmethod

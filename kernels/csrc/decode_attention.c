@@ -12,9 +12,17 @@
  *     when sinks are given);  out[h] = sum_j p_j v_j;  no visible key -> zeros
  *
  * Sequences with longer segments (prefill chunks) are skipped: their rows are left to the caller.
- * Two passes per (sequence, KV head): scores into a scratch row, then max / exp / sum, then the
- * weighted sum of values (accumulated in registers: D is a constant in the 32/64/128 copies). Layouts: q [T, Hq, D] with strides (q_st, q_sh, 1); caches contiguous
- * [num_blocks, B, Hkv, D]; out contiguous [T, Hq, D]; block_tables int32 [S, bt_stride]. */
+ * Layouts: q [T, Hq, D] with strides (q_st, q_sh, 1); caches contiguous [num_blocks, B, Hkv, D]; out
+ * contiguous [T, Hq, D]; block_tables int32 [S, bt_stride]. Returns 0, -1 (scratch_len under the longest
+ * visible span times min(G, 16)) or -2 (D over 256).
+ *
+ * Two builds of the same semantics (tests/kernels/test_cpu_attention.py runs both against the reference):
+ *   AVX-512, D a multiple of 16 (below): one pass per sequence over every head, online softmax, the next
+ *     block prefetched; ~1.5-2x the portable path with the cache in L2/L3, ~2-4x from DRAM
+ *     (bench/cpu_decode_attention.py, docs/cpu_decode_attention.md).
+ *   portable C (head_*), any CPU and any D <= 256: two passes per (sequence, KV head): scores into the
+ *     scratch row, then max / exp / sum, then the weighted sum of values (in registers: D is a constant
+ *     in the 32/64/128 copies). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -84,10 +92,284 @@ static void NAME(const float *q, int64_t q_sh, const float *k_cache, const float
     for (int g = 0; g < g_n; g++) memcpy(out + (int64_t)g * D, acc[g], sizeof(float) * D);                 \
 }
 
+#ifndef __AVX512F__
 DEFINE_HEAD(head_d32, 32)
 DEFINE_HEAD(head_d64, 64)
 DEFINE_HEAD(head_d128, 128)
+#endif
 DEFINE_HEAD(head_any, 0)
+
+#ifdef __AVX512F__
+/* The AVX-512 path. Per sequence, one pass over its keys in chunks of up to 16 positions of one block
+ * for all its query heads (so a token's row -- every KV head -- is read once, whole), K and V of a chunk
+ * together, with an online softmax:
+ *
+ *   scores   per query head g: 16 partial vectors q[g] * k_j (D/16 FMAs each), summed across lanes by
+ *            one transpose-add tree (45 shuffles/adds for 16 keys, not ~8 per key): key j's score in lane j
+ *   softmax  where a live score passes the running max m: m' = the chunk's max, a = e^(m - m'), else a = 1;
+ *            p = e^(s - m);  l = l * a + p (lane-wise; summed at the end);  acc *= a
+ *   values   acc[g] += p[g][j] * v_j in register tiles of up to 4 heads x 64 dims, loaded and stored once
+ *            per chunk (not once per FMA)
+ *   end      out[g] = acc[g] * r / (l * r + e^(sink - m*))   with m* = max(m, sink), r = e^(m - m*)
+ *
+ *   e.g. B = 16, Hkv = 2, Hq = 8, D = 32, keys 0..39 in blocks [7 | 0 | 3]:
+ *     chunk 0: block 7 slots 0..15 (block 3 prefetched meanwhile)  -- heads 0-3 read K/V[.., 0, :],
+ *                                                                     heads 4-7 K/V[.., 1, :]
+ *     block 0: null, skipped
+ *     chunk 1: block 3 slots 0..7, lanes 8..15 masked (their keys point at a zero row), the next decode
+ *              sequence's first block prefetched meanwhile
+ *
+ * Heads are processed PASS_FLOATS / D at a time (all of them unless Hq x D > 4,096: 32 x 128). */
+#include <immintrin.h>
+
+#define KEYS 16 /* keys per chunk: one per vector lane */
+#define INLINE static inline __attribute__((always_inline))
+
+static const float zero_row[256] __attribute__((aligned(64)));
+
+/* e^x for x <= 0 (every argument is a score minus the running maximum): Cephes' expf polynomial on
+ * r = x - n ln2 (|r| <= ln2 / 2, ~1 ulp), times 2^n by vscalefps. x is clamped at -86: e^-86 ~ 4e-38
+ * stays a normal float (no denormal arithmetic), and next to the maximum's weight 1 it is nothing. */
+INLINE __m512 exp_nonpos(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-86.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(y, n);
+}
+
+/* The transpose-add tree. Within each 128-bit lane: a, b -> [a b a b] partials (unpack), then
+ * ab, cd -> [a b c d] (shuffle); across lanes: two [k0..k3 | k0..k3 | k4..k7 | k4..k7]-style halvings. */
+INLINE __m512 add_pair(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+}
+INLINE __m512 add_quad(__m512 ab, __m512 cd) {
+    return _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+INLINE __m512 add_lanes(__m512 x, __m512 y) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+/* lane j of the result = the sum of part[j]'s 16 lanes */
+INLINE __m512 sum16(const __m512 *part) {
+    __m512 c[4];
+    for (int i = 0; i < 4; i++)
+        c[i] = add_quad(add_pair(part[4 * i], part[4 * i + 1]), add_pair(part[4 * i + 2], part[4 * i + 3]));
+    return add_lanes(add_lanes(c[0], c[1]), add_lanes(c[2], c[3]));
+}
+
+/* acc[gi][d0 .. d0 + 16 DT) = acc * alpha[gi] + sum_j p[gi][j] * v_j[d0 ..] for GT heads: GT x DT
+ * accumulators in registers for the chunk's n keys. */
+INLINE void value_tile(float *acc, const float *p, const float *alpha, const float *vc, int64_t tok_stride,
+                       int n, int D, int d0, const int GT, const int DT) {
+    __m512 r[4][4];
+    for (int gi = 0; gi < GT; gi++) {
+        const __m512 a = _mm512_set1_ps(alpha[gi]);
+        for (int c = 0; c < DT; c++) r[gi][c] = _mm512_mul_ps(_mm512_load_ps(acc + gi * D + d0 + 16 * c), a);
+    }
+    for (int j = 0; j < n; j++) {
+        const float *vp = vc + j * tok_stride + d0;
+        __m512 v[4];
+        for (int c = 0; c < DT; c++) {
+            v[c] = _mm512_loadu_ps(vp + 16 * c);
+            __asm__("" : "+v"(v[c])); /* keep v_j in a register: GCC would fold the load into every head's FMA */
+        }
+        for (int gi = 0; gi < GT; gi++) {
+            const __m512 pb = _mm512_set1_ps(p[gi * KEYS + j]);
+            for (int c = 0; c < DT; c++) r[gi][c] = _mm512_fmadd_ps(pb, v[c], r[gi][c]);
+        }
+    }
+    for (int gi = 0; gi < GT; gi++)
+        for (int c = 0; c < DT; c++) _mm512_store_ps(acc + gi * D + d0 + 16 * c, r[gi][c]);
+}
+
+#define PASS_FLOATS 4096 /* q and acc floats per pass over a sequence's keys: its heads x D */
+#define PF_HINT _MM_HINT_T1
+#define PF_DIST 1 /* blocks ahead (1, 2 and 3 measured alike) */
+
+/* The prefetch of one block's K and V rows (into L2: with T0 the random-block read rate stayed where it
+ * was), issued a slice at a time between the heads' score loops instead of in one burst: a burst fills
+ * the miss queues and stalls the computation behind it. */
+typedef struct {
+    const char *k, *v;
+    int64_t off, end, step;
+} Prefetch;
+
+INLINE void pf_some(Prefetch *pf) {
+    const int64_t stop = pf->off + pf->step < pf->end ? pf->off + pf->step : pf->end;
+    for (; pf->off < stop; pf->off += 64) {
+        _mm_prefetch(pf->k + pf->off, PF_HINT);
+        _mm_prefetch(pf->v + pf->off, PF_HINT);
+    }
+}
+
+/* One sequence's keys: positions lo .. len-1 of the blocks `table` names. */
+typedef struct {
+    const int32_t *table;
+    int32_t lo, len;
+} Span;
+
+/* Finish the previous block's prefetch, then aim at block bi of `sp` (none past its end or where
+ * `sp` is NULL), spread over `slices` calls of pf_some. */
+INLINE void pf_start(Prefetch *pf, const float *k_cache, const float *v_cache, const Span *sp, int32_t bi,
+                     int block, int64_t tok_stride, int slices) {
+    pf->step = pf->end;
+    pf_some(pf);
+    pf->off = pf->end = 0;
+    if (!sp) return;
+    const int32_t first = bi * block;
+    if (first >= sp->len || sp->table[bi] == 0) return;
+    const int32_t rows = sp->len - first < block ? sp->len - first : block;
+    const int64_t base = (int64_t)sp->table[bi] * block * tok_stride;
+    pf->k = (const char *)(k_cache + base);
+    pf->v = (const char *)(v_cache + base);
+    pf->end = (int64_t)rows * tok_stride * 4; /* a multiple of 64: D % 16 == 0 */
+    pf->step = (pf->end / 64 + slices - 1) / slices * 64;
+}
+
+/* One sequence's one-token query (q: its Hq heads, stride q_sh; out: its [Hq, D] rows) over `cur`, D a
+ * multiple of 16 (a constant in the specialised copies). The last blocks prefetch the first ones of
+ * `next` (the following decode sequence; NULL: none); `primed`: this sequence's first blocks were. */
+INLINE void seq512(const float *q, int64_t q_sh, const float *k_cache, const float *v_cache, const Span *cur,
+                   const Span *next, int primed, int block, int hq, int hkv, const int D, float scale,
+                   const float *sinks, float *out) {
+    const int32_t *table = cur->table, lo = cur->lo, len = cur->len;
+    const int32_t nblocks = (len + block - 1) / block;
+    const int NV = D / 16, G = hq / hkv;
+    const int64_t tok_stride = (int64_t)hkv * D;
+    __attribute__((aligned(64))) float qs[PASS_FLOATS], acc[PASS_FLOATS];
+    __attribute__((aligned(64))) float p[PASS_FLOATS / 16 * KEYS], lsum[PASS_FLOATS / 16 * KEYS];
+    float m[PASS_FLOATS / 16], alpha[PASS_FLOATS / 16];
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int h0 = 0; h0 < hq;) {
+        const int h1 = hq - h0 < PASS_FLOATS / D ? hq : h0 + PASS_FLOATS / D, nh = h1 - h0;
+        for (int h = 0; h < nh; h++) {
+            for (int c = 0; c < NV; c++) {
+                _mm512_store_ps(qs + h * D + 16 * c,
+                                _mm512_mul_ps(_mm512_loadu_ps(q + (h0 + h) * q_sh + 16 * c), vscale));
+                _mm512_store_ps(acc + h * D + 16 * c, _mm512_setzero_ps());
+            }
+            _mm512_store_ps(lsum + h * KEYS, _mm512_setzero_ps());
+        }
+        int seen = 0;
+        Prefetch pf = {0};
+        for (int i = 0; i < PF_DIST && !(primed && h0 == 0); i++) {
+            pf_start(&pf, k_cache, v_cache, cur, lo / block + i, block, tok_stride, 1);
+            pf_some(&pf);
+        }
+        for (int32_t pos = lo; pos < len;) {
+            const int32_t bi = pos / block;
+            const int32_t end = (bi + 1) * block < len ? (bi + 1) * block : len;
+            const int32_t blk = table[bi];
+            const int32_t ahead = bi + PF_DIST; /* past the end: the next sequence's first blocks */
+            if (ahead < nblocks)
+                pf_start(&pf, k_cache, v_cache, cur, ahead, block, tok_stride, (end - pos + KEYS - 1) / KEYS * nh);
+            else
+                pf_start(&pf, k_cache, v_cache, h1 == hq ? next : NULL,
+                         next ? next->lo / block + ahead - nblocks : 0, block, tok_stride,
+                         (end - pos + KEYS - 1) / KEYS * nh);
+            if (blk == 0) { pos = end; continue; }
+            const int64_t base = ((int64_t)blk * block) * tok_stride;
+            for (; pos < end;) {
+                const int n = end - pos < KEYS ? end - pos : KEYS;
+                const int64_t off = base + (int64_t)(pos % block) * tok_stride;
+                const __mmask16 live = (__mmask16)((1u << n) - 1u);
+                /* the heads h0 .. h1-1 in runs sharing a KV head: [h, hn) reads KV head hk */
+                for (int h = h0; h < h1;) {
+                    const int hk = h / G, hn = (hk + 1) * G < h1 ? (hk + 1) * G : h1;
+                    const float *kc = k_cache + off + (int64_t)hk * D, *vc = v_cache + off + (int64_t)hk * D;
+                    const float *kp[KEYS];
+                    for (int j = 0; j < KEYS; j++) kp[j] = j < n ? kc + j * tok_stride : zero_row;
+                    for (int g = h - h0; g < hn - h0; g++) {
+                        pf_some(&pf);
+                        const float *qg = qs + g * D;
+                        __m512 part[KEYS];
+                        for (int j = 0; j < KEYS; j++) {
+                            __m512 a = _mm512_mul_ps(_mm512_load_ps(qg), _mm512_loadu_ps(kp[j]));
+                            for (int c = 1; c < NV; c++)
+                                a = _mm512_fmadd_ps(_mm512_load_ps(qg + 16 * c), _mm512_loadu_ps(kp[j] + 16 * c), a);
+                            part[j] = a;
+                        }
+                        _mm512_store_ps(p + g * KEYS, sum16(part)); /* the scores, for now */
+                    }
+                    /* softmax apart from the score loop: the heads' exp chains (~15 dependent ops) overlap */
+                    for (int g = h - h0; g < hn - h0; g++) {
+                        const __m512 s = _mm512_load_ps(p + g * KEYS);
+                        /* the horizontal max only when a live score passes the running one (after the
+                         * first chunks, rarely): otherwise nothing is rescaled */
+                        float a = 1.0f;
+                        if (!seen || _mm512_mask_cmp_ps_mask(live, s, _mm512_set1_ps(m[g]), _CMP_GT_OQ)) {
+                            const float mx = _mm512_mask_reduce_max_ps(live, s);
+                            a = seen ? expf(m[g] - mx) : 0.0f;
+                            m[g] = mx;
+                        }
+                        alpha[g] = a;
+                        const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpos(_mm512_sub_ps(s, _mm512_set1_ps(m[g]))));
+                        _mm512_store_ps(p + g * KEYS, e);
+                        _mm512_store_ps(lsum + g * KEYS,
+                                        _mm512_fmadd_ps(_mm512_load_ps(lsum + g * KEYS), _mm512_set1_ps(a), e));
+                    }
+                    for (int d0 = 0; d0 < D; d0 += 64) {
+                        const int dt = D - d0 >= 64 ? 4 : (D - d0) / 16;
+                        for (int g0 = h - h0; g0 < hn - h0; g0 += 4) {
+                            const int gt = hn - h0 - g0 >= 4 ? 4 : hn - h0 - g0;
+                            float *at = acc + g0 * D;
+                            const float *pt = p + g0 * KEYS, *al = alpha + g0;
+#define VT(GT, DT) case GT * 4 + DT: value_tile(at, pt, al, vc, tok_stride, n, D, d0, GT, DT); break;
+                            switch (gt * 4 + dt) {
+                                VT(1, 1) VT(1, 2) VT(1, 3) VT(1, 4) VT(2, 1) VT(2, 2) VT(2, 3) VT(2, 4)
+                                VT(3, 1) VT(3, 2) VT(3, 3) VT(3, 4) VT(4, 1) VT(4, 2) VT(4, 3) VT(4, 4)
+                            }
+#undef VT
+                        }
+                    }
+                    h = hn;
+                }
+                seen = 1;
+                pos += n;
+            }
+        }
+        for (int g = 0; g < nh; g++) {
+            float *o = out + (int64_t)(h0 + g) * D;
+            if (!seen) {
+                memset(o, 0, sizeof(float) * D);
+                continue;
+            }
+            /* with a sink: both sides rescaled to max(m, sink), as the portable path's maximum includes it */
+            const float sink = sinks ? sinks[h0 + g] : 0.0f;
+            const float l = _mm512_reduce_add_ps(_mm512_load_ps(lsum + g * KEYS));
+            const float top = sinks && sink > m[g] ? sink : m[g];
+            const float r = top == m[g] ? 1.0f : expf(m[g] - top);
+            const float f = r / (l * r + (sinks ? expf(sink - top) : 0.0f));
+            const __m512 vf = _mm512_set1_ps(f);
+            for (int c = 0; c < NV; c++)
+                _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc + g * D + 16 * c), vf));
+        }
+        h0 = h1;
+    }
+}
+
+#define DEFINE_SEQ512(NAME, DCONST)                                                                        \
+static void NAME(const float *q, int64_t q_sh, const float *k_cache, const float *v_cache, const Span *cur, \
+                 const Span *next, int primed, int block, int hq, int hkv, int d_rt, float scale,          \
+                 const float *sinks, float *out) {                                                         \
+    seq512(q, q_sh, k_cache, v_cache, cur, next, primed, block, hq, hkv, DCONST > 0 ? DCONST : d_rt, scale, \
+           sinks, out);                                                                                    \
+}
+DEFINE_SEQ512(seq_d32, 32)
+DEFINE_SEQ512(seq_d64, 64)
+DEFINE_SEQ512(seq_d128, 128)
+DEFINE_SEQ512(seq_v16, 0) /* any other multiple of 16 */
+#endif
 
 int sinkserve_decode_attention(const float *q, int64_t q_st, int64_t q_sh,
                                const float *k_cache, const float *v_cache,
@@ -98,6 +380,9 @@ int sinkserve_decode_attention(const float *q, int64_t q_st, int64_t q_sh,
     if (d > 256) return -2;
     const int g_per = hq / hkv;
     const int64_t tok_stride = (int64_t)hkv * d; /* one slot of one block */
+#ifdef __AVX512F__
+    int primed = 0; /* the previous decode sequence prefetched this one's first blocks */
+#endif
     for (int s = 0; s < num_seqs; s++) {
         const int32_t t = query_start_loc[s];
         if (query_start_loc[s + 1] - t != 1) continue;
@@ -105,6 +390,31 @@ int sinkserve_decode_attention(const float *q, int64_t q_st, int64_t q_sh,
         const int32_t lo = (window > 0 && len > window) ? len - window : 0;
         if ((int64_t)(len - lo) * (g_per < MAX_GROUP ? g_per : MAX_GROUP) > scratch_len) return -1;
         const int32_t *table = block_tables + (int64_t)s * bt_stride;
+#ifdef __AVX512F__
+        if (d % 16 == 0) {
+            const float *qp = q + t * q_st;
+            float *op = out + (int64_t)t * hq * d;
+            const Span cur = {table, lo, len};
+            Span next = {NULL, 0, 0};
+            for (int s2 = s + 1; s2 < num_seqs && !next.table; s2++) /* the next decode sequence */
+                if (query_start_loc[s2 + 1] - query_start_loc[s2] == 1) {
+                    next.table = block_tables + (int64_t)s2 * bt_stride;
+                    next.len = seq_lens[s2];
+                    next.lo = (window > 0 && next.len > window) ? next.len - window : 0;
+                }
+            const Span *np = next.table ? &next : NULL;
+            if (d == 32)
+                seq_d32(qp, q_sh, k_cache, v_cache, &cur, np, primed, block, hq, hkv, d, scale, sinks, op);
+            else if (d == 64)
+                seq_d64(qp, q_sh, k_cache, v_cache, &cur, np, primed, block, hq, hkv, d, scale, sinks, op);
+            else if (d == 128)
+                seq_d128(qp, q_sh, k_cache, v_cache, &cur, np, primed, block, hq, hkv, d, scale, sinks, op);
+            else
+                seq_v16(qp, q_sh, k_cache, v_cache, &cur, np, primed, block, hq, hkv, d, scale, sinks, op);
+            primed = 1;
+            continue;
+        }
+#endif
         for (int hk = 0; hk < hkv; hk++) {
             for (int g0 = 0; g0 < g_per; g0 += MAX_GROUP) {
                 const int g_n = g_per - g0 < MAX_GROUP ? g_per - g0 : MAX_GROUP;
@@ -112,6 +422,7 @@ int sinkserve_decode_attention(const float *q, int64_t q_st, int64_t q_sh,
                 const float *qp = q + t * q_st + h0 * q_sh;
                 float *op = out + ((int64_t)t * hq + h0) * d;
                 const float *sp = sinks ? sinks + h0 : NULL;
+#ifndef __AVX512F__
                 if (d == 32)
                     head_d32(qp, q_sh, k_cache, v_cache, table, lo, len, block, tok_stride, hk, g_n, d, scale, sp, op, scratch);
                 else if (d == 64)
@@ -119,6 +430,7 @@ int sinkserve_decode_attention(const float *q, int64_t q_st, int64_t q_sh,
                 else if (d == 128)
                     head_d128(qp, q_sh, k_cache, v_cache, table, lo, len, block, tok_stride, hk, g_n, d, scale, sp, op, scratch);
                 else
+#endif
                     head_any(qp, q_sh, k_cache, v_cache, table, lo, len, block, tok_stride, hk, g_n, d, scale, sp, op, scratch);
             }
         }
