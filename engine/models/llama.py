@@ -38,11 +38,11 @@ from kernels import cpu_decode, cpu_ops
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # Decode steps of up to this many sequences run as one C call (kernels/cpu_decode.py) when torch runs one
-# thread (as every engine process under Ray does: OMP_NUM_THREADS=1 for pools with num_cpus < 1). At one
-# thread the C step's median step beat the eager forward's at every batch from 1 to 32 on the reference
-# model (5.6x at 1, 1.26x at 32) and bench.throughput's (1.8x, 1.14x); at 64 it lost on the latter (0.74x;
-# docs/cpu_decode_step.md). With more threads the eager GEMMs use them and the single-threaded C step cannot.
-DECODE_KERNEL_MAX_ROWS = 32
+# thread (as every engine process under Ray does: OMP_NUM_THREADS=1 for pools with num_cpus < 1). With the
+# packed GEMM and the AVX-512 decode attention the C step's median beats the eager forward's at every batch
+# measured, 1 to 128, on the reference model and bench.throughput's (1.15-1.19x at 128; docs/cpu_decode_step.md);
+# past that it is unmeasured. With more threads the eager GEMMs use them and the single-threaded C step cannot.
+DECODE_KERNEL_MAX_ROWS = 128
 
 
 class NativeUnsupported(Exception):
