@@ -52,7 +52,9 @@ int sinkserve_decode_attention(const float *q, int64_t q_st, int64_t q_sh, const
  * panels keeps 2 * TILE_ROWS accumulators, reads each weight vector once per tile and each x element
  * once per panel pair, and needs no horizontal sums. (The row-at-a-time dot products this replaces
  * reached ~35-50 GFLOP/s at 8-32 rows; the tiles ~75-93 on the development host's AVX-512, a matmul's
- * rate; at one row both stream the weights.) PW is one vector: 16 floats with AVX-512, else 8, and GCC's
+ * rate; at one row both stream the weights.) While the first row tile of a panel pair runs, the next pair
+ * is prefetched into L2 (prefetcht1), a line per input index: the weights come from L3 or memory every
+ * step, and this VM's hardware prefetch alone left the linears ~17 % slower at c=32. PW is one vector: 16 floats with AVX-512, else 8, and GCC's
  * vector extensions compile the same source for either. */
 #if defined(__AVX512F__)
 #define PW 16
@@ -82,7 +84,7 @@ void sinkserve_pack_linear(const float *w, int out, int in, float *packed) {
 /* R rows of x (row stride in) times NP panels (NP = 1, 2) -> acc [R][NP]; R and NP are constants at
  * each call site, so the accumulators are registers. */
 #define DEFINE_TILE(R, NP)                                                                                 \
-    static void tile_##R##_##NP(const float *x, int in, const float *p0, vf *acc) {                      \
+    static void tile_##R##_##NP(const float *x, int in, const float *p0, const float *pf, vf *acc) {     \
         vf c[R][NP];                                                                                       \
         for (int r = 0; r < R; r++)                                                                        \
             for (int n = 0; n < NP; n++) c[r][n] = (vf){0};                                                \
@@ -90,6 +92,8 @@ void sinkserve_pack_linear(const float *w, int out, int in, float *packed) {
         for (int i = 0; i < in; i++) {                                                                     \
             vf b[NP];                                                                                      \
             for (int n = 0; n < NP; n++) b[n] = vload(p0 + n * pstride + (int64_t)i * PW);                 \
+            if (pf)                                                                                        \
+                for (int n = 0; n < NP; n++) __builtin_prefetch(pf + n * pstride + (int64_t)i * PW, 0, 2); \
             for (int r = 0; r < R; r++) {                                                                  \
                 const float a = x[(int64_t)r * in + i];                                                    \
                 for (int n = 0; n < NP; n++) c[r][n] += a * b[n];                                          \
@@ -103,12 +107,12 @@ void sinkserve_pack_linear(const float *w, int out, int in, float *packed) {
 DEFINE_TILES(1)
 DEFINE_TILES(2)
 
-static void tile(const float *x, int rows, int in, const float *p0, int np, vf *acc) {
-    typedef void (*tile_fn)(const float *, int, const float *, vf *);
+static void tile(const float *x, int rows, int in, const float *p0, const float *pf, int np, vf *acc) {
+    typedef void (*tile_fn)(const float *, int, const float *, const float *, vf *);
     static const tile_fn fns[2][TILE_ROWS] = {
         {tile_1_1, tile_2_1, tile_3_1, tile_4_1, tile_5_1, tile_6_1},
         {tile_1_2, tile_2_2, tile_3_2, tile_4_2, tile_5_2, tile_6_2}};
-    fns[np - 1][rows - 1](x, in, p0, acc);
+    fns[np - 1][rows - 1](x, in, p0, pf, acc);
 }
 
 /* y[t][o] = x[t] . W[o] (+ b[o]) for rows t, W packed as above. */
@@ -120,7 +124,7 @@ static void linear(const float *x, int64_t rows, int in, const float *packed, co
         const float *p0 = packed + (int64_t)j * in * PW;
         for (int64_t t = 0; t < rows; t += TILE_ROWS) {
             const int r_n = rows - t < TILE_ROWS ? (int)(rows - t) : TILE_ROWS;
-            tile(x + t * in, r_n, in, p0, np, acc);
+            tile(x + t * in, r_n, in, p0, t == 0 ? p0 + 2 * (int64_t)in * PW : NULL, np, acc);
             for (int r = 0; r < r_n; r++)
                 for (int n = 0; n < np; n++) {
                     const int o0 = (j + n) * PW, m = out - o0 < PW ? out - o0 : PW;
