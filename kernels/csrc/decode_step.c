@@ -54,8 +54,8 @@ int sinkserve_decode_attention(const float *q, int64_t q_st, int64_t q_sh, const
  * reached ~35-50 GFLOP/s at 8-32 rows; the tiles ~75-93 on the development host's AVX-512, a matmul's
  * rate; at one row both stream the weights.) While the first row tile of a panel pair runs, the next pair
  * is prefetched into L2 (prefetcht1), a line per input index: the weights come from L3 or memory every
- * step, and this VM's hardware prefetch alone left the linears ~17 % slower at c=32. PW is one vector: 16 floats with AVX-512, else 8, and GCC's
- * vector extensions compile the same source for either. */
+ * step, and this VM's hardware prefetch alone left the linears ~17 % slower at c=32. PW is one vector:
+ * 16 floats with AVX-512, else 8, and GCC's vector extensions compile the same source for either. */
 #if defined(__AVX512F__)
 #define PW 16
 #else
