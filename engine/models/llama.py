@@ -306,10 +306,11 @@ class LlamaForward(nn.Module):
             if layer.qk_norm is not None:
                 qk = layer.qk_norm * rms_norm(qk, None, eps)
             q, k = apply_rope(qk, cos, sin).split((layer.num_heads, layer.num_kv_heads), dim=1)
-            o = self.attend(layer, q, k, v.view(t, -1, d))  # every row: the KV writes and any scoring
+            # Every row attends (the KV writes and any scoring); [T, Hq * D] whatever layout a path returns.
+            o = self.attend(layer, q, k, v.view(t, -1, d)).reshape(t, -1)
             if only_logit_rows and i + 1 == len(layers):
                 o, h = o.index_select(0, logits_indices), h.index_select(0, logits_indices)
-            o = self._reduce(F.linear(o.flatten(1), layer.o_w))
+            o = self._reduce(F.linear(o, layer.o_w))
             # Residual add and the next norm in one pass (kernels.cpu_ops), biases added to the branch first.
             x = add_rms_norm(h, o if layer.o_b is None else o.add_(layer.o_b), layer.post_norm, eps)
             gate, up = F.linear(x, layer.gate_up_w, layer.gate_up_b).chunk(2, dim=-1)
