@@ -60,6 +60,25 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("SINKSERVE_CACHE") or Path.home() / ".cache" / "sinkserve") / "kernels"
 
 
+def _compile(src: Path, obj: Path, extra_flags: tuple[str, ...] = ()) -> None:
+    subprocess.run([os.environ.get("CC", "cc"), *CFLAGS, *extra_flags, "-c", str(src), "-o", str(obj)], check=True,
+                   capture_output=True, timeout=120)
+
+
+def _link(objs: list[Path], so: Path) -> None:
+    subprocess.run([os.environ.get("CC", "cc"), "-shared", *map(str, objs), "-o", str(so), "-lm"], check=True,
+                   capture_output=True, timeout=120)
+
+
+def _with_signatures(lib: ctypes.CDLL, every: bool) -> ctypes.CDLL:
+    """``lib`` with the argument and result types of ``SIGNATURES`` set; ``every``: each must be defined."""
+    for name, (args, res) in SIGNATURES.items():
+        fn = getattr(lib, name) if every else getattr(lib, name, None)
+        if fn is not None:
+            fn.argtypes, fn.restype = args, res
+    return lib
+
+
 def _build() -> Path:
     digest = hashlib.sha256(" ".join(CFLAGS).encode() + _cpu_flags().encode())
     for src in (*SOURCES, *HEADERS):
@@ -70,20 +89,14 @@ def _build() -> Path:
         return out
     start = time.perf_counter()
     out.parent.mkdir(parents=True, exist_ok=True)
-    cc = os.environ.get("CC", "cc")
     # Build beside the target and rename: concurrent engines never load a half-written library.
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        objs = [str(Path(tmp) / (src.stem + ".o")) for src in SOURCES]
-
-        def compile_one(src_obj: tuple[Path, str]) -> None:
-            subprocess.run([cc, *CFLAGS, "-c", str(src_obj[0]), "-o", src_obj[1]], check=True, capture_output=True,
-                           timeout=120)
-
+        objs = [Path(tmp) / (src.stem + ".o") for src in SOURCES]
         # The files compile side by side (the start-up cost of a first run is the slowest file, not the sum).
         with ThreadPoolExecutor(max_workers=len(SOURCES)) as pool:
-            list(pool.map(compile_one, zip(SOURCES, objs)))  # list(): a failed compile raises here
+            list(pool.map(_compile, SOURCES, objs))  # list(): a failed compile raises here
         tmp_so = Path(tmp) / out.name
-        subprocess.run([cc, "-shared", *objs, "-o", str(tmp_so), "-lm"], check=True, capture_output=True, timeout=120)
+        _link(objs, tmp_so)
         os.replace(tmp_so, out)
     logger.info("CPU kernels: built %s in %.1f s (cached for the next start)", out, time.perf_counter() - start)
     return out
@@ -93,19 +106,13 @@ def load_source(source: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     """C source text built alone (``CFLAGS`` + ``extra_flags``) into a fresh library with the signatures of
     the functions it defines set: for tests and benchmarks that compare builds of one kernel (an older
     revision, or the portable path with ``-mno-avx512f``). Not cached; raises if the build fails."""
-    cc = os.environ.get("CC", "cc")
     with tempfile.TemporaryDirectory() as tmp:
         src, obj, so = Path(tmp) / "kernel.c", Path(tmp) / "kernel.o", Path(tmp) / "kernel.so"
         src.write_text(source)
-        subprocess.run([cc, *CFLAGS, *extra_flags, "-c", str(src), "-o", str(obj)], check=True, capture_output=True,
-                       timeout=120)
-        subprocess.run([cc, "-shared", str(obj), "-o", str(so), "-lm"], check=True, capture_output=True, timeout=120)
+        _compile(src, obj, extra_flags)
+        _link([obj], so)
         lib = ctypes.CDLL(str(so))  # mapped: the file may go
-    for name, (args, res) in SIGNATURES.items():
-        fn = getattr(lib, name, None)
-        if fn is not None:
-            fn.argtypes, fn.restype = args, res
-    return lib
+    return _with_signatures(lib, every=False)
 
 
 @functools.cache
@@ -118,7 +125,4 @@ def load() -> ctypes.CDLL | None:
         detail = err.decode(errors="replace").strip().splitlines()[:1] if err else []
         logger.warning("CPU kernels unavailable, using torch ops (%s)", detail[0] if detail else exc)
         return None
-    for name, (args, res) in SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, res
-    return lib
+    return _with_signatures(lib, every=True)
