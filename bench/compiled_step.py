@@ -25,6 +25,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from bench.report import emit  # noqa: E402
+
 
 def child(args: argparse.Namespace) -> None:
     import torch
@@ -107,11 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         de, dc = statistics.median(x[1] for x in e), statistics.median(x[1] for x in c)
         lines.append(f"| {b} | {min(x[0] for x in e):.2f} / {de:.2f} | {min(x[0] for x in c):.2f} / {dc:.2f} | "
                      f"{dc / de:.2f}x |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text)
-    return 0
+    return emit("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

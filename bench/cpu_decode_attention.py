@@ -27,6 +27,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench.host import cpu_name  # noqa: E402
+from bench.report import emit  # noqa: E402
 from kernels.cpu_lib import load_source  # noqa: E402
 
 SOURCE = "kernels/csrc/decode_attention.c"
@@ -126,11 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     for d, context, batch, old, new, port, r_new, r_port in rows:
         lines.append(f"| {d} | {context} | {batch} | {old[0]:.0f} / {old[1]:.0f} | {new[0]:.0f} / {new[1]:.0f} | "
                      f"{port[0]:.0f} / {port[1]:.0f} | {r_new:.2f}x | {r_port:.2f}x |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text)
-    return 0
+    return emit("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench.host import cpu_name  # noqa: E402
+from bench.report import emit  # noqa: E402
 
 
 def time_steps(runner, inp, steps: int) -> list[float]:  # type: ignore[no-untyped-def]
@@ -89,11 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for name, b, emin, emed, cmin, cmed in rows:
         lines.append(f"| {name} | {b} | {emin:.2f} / {emed:.2f} | {cmin:.2f} / {cmed:.2f} | {emed / cmed:.2f}x |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text)
-    return 0
+    return emit("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ if str(REPO) not in sys.path:
 from bench.host import StealMeter, cpu_name  # noqa: E402
 from bench.llamacpp import DEFAULT_VENV, convert, ensure_llamacpp, gguf_path, gguf_weight_types  # noqa: E402
 from bench.local_app import free_port  # noqa: E402
+from bench.report import emit  # noqa: E402
 
 RAY_LOCK = "/tmp/sinkserve-ray.lock"
 KEY = "bench-http-llamacpp"
@@ -320,11 +321,7 @@ def main(argv: list[str] | None = None) -> int:
                     for i in range(args.rounds)),
         "",
     ]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        args.out.write_text(text)
-    return 0
+    return emit("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

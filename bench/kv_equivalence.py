@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from bench.report import emit
 from engine import CachePolicy, EngineConfig, LLMEngine, SamplingParams
 from engine.config import DEFAULT_MODEL
 
@@ -89,11 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             target = f">= 95% tokens: {'met' if eq / total >= 0.95 else 'missed'}"
         lines.append(f"| {dtype} {'protected' if protect else 'everything'} | {eq}/{total} ({100 * eq / total:.1f}%) | "
                      f"{same}/{len(LENGTHS)} | {e.max():.4f} | {e.mean():.5f} | {target} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text)
-    return 0
+    return emit("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

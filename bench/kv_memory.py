@@ -19,6 +19,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.report import emit
 from engine import kv_budget
 from engine.block_manager import BlockManager
 from engine.cache_policy import CachePolicy
@@ -187,11 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {shape.name} | {setting} | {n} | {budget / (1 << 30):g} GiB | {max_seqs} | "
                      + " | ".join(str(counts[d]) for d in ("bf16", "int8", "int4", "int2"))
                      + f" | {r:.2f} {'met' if r >= 3.3 else 'missed'} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text)
-    return 0
+    return emit("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench.host import cpu_name  # noqa: E402
+from bench.report import emit  # noqa: E402
 
 DEFAULT_VENV = Path("/work/venvs/llamacpp")
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
@@ -282,11 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         + "; ".join(" / ".join(f"{args.prefill / runs[n][i]['prefill_s']:.0f}" for n in names) for i in range(args.rounds)),
         "",
     ]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        args.out.write_text(text)
-    return 0
+    return emit("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from bench.report import emit  # noqa: E402
+
 
 def decode_input(batch: int, context: int, block_size: int):  # type: ignore[no-untyped-def]
     """One decode step: ``batch`` sequences at position ``context``, each on its own blocks (from block 1)."""
@@ -137,11 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         m1, m2 = min(x[0] for x in one), min(x[0] for x in two)
         d1, d2 = statistics.median(x[1] for x in one), statistics.median(x[1] for x in two)
         lines.append(f"| {b} | {m1:.2f} / {d1:.2f} | {m2:.2f} / {d2:.2f} | {d2 / d1:.2f}x |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text)
-    return 0
+    return emit("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":
