@@ -14,6 +14,10 @@ register-tiled GEMM instead of one dot product per row and output. The copy cost
 of those weights (logged); the eager forward (prefill, mixed steps) keeps using the originals. The weight
 pointers are read once (they do not move); the cache pointers are refreshed when the runner allocates
 new caches.
+
+The step runs on as many threads as torch (``torch.get_num_threads()``), through the library's own
+thread team (``csrc/team.c``: libgomp's barriers slept on a futex whenever the process held more than
+one OpenMP pool); the result is the same bits on any thread count.
 """
 
 from __future__ import annotations
@@ -104,7 +108,7 @@ class DecodeStep:
         rc = load().sinkserve_llama_decode(  # signature: kernels/cpu_lib.py
             *self._head, block_size, input_ids.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(),
             block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), query_start_loc.data_ptr(), rows,
-            slots, logits_indices.data_ptr(), n, logits.data_ptr())
+            slots, logits_indices.data_ptr(), n, logits.data_ptr(), torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"C decode step refused its arguments: {ERRORS.get(rc, f'code {rc}')}")
         return logits

@@ -27,7 +27,7 @@ HEADERS = tuple(sorted((Path(__file__).parent / "csrc").glob("*.h")))  # part of
 # -ffast-math lets the compiler vectorise the reductions and expf (libmvec); no kernel sees an inf or
 # NaN (scores are finite, a maximum starts from a real score). Compiled and linked in two steps, so the
 # shared object does not pull in crtfastmath.o (which would set flush-to-zero for the whole process).
-CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC")
+CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-pthread")
 
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
@@ -40,7 +40,7 @@ SIGNATURES = {
     "sinkserve_depth_mix": ([_p, _p, _p, _p, _i64, _i32, _i32, _i32, _i32, _i32, _f32], None),
     "sinkserve_greedy": ([_p, _i64, _i64, _p, _p], None),
     "sinkserve_llama_decode": ([_p, _i32, _p, _p, _p, _p, _f32, _i32, _i32, _i32, _i32, _i32, _i32, _f32, _f32, _i32,
-                                _p, _p, _p, _p, _i64, _p, _p, _i32, _i64, _p, _i32, _p], ctypes.c_int),
+                                _p, _p, _p, _p, _i64, _p, _p, _i32, _i64, _p, _i32, _p, _i32], ctypes.c_int),
     "sinkserve_pack_width": ([], ctypes.c_int),
     "sinkserve_pack_linear": ([_p, _i32, _i32, _p], None),
     "sinkserve_write_kv": ([_p, _i64, _i64, _p, _i64, _i64, _p, _p, _p, _i64, _i32, _i32, _i64, _p, _i32, _i64],
@@ -66,7 +66,7 @@ def _compile(src: Path, obj: Path, extra_flags: tuple[str, ...] = ()) -> None:
 
 
 def _link(objs: list[Path], so: Path) -> None:
-    subprocess.run([os.environ.get("CC", "cc"), "-shared", *map(str, objs), "-o", str(so), "-lm"], check=True,
+    subprocess.run([os.environ.get("CC", "cc"), "-shared", "-pthread", *map(str, objs), "-o", str(so), "-lm"], check=True,
                    capture_output=True, timeout=120)
 
 

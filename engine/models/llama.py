@@ -37,11 +37,11 @@ from engine.architectures import attention_layout
 from kernels import cpu_decode, cpu_ops
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-# Decode steps of up to this many sequences run as one C call (kernels/cpu_decode.py) when torch runs one
-# thread (as every engine process under Ray does: OMP_NUM_THREADS=1 for pools with num_cpus < 1). With the
-# packed GEMM and the AVX-512 decode attention the C step's median beats the eager forward's at every batch
-# measured, 1 to 128, on the reference model and bench.throughput's (1.15-1.19x at 128; docs/cpu_decode_step.md);
-# past that it is unmeasured. With more threads the eager GEMMs use them and the single-threaded C step cannot.
+# Decode steps of up to this many sequences run as one C call (kernels/cpu_decode.py) on torch's thread count
+# (one in every engine process under Ray: OMP_NUM_THREADS=1 for pools with num_cpus < 1). With the packed GEMM
+# and the AVX-512 decode attention the C step's median beats the eager forward's at every batch measured, 1 to
+# 128, on the reference model and bench.throughput's (1.15-1.19x at 128 on one thread; docs/cpu_decode_step.md);
+# past that it is unmeasured.
 DECODE_KERNEL_MAX_ROWS = 128
 
 
@@ -262,7 +262,7 @@ class LlamaForward(nn.Module):
 
     def decode_kernel_applies(self, ctx: attention.ForwardContext, rows: int) -> bool:
         """Whether this step can run as one C call (``kernels/cpu_decode.py``): a float32 CPU model on one
-        rank and one torch thread, the ``cpu`` attention backend, every sequence decoding one token, at most
+        rank (the step uses torch's thread count), the ``cpu`` attention backend, every sequence decoding one token, at most
         ``DECODE_KERNEL_MAX_ROWS`` of them, and none of the attention features the C step does not carry
         (quantized KV, sparse attention and its bounds, the trained indexer, importance scoring, outlier
         calibration, selected memory, learned sinks). Everything else runs the eager forward below."""
@@ -273,7 +273,7 @@ class LlamaForward(nn.Module):
                 and ctx.backend.name == "cpu" and not ctx.quantized and ctx.key_absmax is None
                 and ctx.block_bounds is None and ctx.indexer is None and ctx.sparse_plan is None
                 and ctx.block_importance is None and ctx.selected_memory is None
-                and (ctx.layout is None or not ctx.layout.sinks) and torch.get_num_threads() == 1)
+                and (ctx.layout is None or not ctx.layout.sinks))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         """``input_ids, positions [T]`` -> logits ``[len(logits_indices), vocab]`` (float32). Runs inside

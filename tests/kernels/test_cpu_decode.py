@@ -3,7 +3,10 @@ the engine uses it."""
 
 from __future__ import annotations
 
+import multiprocessing
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,7 +24,7 @@ pytestmark = pytest.mark.skipif(load() is None, reason="no C compiler: the eager
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    """The engine takes the C step only at one torch thread (what Ray gives an engine process)."""
+    """One torch thread (what Ray gives an engine process) unless a test sets more."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -114,12 +117,92 @@ def test_steps_the_c_step_does_not_carry_run_eagerly(tiny_llama: Path, monkeypat
     batch = prompts(seed=4)[:2]
     run_engine(tiny_llama, batch, staggered=False, kv_cache_dtype="int8")  # quantized KV
     run_engine(tiny_llama, batch, staggered=False, attention_backend="torch")  # the pure reference backend
-    torch.set_num_threads(2)  # the eager GEMMs can use the threads; the C step cannot
-    run_engine(tiny_llama, batch, staggered=False)
     assert rows == []
-    torch.set_num_threads(1)
     run_engine(tiny_llama, batch, staggered=False)
     assert rows
+
+
+def _prefilled(case: str, path: Path) -> tuple[ModelRunner, ModelInput, list]:
+    """A runner whose sequences of ``case`` are prefilled, their next decode step, and the caches then."""
+    family, overrides = CASES[case]
+    model_dir = build_model(path / case, family, seed=3, **overrides)
+    lens = LENS.get(case, [5, 21, 40])
+    runner = ModelRunner(EngineConfig(model=str(model_dir), block_size=16, max_num_seqs=len(lens)),
+                         num_kv_blocks=8 * len(lens) + 8)
+    rng = torch.Generator().manual_seed(7)
+    runner.execute(_step(lens, [0] * len(lens), 16, rng, 250))
+    dec = _step([n + 1 for n in lens], lens, 16, rng, 250)
+    return runner, dec, [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+
+
+def _decode(runner: ModelRunner, dec: ModelInput, before: list, threads: int) -> tuple[torch.Tensor, list]:
+    """The decode step from the prefilled caches at ``threads`` torch threads: logits and the caches after."""
+    for (k, v), (k0, v0) in zip(runner.kv_caches, before):
+        k.copy_(k0), v.copy_(v0)
+    torch.set_num_threads(threads)
+    logits = runner.execute(dec)
+    assert runner.model._decode_kernel is not None  # the C step ran
+    return logits, [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+
+
+def _same(a: tuple[torch.Tensor, list], b: tuple[torch.Tensor, list]) -> bool:
+    return torch.equal(a[0], b[0]) and all(torch.equal(x, y) for p, q in zip(a[1], b[1]) for x, y in zip(p, q))
+
+
+@pytest.mark.parametrize("case", ["odd_widths_13_rows", "mistral_window_8"])
+def test_the_c_step_gives_the_same_bits_on_any_thread_count(case: str, tmp_path: Path) -> None:
+    """The step's thread team (kernels/csrc/team.c) shares out panels of the linears and whole sequences
+    of attention: every output is still one thread's sum in one order, so 1, 2 and 3 threads (more than
+    this machine's cores: uneven shares) write the same logits and the same KV, bit for bit."""
+    runner, dec, before = _prefilled(case, tmp_path)
+    one = _decode(runner, dec, before, 1)
+    for threads in (2, 3):
+        assert _same(_decode(runner, dec, before, threads), one)
+
+
+def test_concurrent_callers_each_get_their_own_result(tmp_path: Path) -> None:
+    """Two threads stepping two engines at once: one holds the team, the other runs its step alone; both
+    results are the one-thread bits, and neither waits forever."""
+    pairs = [_prefilled("odd_widths_13_rows", tmp_path / str(i)) for i in range(2)]
+    want = [_decode(*p, 1) for p in pairs]
+    got: list[list] = [[], []]
+
+    def worker(i: int) -> None:
+        for _ in range(20):
+            got[i].append(_decode(*pairs[i], 2))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+        assert not t.is_alive()
+    for i in range(2):
+        assert len(got[i]) == 20 and all(_same(r, want[i]) for r in got[i])
+
+
+def _child_step(case_dir: str, conn: Any) -> None:
+    # One torch thread for the child's own torch work: libgomp hangs a forked child that opens a parallel
+    # region when the parent had one (the parent's earlier tests ran on two threads). The C step below
+    # still runs its team on two.
+    torch.set_num_threads(1)
+    runner, dec, before = _prefilled("odd_widths_13_rows", Path(case_dir))
+    conn.send(_decode(runner, dec, before, 2)[0].tolist())  # plain floats: a tensor would go by shared memory
+
+
+def test_a_forked_child_steps_without_the_parents_workers(tmp_path: Path) -> None:
+    """The team's workers are threads of the parent: a child forked after they started (Ray, multiprocessing)
+    starts its own instead of waiting on them."""
+    runner, dec, before = _prefilled("odd_widths_13_rows", tmp_path / "parent")
+    want = _decode(runner, dec, before, 2)[0]  # the parent's team exists from here
+    ctx = multiprocessing.get_context("fork")
+    parent_end, child_end = ctx.Pipe()
+    child = ctx.Process(target=_child_step, args=(str(tmp_path / "child"), child_end))
+    child.start()
+    assert parent_end.poll(120), "the forked child's step did not finish"
+    assert torch.equal(torch.tensor(parent_end.recv()), want)
+    child.join(30)
+    assert child.exitcode == 0
 
 
 def test_packed_layout_is_panels_of_transposed_output_rows() -> None:
