@@ -449,8 +449,13 @@ def run_benchmark(
     model_dir: Path | None = None,
     quiet: bool = False,
     kv_cache_dtypes: tuple[str, ...] = (),
+    sequential_threads: int | None = None,
 ) -> Benchmark:
     """Build the model, run every system on ``workload``, and compare outputs with one-at-a-time ``generate``.
+
+    ``sequential_threads``: torch threads for one-at-a-time ``generate`` alone (None: the caller's, as every
+    other system). It runs fastest on one thread here while the engine runs fastest on two, so each system
+    can be measured at its best within one run.
 
     The engine runs at every concurrency with ``batched_tokens[0]``, and the other budgets at the largest
     concurrency only. The static batch runs at every concurrency above 1 (at 1 it is the sequential run).
@@ -466,7 +471,15 @@ def run_benchmark(
         params = matmul_params(model)
         results: list[Result] = []
         if SYSTEM_SEQUENTIAL in systems:
-            results.append(_logged(in_worker(run_sequential, model, workload, quiet)))
+            threads = torch.get_num_threads()
+            torch.set_num_threads(sequential_threads or threads)  # in_worker's thread takes this count
+            try:
+                seq = in_worker(run_sequential, model, workload, quiet)
+            finally:
+                torch.set_num_threads(threads)
+            if sequential_threads and sequential_threads != threads:
+                seq.note = f"{sequential_threads} torch thread(s), the other systems {threads}"
+            results.append(_logged(seq))
         if SYSTEM_STATIC in systems:
             for c in concurrencies:
                 if c > 1:
@@ -592,6 +605,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="8 requests with short prompts/outputs (smoke test)")
     p.add_argument("--out", type=Path, help="write the markdown report here (e.g. docs/benchmarks.md)")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    p.add_argument("--sequential-threads", type=int,
+                   help="torch threads for one-at-a-time generate alone (default: --threads); noted in its row")
     p.add_argument("--num-requests", type=int)
     p.add_argument("--concurrency", default=None, help="comma-separated, default 1,8,32 (quick: 1,8)")
     p.add_argument("--max-batched-tokens", default="512",
@@ -623,7 +638,8 @@ def main(argv: list[str] | None = None) -> int:
     systems = tuple(names[s] for s in args.systems.split(","))
     workload = make_workload(n, prompt_range, output_range, spec.vocab_size, args.seed)
     kv_dtypes = tuple(d for d in args.kv_cache_dtype.split(",") if d and d != "auto")
-    bench = run_benchmark(spec, workload, concurrencies, batched, systems, kv_cache_dtypes=kv_dtypes)
+    bench = run_benchmark(spec, workload, concurrencies, batched, systems, kv_cache_dtypes=kv_dtypes,
+                          sequential_threads=args.sequential_threads)
     command = "python " + " ".join(shlex.quote(a) for a in ["bench/throughput.py", *(sys.argv[1:] if argv is None else argv)])
     text = report(bench, command, args)
     print(text)

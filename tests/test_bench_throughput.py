@@ -59,3 +59,31 @@ def test_quick_benchmark_rows_and_equal_work() -> None:
     assert "`python bench/throughput.py --quick`" in text
     assert "GFLOP/s" in text and "load" in text
     assert bench.gflops > 0 and bench.limit_tokens_per_s() > 0
+
+
+def test_sequential_generate_can_run_on_its_own_thread_count(monkeypatch) -> None:
+    """``--sequential-threads``: one-at-a-time ``generate`` runs on that many torch threads, noted in its
+    row; the engine keeps the caller's count, which is restored afterwards."""
+    import bench.throughput as throughput
+
+    seen: dict[str, int] = {}
+    real_seq, real_engine = throughput.run_sequential, throughput.run_engine
+
+    def seq(*a, **k):  # type: ignore[no-untyped-def]
+        seen["sequential"] = torch.get_num_threads()
+        return real_seq(*a, **k)
+
+    def eng(*a, **k):  # type: ignore[no-untyped-def]
+        seen["engine"] = torch.get_num_threads()
+        return real_engine(*a, **k)
+
+    monkeypatch.setattr(throughput, "run_sequential", seq)
+    monkeypatch.setattr(throughput, "run_engine", eng)
+    torch.set_num_threads(1)
+    workload = make_workload(2, (8, 16), (3, 5), TINY_SPEC.vocab_size, seed=1)
+    bench = run_benchmark(TINY_SPEC, workload, concurrencies=[2], batched_tokens=[64], quiet=True,
+                          systems=(SYSTEM_ENGINE, SYSTEM_SEQUENTIAL), sequential_threads=2)
+    assert seen == {"sequential": 2, "engine": 1}
+    assert torch.get_num_threads() == 1
+    row = next(r for r in bench.results if r.system == SYSTEM_SEQUENTIAL)
+    assert row.note == "2 torch thread(s), the other systems 1"
