@@ -152,8 +152,9 @@ def _same(a: tuple[torch.Tensor, list], b: tuple[torch.Tensor, list]) -> bool:
 @pytest.mark.parametrize("case", ["odd_widths_13_rows", "mistral_window_8"])
 def test_the_c_step_gives_the_same_bits_on_any_thread_count(case: str, tmp_path: Path) -> None:
     """The step's thread team (kernels/csrc/team.c) shares out panels of the linears and whole sequences
-    of attention: every output is still one thread's sum in one order, so 1, 2 and 3 threads (more than
-    this machine's cores: uneven shares) write the same logits and the same KV, bit for bit."""
+    of attention: every output is still one thread's sum in one order, so 1, 2 and 3 threads (13 rows and
+    three sequences split unevenly; on a 2-CPU machine the team caps 3 at 2) write the same logits and the
+    same KV, bit for bit."""
     runner, dec, before = _prefilled(case, tmp_path)
     one = _decode(runner, dec, before, 1)
     for threads in (2, 3):
