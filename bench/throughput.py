@@ -471,14 +471,9 @@ def run_benchmark(
         params = matmul_params(model)
         results: list[Result] = []
         if SYSTEM_SEQUENTIAL in systems:
-            threads = torch.get_num_threads()
-            torch.set_num_threads(sequential_threads or threads)  # in_worker's thread takes this count
-            try:
-                seq = in_worker(run_sequential, model, workload, quiet)
-            finally:
-                torch.set_num_threads(threads)
-            if sequential_threads and sequential_threads != threads:
-                seq.note = f"{sequential_threads} torch thread(s), the other systems {threads}"
+            seq = in_worker(run_sequential, model, workload, quiet, threads=sequential_threads)
+            if sequential_threads and sequential_threads != torch.get_num_threads():
+                seq.note = f"{sequential_threads} torch thread(s), the other systems {torch.get_num_threads()}"
             results.append(_logged(seq))
         if SYSTEM_STATIC in systems:
             for c in concurrencies:
@@ -512,8 +507,9 @@ def run_benchmark(
             tmp.cleanup()
 
 
-def in_worker(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """Run ``fn`` in a fresh worker thread (with this thread's torch thread count) and return its result.
+def in_worker(fn: Any, *args: Any, threads: int | None = None, **kwargs: Any) -> Any:
+    """Run ``fn`` in a fresh worker thread on ``threads`` torch threads (None: this thread's count) and
+    return its result.
 
     Every system is timed off the main thread: the server steps the engine in a worker thread
     (``AsyncLLMEngine`` uses ``asyncio.to_thread``) and transformers' continuous batching runs its own loop
@@ -521,7 +517,7 @@ def in_worker(fn: Any, *args: Any, **kwargs: Any) -> Any:
     threads, small matmuls issued from the main thread were measured ~25x slower (40 ms vs 1.5 ms for a
     32x256 @ 256x768 linear at load 10 on 2 cores) than the same calls from a worker thread.
     """
-    threads = torch.get_num_threads()
+    threads = threads or torch.get_num_threads()
     box: dict[str, Any] = {}
 
     def target() -> None:
