@@ -96,8 +96,12 @@ def test_c_decode_step_matches_the_eager_forward(case: str, tmp_path: Path, monk
         torch.testing.assert_close(vf, v, rtol=1e-5, atol=1e-5)
 
 
-def test_engine_decodes_through_the_c_step_with_transformers_tokens(tiny_llama: Path,
+@pytest.mark.parametrize("threads", [1, 2])
+def test_engine_decodes_through_the_c_step_with_transformers_tokens(tiny_llama: Path, threads: int,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the engine (staggered arrivals, so mixed and decode steps), on one thread and on two (the
+    step's thread team; what an engine process gets from a pool with ``num_cpus: 2``)."""
+    torch.set_num_threads(threads)
     rows: list[int] = []
     real = cpu_decode.DecodeStep.__call__
     monkeypatch.setattr(cpu_decode.DecodeStep, "__call__", lambda self, ids, *a: rows.append(len(ids)) or real(self, ids, *a))
