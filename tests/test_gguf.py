@@ -151,6 +151,11 @@ def test_a_tensor_type_gguf_cannot_dequantize_is_refused(tiny_llama, tmp_path, c
     assert "tensor type Q8_1 cannot be dequantized; supported:" in err.message and "Q4_1" in err.message
 
 
+def test_a_gguf_missing_a_weight_is_refused_not_loaded_half_random(tiny_llama, tmp_path, cache):
+    err = _refused(write_gguf(tiny_llama, tmp_path / "holey.gguf", drop=frozenset({"blk.0.ffn_up.weight"})))
+    assert err.field == "model.layers.0.mlp.up_proj.weight" and "no tensor in the file" in err.message
+
+
 def test_the_cli_refuses_a_bad_gguf_in_one_line(ggufs, tmp_path, cache, capsys, monkeypatch):
     """`sinkserve generate` and `sinkserve serve` (make run) stop with the message, no traceback."""
     from app.cli import main

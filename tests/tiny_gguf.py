@@ -30,12 +30,13 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_gguf(model_dir: Path, out: Path, quant: str = "F32", architecture: str = "llama",
-               raw_types: dict[str, str] | None = None) -> Path:
+               raw_types: dict[str, str] | None = None, drop: frozenset[str] = frozenset()) -> Path:
     """Write the Llama in ``model_dir`` (config.json, model.safetensors, tokenizer.json) to ``out``.
 
     ``architecture`` is written as ``general.architecture`` (and the prefix of its keys) as given, so a
     test can pass one the loader does not support. ``raw_types`` stores the named tensors as zero
-    bytes of another tensor type (e.g. ``Q8_1``, which gguf cannot dequantize).
+    bytes of another tensor type (e.g. ``Q8_1``, which gguf cannot dequantize); ``drop`` leaves the
+    named tensors out.
     """
     import gguf
     from safetensors.numpy import load_file
@@ -76,6 +77,8 @@ def write_gguf(model_dir: Path, out: Path, quant: str = "F32", architecture: str
     qtype = getattr(gguf.GGMLQuantizationType, quant)
 
     def add(name: str, t: np.ndarray) -> None:
+        if name in drop:
+            return
         t = np.ascontiguousarray(t.astype(np.float32))
         if raw_types and name in raw_types:
             rtype = getattr(gguf.GGMLQuantizationType, raw_types[name])
