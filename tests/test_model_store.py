@@ -171,3 +171,17 @@ def test_the_configs_name_the_real_model():
     for name in ("prod.yaml", "local.yaml", "gpu-1.yaml"):
         (app,) = yaml.safe_load((REPO / "serve_configs" / name).read_text())["applications"]
         assert app["args"]["model"] == SMOL, name
+
+
+def test_the_resolver_is_torch_free(tmp_path):
+    """Naming a model (the CLI, the builder's validation) imports neither torch nor transformers."""
+    import subprocess
+    import sys
+
+    from tests.serve.conftest import REPO
+
+    code = ("import sys; from engine.model_store import locate, normalize_spec, resolve_model; "
+            "locate('reference'); normalize_spec('assets/reference-model'); resolve_model('reference'); "
+            "import engine.config; "
+            "assert not {'torch', 'transformers'} & set(sys.modules), sorted({'torch', 'transformers'} & set(sys.modules))")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
