@@ -31,9 +31,12 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.fixture(scope="module")
 def ggufs(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    d = tmp_path_factory.mktemp("gguf")
-    return {q: write_gguf(tiny_llama, d / q / f"tiny-{q}.gguf".lower(), quant=q)
-            for q in ("F32", "Q8_0") if (d / q).mkdir() is None}
+    """The tiny Llama as GGUF files, each alone in its directory: exact (F32) and quantized (Q8_0)."""
+    out = {}
+    for q in ("F32", "Q8_0"):
+        d = tmp_path_factory.mktemp(f"gguf-{q}")
+        out[q] = write_gguf(tiny_llama, d / f"tiny-{q.lower()}.gguf", quant=q)
+    return out
 
 
 def engine_tokens(model: str) -> tuple[list[list[int]], LLMEngine]:
