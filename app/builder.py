@@ -159,9 +159,10 @@ def build_app(args: AppArgs) -> Application:
     gpus = cluster.get("GPU", 0.0)
     from engine.weights import fingerprint
 
-    # Each spec (a name, a .gguf, a directory) resolved once: a GGUF is converted here, in the driver,
-    # so the replicas load a directory; a catalog name not in the cache is fetched once, else the
-    # reference model is served (one log line says so).
+    # Each spec (a name, a .gguf, a directory) resolved once, where the app is built, so the replicas
+    # load a directory: a GGUF is converted (once: the cache), a catalog name not in the cache is
+    # fetched, else the reference model is served (one log line says so). `sinkserve serve` has done
+    # this before `serve run` already, so there it only finds the directories.
     resolved: dict[str, str] = {}
     for v in args.versions:
         spec = v.model or args.model
