@@ -185,3 +185,24 @@ def test_the_resolver_is_torch_free(tmp_path):
             "import engine.config; "
             "assert not {'torch', 'transformers'} & set(sys.modules), sorted({'torch', 'transformers'} & set(sys.modules))")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
+
+
+def test_serve_run_of_prod_yaml_resolves_each_model_once_where_the_app_is_built(cache, monkeypatch, caplog):
+    """Plain `serve run serve_configs/prod.yaml` (no sinkserve CLI in front): the builder resolves the
+    names; offline, the real model falls back to the reference model with its one line."""
+    import yaml
+
+    from app import builder
+    from tests.serve.conftest import REPO
+
+    args = yaml.safe_load((REPO / "serve_configs" / "prod.yaml").read_text())["applications"][0]["args"]
+    args["versions"] = [{"name": "v1", "weight": 100}, {"name": "v2", "model": "reference", "weight": 0}]
+    monkeypatch.setenv("SINKSERVE_API_KEYS", "k")
+    monkeypatch.setattr(builder, "cluster_resources", lambda: ({"CPU": 16.0}, [{"CPU": 16.0}]))
+    seen: list[str] = []
+    monkeypatch.setattr(builder, "resolve_model", lambda spec: seen.append(spec) or resolve_model(spec))
+    with caplog.at_level(logging.INFO):
+        builder.build_app(args)
+    assert seen == [SMOL, "reference"]
+    assert f"model {SMOL}: {REFERENCE_MODEL}" in caplog.text
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING and r.name == "engine.model_store"]) == 1
