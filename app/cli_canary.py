@@ -54,12 +54,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def model_dir(cfg: dict[str, Any], app_name: str, version: str) -> str:
-    from app.settings import AppArgs, resolve_model_path
+    from app.settings import AppArgs
+    from engine.model_store import resolve_model
 
     app = next(a for a in cfg["applications"] if a.get("name") == app_name)
     args = AppArgs.model_validate(app.get("args") or {})
     v = next(v for v in args.versions if v.name == version)
-    return resolve_model_path(v.model or args.model)
+    return resolve_model(v.model or args.model)
 
 
 async def ask(url: str, key: str, model: str, prompts: list[tuple[str, list[str]]], concurrency: int = 4) -> list[str | None]:

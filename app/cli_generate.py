@@ -11,7 +11,8 @@ from engine.config import DEFAULT_MODEL
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("generate", help="stream a completion from a local model directory")
-    p.add_argument("--model", default=DEFAULT_MODEL, help="model directory (default: the embedded reference model)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model: a name (reference, smollm2-135m-instruct), a Hugging Face directory, a .gguf "
+                   "or a directory holding one (default: the embedded reference model)")
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)

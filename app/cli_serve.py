@@ -30,6 +30,8 @@ from pydantic import ValidationError
 
 from app.auth import DEFAULT_KEY_FILE, KEYS_ENV, KEYS_FILE_ENV, ensure_key_file
 from app.settings import REPO_ROOT, AppArgs
+from engine.errors import ModelLoadError
+from engine.model_store import normalize_spec
 
 logger = logging.getLogger("sinkserve.cli")
 
@@ -37,7 +39,8 @@ logger = logging.getLogger("sinkserve.cli")
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="run the Ray Serve application from a Serve config file")
     p.add_argument("config", nargs="?", default="serve_configs/prod.yaml", help="Serve config YAML")
-    p.add_argument("--model", help="model directory for every application (overrides args.model)")
+    p.add_argument("--model", help="model for every application (overrides args.model): a name from the model cache "
+                   "(reference, smollm2-135m-instruct), a Hugging Face directory, a .gguf file or a directory holding one")
     p.add_argument("--host", help="HTTP host (overrides http_options.host)")
     p.add_argument("--port", type=int, help="HTTP port (overrides http_options.port)")
     p.add_argument("--key-file", type=Path, default=DEFAULT_KEY_FILE, help="API key file to create/use")
@@ -58,7 +61,7 @@ def effective_config(path: Path, model: str | None, host: str | None, port: int 
         http["port"] = port
     for app in cfg["applications"]:
         if model:
-            app.setdefault("args", {})["model"] = str(Path(model).expanduser().resolve())
+            app.setdefault("args", {})["model"] = normalize_spec(model)  # `serve run` starts in the project root
     return cfg
 
 
@@ -102,6 +105,25 @@ def validate_apps(cfg: dict) -> str | None:
     return None
 
 
+def resolve_models(cfg: dict) -> None:
+    """Replace every application's model spec (``args.model``, ``versions[].model``) by the directory
+    it resolves to (``engine/model_store.py``), in this process: a GGUF is converted and a catalog
+    name fetched here, with their progress on this terminal, and a model that cannot be had stops the
+    command with one line (``ModelLoadError``) instead of a failed deployment. The deployed config
+    then names directories, so the builder and the replicas only load."""
+    from engine.model_store import DEFAULT_MODEL, describe, resolve_model
+
+    for app in cfg["applications"]:
+        if app.get("import_path", "app.builder:build_app") != "app.builder:build_app":
+            continue
+        args = app.setdefault("args", {})
+        args["model"] = resolve_model(args.get("model") or DEFAULT_MODEL)
+        logger.info("model: %s", describe(args["model"]))
+        for v in args.get("versions") or []:
+            if v.get("model"):
+                v["model"] = resolve_model(v["model"])
+
+
 def needs_keys(cfg: dict) -> bool:
     return any((a.get("args") or {}).get("auth", "enabled") != "disabled" for a in cfg["applications"])
 
@@ -131,6 +153,11 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(yaml.safe_dump(cfg, sort_keys=False))
         return 0
+    try:
+        resolve_models(cfg)
+    except ModelLoadError as e:
+        print(f"sinkserve serve: {e}", file=sys.stderr)
+        return 2
     # The effective config is kept (not a temp file) so an operator can see what was deployed.
     out = args.key_file.parent / "effective-config.yaml"
     out.parent.mkdir(parents=True, exist_ok=True, mode=0o700)

@@ -11,7 +11,6 @@ starts. Only two engine fields are filled in by the app: ``model`` (per version)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -20,22 +19,7 @@ from engine.config import DEFAULT_MODEL, EngineConfig, REPO_ROOT
 from engine.config_io import engine_config_from_dict
 from engine.errors import ConfigError
 
-__all__ = ["AppArgs", "PoolArgs", "PoolSpec", "PlanSpec", "IngressSpec", "REPO_ROOT", "resolve_model_path"]
-
-
-def resolve_model_path(path: str) -> str:
-    """Make a model path absolute so every Ray worker finds it whatever its working directory.
-
-    A relative path is tried against the current directory first, then against the project root
-    (where ``assets/reference-model`` lives). Hub-style names that exist nowhere are passed through.
-    """
-    p = Path(path).expanduser()
-    if p.is_absolute():
-        return str(p)
-    for base in (Path.cwd(), REPO_ROOT):
-        if (base / p).exists():
-            return str((base / p).resolve())
-    return path
+__all__ = ["AppArgs", "PoolArgs", "PoolSpec", "PlanSpec", "IngressSpec", "REPO_ROOT"]
 
 
 class _Strict(BaseModel):

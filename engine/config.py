@@ -7,15 +7,13 @@ engine child, tensor-parallel workers) sees the same concrete choice and nothing
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field, replace
 
 from engine.cache_policy import CachePolicy
 from engine.errors import ConfigError
+from engine.model_store import DEFAULT_MODEL, REPO_ROOT  # the one source of model paths and names
 from engine.sparse_config import SparseAttention
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_MODEL = str(REPO_ROOT / "assets" / "reference-model")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 LOAD_FORMATS = ("auto", "dummy")
 # Which forward runs the model (engine/models/registry.py): "auto" native where one exists, else transformers.
@@ -191,6 +189,16 @@ class EngineConfig:
             if self.kv_outlier_channels:  # None (auto) is 0 for int8 / int4
                 raise ConfigError("kv_outlier_channels", "outlier channels run on the torch and cpu backends only; "
                                   "use 0 with attention_backend 'triton'")
+
+    def with_model_resolved(self) -> "EngineConfig":
+        """This config with ``model`` resolved to the Hugging Face directory it names
+        (``engine/model_store.py``): a name from the model cache, a ``.gguf`` (converted once into the
+        cache), a directory holding one, or a directory as given (made absolute). What the engine
+        loads; a spec that names no model raises ``ModelLoadError``."""
+        from engine.model_store import resolve_model
+
+        model = resolve_model(self.model)
+        return self if model == self.model else replace(self, model=model)
 
     @property
     def kv_quantized(self) -> bool:

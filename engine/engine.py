@@ -44,7 +44,7 @@ class LLMEngine:
     """Continuous-batching engine over a paged, retention-aware KV cache."""
 
     def __init__(self, config: EngineConfig, executor_factory: ExecutorFactory | None = None) -> None:
-        self.config = config
+        self.config = config = config.with_model_resolved()  # a name or a GGUF -> its directory
         self.shape = read_model_shape(config.model)
         validate_kv_cache_for_model(config, self.shape.head_dim, self.shape.num_kv_heads)  # before any load
         self.tokenizer = self._load_tokenizer()

@@ -152,7 +152,8 @@ class EngineProcess:
     """
 
     def __init__(self, config: EngineConfig, start_timeout_s: float = 900.0) -> None:
-        self._config = config
+        # Resolved here (a GGUF converted once, here) so the child and this side's tokenizer read one directory.
+        self._config = config = config.with_model_resolved()
         ours, theirs = socket.socketpair()
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "engine.engine_process", str(theirs.fileno())], pass_fds=[theirs.fileno()]

@@ -58,3 +58,14 @@ class RequestAbortedError(SinkserveError):
 
 class EngineDeadError(SinkserveError):
     """The engine's step loop has died; the replica must be restarted."""
+
+
+class GGUFReadError(ModelLoadError):
+    """A GGUF file the loader cannot read. ``file`` is the file, ``field`` the metadata key or tensor
+    that broke (``general.architecture``, ``blk.3.attn_q.weight``, ...)."""
+
+    def __init__(self, file: str, field: str, message: str) -> None:
+        super().__init__(f"{file}: {field}: {message}")
+        self.file = file
+        self.field = field
+        self.message = message

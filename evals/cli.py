@@ -239,6 +239,13 @@ def run(args: argparse.Namespace) -> int:
     """Run the chosen eval, write its files, print the table(s). Returns the exit code."""
     A.setup_torch(args.threads)
     t0 = time.perf_counter()
+    # A name, a .gguf or a directory holding one -> the Hugging Face directory every eval reads; an eval
+    # of a model that is not there must fail, not measure the reference model instead.
+    from engine.model_store import resolve_model
+
+    for key in ("model", "baseline"):
+        if getattr(args, key, None):
+            setattr(args, key, resolve_model(getattr(args, key), fallback=False))
     ctx = A.trained_context(args.model)
     if getattr(args, "kv_cache_dtype", None):
         result = _kv_ab(args, ctx)

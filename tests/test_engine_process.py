@@ -116,9 +116,15 @@ async def test_a_dead_child_fails_streams_and_the_health_check(tiny_llama: Path)
             pass
 
 
-def test_a_bad_model_fails_the_start_with_the_childs_reason(tmp_path: Path) -> None:
-    with pytest.raises(ModelLoadError, match=r"could not start: .*ModelLoadError: model directory .*nowhere' does not exist"):
+def test_a_bad_model_fails_the_start_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"model '.*nowhere': no such file or directory, and not a model name"):
         EngineProcess(EngineConfig(model=str(tmp_path / "nowhere")))
+
+
+def test_a_model_that_fails_to_load_fails_the_start_with_the_childs_reason(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")  # a directory the resolver accepts and the engine cannot load
+    with pytest.raises(ModelLoadError, match=r"could not start: .*Error"):
+        EngineProcess(EngineConfig(model=str(tmp_path)))
 
 
 async def test_steps_ready_together_reach_the_reader_as_one_delta(tiny_llama: Path) -> None:

@@ -126,9 +126,9 @@ def test_conversations_round_trip_and_tenant_isolation(store):
 def test_chat_continuation_matches_the_whole_rendering():
     from transformers import AutoTokenizer
 
-    from app.settings import resolve_model_path
+    from engine.model_store import resolve_model
 
-    tok = AutoTokenizer.from_pretrained(resolve_model_path("assets/reference-model"))
+    tok = AutoTokenizer.from_pretrained(resolve_model("reference"))
     first = [{"role": "user", "content": "hi"}]
     answer = "hello there"
     whole = tok.apply_chat_template(first + [{"role": "assistant", "content": answer}, {"role": "user", "content": "and?"}],
