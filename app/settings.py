@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from engine.config import DEFAULT_MODEL, EngineConfig, REPO_ROOT
 from engine.config_io import engine_config_from_dict
 from engine.errors import ConfigError
+from engine.limits import EngineLimits
 
 __all__ = ["AppArgs", "PoolArgs", "PoolSpec", "PlanSpec", "IngressSpec", "REPO_ROOT", "resolve_model_path"]
 
@@ -79,7 +80,9 @@ class PoolArgs(_Strict):
     """
 
     name: str = Field(pattern=r"^[A-Za-z0-9_-]+$")
-    max_prompt_tokens: int = Field(gt=0)
+    # None: what the pool's engine accepts for the model, less one output token (engine/limits.py):
+    # the trained context for a pool that keeps its full cache, max_stream_tokens for one that evicts.
+    max_prompt_tokens: int | None = Field(None, gt=0)
     timeout_s: float = Field(120.0, gt=0)
     # Soft timeout: at this age a request's generation ends cleanly with what it has produced so far
     # and finish_reason "time_limit" (docs/serving.md), instead of a 408 at timeout_s. None: off.
@@ -198,8 +201,8 @@ class AppArgs(_Strict):
     versions: list[VersionArgs] = Field(default_factory=lambda: [VersionArgs()])
     pools: list[PoolArgs] = Field(
         default_factory=lambda: [
-            PoolArgs(name="short", max_prompt_tokens=2048),
-            PoolArgs(name="long", max_prompt_tokens=8192),
+            PoolArgs(name="short"),
+            PoolArgs(name="long", engine={"cache_policy": {"eviction_policy": "sliding_window"}}),
         ]
     )
     stats_push_interval_s: float = Field(1.0, gt=0)
@@ -228,7 +231,8 @@ class AppArgs(_Strict):
         names = [p.name for p in pools]
         if len(set(names)) != len(names):
             raise ValueError(f"pool names must be unique, got {names}")
-        return sorted(pools, key=lambda p: p.max_prompt_tokens)
+        # A bound left to the model is unknown here (0); the builder orders buckets by their resolved bounds.
+        return sorted(pools, key=lambda p: p.max_prompt_tokens or 0)
 
     @field_validator("versions")
     @classmethod
@@ -248,10 +252,6 @@ class AppArgs(_Strict):
         if self.jobs.pool is not None and self.jobs.pool not in names:
             raise ValueError(f"jobs.pool: unknown pool {self.jobs.pool!r}; pools are {names}")
         return self
-
-    @property
-    def jobs_pool(self) -> str:
-        return self.jobs.pool or self.pools[-1].name  # pools are sorted by prompt bound
 
     @model_validator(mode="after")
     def _pool_versions(self) -> "AppArgs":
@@ -349,6 +349,7 @@ class IngressSpec:
     pool_deployments: tuple[str, ...]
     stats_push_interval_s: float = 1.0
     kv_cache: tuple[tuple[str, str], ...] = ()  # (pool, kv_cache_dtype), for /v1/models
+    limits: tuple[tuple[str, EngineLimits], ...] = ()  # (pool, its engine's resolved limits), for /v1/models
     store: StoreSpec = StoreSpec()
     tenants: tuple[tuple[str, TenantLimits], ...] = ()
     session_ttl_s: float = 7 * 86400.0
