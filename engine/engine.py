@@ -27,7 +27,7 @@ from engine.config import EngineConfig, validate_kv_cache_for_model
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.executor import ExecutorFactory, LocalExecutor
 from engine.input_processor import Anchor, InputProcessor
-from engine.limits import derive_limits, read_model_config
+from engine.limits import derive_limits, limits_for_policy, read_model_config
 from engine.model_runner import ModelInput, kv_cache_bytes, num_fp_pool_blocks, read_model_shape
 from engine.output_processor import OutputProcessor
 from engine.outputs import CompletionResult, RequestOutput
@@ -192,8 +192,7 @@ class LLMEngine:
         """Swap the retention policy for future steps; returns its version. A window left out (None) is
         derived as at start-up (``engine/limits.py``), with the engine's prefill chunk."""
         policy.validate(self.config.block_size)
-        limits = derive_limits(replace(self.configured, max_num_batched_tokens=self.config.max_num_batched_tokens),
-                               self.model_config, policy=policy)
+        limits = limits_for_policy(self.configured, self.model_config, policy)
         policy = replace(policy, window=limits.window)
         with self._lock:
             self.policy = policy

@@ -59,7 +59,8 @@ MAX_DERIVED_CHUNK = 2048
 # When config.json names no context at all (read_model_shape's fallback too).
 DEFAULT_CONTEXT = 2048
 
-__all__ = ["EngineLimits", "derive_limits", "read_model_config", "trained_context", "MAX_DERIVED_CHUNK"]
+__all__ = ["EngineLimits", "derive_limits", "limits_for_policy", "read_model_config", "trained_context",
+           "MAX_DERIVED_CHUNK"]
 
 
 def read_model_config(model_dir: str) -> dict[str, Any]:
@@ -244,3 +245,18 @@ def derive_limits(config: EngineConfig, model_cfg: Mapping[str, Any], *,
         exact_tokens=exact, sparse_enabled=s.enabled, sparse_min_context=min_context, sparse_top_k=top_k,
         sparse_local_window=local, compact=s.compact, derived=tuple(derived),
     )
+
+
+def limits_for_policy(config: EngineConfig, model_cfg: Mapping[str, Any], policy: CachePolicy) -> EngineLimits:
+    """The limits after a live policy change (``set_cache_policy``) of an engine built from ``config`` (as
+    configured, not resolved): the engine keeps its prefill chunk (its step buffers are sized for it), the
+    rest follows ``policy``. The engine and its out-of-process client both call this, so they report the
+    same policy version.
+
+    >>> from engine.config import EngineConfig, CachePolicy
+    >>> lim = limits_for_policy(EngineConfig(), {"max_position_embeddings": 1024}, CachePolicy(eviction_policy="sliding_window"))
+    >>> lim.chunk_tokens, lim.window, lim.exact_tokens
+    (512, 480, 1024)
+    """
+    chunk = derive_limits(config, model_cfg).chunk_tokens
+    return derive_limits(replace(config, max_num_batched_tokens=chunk), model_cfg, policy=policy)
