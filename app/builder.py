@@ -22,9 +22,8 @@ from app.placement import app_needs, check_placement, pool_device
 from app.server import LLMServer
 from app.affinity import ROUTER_PATH
 from app.settings import (AppArgs, BucketSpec, IngressSpec, PlanSpec, PoolArgs, PoolSpec, StoreSpec, TenantLimits, VersionSpec,
-                          resolve_model_path)
-from engine.errors import ConfigError
-from engine.limits import EngineLimits, derive_limits, read_model_config
+                          pool_limits, resolve_model_path)
+from engine.limits import EngineLimits, read_model_config
 
 logger = logging.getLogger("sinkserve.builder")
 
@@ -41,24 +40,6 @@ def model_architecture(model_dir: str) -> str | None:
     """The model class named in config.json (e.g. ``AttnResForCausalLM``), for ``/v1/models``."""
     archs = read_model_config(model_dir).get("architectures") or [None]
     return archs[0]
-
-
-def pool_limits(pool: PoolArgs, model: str) -> EngineLimits:
-    """The pool's engine limits for ``model`` (``engine/limits.py``: the same derivation the engine runs),
-    with a configured pool bound checked against them. ``ConfigError`` names the pool, the field and the
-    model's context."""
-    config = pool.engine_config(model, "cpu")  # the device changes no token count
-    try:
-        limits = derive_limits(config, read_model_config(model))
-    except ConfigError as e:
-        raise ConfigError(f"pools[{pool.name}].engine.{e.field}", f"{e.message} (model {model})") from None
-    if pool.max_prompt_tokens is not None and pool.max_prompt_tokens > limits.max_prompt_tokens:
-        raise ConfigError(
-            f"pools[{pool.name}].max_prompt_tokens",
-            f"{pool.max_prompt_tokens} is more than this pool's engine accepts for model {model}: "
-            f"{limits.max_prompt_tokens} ({limits.limit_field} {limits.max_seq_len} minus one output token; trained "
-            f"context {limits.trained_context} tokens); lower it, or leave it out to derive it from the model")
-    return limits
 
 
 def bucket_spec(p: PoolArgs, limits: Sequence[EngineLimits], policy_version: str) -> BucketSpec:

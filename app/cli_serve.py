@@ -29,7 +29,8 @@ import yaml
 from pydantic import ValidationError
 
 from app.auth import DEFAULT_KEY_FILE, KEYS_ENV, KEYS_FILE_ENV, ensure_key_file
-from app.settings import REPO_ROOT, AppArgs
+from app.settings import REPO_ROOT, AppArgs, check_limits
+from engine.errors import ConfigError
 
 logger = logging.getLogger("sinkserve.cli")
 
@@ -95,10 +96,12 @@ def validate_apps(cfg: dict) -> str | None:
         if app.get("import_path", "app.builder:build_app") != "app.builder:build_app":
             continue
         try:
-            AppArgs.model_validate(app.get("args") or {})
+            check_limits(AppArgs.model_validate(app.get("args") or {}))  # token counts against the model
         except ValidationError as e:
             lines = [f"  {'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors(include_url=False)]
             return f"application {app.get('name', '?')!r}: invalid args\n" + "\n".join(lines)
+        except ConfigError as e:
+            return f"application {app.get('name', '?')!r}: {e}"
     return None
 
 

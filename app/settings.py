@@ -19,9 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from engine.config import DEFAULT_MODEL, EngineConfig, REPO_ROOT
 from engine.config_io import engine_config_from_dict
 from engine.errors import ConfigError
-from engine.limits import EngineLimits
+from engine.limits import EngineLimits, derive_limits, read_model_config
 
-__all__ = ["AppArgs", "PoolArgs", "PoolSpec", "PlanSpec", "IngressSpec", "REPO_ROOT", "resolve_model_path"]
+__all__ = ["AppArgs", "PoolArgs", "pool_limits", "check_limits", "PoolSpec", "PlanSpec", "IngressSpec", "REPO_ROOT", "resolve_model_path"]
 
 
 def resolve_model_path(path: str) -> str:
@@ -263,6 +263,33 @@ class AppArgs(_Strict):
             if p.versions is not None and not p.versions:
                 raise ValueError(f"pool {p.name!r} serves no version")
         return self
+
+
+def pool_limits(pool: PoolArgs, model: str) -> EngineLimits:
+    """The pool's engine limits for ``model`` (``engine/limits.py``: the same derivation the engine runs),
+    with a configured pool bound checked against them. ``ConfigError`` names the pool, the field and the
+    model's context."""
+    config = pool.engine_config(model, "cpu")  # the device changes no token count
+    try:
+        limits = derive_limits(config, read_model_config(model))
+    except ConfigError as e:
+        raise ConfigError(f"pools[{pool.name}].engine.{e.field}", f"{e.message} (model {model})") from None
+    if pool.max_prompt_tokens is not None and pool.max_prompt_tokens > limits.max_prompt_tokens:
+        raise ConfigError(
+            f"pools[{pool.name}].max_prompt_tokens",
+            f"{pool.max_prompt_tokens} is more than this pool's engine accepts for model {model}: "
+            f"{limits.max_prompt_tokens} ({limits.limit_field} {limits.max_seq_len} minus one output token; trained "
+            f"context {limits.trained_context} tokens); lower it, or leave it out to derive it from the model")
+    return limits
+
+
+def check_limits(args: AppArgs) -> None:
+    """Every pool's limits for every model version it serves (``pool_limits``): the build-time refusals,
+    run by ``sinkserve serve`` before Serve starts so a bad value is one line, not a traceback."""
+    for pool in args.pools:
+        for v in args.versions:
+            if pool.versions is None or v.name in pool.versions:
+                pool_limits(pool, resolve_model_path(v.model or args.model))
 
 
 # ---- inside the application: frozen dataclasses -------------------------------------------------

@@ -78,8 +78,7 @@ def _model_dir(tmp_path: Path, ctx: int) -> str:
 
 
 def test_builder_refusal_names_the_pool_the_field_the_value_and_the_context(tmp_path):
-    from app.builder import pool_limits
-    from app.settings import PoolArgs
+    from app.settings import PoolArgs, pool_limits
 
     model = _model_dir(tmp_path, 8192)
     wide = PoolArgs(name="long", engine={"cache_policy": {"eviction_policy": "sliding_window", "window": 16384}})
@@ -91,11 +90,28 @@ def test_builder_refusal_names_the_pool_the_field_the_value_and_the_context(tmp_
     assert pool_limits(PoolArgs(name="short"), model).max_prompt_tokens == 8191
 
 
+def test_sinkserve_serve_refuses_a_window_wider_than_the_model_in_one_line(tmp_path, monkeypatch, capsys):
+    import yaml
+
+    from app.cli import main
+    from tests.serve.conftest import REPO
+
+    monkeypatch.setenv("SINKSERVE_API_KEYS", "k")
+    cfg = yaml.safe_load((REPO / "serve_configs" / "prod.yaml").read_text())
+    cfg["applications"][0]["args"]["pools"][1]["engine"]["cache_policy"]["window"] = 16384
+    bad = tmp_path / "prod.yaml"
+    bad.write_text(yaml.safe_dump(cfg))
+    assert main(["serve", str(bad), "--key-file", str(tmp_path / "keys")]) == 2
+    err = capsys.readouterr().err
+    assert "pools[long].engine.cache_policy.window: 16384 is wider than the model's trained context (1024 tokens)" in err
+    assert "Traceback" not in err
+
+
 def test_builder_planner_and_engine_share_one_limits_object():
     import yaml
 
-    from app.builder import bucket_spec, pool_limits
-    from app.settings import AppArgs
+    from app.builder import bucket_spec
+    from app.settings import AppArgs, pool_limits
     from engine.engine import LLMEngine
     from tests.serve.conftest import REPO
 
