@@ -8,10 +8,8 @@ Topology (one Serve application)::
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from ray import serve
 from ray.serve import Application
@@ -23,7 +21,8 @@ from app.ingress import Ingress
 from app.placement import app_needs, check_placement, pool_device
 from app.server import LLMServer
 from app.affinity import ROUTER_PATH
-from app.settings import AppArgs, BucketSpec, IngressSpec, PlanSpec, PoolArgs, PoolSpec, StoreSpec, TenantLimits, VersionSpec
+from app.settings import AppArgs, BucketSpec, IngressSpec, PlanSpec, PoolArgs, PoolSpec, StoreSpec, TenantLimits, VersionSpec, pool_limits
+from engine.limits import EngineLimits, read_model_config
 from engine.model_store import describe, resolve_model
 
 logger = logging.getLogger("sinkserve.builder")
@@ -37,44 +36,19 @@ SAME_LOOP_ENV = {
 }
 
 
-def _model_config(model_dir: str) -> dict:
-    try:
-        return json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def model_max_len(model_dir: str) -> int | None:
-    """``max_position_embeddings`` from the model's config.json, if it can be read."""
-    return _model_config(model_dir).get("max_position_embeddings")
-
-
 def model_architecture(model_dir: str) -> str | None:
     """The model class named in config.json (e.g. ``AttnResForCausalLM``), for ``/v1/models``."""
-    archs = _model_config(model_dir).get("architectures") or [None]
+    archs = read_model_config(model_dir).get("architectures") or [None]
     return archs[0]
 
 
-def engine_limit(pool: PoolArgs, model_len: int | None) -> int | None:
-    """The token limit (prompt + output) of the pool's engine: ``max_stream_tokens`` for a
-    sliding-window pool, which streams far past its model length, else ``max_model_len`` (the
-    pool's own, else the model's)."""
-    from engine.config_io import cache_policy_from_dict
-
-    policy = cache_policy_from_dict(pool.cache_policy)
-    return policy.max_stream_tokens if policy.evicts else (pool.engine.get("max_model_len") or model_len)
-
-
-def clamp_pool(pool: PoolArgs, model_len: int | None) -> PoolArgs:
-    """A bucket cannot accept prompts its engine would refuse: cap ``max_prompt_tokens`` at the
-    engine's limit less one token for the output. That limit is ``max_model_len`` (the pool's own,
-    else the model's), or ``max_stream_tokens`` for a sliding-window pool, which streams far past it."""
-    limit = engine_limit(pool, model_len)
-    if limit is None or pool.max_prompt_tokens < limit:
-        return pool
-    logger.warning("pool %s: max_prompt_tokens %d capped to %d (engine limit %d)", pool.name,
-                   pool.max_prompt_tokens, limit - 1, limit)
-    return pool.model_copy(update={"max_prompt_tokens": limit - 1})
+def bucket_spec(p: PoolArgs, limits: Sequence[EngineLimits], policy_version: str) -> BucketSpec:
+    """What the planner knows about one pool: its bound (configured, else the tightest of its versions'
+    engines) and its engines' sequence limit."""
+    max_seq = min(lim.max_seq_len for lim in limits)
+    bound = p.max_prompt_tokens if p.max_prompt_tokens is not None else max_seq - 1
+    return BucketSpec(p.name, bound, p.timeout_s, tuple(p.versions) if p.versions is not None else None,
+                      max_seq, evicts=limits[0].evicts, policy_version=policy_version, soft_timeout_s=p.soft_timeout_s)
 
 
 def cluster_resources() -> tuple[dict[str, float], list[dict[str, float]]]:
@@ -135,16 +109,6 @@ def pool_options(pool: PoolArgs, device: str) -> dict[str, Any]:
     return opts
 
 
-def bucket_spec(p: PoolArgs, model_len: int | None) -> BucketSpec:
-    """What the planner knows about one (clamped) pool."""
-    from engine.config_io import cache_policy_from_dict
-
-    policy = cache_policy_from_dict(p.cache_policy)
-    return BucketSpec(p.name, p.max_prompt_tokens, p.timeout_s, tuple(p.versions) if p.versions is not None else None,
-                      engine_limit(p, model_len), evicts=policy.evicts, policy_version=policy.version,
-                      soft_timeout_s=p.soft_timeout_s)
-
-
 def build_app(args: AppArgs) -> Application:
     """Build the application from validated args (Serve validates a YAML ``args:`` dict into
     ``AppArgs`` through the type hint; every pool's ``engine:`` block is checked by the engine's
@@ -163,28 +127,40 @@ def build_app(args: AppArgs) -> Application:
     # load a directory: a GGUF is converted (once: the cache), a catalog name not in the cache is
     # fetched, else the reference model is served (one log line says so). `sinkserve serve` has done
     # this before `serve run` already, so there it only finds the directories.
-    resolved: dict[str, str] = {}
+    model_dirs: dict[str, str] = {}
     for v in args.versions:
         spec = v.model or args.model
-        if spec not in resolved:
-            resolved[spec] = resolve_model(spec)
-            logger.info("model %s: %s", spec, describe(resolved[spec]))
-    models = {v.name: resolved[v.model or args.model] for v in args.versions}
+        if spec not in model_dirs:
+            model_dirs[spec] = resolve_model(spec)
+            logger.info("model %s: %s", spec, describe(model_dirs[spec]))
+    models = {v.name: model_dirs[v.model or args.model] for v in args.versions}
     versions = tuple(VersionSpec(v.name, models[v.name], v.weight, fingerprint(models[v.name]),
                                  model_architecture(models[v.name])) for v in args.versions)
     hub = StatsHub.options(name="StatsHub").bind()
-    model_len = min((n for n in (model_max_len(v.model) for v in versions) if n), default=None)
-    pool_args = [clamp_pool(p, model_len) for p in args.pools]
     pools: dict[str, Application] = {}
     store = StoreSpec(**args.store.model_dump())
     tenants = tuple((t, TenantLimits(**lim.model_dump())) for t, lim in args.tenants.items())
-    for pool in pool_args:
+    buckets: list[BucketSpec] = []
+    limits_card: list[tuple[str, EngineLimits]] = []
+    for pool in args.pools:
+        served = [v for v in versions if pool.versions is None or v.name in pool.versions]
+        limits = {v.name: pool_limits(pool, v.model) for v in served}
+        resolved = pool.engine_config(served[0].model, "cpu")
+        bucket = bucket_spec(pool, list(limits.values()), limits[served[0].name].resolve(resolved).cache_policy.version)
+        buckets.append(bucket)
+        for v in served:
+            lim = limits[v.name]
+            limits_card.append((pool.name if len(served) == 1 else f"{pool.name}@{v.name}", lim))
+            logger.info("pool %s (%s, model %s): max_prompt_tokens %d%s; %s", pool.name, v.name, v.model,
+                        bucket.max_prompt_tokens, "" if pool.max_prompt_tokens is not None else " (derived)", lim.describe())
+    jobs_pool = args.jobs.pool or max(buckets, key=lambda b: b.max_prompt_tokens).name
+    for pool in args.pools:
         device = pool_device(pool, gpus)
         for v in versions:
             if pool.versions is not None and v.name not in pool.versions:
                 continue
             engine = pool.engine_config(v.model, device)
-            slots = max(1, int(engine.max_num_seqs * args.jobs.max_share)) if pool.name == args.jobs_pool else 0
+            slots = max(1, int(engine.max_num_seqs * args.jobs.max_share)) if pool.name == jobs_pool else 0
             spec = PoolSpec(bucket=pool.name, version=v.name, engine=engine, stats_push_interval_s=args.stats_push_interval_s,
                             worker_num_cpus=pool.worker_num_cpus, job_slots=slots, store=store if slots else None,
                             tenants=tenants if slots else ())
@@ -193,7 +169,7 @@ def build_app(args: AppArgs) -> Application:
             logger.info("pool %s: model %s, tp=%d on %s, weight %g", spec.deployment_name, v.model,
                         pool.tensor_parallel_size, device, v.weight)
     plan = PlanSpec(
-        buckets=tuple(bucket_spec(p, model_len) for p in pool_args),
+        buckets=tuple(sorted(buckets, key=lambda b: b.max_prompt_tokens)),
         versions=versions,
         rate_limit_rps=args.ingress.rate_limit_rps,
         rate_limit_burst=args.ingress.rate_limit_burst,
@@ -201,8 +177,9 @@ def build_app(args: AppArgs) -> Application:
     )
     ingress = IngressSpec(auth=args.auth, served_model_name=args.served_model_name, plan=plan,
                           pool_deployments=tuple(pools), stats_push_interval_s=args.stats_push_interval_s,
-                          kv_cache=tuple((p.name, str(p.engine.get("kv_cache_dtype", "auto"))) for p in pool_args),
-                          store=store, tenants=tenants, jobs_pool=args.jobs_pool,
+                          kv_cache=tuple((p.name, str(p.engine.get("kv_cache_dtype", "auto"))) for p in args.pools),
+                          limits=tuple(limits_card),
+                          store=store, tenants=tenants, jobs_pool=jobs_pool,
                           session_ttl_s=args.sessions.ttl_s,
                           keepalive_s=args.ingress.keepalive_s, audit_path=args.audit.path,
                           audit_text=args.audit.include_text)

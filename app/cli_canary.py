@@ -96,9 +96,9 @@ def gather_evidence(args: argparse.Namespace, cfg: dict[str, Any], served: str, 
 
     model = model_dir(cfg, args.app, stable)
     tok = AutoTokenizer.from_pretrained(model, local_files_only=True)
-    import json
+    from engine.limits import read_model_config, trained_context
 
-    ctx = json.loads((Path(model) / "config.json").read_text())["max_position_embeddings"]
+    ctx = trained_context(read_model_config(model))
     lengths = [float(x) for x in args.lengths.split(",")]
     needle = NeedleConfig(model=model, lengths=tuple(lengths), docs=args.docs, window=0, chunk=0)
     out: dict[str, list[Evidence]] = {stable: [], args.candidate: []}

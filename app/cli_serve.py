@@ -29,8 +29,8 @@ import yaml
 from pydantic import ValidationError
 
 from app.auth import DEFAULT_KEY_FILE, KEYS_ENV, KEYS_FILE_ENV, ensure_key_file
-from app.settings import REPO_ROOT, AppArgs
-from engine.errors import ModelLoadError
+from app.settings import REPO_ROOT, AppArgs, check_limits
+from engine.errors import ConfigError, ModelLoadError
 from engine.model_store import normalize_spec
 
 logger = logging.getLogger("sinkserve.cli")
@@ -98,10 +98,12 @@ def validate_apps(cfg: dict) -> str | None:
         if app.get("import_path", "app.builder:build_app") != "app.builder:build_app":
             continue
         try:
-            AppArgs.model_validate(app.get("args") or {})
+            check_limits(AppArgs.model_validate(app.get("args") or {}))  # token counts against the model
         except ValidationError as e:
             lines = [f"  {'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors(include_url=False)]
             return f"application {app.get('name', '?')!r}: invalid args\n" + "\n".join(lines)
+        except ConfigError as e:
+            return f"application {app.get('name', '?')!r}: {e}"
     return None
 
 
@@ -157,6 +159,10 @@ def run(args: argparse.Namespace) -> int:
         resolve_models(cfg)
     except ModelLoadError as e:
         print(f"sinkserve serve: {e}", file=sys.stderr)
+        return 2
+    problem = validate_apps(cfg)  # again, against the models now resolved (a fetched or fallen-back one)
+    if problem is not None:
+        print(f"sinkserve serve: {path}: {problem}", file=sys.stderr)
         return 2
     # The effective config is kept (not a temp file) so an operator can see what was deployed.
     out = args.key_file.parent / "effective-config.yaml"

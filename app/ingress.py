@@ -214,7 +214,8 @@ class Ingress:
     async def models(self, request: Request) -> ModelList:
         self._authorize(request)
         name = self.spec.served_model_name
-        cards = [ModelCard(id=name, kv_cache=dict(self.spec.kv_cache) or None)] + [ModelCard(id=f"{name}@{v.name}", fingerprint=v.fingerprint, weight=v.weight,
+        limits = {pool: lim.as_dict() for pool, lim in self.spec.limits} or None
+        cards = [ModelCard(id=name, kv_cache=dict(self.spec.kv_cache) or None, limits=limits)] + [ModelCard(id=f"{name}@{v.name}", fingerprint=v.fingerprint, weight=v.weight,
                                                                   architecture=v.architecture)
                                         for v in self.planner.spec.versions]
         return ModelList(data=cards)

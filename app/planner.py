@@ -29,7 +29,7 @@ from app.schemas import (ChatCompletionRequest, CompletionRequest, TokenizeChatR
                          new_request_id)
 from app.settings import BucketSpec, PlanSpec, VersionSpec, pool_deployment_name
 from engine.errors import InvalidRequestError
-from engine.retention import text_anchor_span
+from engine.retention import resolve_anchor_spans
 from engine.sampling_params import SamplingParams, StructuredOutput
 from engine.tokenization import tokenize_text
 
@@ -264,35 +264,23 @@ def default_max_tokens(request: Request, bucket: BucketSpec, num_prompt_tokens: 
 
 
 def anchor_spans(request: Request, tokenizer: Any, text: str | None, num_tokens: int) -> tuple[tuple[int, int], ...]:
-    """Anchors as token ranges ``(start, end)`` of the prompt the planner tokenized.
+    """Anchors as token ranges ``(start, end)`` of the prompt the planner tokenized: the engine's one
+    resolution (``engine.retention.resolve_anchor_spans``), so the pool receives plain token ranges.
 
-    Text anchors are located here: the first occurrence of the span in the prompt text (the rendered
-    chat for chat requests), widened to the tokens that overlap it. Token ranges must lie inside the
-    prompt. Errors name ``sinkserve.anchors.<i>``.
+    Text anchors are located in the prompt text (the rendered chat for chat requests), widened to the
+    tokens that overlap it. Token ranges must lie inside the prompt. Errors name ``sinkserve.anchors.<i>``.
     """
     if not request.sinkserve or not request.sinkserve.anchors:
         return ()
-    out: list[tuple[int, int]] = []
-    offsets = None
-    for i, a in enumerate(request.sinkserve.anchors):
-        param = f"sinkserve.anchors.{i}"
-        if isinstance(a, TokenRange):
-            if a.end > num_tokens:
-                raise APIError(400, f"token range [{a.start}, {a.end}) ends past the prompt's {num_tokens} tokens", param)
-            out.append((a.start, a.end))
-            continue
-        if text is None:
-            raise APIError(400, "text anchors need a text prompt (not token ids)", param)
-        if offsets is None:
-            offsets = tokenizer(text, return_offsets_mapping=True,
-                                add_special_tokens=not isinstance(request, ChatCompletionRequest))["offset_mapping"]
-            if len(offsets) == num_tokens + 1:  # the tokenizer's BOS that encode() dropped (one BOS)
-                offsets = offsets[1:]
-        span = text_anchor_span(text, a, offsets)
-        if span is None:
-            raise APIError(400, "anchor text does not occur in the prompt", param)
-        out.append(span)
-    return tuple(out)
+    anchors = [(a.start, a.end) if isinstance(a, TokenRange) else {"text": a} for a in request.sinkserve.anchors]
+    special = not isinstance(request, ChatCompletionRequest)
+    try:
+        return tuple(resolve_anchor_spans(
+            anchors, num_tokens, text,
+            lambda: tokenizer(text, return_offsets_mapping=True, add_special_tokens=special)["offset_mapping"],
+            param=lambda i: f"sinkserve.anchors.{i}"))
+    except InvalidRequestError as e:
+        raise APIError(400, e.message, e.field.removesuffix(".text")) from None
 
 
 def passage_anchor_spans(trimmed: Trimmed | None, request: Request, tokenizer: Any, text: str | None) -> tuple[tuple[int, int], ...]:

@@ -430,6 +430,8 @@ class ModelCard(BaseModel):
     # On the served name's card: what each pool's KV cache stores ("auto": the model dtype, else
     # int8 / int4 / int2 packed with sinks, protected tokens and the newest tokens kept 16-bit).
     kv_cache: dict[str, str] | None = None
+    # On the served name's card: each pool's token limits, resolved from the model (engine/limits.py).
+    limits: dict[str, dict[str, Any]] | None = None
 
 
 class ModelList(BaseModel):

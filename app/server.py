@@ -49,7 +49,9 @@ class LLMServer:
         from engine.weights import fingerprint
 
         self.weights_fingerprint = fingerprint(spec.engine.model) or ""
-        self.policy = self.engine.config.cache_policy
+        # As configured (a window left out stays None: the engine derives it), so reconfigure() compares
+        # like with like: the deployment's user_config carries the configured policy too.
+        self.policy = spec.engine.cache_policy
         self.policy_version = self.engine.stats().policy_version  # includes the sparse-attention settings
         self.ready = True
         logger.info("pool %s ready; %s", spec.deployment_name, self.policy.describe())

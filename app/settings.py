@@ -18,8 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from engine.config import DEFAULT_MODEL, EngineConfig, REPO_ROOT
 from engine.config_io import engine_config_from_dict
 from engine.errors import ConfigError
+from engine.limits import EngineLimits, derive_limits, read_model_config
 
-__all__ = ["AppArgs", "PoolArgs", "PoolSpec", "PlanSpec", "IngressSpec", "REPO_ROOT"]
+__all__ = ["AppArgs", "PoolArgs", "pool_limits", "check_limits", "PoolSpec", "PlanSpec", "IngressSpec", "REPO_ROOT"]
 
 
 class _Strict(BaseModel):
@@ -63,7 +64,9 @@ class PoolArgs(_Strict):
     """
 
     name: str = Field(pattern=r"^[A-Za-z0-9_-]+$")
-    max_prompt_tokens: int = Field(gt=0)
+    # None: what the pool's engine accepts for the model, less one output token (engine/limits.py):
+    # the trained context for a pool that keeps its full cache, max_stream_tokens for one that evicts.
+    max_prompt_tokens: int | None = Field(None, gt=0)
     timeout_s: float = Field(120.0, gt=0)
     # Soft timeout: at this age a request's generation ends cleanly with what it has produced so far
     # and finish_reason "time_limit" (docs/serving.md), instead of a 408 at timeout_s. None: off.
@@ -182,8 +185,8 @@ class AppArgs(_Strict):
     versions: list[VersionArgs] = Field(default_factory=lambda: [VersionArgs()])
     pools: list[PoolArgs] = Field(
         default_factory=lambda: [
-            PoolArgs(name="short", max_prompt_tokens=2048),
-            PoolArgs(name="long", max_prompt_tokens=8192),
+            PoolArgs(name="short"),
+            PoolArgs(name="long", engine={"cache_policy": {"eviction_policy": "sliding_window"}}),
         ]
     )
     stats_push_interval_s: float = Field(1.0, gt=0)
@@ -212,7 +215,8 @@ class AppArgs(_Strict):
         names = [p.name for p in pools]
         if len(set(names)) != len(names):
             raise ValueError(f"pool names must be unique, got {names}")
-        return sorted(pools, key=lambda p: p.max_prompt_tokens)
+        # A bound left to the model is unknown here (0); the builder orders buckets by their resolved bounds.
+        return sorted(pools, key=lambda p: p.max_prompt_tokens or 0)
 
     @field_validator("versions")
     @classmethod
@@ -233,10 +237,6 @@ class AppArgs(_Strict):
             raise ValueError(f"jobs.pool: unknown pool {self.jobs.pool!r}; pools are {names}")
         return self
 
-    @property
-    def jobs_pool(self) -> str:
-        return self.jobs.pool or self.pools[-1].name  # pools are sorted by prompt bound
-
     @model_validator(mode="after")
     def _pool_versions(self) -> "AppArgs":
         known = {v.name for v in self.versions}
@@ -247,6 +247,40 @@ class AppArgs(_Strict):
             if p.versions is not None and not p.versions:
                 raise ValueError(f"pool {p.name!r} serves no version")
         return self
+
+
+def pool_limits(pool: PoolArgs, model: str) -> EngineLimits:
+    """The pool's engine limits for ``model`` (``engine/limits.py``: the same derivation the engine runs),
+    with a configured pool bound checked against them. ``ConfigError`` names the pool, the field and the
+    model's context."""
+    config = pool.engine_config(model, "cpu")  # the device changes no token count
+    try:
+        limits = derive_limits(config, read_model_config(model))
+    except ConfigError as e:
+        raise ConfigError(f"pools[{pool.name}].engine.{e.field}", f"{e.message} (model {model})") from None
+    if pool.max_prompt_tokens is not None and pool.max_prompt_tokens > limits.max_prompt_tokens:
+        raise ConfigError(
+            f"pools[{pool.name}].max_prompt_tokens",
+            f"{pool.max_prompt_tokens} is more than this pool's engine accepts for model {model}: "
+            f"{limits.max_prompt_tokens} ({limits.limit_field} {limits.max_seq_len} minus one output token; trained "
+            f"context {limits.trained_context} tokens); lower it, or leave it out to derive it from the model")
+    return limits
+
+
+def check_limits(args: AppArgs) -> None:
+    """Every pool's limits for every model version it serves (``pool_limits``): the build-time refusals,
+    run by ``sinkserve serve`` before Serve starts so a bad value is one line, not a traceback."""
+    from engine.errors import ModelLoadError
+    from engine.model_store import resolve_model
+
+    for pool in args.pools:
+        for v in args.versions:
+            if pool.versions is None or v.name in pool.versions:
+                try:
+                    model = resolve_model(v.model or args.model, fetch=False, fallback=False)
+                except ModelLoadError:
+                    continue  # not installed yet: checked again once it is resolved (fetched or fallen back)
+                pool_limits(pool, model)
 
 
 # ---- inside the application: frozen dataclasses -------------------------------------------------
@@ -333,6 +367,7 @@ class IngressSpec:
     pool_deployments: tuple[str, ...]
     stats_push_interval_s: float = 1.0
     kv_cache: tuple[tuple[str, str], ...] = ()  # (pool, kv_cache_dtype), for /v1/models
+    limits: tuple[tuple[str, EngineLimits], ...] = ()  # (pool, its engine's resolved limits), for /v1/models
     store: StoreSpec = StoreSpec()
     tenants: tuple[tuple[str, TenantLimits], ...] = ()
     session_ttl_s: float = 7 * 86400.0

@@ -35,10 +35,13 @@ TOKEN_ROLES = ("sink", "delimiter", "system", "session_start")
 
 @dataclass(frozen=True)
 class CachePolicy:
-    """Retention settings. ``protected_positions`` are the sinks (absolute token positions)."""
+    """Retention settings. ``protected_positions`` are the sinks (absolute token positions).
+
+    ``window`` None: derived from the model (``engine/limits.py``): the full cache inside the trained
+    context, then the newest ``ctx - chunk - 2 blocks`` tokens."""
 
     eviction_policy: EvictionPolicy = "none"
-    window: int = 1024
+    window: int | None = None
     protected_positions: tuple[int, ...] = (0, 1, 2, 3)
     protected_token_roles: tuple[str, ...] = ("sink",)
     max_protected_tokens: int = 512
@@ -58,11 +61,11 @@ class CachePolicy:
         """Raise ``ConfigError`` naming the field if the policy cannot work."""
         if self.eviction_policy not in EVICTION_POLICIES:
             raise ConfigError("eviction_policy", f"must be one of {list(EVICTION_POLICIES)}, got {self.eviction_policy!r}")
-        if self.window < 1:
+        if self.window is not None and self.window < 1:
             raise ConfigError("window", f"must be >= 1, got {self.window}")
-        if self.evicts and self.window < block_size:
+        if self.evicts and self.window is not None and self.window < block_size:
             raise ConfigError("window", f"window {self.window} is smaller than block_size {block_size}")
-        if self.eviction_policy == "importance":
+        if self.eviction_policy == "importance" and self.window is not None:
             check_block_budget(self.block_budget, self.window, block_size, "block_budget")
         if any(p < 0 for p in self.protected_positions):
             raise ConfigError("protected_positions", "positions must be >= 0")
@@ -99,7 +102,7 @@ class CachePolicy:
         span = f"[{pos[0]}..{pos[-1]}]" if pos and pos == list(range(pos[0], pos[-1] + 1)) else str(pos)
         return (
             f"protection set active: positions {span}, roles {list(self.protected_token_roles)}, "
-            f"eviction {self.eviction_policy}, window {self.window}"
+            f"eviction {self.eviction_policy}, window {self.window if self.window is not None else 'derived'}"
             f"{f', block budget {self.block_budget}' if self.eviction_policy == 'importance' else ''}, 16-bit when quantized: "
             f"{'protected blocks + ' if self.keep_protected_16bit else ''}residual {self.residual_window} tokens, "
             f"version {self.version}"

@@ -90,7 +90,8 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.1
     max_model_len: int | None = None
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    # Prompt tokens per step (the prefill chunk); None: derived from the model's context (engine/limits.py).
+    max_num_batched_tokens: int | None = None
     seed: int = 0
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
@@ -151,7 +152,7 @@ class EngineConfig:
             raise ConfigError("max_model_len", f"must be >= 1, got {self.max_model_len}")
         if self.max_num_seqs < 1:
             raise ConfigError("max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_batched_tokens", f"must be >= 1, got {self.max_num_batched_tokens}")
         if self.tensor_parallel_size < 1:
             raise ConfigError("tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")

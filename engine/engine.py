@@ -16,6 +16,7 @@ import threading
 import uuid
 from collections import deque
 from collections.abc import Iterable, Sequence as Seq
+from dataclasses import replace
 from typing import Any
 
 from engine import retention, sparse
@@ -26,6 +27,7 @@ from engine.config import EngineConfig, validate_kv_cache_for_model
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.executor import ExecutorFactory, LocalExecutor
 from engine.input_processor import Anchor, InputProcessor
+from engine.limits import derive_limits, limits_for_policy, read_model_config
 from engine.model_runner import ModelInput, kv_cache_bytes, num_fp_pool_blocks, read_model_shape
 from engine.output_processor import OutputProcessor
 from engine.outputs import CompletionResult, RequestOutput
@@ -44,20 +46,26 @@ class LLMEngine:
     """Continuous-batching engine over a paged, retention-aware KV cache."""
 
     def __init__(self, config: EngineConfig, executor_factory: ExecutorFactory | None = None) -> None:
-        self.config = config = config.with_model_resolved()  # a name or a GGUF -> its directory
+        config = config.with_model_resolved()  # a name or a GGUF -> its directory
         self.shape = read_model_shape(config.model)
+        # Every token count, resolved once from the model (engine/limits.py); None fields become concrete
+        # here, so the executor, its workers and the scheduler read plain numbers.
+        self.configured = config
+        self.model_config = read_model_config(config.model)
+        self.limits = derive_limits(config, self.model_config)
+        config = self.limits.resolve(config)
+        self.config = config
         validate_kv_cache_for_model(config, self.shape.head_dim, self.shape.num_kv_heads)  # before any load
         self.tokenizer = self._load_tokenizer()
-        self.max_model_len = config.max_model_len or self.shape.max_position_embeddings
+        self.max_model_len = self.limits.max_model_len
         self.layout = read_attention_layout(config.model)
         validate_for_engine(self.layout, self.max_model_len, config.tensor_parallel_size)  # before any load
         config.sparse.validate(config.block_size, max_model_len=self.max_model_len)  # top_k within the context
         config.sparse.validate_compact(config.block_size, config.cache_policy.protected_positions,
-                                       self.shape.max_position_embeddings)
+                                       self.limits.trained_context)
         # Selected memory (sparse.position_mode compact) keeps every block and re-positions what a query
-        # attends, so a sequence may outgrow the trained context: its limit is max_model_len if set, else
-        # the policy's max_stream_tokens (and the KV cache's capacity).
-        seq_limit = (config.max_model_len or config.cache_policy.max_stream_tokens) if config.sparse.compact else self.max_model_len
+        # attends, so a sequence may outgrow the trained context (EngineLimits.max_seq_len).
+        seq_limit = self.limits.max_seq_len
         # The executor sizes the KV cache where the model lives, after its weights are loaded; this
         # process may not own that device (a tensor-parallel driver), so it never measures memory.
         self.executor = (executor_factory or LocalExecutor)(config)
@@ -69,12 +77,13 @@ class LLMEngine:
         tp = config.tensor_parallel_size
         self.kv_bytes_total, self.kv_bytes_quant_block, self.kv_bytes_fp_block = (
             x * tp for x in kv_cache_bytes(config, self.shape, self.max_model_len, self.num_kv_blocks, tp))
-        self.scheduler = Scheduler(self.block_manager, self.policy, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, self.policy, config.max_num_seqs, config.max_num_batched_tokens,
+                                   exact_tokens=self.limits.exact_tokens)
         self.eos_ids = self._eos_ids()
         self.counters = EngineCounters()
-        self.inputs = InputProcessor(self.tokenizer, self.shape.vocab_size, config.block_size, seq_limit)
+        self.inputs = InputProcessor(self.tokenizer, self.shape.vocab_size, config.block_size, self.limits)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_ids, self.inputs.delimiter_ids, config.block_size,
-                                       seq_limit, self.scheduler, self.counters)
+                                       self.limits, self.scheduler, self.counters)
         self._lock = threading.Lock()
         self._pending_adds: deque[Sequence] = deque()
         self._pending_aborts: deque[str] = deque()
@@ -82,6 +91,7 @@ class LLMEngine:
         self._finished_ids: list[str] = []  # the sampler frees their generators at the next step
         self.eviction_log: deque[retention.EvictionRecord] = deque(maxlen=4096)
         logger.info("%s", self.policy.describe())
+        logger.info("%s", self.limits.describe())
         if config.sparse.enabled:
             logger.info("%s; forced set: protected positions %s, roles %s, per-request anchors, local window %d; "
                         "version %s", config.sparse.describe(), list(self.policy.protected_positions),
@@ -90,7 +100,7 @@ class LLMEngine:
             logger.info("selected memory: every block kept, sequences up to %d tokens; a query attends at most %d "
                         "tokens (plus anchors), seen at consecutive positions inside the trained context of %d",
                         seq_limit, config.sparse.selected_span(config.block_size, self.policy.protected_positions),
-                        self.shape.max_position_embeddings)
+                        self.limits.trained_context)
         logger.info("model attention: %s", self.layout.describe())
         logger.info("KV cache stores %s", self.describe_kv_cache())
 
@@ -180,11 +190,16 @@ class LLMEngine:
         return memo[1]
 
     def set_cache_policy(self, policy: CachePolicy) -> str:
-        """Swap the retention policy for future steps; returns its version."""
+        """Swap the retention policy for future steps; returns its version. A window left out (None) is
+        derived as at start-up (``engine/limits.py``), with the engine's prefill chunk."""
         policy.validate(self.config.block_size)
+        limits = limits_for_policy(self.configured, self.model_config, policy)
+        policy = replace(policy, window=limits.window)
         with self._lock:
             self.policy = policy
             self.scheduler.policy = policy
+            self.scheduler.exact_tokens = limits.exact_tokens
+            self.limits = self.inputs.limits = self.outputs.limits = limits
         logger.info("cache policy changed: %s", policy.describe())
         return self.policy_version
 

@@ -252,8 +252,13 @@ class EngineProcess:
         policy.validate(self._config.block_size)
         self._attach()
         self._send(SetPolicy(policy))
-        # Messages are ordered: every step after this one runs under ``policy``, so say so now.
-        version = sparse_policy_version(policy.version, self._config.sparse)
+        # Messages are ordered: every step after this one runs under ``policy``, so say so now -- with the
+        # window and sparse budgets resolved as the child resolves them (engine/limits.py).
+        from engine.limits import limits_for_policy, read_model_config
+
+        limits = limits_for_policy(self._config, read_model_config(self._config.model), policy)
+        resolved = limits.resolve(replace(self._config, cache_policy=policy))
+        version = sparse_policy_version(resolved.cache_policy.version, resolved.sparse)
         self._stats = replace(self._stats, policy_version=version)
         return version
 

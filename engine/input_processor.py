@@ -1,8 +1,8 @@
 """Input processing: a request (prompt, sampling, anchors) becomes a validated ``Sequence``.
 
 Everything that can refuse a request happens here, before it reaches the scheduler: token ids are
-checked against the vocabulary, the prompt against the engine's limit (``max_model_len``, or
-``max_stream_tokens`` when the policy evicts), the protection set against ``max_protected_tokens``.
+checked against the vocabulary, the prompt against the engine's limit (``EngineLimits.max_seq_len``:
+``max_model_len``, or ``max_stream_tokens`` when the policy evicts or runs selected memory), the protection set against ``max_protected_tokens``.
 Each refusal is an ``InvalidRequestError`` naming the field.
 """
 
@@ -13,10 +13,11 @@ from typing import Any
 
 from engine import retention
 from engine.cache_policy import CachePolicy, check_block_budget
+from engine.limits import EngineLimits
 from engine.errors import ConfigError, InvalidRequestError, PromptTooLongError, ProtectionCapError
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
-from engine.tokenization import tokenize_text
+from engine.tokenization import role_delimiter_ids, tokenize_text
 
 # A token range ``(start, end)`` or ``{"start": s, "end": e}``, or ``{"text": "..."}`` found in the prompt.
 Anchor = dict[str, Any] | tuple[int, int]
@@ -25,14 +26,15 @@ Anchor = dict[str, Any] | tuple[int, int]
 class InputProcessor:
     """Tokenizes and validates requests for one engine (its tokenizer, vocabulary and limits)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, block_size: int, max_model_len: int) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, block_size: int, limits: EngineLimits) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.block_size = block_size
-        self.max_model_len = max_model_len
-        specials = set(getattr(tokenizer, "all_special_ids", []) or [])
-        self.session_start_ids = {t for t in [tokenizer.bos_token_id] if t is not None}
-        self.delimiter_ids = specials - self.session_start_ids - {tokenizer.pad_token_id, tokenizer.unk_token_id}
+        self.limits = limits  # the engine's own object (replaced with it on a policy change)
+        # Role delimiters from the model's own chat template (tokenization.role_delimiter_ids); a BOS that is
+        # also a turn delimiter (SmolLM2's <|im_start|>) counts as a delimiter.
+        self.delimiter_ids = role_delimiter_ids(tokenizer)
+        self.session_start_ids = {t for t in [tokenizer.bos_token_id] if t is not None} - self.delimiter_ids
 
     def tokenize(self, prompt: str | Seq[int]) -> list[int]:
         """Token ids of ``prompt``; validates ids given directly."""
@@ -61,11 +63,11 @@ class InputProcessor:
         """Validate the request under ``policy`` and build its ``Sequence`` with its protected positions."""
         params.validate(self.vocab_size)
         ids = self.tokenize(prompt)
-        limit, what = (policy.max_stream_tokens, "max_stream_tokens") if policy.evicts else (self.max_model_len, "max_model_len")
+        limit, what = self.limits.max_seq_len, self.limits.limit_field.rsplit(".", 1)[-1]
         if len(ids) >= limit:
             raise PromptTooLongError(len(ids), limit - 1, f"{what} minus one output token")
         if not policy.evicts:
-            need = -(-min(len(ids) + params.max_tokens, self.max_model_len) // self.block_size)
+            need = -(-min(len(ids) + params.max_tokens, limit) // self.block_size)
             if need > num_kv_blocks - 1:
                 raise PromptTooLongError(len(ids), (num_kv_blocks - 1) * self.block_size, "KV cache capacity")
         protected = retention.resolve_protected_positions(
@@ -100,32 +102,16 @@ class InputProcessor:
         return budget
 
     def anchor_spans(self, prompt: str | Seq[int], ids: list[int], anchors: Iterable[Anchor]) -> list[tuple[int, int]]:
-        """Token ranges of the anchors: ``(start, end)`` token ranges, or ``{"text": ...}`` found in the prompt."""
-        spans = []
-        offsets = None
-        for i, a in enumerate(anchors):
-            if isinstance(a, dict) and "text" in a:
-                if not isinstance(prompt, str):
-                    raise InvalidRequestError(f"anchors[{i}]", "text anchors need a text prompt")
-                if offsets is None:
-                    offsets = self.tokenizer(prompt, return_offsets_mapping=True)["offset_mapping"]
-                    if len(offsets) == len(ids) + 1:  # the tokenizer's BOS that tokenize() dropped
-                        offsets = offsets[1:]
-                span = retention.text_anchor_span(prompt, a["text"], offsets)
-                if span is None:
-                    raise InvalidRequestError(f"anchors[{i}].text", "anchor text does not occur in the prompt")
-                spans.append(span)
-                continue
-            start, end = (a["start"], a["end"]) if isinstance(a, dict) else a
-            if not (isinstance(start, int) and isinstance(end, int) and 0 <= start < end <= len(ids)):
-                raise InvalidRequestError(f"anchors[{i}]", f"token range must satisfy 0 <= start < end <= {len(ids)}")
-            spans.append((start, end))
-        return spans
+        """Token ranges of the anchors (``retention.resolve_anchor_spans``, the planner's resolution too)."""
+        text = prompt if isinstance(prompt, str) else None
+        return retention.resolve_anchor_spans(
+            anchors, len(ids), text, lambda: self.tokenizer(text, return_offsets_mapping=True)["offset_mapping"])
 
     def system_span(self, ids: list[int]) -> tuple[int, int] | None:
-        """The first chat turn if its role is ``system``: from its opening delimiter to its closing one."""
+        """The first chat turn if its role is ``system``: from the start to its closing delimiter (the role
+        delimiters come from the model's chat template: ``tokenization.role_delimiter_ids``)."""
         opens = [i for i, t in enumerate(ids) if t in self.delimiter_ids]
         if len(opens) < 2:
             return None
-        head = self.tokenizer.decode(ids[opens[0] + 1 : opens[0] + 4])
+        head = self.tokenizer.decode(ids[opens[0] + 1 : min(opens[1], opens[0] + 9)])  # the role name, any tokenizer
         return (0, opens[1] + 1) if head.lstrip().startswith("system") else None

@@ -24,6 +24,7 @@ from engine.architectures import (
     validate_for_engine,
 )
 from engine.attention_backends import get_backend
+from engine.limits import derive_limits, read_model_config
 from engine.config import EngineConfig, kv_outlier_channels, kv_value_group_size, validate_kv_cache_for_model
 from engine.errors import ConfigError, ModelLoadError
 from engine.sparse_config import INDEXER_WEIGHTS
@@ -174,6 +175,9 @@ class ModelRunner:
     """
 
     def __init__(self, config: EngineConfig, num_kv_blocks: int | None = None, rank: int = 0, world_size: int = 1) -> None:
+        # Token counts left to the model are resolved as the engine resolves them (a no-op for the
+        # engine's own, already resolved, config).
+        config = derive_limits(config, read_model_config(config.model)).resolve(config)
         self.config = config
         self.rank = rank
         self.world_size = world_size

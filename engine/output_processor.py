@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine.limits import EngineLimits
 from engine.cache_policy import CachePolicy
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import RequestOutput
@@ -26,7 +27,7 @@ class OutputProcessor:
         eos_ids: set[int],
         delimiter_ids: set[int],
         block_size: int,
-        max_model_len: int,
+        limits: EngineLimits,
         scheduler: Scheduler,
         counters: EngineCounters,
     ) -> None:
@@ -34,7 +35,7 @@ class OutputProcessor:
         self.eos_ids = eos_ids
         self.delimiter_ids = delimiter_ids
         self.block_size = block_size
-        self.max_model_len = max_model_len
+        self.limits = limits  # the engine's own object (replaced with it on a policy change)
         self.scheduler = scheduler
         self.counters = counters
         self._detoks: dict[str, IncrementalDetokenizer] = {}
@@ -87,8 +88,7 @@ class OutputProcessor:
             return "stop"
         if seq.num_output_tokens >= p.max_tokens:
             return "length"
-        limit = policy.max_stream_tokens if policy.evicts else self.max_model_len
-        if seq.num_tokens >= limit:
+        if seq.num_tokens >= self.limits.max_seq_len:
             return "length"
         return None
 

@@ -18,7 +18,7 @@ evicted the runner rotates such blocks forward by that many positions, once (``r
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from engine.cache_policy import CachePolicy
@@ -88,6 +88,54 @@ def text_anchor_span(
     end = at + len(anchor)
     toks = [t for t, (s, e) in enumerate(offsets) if e > s and s < end and e > at]
     return (toks[0], toks[-1] + 1) if toks else None
+
+
+def resolve_anchor_spans(
+    anchors: Iterable[object],
+    num_tokens: int,
+    text: str | None,
+    offsets_of: Callable[[], Sequence[tuple[int, int]]],
+    param: Callable[[int], str] = lambda i: f"anchors[{i}]",
+) -> list[tuple[int, int]]:
+    """Anchors as token ranges ``[start, end)`` of a prompt of ``num_tokens`` tokens: the one resolution
+    the planner (HTTP) and the engine's input processor share.
+
+    An anchor is a token range ``(start, end)`` / ``{"start": s, "end": e}`` (must satisfy
+    ``0 <= start < end <= num_tokens``) or ``{"text": "..."}``: the first occurrence of the text in
+    ``text``, widened to the tokens that overlap it (``text_anchor_span``). ``offsets_of()`` gives the
+    tokenizer's offset mapping of ``text`` (called at most once; a leading BOS entry beyond the prompt's
+    ids is dropped). Raises ``InvalidRequestError`` naming ``param(i)``.
+
+    >>> resolve_anchor_spans([(0, 2), {"text": "key"}], 3, "a key b", lambda: [(0, 1), (1, 5), (5, 7)])
+    [(0, 2), (1, 2)]
+    >>> resolve_anchor_spans([(2, 9)], 3, None, lambda: [])
+    Traceback (most recent call last):
+    ...
+    engine.errors.InvalidRequestError: anchors[0]: token range [2, 9) must satisfy 0 <= start < end <= 3 (the prompt's tokens)
+    """
+    from engine.errors import InvalidRequestError
+
+    spans: list[tuple[int, int]] = []
+    offsets: Sequence[tuple[int, int]] | None = None
+    for i, a in enumerate(anchors):
+        if isinstance(a, dict) and "text" in a:
+            if text is None:
+                raise InvalidRequestError(param(i), "text anchors need a text prompt (not token ids)")
+            if offsets is None:
+                offsets = list(offsets_of())
+                if len(offsets) == num_tokens + 1:  # the tokenizer's BOS that the prompt's ids dropped
+                    offsets = offsets[1:]
+            span = text_anchor_span(text, a["text"], offsets)
+            if span is None:
+                raise InvalidRequestError(f"{param(i)}.text", "anchor text does not occur in the prompt")
+            spans.append(span)
+            continue
+        start, end = (a.get("start"), a.get("end")) if isinstance(a, dict) else tuple(a)  # type: ignore[arg-type]
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start < end <= num_tokens):
+            raise InvalidRequestError(param(i), f"token range [{start}, {end}) must satisfy 0 <= start < end <= "
+                                                f"{num_tokens} (the prompt's tokens)")
+        spans.append((start, end))
+    return spans
 
 
 def blocks_of(positions: Iterable[int], block_size: int) -> set[int]:

@@ -77,9 +77,13 @@ class Scheduler:
         policy: CachePolicy,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        exact_tokens: int = 0,
     ) -> None:
         self.bm = block_manager
         self.policy = policy
+        # A sequence of at most this many tokens keeps its full cache (EngineLimits.exact_tokens: the
+        # trained context when the window is derived from the model, else the window itself).
+        self.exact_tokens = exact_tokens
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -267,7 +271,7 @@ class Scheduler:
     def _evict_out_of_window(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Free the blocks of ``seq`` that left the window and protect nothing (``sliding_window``), or, over
         its block budget, its least important such blocks (``importance``); queue key rotations."""
-        if not self.policy.evicts:
+        if not self.policy.evicts or seq.num_tokens <= self.exact_tokens:
             return
         bs = self.bm.block_size
         stop = retention.first_window_block(seq.num_computed_tokens, self.policy.window, bs)

@@ -59,9 +59,11 @@ class SparseAttention:
 
     enabled: bool = False
     indexer: str = "block_bounds"
-    top_k: int = 2048
-    min_context: int = 4096
-    local_window: int = 256
+    # None: derived from the model's trained context ctx (engine/limits.py): top_k ctx/8, min_context ctx
+    # (dense inside the trained context), local_window ctx/16.
+    top_k: int | None = None
+    min_context: int | None = None
+    local_window: int | None = None
     decode: bool = True
     prefill: bool = True
     position_mode: str = "absolute"
@@ -70,13 +72,13 @@ class SparseAttention:
         """Raise ``ConfigError`` naming the field (``sparse.<name>``) if these settings cannot work."""
         if self.indexer not in INDEXERS:
             raise ConfigError("sparse.indexer", f"unknown indexer {self.indexer!r}; choose one of {list(INDEXERS)}")
-        if self.top_k < block_size:
+        if self.top_k is not None and self.top_k < block_size:
             raise ConfigError("sparse.top_k", f"must be at least one block ({block_size} tokens), got {self.top_k}")
-        if self.enabled and max_model_len is not None and self.top_k > max_model_len:
+        if self.enabled and max_model_len is not None and self.top_k is not None and self.top_k > max_model_len:
             raise ConfigError("sparse.top_k", f"{self.top_k} exceeds the context ({max_model_len} tokens)")
-        if self.min_context < 1:
+        if self.min_context is not None and self.min_context < 1:
             raise ConfigError("sparse.min_context", f"must be >= 1, got {self.min_context}")
-        if self.local_window < 1:
+        if self.local_window is not None and self.local_window < 1:
             raise ConfigError("sparse.local_window", f"must be >= 1 (the query's own block), got {self.local_window}")
         if self.enabled and not (self.decode or self.prefill):
             raise ConfigError("sparse.decode", "sparse attention is enabled but neither decode nor prefill selects")

@@ -35,3 +35,32 @@ def tokenize_text(tokenizer: Any, text: str, add_special_tokens: bool = True) ->
     if not add_special_tokens:
         return ids
     return drop_added_bos(ids, getattr(tokenizer, "bos_token_id", None), text, getattr(tokenizer, "bos_token", None))
+
+
+# Probe conversation rendered through a model's chat template to find its role delimiters.
+_PROBE = [{"role": "system", "content": "a"}, {"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}]
+
+
+def role_delimiter_ids(tokenizer: Any) -> set[int]:
+    """Token ids that delimit chat turns, read from the model's own chat template: the special tokens a
+    rendered probe conversation (system, user, assistant) contains. ChatML (``<|im_start|>role\\n...
+    <|im_end|>``) gives ``{<|im_start|>, <|im_end|>}`` even where the tokenizer also names them BOS / pad
+    (SmolLM2 does: its BOS is ``<|im_start|>`` and its pad ``<|im_end|>``).
+
+    Without a template, or when its render holds no special token: every special token but BOS, pad and unk.
+    """
+    specials = set(getattr(tokenizer, "all_special_ids", []) or [])
+    fallback = specials - {tokenizer.bos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    if not getattr(tokenizer, "chat_template", None):
+        return fallback
+    for probe in (_PROBE, _PROBE[1:]):  # some templates refuse a system turn
+        try:
+            text = tokenizer.apply_chat_template(probe, tokenize=False)
+        except Exception:  # noqa: BLE001 - a template may raise anything (jinja's raise_exception)
+            continue
+        found = {t for t in tokenizer(text, add_special_tokens=False)["input_ids"] if t in specials}
+        bos = tokenizer.bos_token
+        if bos and text.count(bos) == 1:  # a BOS written once per conversation starts the session: no delimiter
+            found.discard(tokenizer.bos_token_id)
+        return found or fallback
+    return fallback

@@ -89,7 +89,10 @@ async def test_cache_policy_swap_reaches_the_child(tiny_llama: Path) -> None:
     config = EngineConfig(model=str(tiny_llama), num_kv_blocks=128)
     engine = EngineProcess(config)
     before = engine.stats().policy_version
-    assert before == config.cache_policy.version
+    # The version of the policy the engine runs: its window resolved from the model (engine/limits.py).
+    from engine.limits import derive_limits, read_model_config
+
+    assert before == derive_limits(config, read_model_config(config.model)).resolve(config).cache_policy.version
     new = replace(config.cache_policy, eviction_policy="sliding_window", window=64)
     version = engine.set_cache_policy(new)
     assert version == new.version != before

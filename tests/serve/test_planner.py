@@ -115,7 +115,10 @@ def test_one_bos_whether_or_not_the_text_has_it(ref, tmp_path):
     assert plain[0] == bos and plain[1] != bos  # the tokenizer adds BOS
     assert encode(tok, tok.bos_token + "hello world") == plain
     assert encode(tok, tok.bos_token + tok.bos_token + "hi")[:3] == [bos, bos, encode(tok, "hi")[1]]  # two typed: kept
-    inputs = InputProcessor(tok, len(tok), 16, 512)
+    from engine.config import EngineConfig
+    from engine.limits import derive_limits
+
+    inputs = InputProcessor(tok, len(tok), 16, derive_limits(EngineConfig(), {"max_position_embeddings": 512}))
     assert inputs.tokenize(tok.bos_token + "hello world") == inputs.tokenize("hello world") == plain
 
 

@@ -75,12 +75,12 @@ def test_a_typo_in_a_serve_config_fails_the_serve_command_before_anything_starts
     import re
 
     text = (REPO / "serve_configs" / "prod.yaml").read_text()
-    typo = re.sub(r"\bwindow: (\d+)", r"windw: \1", text)
+    typo = re.sub(r"\beviction_policy: sliding_window", r"evicton_policy: sliding_window", text)
     assert typo != text  # else the command below would start a real server
     bad.write_text(typo)
     assert main(["serve", str(bad), "--key-file", str(tmp_path / "keys")]) == 2
     err = capsys.readouterr().err
-    assert "pools.1.engine" in err and "engine.cache_policy.windw: unknown field" in err
+    assert "pools.1.engine" in err and "engine.cache_policy.evicton_policy: unknown field" in err
 
 
 def test_render_parses_and_labels():
@@ -127,23 +127,12 @@ def test_render_sparse_attention_histogram_per_pool():
 
 
 def test_builder_refuses_to_build_without_keys(monkeypatch):
-    from app.builder import build_app, clamp_pool
-    from app.settings import PoolArgs
+    from app.builder import build_app
 
     monkeypatch.delenv("SINKSERVE_API_KEYS", raising=False)
     monkeypatch.delenv("SINKSERVE_API_KEYS_FILE", raising=False)
     with pytest.raises(AuthConfigError, match="auth: disabled"):
         build_app({"model": "/nonexistent"})
-    p = PoolArgs(name="long", max_prompt_tokens=32768)
-    assert clamp_pool(p, 2048).max_prompt_tokens == 2047
-    assert clamp_pool(p, None).max_prompt_tokens == 32768
-    assert clamp_pool(PoolArgs(name="s", max_prompt_tokens=100, engine={"max_model_len": 64}), 2048).max_prompt_tokens == 63
-    # a sliding-window pool streams past max_model_len, up to its policy's max_stream_tokens
-    window = {"eviction_policy": "sliding_window", "window": 512}
-    streaming = PoolArgs(name="l", max_prompt_tokens=32768, engine={"cache_policy": window})
-    assert clamp_pool(streaming, 1024).max_prompt_tokens == 32768
-    capped = PoolArgs(name="l", max_prompt_tokens=32768, engine={"cache_policy": {**window, "max_stream_tokens": 4096}})
-    assert clamp_pool(capped, 1024).max_prompt_tokens == 4095
 
 
 def test_prod_and_local_configs_validate():
