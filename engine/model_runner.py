@@ -25,6 +25,7 @@ from engine.architectures import (
 )
 from engine.attention_backends import get_backend
 from engine.config import EngineConfig, kv_outlier_channels, kv_value_group_size, validate_kv_cache_for_model
+from engine.decode_path import DecodeFacts, DecodePath, choose_decode_path
 from engine.errors import ConfigError, ModelLoadError
 from engine.sparse_config import INDEXER_WEIGHTS
 from engine.kv_budget import KVBudget, MemoryProfile
@@ -194,6 +195,8 @@ class ModelRunner:
             torch.backends.cudnn.allow_tf32 = config.allow_tf32
             self._used_at_start = self._cuda_used_bytes()
         self.model = self._load_model()
+        self.decode_path = self._choose_decode_path()
+        self.last_decode_path: str | None = None  # what ran the last step, when it was a decode step
         # Per layer: the RoPE table its keys were rotated with (Gemma-3: local vs global), for eviction rotations.
         self.inv_freqs = layer_inv_freqs(self.model, self.layout)
         if config.sparse.compact and any(f is None for f in self.inv_freqs):
@@ -420,6 +423,20 @@ class ModelRunner:
                     seconds)
         return True
 
+    def _choose_decode_path(self) -> DecodePath:
+        """``engine.decode_path.choose_decode_path`` over the model this runner loaded; a Llama-family
+        forward is told whether its decode steps are the C step's."""
+        from engine.models.llama import LlamaForward
+        from kernels import cpu_decode
+
+        native = type(self.model) is LlamaForward  # subclasses (AttnRes) have their own forward, no C step
+        facts = DecodeFacts(native_llama=native, head_dim=self.shape.head_dim, sinks=self.layout.sinks,
+                            backend=self.backend.name, c_kernel=not self.config.on_cuda and cpu_decode.available())
+        path = choose_decode_path(self.config, facts)
+        if native:
+            self.model.c_step = path.path == "c_step"
+        return path
+
     def _decode_dummy(self, batch: int) -> ModelInput:
         """A decode step of ``batch`` sequences that writes no KV (slots -1) and reads block 1."""
         return ModelInput([0] * batch, [0] * batch, [-1] * batch, [[1]] * batch, [1] * batch, list(range(batch + 1)),
@@ -453,6 +470,7 @@ class ModelRunner:
         self.sampler.release(inp.finished_request_ids)
         out = self.sampler(logits, inp.sampling)
         out.block_importance = self.last_block_importance
+        out.decode_path = self.last_decode_path
         return out
 
     @torch.inference_mode()
@@ -498,11 +516,16 @@ class ModelRunner:
             if self.config.sparse.compact else None,
         )
         self.last_block_importance = None
+        self.last_decode_path = None
         with attention.forward_context(ctx):
             if bucket is not None:
                 n = len(inp.logits_indices)
+                self.last_decode_path = "compiled"
                 return self.compiled.fn(st.input_ids, st.positions, st.padded_logits_indices[:bucket])[:n]
             logits = self.model(st.input_ids, st.positions, st.logits_indices)
+        if num == len(inp.seq_lens):  # a decode step: count what ran it (engine/decode_path.py)
+            self.last_decode_path = ("c_step" if getattr(self.model, "ran_c_step", False)
+                                     else "triton" if self.backend.name == "triton" else "eager")
         if ctx.block_importance is not None:
             if self.world_size > 1:
                 # Each rank scored its own KV heads; the mean over all heads is the mean of the ranks'
