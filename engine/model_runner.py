@@ -385,19 +385,39 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     def warm_up(self) -> bool:
-        """Compile the attention kernels for every configuration their launchers can pick for this
-        model (CUDA only: on CPU nothing is compiled and this returns False), then the decode step when
-        ``compile_decode`` is set."""
+        """Compile the attention kernels before the first request (CUDA only: on CPU nothing is compiled and
+        this returns False; ``warm_up_kernels``), then the decode step when ``compile_decode`` is set."""
         if self.config.compile_decode:
             self.compile_decode_step()
         if not self.config.on_cuda or self.backend.warm_up is None:
             return False
+        self.warm_up_kernels()
+        return True
+
+    def warm_up_kernels(self) -> int:
+        """Launch every kernel configuration this model's steps can pick (``backend.warm_up``: each tile x
+        split count, over this pool's KV storage), then one decode step at each batch bucket
+        (``engine.compiled_step.decode_buckets``) through the real forward, so no request pays a compile.
+        Step-varying integers (sequence count, table width) are not specialized by the kernels
+        (``kernels._triton.PER_STEP_INTS``), so these launches cover every batch size and context length.
+        Returns the kernel launches made. Runs the kernels wherever they run (the interpreter in tests)."""
+        from engine.compiled_step import decode_buckets
+
+        c = self.config
         heads = self.model.config.num_attention_heads // self.world_size
         kv_heads = self.shape.num_kv_heads // self.world_size
-        self.backend.warm_up(heads, kv_heads, self.shape.head_dim, self.config.block_size,
-                             torch_dtype(self.config.dtype), self.device, self.max_model_len, sinks=self.layout.sinks)
-        logger.info("rank %d: %s kernels warmed up", self.rank, self.backend.name)
-        return True
+        quant = c.kv_bits if c.kv_quantized else 0
+        n = self.backend.warm_up(heads, kv_heads, self.shape.head_dim, c.block_size, torch_dtype(c.dtype), self.device,
+                                 self.max_model_len, force=True, sinks=self.layout.sinks, quant=quant,
+                                 group_size=kv_value_group_size(c, self.shape.head_dim) if quant else 1)
+        buckets = decode_buckets(c.max_num_seqs)
+        for b in buckets:
+            self.execute(self._decode_dummy(b))
+        if c.on_cuda:
+            torch.cuda.synchronize(self.device)
+        logger.info("rank %d: %s kernels warmed up (%d configurations; decode steps at batch sizes %s)", self.rank,
+                    self.backend.name, n, list(buckets))
+        return n
 
     def compile_decode_step(self) -> bool:
         """Compile the native forward's decode step at every bucket (``engine.compiled_step``), timing it;
