@@ -212,6 +212,11 @@ class SnapshotCollector:
             labels=labels + ["policy_version"],
         )
         info = InfoMetricFamily(PREFIX + "pool", "Pool replica settings", labels=labels)
+        # engine/decode_path.py: the pool's decode step (decided once at start-up) and what ran each decode step.
+        dpath = GaugeMetricFamily(PREFIX + "decode_path", "The decode step this pool replica runs (1 on its path: "
+                                  "c_step, compiled, eager or triton)", labels=labels + ["path"])
+        dsteps = CounterMetricFamily(PREFIX + "decode_steps", "Decode steps by the path that ran them",
+                                     labels=labels + ["path"])
         sparse = HistogramMetricFamily(PREFIX + "sparse_attended_tokens",
                                        "Tokens a sequence's last query attended in one engine step (sparse attention on)",
                                        labels=labels)
@@ -223,6 +228,10 @@ class SnapshotCollector:
                 if v is not None:
                     fam.add_metric(lv, v)
             ready.add_metric(lv, 1.0 if s["data"].get("ready") else 0.0)
+            if stats.get("decode_path"):
+                dpath.add_metric(lv + [str(stats["decode_path"])], 1.0)
+            for path, n in stats.get("decode_steps") or ():
+                dsteps.add_metric(lv + [str(path)], float(n))
             counts = stats.get("sparse_attended_tokens_buckets") or ()
             if counts:
                 cum, buckets = 0, []
@@ -238,7 +247,7 @@ class SnapshotCollector:
                                  "model": str(s["data"].get("model", "")),
                                  "weights_fingerprint": str(s["data"].get("weights_fingerprint", ""))})
         yield from fams.values()
-        yield from (ready, nll, pver, info, sparse)
+        yield from (ready, nll, pver, info, sparse, dpath, dsteps)
 
 
 def _tenant_families(ingress: list[Mapping[str, Any]]) -> Iterable[Any]:

@@ -24,6 +24,7 @@ from engine.architectures import read_attention_layout, validate_for_engine
 from engine.block_manager import BlockManager
 from engine.cache_policy import CachePolicy
 from engine.config import EngineConfig, validate_kv_cache_for_model
+from engine.decode_path import DecodePath, decode_path_for
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.executor import ExecutorFactory, LocalExecutor
 from engine.input_processor import Anchor, InputProcessor
@@ -103,6 +104,10 @@ class LLMEngine:
                         self.limits.trained_context)
         logger.info("model attention: %s", self.layout.describe())
         logger.info("KV cache stores %s", self.describe_kv_cache())
+        # The executor's runner decided from the model it loaded; an executor without one (tensor parallelism
+        # in Ray workers) gets the same function's answer from the model directory.
+        self.decode_path: DecodePath = getattr(self.executor, "decode_path", None) or decode_path_for(config)
+        logger.info("%s", self.decode_path.describe())
 
     # ------------------------------------------------------------------ set-up
     def _load_tokenizer(self) -> Any:
@@ -231,6 +236,9 @@ class LLMEngine:
             sampled = self.executor.execute(self._model_input(sched))
             outputs.extend(self._process(sched, sampled))
             self.counters.steps_total += 1
+            path = getattr(sampled, "decode_path", None)
+            if path is not None:
+                self.counters.decode_steps[path] = self.counters.decode_steps.get(path, 0) + 1
         return outputs
 
     def _model_input(self, sched: SchedulerOutput) -> ModelInput:
@@ -403,6 +411,8 @@ class LLMEngine:
             sparse_attended_fraction=c.sparse_step_attended / c.sparse_step_context if c.sparse_step_context else 1.0,
             sliding_layers=self.layout.sliding_layers,
             blocks_needed_sliding=sliding_needed if model_window is not None else bm.num_used_blocks,
+            decode_path=self.decode_path.path,
+            decode_steps=tuple(sorted(c.decode_steps.items())),
         )
 
     def check_integrity(self) -> None:

@@ -43,6 +43,7 @@ class LocalExecutor:
             self.num_kv_blocks = budget.num_blocks
         self.runner.allocate_kv(self.num_kv_blocks)
         self.runner.warm_up()
+        self.decode_path = self.runner.decode_path
 
     def execute(self, inp: ModelInput) -> SamplerOutput:
         out = self.runner.execute_and_sample(inp)

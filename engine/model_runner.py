@@ -26,6 +26,7 @@ from engine.architectures import (
 from engine.attention_backends import get_backend
 from engine.limits import derive_limits, read_model_config
 from engine.config import EngineConfig, kv_outlier_channels, kv_value_group_size, validate_kv_cache_for_model
+from engine.decode_path import DecodeFacts, DecodePath, choose_decode_path
 from engine.errors import ConfigError, ModelLoadError
 from engine.sparse_config import INDEXER_WEIGHTS
 from engine.kv_budget import KVBudget, MemoryProfile
@@ -198,6 +199,8 @@ class ModelRunner:
             torch.backends.cudnn.allow_tf32 = config.allow_tf32
             self._used_at_start = self._cuda_used_bytes()
         self.model = self._load_model()
+        self.decode_path = self._choose_decode_path()
+        self.last_decode_path: str | None = None  # what ran the last step, when it was a decode step
         # Per layer: the RoPE table its keys were rotated with (Gemma-3: local vs global), for eviction rotations.
         self.inv_freqs = layer_inv_freqs(self.model, self.layout)
         if config.sparse.compact and any(f is None for f in self.inv_freqs):
@@ -386,19 +389,39 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     def warm_up(self) -> bool:
-        """Compile the attention kernels for every configuration their launchers can pick for this
-        model (CUDA only: on CPU nothing is compiled and this returns False), then the decode step when
-        ``compile_decode`` is set."""
+        """Compile the attention kernels before the first request (CUDA only: on CPU nothing is compiled and
+        this returns False; ``warm_up_kernels``), then the decode step when ``compile_decode`` is set."""
         if self.config.compile_decode:
             self.compile_decode_step()
         if not self.config.on_cuda or self.backend.warm_up is None:
             return False
+        self.warm_up_kernels()
+        return True
+
+    def warm_up_kernels(self) -> int:
+        """Launch every kernel configuration this model's steps can pick (``backend.warm_up``: each tile x
+        split count, over this pool's KV storage), then one decode step at each batch bucket
+        (``engine.compiled_step.decode_buckets``) through the real forward, so no request pays a compile.
+        Step-varying integers (sequence count, table width) are not specialized by the kernels
+        (``kernels._triton.PER_STEP_INTS``), so these launches cover every batch size and context length.
+        Returns the kernel launches made. Runs the kernels wherever they run (the interpreter in tests)."""
+        from engine.compiled_step import decode_buckets
+
+        c = self.config
         heads = self.model.config.num_attention_heads // self.world_size
         kv_heads = self.shape.num_kv_heads // self.world_size
-        self.backend.warm_up(heads, kv_heads, self.shape.head_dim, self.config.block_size,
-                             torch_dtype(self.config.dtype), self.device, self.max_model_len, sinks=self.layout.sinks)
-        logger.info("rank %d: %s kernels warmed up", self.rank, self.backend.name)
-        return True
+        quant = c.kv_bits if c.kv_quantized else 0
+        n = self.backend.warm_up(heads, kv_heads, self.shape.head_dim, c.block_size, torch_dtype(c.dtype), self.device,
+                                 self.max_model_len, force=True, sinks=self.layout.sinks, quant=quant,
+                                 group_size=kv_value_group_size(c, self.shape.head_dim) if quant else 1)
+        buckets = decode_buckets(c.max_num_seqs)
+        for b in buckets:
+            self.execute(self._decode_dummy(b))
+        if c.on_cuda:
+            torch.cuda.synchronize(self.device)
+        logger.info("rank %d: %s kernels warmed up (%d configurations; decode steps at batch sizes %s)", self.rank,
+                    self.backend.name, n, list(buckets))
+        return n
 
     def compile_decode_step(self) -> bool:
         """Compile the native forward's decode step at every bucket (``engine.compiled_step``), timing it;
@@ -423,6 +446,20 @@ class ModelRunner:
         logger.info("rank %d: decode step compiled for batch sizes %s in %.1f s", self.rank, list(compiled.buckets),
                     seconds)
         return True
+
+    def _choose_decode_path(self) -> DecodePath:
+        """``engine.decode_path.choose_decode_path`` over the model this runner loaded; a Llama-family
+        forward is told whether its decode steps are the C step's."""
+        from engine.models.llama import LlamaForward
+        from kernels import cpu_decode
+
+        native = type(self.model) is LlamaForward  # subclasses (AttnRes) have their own forward, no C step
+        facts = DecodeFacts(native_llama=native, head_dim=self.shape.head_dim, sinks=self.layout.sinks,
+                            backend=self.backend.name, c_kernel=not self.config.on_cuda and cpu_decode.available())
+        path = choose_decode_path(self.config, facts)
+        if native:
+            self.model.c_step = path.path == "c_step"
+        return path
 
     def _decode_dummy(self, batch: int) -> ModelInput:
         """A decode step of ``batch`` sequences that writes no KV (slots -1) and reads block 1."""
@@ -457,6 +494,7 @@ class ModelRunner:
         self.sampler.release(inp.finished_request_ids)
         out = self.sampler(logits, inp.sampling)
         out.block_importance = self.last_block_importance
+        out.decode_path = self.last_decode_path
         return out
 
     @torch.inference_mode()
@@ -502,11 +540,16 @@ class ModelRunner:
             if self.config.sparse.compact else None,
         )
         self.last_block_importance = None
+        self.last_decode_path = None
         with attention.forward_context(ctx):
             if bucket is not None:
                 n = len(inp.logits_indices)
+                self.last_decode_path = "compiled"
                 return self.compiled.fn(st.input_ids, st.positions, st.padded_logits_indices[:bucket])[:n]
             logits = self.model(st.input_ids, st.positions, st.logits_indices)
+        if num == len(inp.seq_lens):  # a decode step: count what ran it (engine/decode_path.py)
+            self.last_decode_path = ("c_step" if getattr(self.model, "ran_c_step", False)
+                                     else "triton" if self.backend.name == "triton" else "eager")
         if ctx.block_importance is not None:
             if self.world_size > 1:
                 # Each rank scored its own KV heads; the mean over all heads is the mean of the ranks'

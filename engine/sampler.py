@@ -58,6 +58,8 @@ class SamplerOutput:
     # ``importance`` eviction: per *scheduled* sequence (schedule order), attention mass per logical block
     # this step (engine/importance.py); None when the policy does not score.
     block_importance: list[list[float]] | None = None
+    # A decode step (every sequence fed one token): the path that ran it (engine/decode_path.py); else None.
+    decode_path: str | None = None
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

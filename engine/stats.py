@@ -34,6 +34,8 @@ class EngineCounters:
     sparse_step_attended: int = 0  # the current step's sums (the fraction gauge)
     sparse_step_context: int = 0
     sparse_step: int = -1
+    # Decode steps by the path that ran them (engine/decode_path.py: c_step, compiled, eager, triton).
+    decode_steps: dict[str, int] = field(default_factory=dict)
 
     def observe_sparse(self, attended: int, visible: int, is_sparse: bool) -> None:
         """One scheduled sequence of the current step (``steps_total`` identifies the step)."""
@@ -87,6 +89,10 @@ class EngineStats:
     # for the full layers). Equal to blocks_used when the model has no sliding layer.
     sliding_layers: int = 0
     blocks_needed_sliding: int = 0
+    # The pool's decode step (engine/decode_path.py), decided once at start-up, and the decode steps each
+    # path actually ran ((path, steps) pairs: a C-step pool's oversized batch runs eagerly).
+    decode_path: str = ""
+    decode_steps: tuple[tuple[str, int], ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -56,8 +56,22 @@ def _interpret_preimported_stdlib() -> None:
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") and isinstance(tl.zeros, triton.runtime.jit.JITFunction):
     _interpret_preimported_stdlib()
 
+# Integer kernel arguments whose values change from step to step (batch size, table widths, selection
+# sizes). Triton specializes an integer argument on ``== 1`` and ``% 16 == 0`` unless told not to, so each
+# would double the compiled variants, and a variant not met at warm-up compiles on a live request (a
+# batch of one, a table 16 blocks wide). Listed here, they compile once for any value. Model constants
+# (tensor strides) keep their specialization: the warm-up meets the same values.
+# (tests/kernels/test_launch_configs.py checks that the engine's launches vary in nothing else.)
+PER_STEP_INTS: dict[str, list[str]] = {
+    "paged_attention": ["stride_bt", "num_seqs", "window"],
+    "sparse_attention": ["num_selected", "stride_st"],
+    "indexer": ["stride_bt", "num_seqs", "token_offset", "num_cols", "stride_out"],
+    "topk": ["stride_bt", "stride_forced", "num_seqs", "token_offset", "num_cols", "window", "k", "stride_s",
+             "stride_o"],
+}
+
 __all__ = [
-    "triton", "tl", "next_pow2", "interpreting", "check_device", "dot_precision", "find_seq", "find_token_seq",
+    "triton", "tl", "PER_STEP_INTS", "next_pow2", "interpreting", "check_device", "dot_precision", "find_seq", "find_token_seq",
     "load_kv", "mma", "cast_out",
 ]
 

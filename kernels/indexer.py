@@ -22,7 +22,7 @@ import logging
 
 import torch
 
-from kernels._triton import check_device, dot_precision, find_token_seq, interpreting, mma, next_pow2, tl, triton
+from kernels._triton import PER_STEP_INTS, check_device, dot_precision, find_token_seq, interpreting, mma, next_pow2, tl, triton
 from kernels.topk import launch_topk
 
 logger = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MEMORY_BUDGET = 256 * 1024 * 1024
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_STEP_INTS["indexer"])
 def _indexer_kernel(
     q_ptr,
     w_ptr,

@@ -45,6 +45,7 @@ from kernels._triton import (
     next_pow2,
     tl,
     triton,
+    PER_STEP_INTS,
 )
 
 logger = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ def plain_source(k_cache: torch.Tensor, v_cache: torch.Tensor) -> KVSource:
     return KVSource(k_cache, v_cache, block_size, hkv, d)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_STEP_INTS["paged_attention"])
 def _paged_attn_kernel(
     q_ptr,
     o_ptr,
@@ -378,6 +379,33 @@ def paged_constexprs(num_q_heads: int, num_kv_heads: int, head_dim: int, block_s
     )  # fmt: skip
 
 
+# Accumulator elements (fp32, both half tiles) each thread may hold before the tile gets more warps: past
+# this the registers spill. Llama-3-8B's mixed tile (64 rows x 128 channels) keeps Triton's 4 warps; a head
+# size of 256 (Gemma-3) doubles the accumulators and gets 8.
+ACC_PER_THREAD = 64
+# Software-pipelining stages: Triton's sm_90 default, stated so the sm_90 check compiles what launches.
+NUM_STAGES = 3
+# Shared memory one program may use on sm_90 (H100/H200: 227 KiB opt-in per block).
+SM90_MAX_SHARED = 232448
+
+
+def paged_options(consts: dict) -> dict:
+    """``num_warps`` / ``num_stages`` of one ``_paged_attn_kernel`` launch, from its compile-time arguments:
+    enough warps that the ``[BLOCK_M, 2 * HALF]`` fp32 accumulators stay at ``ACC_PER_THREAD`` per thread
+    (4 to 8 warps).
+
+    >>> paged_options(paged_constexprs(32, 8, 128, 16, False, 1, torch.bfloat16, False))  # Llama-3-8B, mixed
+    {'num_warps': 4, 'num_stages': 3}
+    >>> paged_options(paged_constexprs(8, 4, 256, 16, False, 1, torch.bfloat16, False))   # Gemma-3, mixed
+    {'num_warps': 8, 'num_stages': 3}
+    >>> paged_options(paged_constexprs(8, 4, 256, 16, True, 1, torch.bfloat16, False))    # Gemma-3, decode
+    {'num_warps': 4, 'num_stages': 3}
+    """
+    acc = consts["BLOCK_M"] * 2 * consts["HALF"]
+    warps = min(8, max(4, next_pow2(-(-acc // (32 * ACC_PER_THREAD)))))
+    return dict(num_warps=warps, num_stages=NUM_STAGES)
+
+
 def reduce_constexprs(num_q_heads: int, head_dim: int, num_splits: int, interp: bool, sinks: bool = False) -> dict:
     """The compile-time arguments of ``_reduce_kernel`` (launched only when ``num_splits > 1``)."""
     return dict(NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim), NUM_SPLITS=num_splits,
@@ -398,6 +426,8 @@ class KernelConfig:
     constexprs: tuple[tuple[str, object], ...]
     decode_only: bool = False
     num_splits: int = 1
+    # Launch options (num_warps, num_stages) beside the constexprs; empty: Triton's defaults.
+    options: tuple[tuple[str, int], ...] = ()
 
     @property
     def name(self) -> str:
@@ -412,20 +442,23 @@ class KernelConfig:
 
 def engine_launch_configs(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
                           interp: bool = False, max_model_len: int | None = None,
-                          sinks: bool = False) -> list[KernelConfig]:
+                          sinks: bool = False, quant: int = 0, group_size: int = 1) -> list[KernelConfig]:
     """Every kernel configuration the engine's attention backend (``write_kv`` + ``paged_attention``,
     split count from ``choose_num_splits``) can launch for one model shape and dtype, compiled mode by
     default; ``max_model_len`` bounds the split counts (short models never split); ``sinks``: the model
-    has learned sinks (every attention launch carries them). Built from the same functions the launchers
-    call, so it cannot drift from them."""
+    has learned sinks (every attention launch carries them); ``quant`` (8 or 4) and ``group_size``: a packed
+    KV cache (``kernels.kv_quant``), whose attention reads codes and the 16-bit side pool. Built from the
+    same functions the launchers call, so it cannot drift from them. Integer arguments that change per step
+    are not specialized (``kernels._triton.PER_STEP_INTS``), so these are all the variants there are."""
     top = MAX_SPLITS if max_model_len is None else max_splits(-(-max_model_len // block_size) * block_size)
     splits_choices = [s for s in SPLIT_CHOICES if s <= top]
     configs = [KernelConfig("write_kv", tuple(write_kv_constexprs(num_kv_heads, head_dim, interp).items()))]
     for decode_only in (True, False):
         for splits in splits_choices:
             c = paged_constexprs(num_q_heads, num_kv_heads, head_dim, block_size, decode_only, splits, dtype, interp,
-                                 sinks=sinks)
-            configs.append(KernelConfig("paged_attention", tuple(c.items()), decode_only, splits))
+                                 quant=quant, group_size=group_size if quant else 1, sinks=sinks)
+            configs.append(KernelConfig("paged_attention", tuple(c.items()), decode_only, splits,
+                                        tuple(paged_options(c).items())))
     for splits in splits_choices[1:]:
         configs.append(KernelConfig("reduce", tuple(reduce_constexprs(num_q_heads, head_dim, splits, interp, sinks).items()),
                                     num_splits=splits))
@@ -433,12 +466,15 @@ def engine_launch_configs(num_q_heads: int, num_kv_heads: int, head_dim: int, bl
 
 
 def warm_up(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-            device: torch.device, max_model_len: int | None = None, force: bool = False, sinks: bool = False) -> int:
+            device: torch.device, max_model_len: int | None = None, force: bool = False, sinks: bool = False,
+            quant: int = 0, group_size: int = 1) -> int:
     """Launch every configuration of ``engine_launch_configs`` once on a few tokens, through the real
     launchers, so the first requests do not pay the JIT compiles. Returns the launches made.
 
-    Triton also specializes integer arguments equal to 1 or divisible by 16 (sequence counts, table
-    strides); those variants still compile on first use, from Triton's on-disk cache after a restart.
+    Integer arguments that change from step to step (sequence count, table width) are not specialized by
+    Triton (``kernels._triton.PER_STEP_INTS``), so one launch per configuration compiles what every batch
+    size and context length uses (``tests/kernels/test_launch_configs.py`` checks the engine's launches
+    against these). ``quant``: a packed cache's attention (codes + side pool) and its packing kernel.
     """
     if device.type != "cuda" and not force:  # ``force``: tests drive it on CPU under the interpreter
         return 0
@@ -447,8 +483,20 @@ def warm_up(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
     k_cache = torch.zeros(kv_shape, dtype=dtype, device=device)
     v_cache = torch.zeros_like(k_cache)
     sink_logits = torch.zeros(num_q_heads, dtype=torch.float32, device=device) if sinks else None
+    packed = None
+    if quant:
+        from kernels import kv_quant
+
+        packed = kv_quant.QuantKVCache.allocate(4, 4, block_size, num_kv_heads, head_dim, bits=quant,
+                                                group_size=group_size, dtype=dtype, device=device)
+        blocks = torch.tensor([1], dtype=torch.long, device=device)
+        packed.fp_index[1] = 1  # block 1 lives 16-bit, then is packed (the engine's order)
+        kv_quant.quantize_fp_slots(packed, blocks, blocks.clone())
+        packed.fp_index[1] = -1
+        packed.fp_index[2] = 2  # block 2 stays 16-bit: attention reads both pools
+        n += 1
     for cfg in engine_launch_configs(num_q_heads, num_kv_heads, head_dim, block_size, dtype,
-                                     max_model_len=max_model_len, sinks=sinks):
+                                     max_model_len=max_model_len, sinks=sinks, quant=quant, group_size=group_size):
         if cfg.kernel == "reduce":
             continue  # launched by the split paged-attention runs below
         if cfg.kernel == "write_kv":
@@ -461,8 +509,12 @@ def warm_up(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
             tables = torch.tensor([[1, 2]] * len(q_lens), dtype=torch.int32, device=device)
             seq_lens = torch.tensor([block_size + q for q in q_lens], dtype=torch.int32, device=device)
             qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-            paged_attention(query, k_cache, v_cache, tables, seq_lens, qsl, 1.0, num_splits=cfg.num_splits,
-                            sinks=sink_logits)
+            if packed is not None:
+                launch_paged_attention(query, packed.source(), tables, seq_lens, qsl, 1.0, cfg.num_splits,
+                                       sinks=sink_logits)
+            else:
+                paged_attention(query, k_cache, v_cache, tables, seq_lens, qsl, 1.0, num_splits=cfg.num_splits,
+                                sinks=sink_logits)
         n += 1
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -514,7 +566,7 @@ def launch_paged_attention(
         query, out, part_o, part_ml, *kv.pointers(),
         block_tables, block_tables.stride(0), seq_lens, query_start_loc, sinks if sinks is not None else query,
         num_seqs, NO_WINDOW if window is None else window, scale * LOG2E,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1), **consts,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), **consts, **paged_options(consts),
     )  # fmt: skip
     reduce_splits(part_o, part_ml, out, num_splits, sinks)
     return out

@@ -17,14 +17,14 @@ import logging
 
 import torch
 
-from kernels._triton import cast_out, check_device, dot_precision, interpreting, load_kv, mma, next_pow2, tl, triton
+from kernels._triton import PER_STEP_INTS, cast_out, check_device, dot_precision, interpreting, load_kv, mma, next_pow2, tl, triton
 from kernels.kv_quant import QuantKVCache
 from kernels.paged_attention import LOG2E, KVSource, _num_sms, plain_source, reduce_splits, split_buffers
 
 logger = logging.getLogger(__name__)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_STEP_INTS["sparse_attention"])
 def _sparse_attn_kernel(
     q_ptr,
     o_ptr,

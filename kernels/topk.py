@@ -24,7 +24,7 @@ import logging
 
 import torch
 
-from kernels._triton import check_device, find_token_seq, next_pow2, tl, triton
+from kernels._triton import PER_STEP_INTS, check_device, find_token_seq, next_pow2, tl, triton
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def _row_keys(
     return key, slots
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_STEP_INTS["topk"])
 def _topk_kernel(
     scores_ptr,
     out_ptr,

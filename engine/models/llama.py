@@ -228,7 +228,9 @@ class LlamaForward(nn.Module):
         heads, kv_heads = spec.num_heads // world_size, spec.num_kv_heads // world_size
         self.layers = nn.ModuleList(self._layer(i, get, heads, kv_heads) for i in range(spec.num_layers))
         self._decode_kernel: cpu_decode.DecodeStep | None = None  # built on the first step it applies to
-        self._decode_model_fits: bool | None = None  # the per-model part of decode_kernel_applies, on first use
+        # The pool's decode path is the C step (engine/decode_path.py decides; the model runner sets it).
+        self.c_step = False
+        self.ran_c_step = False  # whether the last forward ran as the C step
 
     def _layer(self, i: int, get: Callable[..., torch.Tensor], heads: int, kv_heads: int) -> DecoderLayer:
         s, p = self.spec, f"model.layers.{i}."
@@ -261,26 +263,21 @@ class LlamaForward(nn.Module):
         return x
 
     def decode_kernel_applies(self, ctx: attention.ForwardContext, rows: int) -> bool:
-        """Whether this step can run as one C call (``kernels/cpu_decode.py``): a float32 CPU model on one
-        rank (the step uses torch's thread count), the ``cpu`` attention backend, every sequence decoding one token, at most
-        ``DECODE_KERNEL_MAX_ROWS`` of them, and none of the attention features the C step does not carry
-        (quantized KV, sparse attention and its bounds, the trained indexer, importance scoring, outlier
-        calibration, selected memory, learned sinks). Everything else runs the eager forward below."""
-        if self._decode_model_fits is None:  # what does not change between steps, checked once
-            self._decode_model_fits = (self.all_reduce is None and self.embed.dtype == torch.float32
-                                       and self.embed.is_cpu and self.spec.head_dim <= 256 and cpu_decode.available())
-        return (self._decode_model_fits and rows <= DECODE_KERNEL_MAX_ROWS and rows == ctx.seq_lens.shape[0]
-                and ctx.backend.name == "cpu" and not ctx.quantized and ctx.key_absmax is None
-                and ctx.block_bounds is None and ctx.indexer is None and ctx.sparse_plan is None
-                and ctx.block_importance is None and ctx.selected_memory is None
-                and (ctx.layout is None or not ctx.layout.sinks))
+        """Whether this step runs as one C call (``kernels/cpu_decode.py``): the engine chose the C step for
+        this pool (``c_step``, set by the model runner from ``engine.decode_path.choose_decode_path``, which
+        holds every per-pool condition), every sequence decodes one token, at most ``DECODE_KERNEL_MAX_ROWS``
+        of them, and the step neither scores block importance nor calibrates outlier channels. Everything
+        else runs the eager forward below."""
+        return (self.c_step and rows <= DECODE_KERNEL_MAX_ROWS and rows == ctx.seq_lens.shape[0]
+                and ctx.key_absmax is None and ctx.block_importance is None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         """``input_ids, positions [T]`` -> logits ``[len(logits_indices), vocab]`` (float32). Runs inside
         an ``engine.attention.forward_context`` (the paged KV metadata of the step)."""
         if not torch.compiler.is_compiling():  # a compiled graph (engine/compiled_step.py) traces the torch ops
             ctx = attention.current_context()
-            if ctx is not None and self.decode_kernel_applies(ctx, input_ids.shape[0]):
+            self.ran_c_step = ctx is not None and self.decode_kernel_applies(ctx, input_ids.shape[0])
+            if self.ran_c_step:
                 if self._decode_kernel is None:
                     self._decode_kernel = cpu_decode.DecodeStep(self)
                 return self._decode_kernel(input_ids, positions, ctx.slot_mapping, ctx.block_tables, ctx.seq_lens,

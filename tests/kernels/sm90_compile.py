@@ -9,9 +9,13 @@ shared-memory use). Triton ships ``ptxas``, so the full compile to a cubin runs 
 The engine's kernels (``write_kv``, paged attention, the split reduction) are compiled for *every*
 configuration their launchers can pick, as enumerated by ``kernels.paged_attention.engine_launch_configs``
 (the launchers build their compile-time arguments with the same functions, so this list cannot drift):
-decode and prefill/mixed tiles x every split count, for Llama-3-8B's attention shape (32 query heads,
-8 KV heads of 128, 16-token blocks) in bfloat16 (the CUDA default) and float32 (exact IEEE dots, another
-code path). ``--all`` adds float16 and the shapes of the reference and test models (head size 32 and 16).
+decode and prefill/mixed tiles x every split count, with the launch options (``num_warps``, ``num_stages``)
+the launcher passes, for Llama-3-8B's attention shape (32 query heads, 8 KV heads of 128, 16-token blocks)
+and Gemma-3-4B's (8 query heads, 4 KV heads of 256: the largest head size, whose mixed tile gets 8 warps)
+in bfloat16 (the CUDA default) and float32 (exact IEEE dots, another code path). Every engine kernel's
+shared memory must fit one sm_90 program (``SM90_MAX_SHARED``, 227 KiB) -- a launch over it fails on the
+device, not here, unless this checks it. ``--all`` adds float16 and the shapes of the reference and test
+models (head size 32 and 16).
 
 Must run in a fresh process with ``TRITON_INTERPRET=0`` (kernels decorated for compilation), which is why
 ``test_compile_sm90.py`` launches it as a subprocess.
@@ -41,7 +45,7 @@ from kernels import topk as tk  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def compile_sm90(fn, types, consts):
+def compile_sm90(fn, types, consts, options=None):
     names = inspect.signature(fn.fn).parameters
     sig = {}
     for n in names:
@@ -50,7 +54,7 @@ def compile_sm90(fn, types, consts):
         elif n.endswith("_ptr"): raise KeyError(n)
         else: sig[n] = "i32"
     t = time.time()
-    k = triton.compile(ASTSource(fn, sig, consts), target=TARGET)
+    k = triton.compile(ASTSource(fn, sig, consts), target=TARGET, options=dict(options or {}))
     return time.time() - t, k.metadata.shared
 
 def quant_ptrs(dt, quant):
@@ -62,12 +66,12 @@ def quant_ptrs(dt, quant):
 
 TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 # (name, query heads, KV heads, head size, block size)
-ENGINE_SHAPES = [("llama3-8b", 32, 8, 128, 16)]
+ENGINE_SHAPES = [("llama3-8b", 32, 8, 128, 16), ("gemma3-4b", 8, 4, 256, 16)]
 ENGINE_SHAPES_ALL = ENGINE_SHAPES + [("reference", 4, 2, 32, 16), ("tiny", 4, 2, 16, 16)]
 
 
-def engine_variants(every: bool) -> list[tuple[str, object, dict, dict]]:
-    """``(name, kernel, types, constexprs)`` for every configuration the engine can launch."""
+def engine_variants(every: bool) -> list[tuple[str, object, dict, dict, dict]]:
+    """``(name, kernel, types, constexprs, launch options)`` for every configuration the engine can launch."""
     out = []
     for shape, hq, hkv, d, bs in ENGINE_SHAPES_ALL if every else ENGINE_SHAPES:
         for dtype in (torch.bfloat16, torch.float32, torch.float16) if every else (torch.bfloat16, torch.float32):
@@ -83,7 +87,9 @@ def engine_variants(every: bool) -> list[tuple[str, object, dict, dict]]:
                 else:
                     fn, types = pa._write_kv_kernel, dict(key_ptr=f"*{dt}", value_ptr=f"*{dt}", k_cache_ptr=f"*{dt}",
                                                           v_cache_ptr=f"*{dt}", slot_ptr="*i64")
-                out.append((f"engine {shape} {dt} {cfg.name}", fn, types, dict(cfg.constexprs)))
+                warps = dict(cfg.options).get("num_warps")
+                out.append((f"engine {shape} {dt} {cfg.name}" + (f" warps={warps}" if warps else ""), fn, types,
+                            dict(cfg.constexprs), dict(cfg.options)))
     return out
 
 
@@ -94,12 +100,15 @@ SUBSET = None if "--all" in sys.argv else {
     "reduce sinks", "quantize int4", "indexer scale=True", "topk forced=True",
     "write_kv",
 }
-def run(name, fn, types, consts, always=False):
+def run(name, fn, types, consts, always=False, options=None, max_shared=None):
     try:
         if SUBSET is not None and name not in SUBSET and not always:
             return
-        dt, shared = compile_sm90(fn, types, consts)
-        results.append((name, "ok", f"{dt:.1f}s shared={shared}B"))
+        dt, shared = compile_sm90(fn, types, consts, options)
+        if max_shared is not None and shared > max_shared:
+            results.append((name, "FAIL", f"shared memory {shared} B > {max_shared} B per sm_90 program"))
+        else:
+            results.append((name, "ok", f"{dt:.1f}s shared={shared}B"))
     except Exception as e:
         results.append((name, "FAIL", repr(e)[:600]))
     print(*results[-1], flush=True)
@@ -139,8 +148,8 @@ for forced in (False, True):
         dict(BLOCK_SIZE=16, BLOCK_N=1024, BLOCK_K=1024, HAS_FORCED=forced))
 run("write_kv", pa._write_kv_kernel, dict(key_ptr="*fp32", value_ptr="*fp32", k_cache_ptr="*bf16", v_cache_ptr="*bf16",
     slot_ptr="*i64"), dict(NUM_KV_HEADS=8, HEAD_DIM=128, H_PAD=8, D_PAD=128, INTERP=False))
-for name, fn, types, consts in engine_variants(SUBSET is None):
-    run(name, fn, types, consts, always=True)
+for name, fn, types, consts, options in engine_variants(SUBSET is None):
+    run(name, fn, types, consts, always=True, options=options, max_shared=pa.SM90_MAX_SHARED)
 failed = [r[0] for r in results if r[1] == "FAIL"]
 print(f"compiled {len(results) - len(failed)}/{len(results)} kernels for sm_90; failed: {failed}")
 sys.exit(1 if failed else 0)

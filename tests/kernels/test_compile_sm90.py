@@ -22,3 +22,7 @@ def test_kernels_compile_for_sm90() -> None:
         timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    # Gemma-3's head size 256 was compiled too, its mixed tile with 8 warps, within sm_90's shared memory.
+    gemma = [ln for ln in proc.stdout.splitlines() if ln.startswith("engine gemma3-4b ")]
+    assert any("BLOCK_Q=32" in ln and "warps=8 ok" in ln for ln in gemma), gemma
+    assert gemma and all(" ok " in ln for ln in gemma)

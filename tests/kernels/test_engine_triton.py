@@ -1,4 +1,10 @@
-"""The engine with the Triton backend (interpreter on CPU) generates exactly what transformers does."""
+"""The engine with the Triton backend (interpreter on CPU, compiled on a CUDA host) generates exactly what
+transformers does.
+
+The engine is built on the device the kernels run on (the ``device`` fixture): on a CUDA host Triton
+compiles and refuses CPU tensors, so an engine left at the default ``device="cpu"`` would fail there.
+float32 with TF32 off on both devices, so the tokens must be equal.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,8 @@ import random
 from pathlib import Path
 
 import pytest
+
+import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from kernels import paged_attention as pa
@@ -15,7 +23,15 @@ from tests.test_engine_equivalence import MAX_TOKENS, reference
 LENGTHS = [1, 5, 16, 17, 40]
 
 
-def test_triton_backend_greedy_matches_transformers(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def triton_engine(model_dir: Path, device: torch.device) -> LLMEngine:
+    """An engine on the Triton backend, on the kernels' device, float32 with exact (IEEE) matmuls."""
+    return LLMEngine(EngineConfig(model=str(model_dir), device=str(device), dtype="float32", allow_tf32=False,
+                                  attention_backend="triton", num_kv_blocks=64, block_size=16,
+                                  max_num_batched_tokens=64))
+
+
+def test_triton_backend_greedy_matches_transformers(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    device: torch.device) -> None:
     # Count kernel calls so the test cannot pass by silently running the torch backend.
     calls = {"attn": 0, "write": 0}
     attn, write = pa.paged_attention, pa.write_kv
@@ -33,10 +49,7 @@ def test_triton_backend_greedy_matches_transformers(tiny_llama: Path, monkeypatc
     rng = random.Random(7)
     batch = [[rng.randrange(0, 250) for _ in range(n)] for n in LENGTHS]
     want, _ = reference(tiny_llama, batch)
-    engine = LLMEngine(
-        EngineConfig(model=str(tiny_llama), attention_backend="triton", num_kv_blocks=64, block_size=16,
-                     max_num_batched_tokens=64)
-    )  # fmt: skip
+    engine = triton_engine(tiny_llama, device)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     ids = [f"r{i}" for i in range(len(batch))]
     for rid, p in zip(ids, batch):
@@ -49,7 +62,8 @@ def test_triton_backend_greedy_matches_transformers(tiny_llama: Path, monkeypatc
     assert calls["attn"] > 0 and calls["write"] > 0
 
 
-def test_triton_backend_serves_gpt_oss_sinks_and_window_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_triton_backend_serves_gpt_oss_sinks_and_window_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                device: torch.device) -> None:
     # gpt-oss (alternating sliding/full layers, learned sinks) with a window of 16, shorter than the longer
     # prompts: the Triton kernels receive both and the greedy tokens equal transformers'.
     from tests.tiny_models import build_model
@@ -66,8 +80,7 @@ def test_triton_backend_serves_gpt_oss_sinks_and_window_exactly(tmp_path: Path, 
     rng = random.Random(8)
     batch = [[rng.randrange(0, 250) for _ in range(n)] for n in (1, 17, 40)]
     want, _ = reference(model_dir, batch)
-    engine = LLMEngine(EngineConfig(model=str(model_dir), attention_backend="triton", num_kv_blocks=64, block_size=16,
-                                    max_num_batched_tokens=64))
+    engine = triton_engine(model_dir, device)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(batch):
         engine.add_request(f"r{i}", p, params)

@@ -11,7 +11,8 @@ from kernels.reference import paged_attention as ref_paged_attention
 
 
 def consts_of(kernel: str, configs: list[pa.KernelConfig]) -> list[dict]:
-    return [dict(c.constexprs) for c in configs if c.kernel == kernel]
+    """What a launch of ``kernel`` passes besides its tensors: the constexprs and the launch options."""
+    return [dict(c.constexprs) | dict(c.options) for c in configs if c.kernel == kernel]
 
 
 def test_prefill_tile_and_every_split_are_enumerated_for_llama3_8b() -> None:
@@ -23,6 +24,16 @@ def test_prefill_tile_and_every_split_are_enumerated_for_llama3_8b() -> None:
     assert len(paged) == 2 * len(pa.SPLIT_CHOICES)
     assert {c["NUM_SPLITS"] for c in consts_of("reduce", configs)} == set(pa.SPLIT_CHOICES[1:])
     assert len(consts_of("write_kv", configs)) == 1
+
+
+def test_head_size_256_mixed_tile_gets_more_warps() -> None:
+    """Gemma-3's head size 256 doubles the mixed tile's accumulators: 8 warps keep them in registers; the
+    decode tile and Llama-3-8B's tiles keep Triton's 4. The sm_90 check compiles these (and bounds their
+    shared memory), and the launcher passes exactly them (test below)."""
+    warps = {(dict(c.constexprs)["HEAD_DIM"], c.decode_only): dict(c.options)["num_warps"]
+             for hq, hkv, d in ((32, 8, 128), (8, 4, 256)) for dtype in (torch.bfloat16, torch.float32)
+             for c in pa.engine_launch_configs(hq, hkv, d, 16, dtype) if c.kernel == "paged_attention"}
+    assert warps == {(128, True): 4, (128, False): 4, (256, True): 4, (256, False): 8}
 
 
 def test_split_choice_is_always_an_enumerated_value(monkeypatch) -> None:
@@ -103,3 +114,72 @@ def test_model_length_bounds_the_splits_the_launcher_can_pick(monkeypatch) -> No
         # the launcher, at its most eager (one token, one KV head), never goes beyond the bound
         width = -(-max_len // 16)
         assert pa.choose_num_splits(1, 1, width * 16, torch.device("cuda")) == top
+
+
+class LaunchRecorder:
+    """Wraps a ``@triton.jit`` kernel: records each launch's compile-time arguments and launch options, and
+    the class Triton would specialize each integer argument on (``1``, ``16``: divisible by 16, ``n``)."""
+
+    def __init__(self, kernel, name: str, log: list) -> None:
+        import inspect
+
+        self.kernel, self.name, self.log = kernel, name, log
+        self.params = [p for p in inspect.signature(kernel.fn).parameters]
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            ints = {n: ("1" if v == 1 else "16" if v % 16 == 0 else "n") for n, v in zip(self.params, args)
+                    if isinstance(v, int) and not isinstance(v, bool)}
+            self.log.append((self.name, tuple(sorted(kwargs.items())), ints))
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def record_launches(monkeypatch, log: list) -> None:
+    from kernels import indexer, sparse_attention, topk
+
+    for mod, attr, name in ((pa, "_paged_attn_kernel", "paged_attention"), (pa, "_reduce_kernel", "reduce"),
+                            (pa, "_write_kv_kernel", "write_kv"), (sparse_attention, "_sparse_attn_kernel",
+                            "sparse_attention"), (indexer, "_indexer_kernel", "indexer"), (topk, "_topk_kernel", "topk")):
+        monkeypatch.setattr(mod, attr, LaunchRecorder(getattr(mod, attr), name, log))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_engine_launches_vary_only_in_unspecialized_ints_and_warm_up_compiled_them(
+        tiny_llama, monkeypatch, device: torch.device, kv_cache_dtype: str) -> None:
+    """Steps of 1 and 3 sequences, block tables 1 to 3 blocks wide, prefill and decode, 16-bit and packed
+    KV: every integer argument whose specialization class changes between launches is one Triton does not
+    specialize (``PER_STEP_INTS``), and every variant the engine launched is one its start-up warm-up
+    (``ModelRunner.warm_up_kernels``) launched, so compiled."""
+    from engine import EngineConfig, LLMEngine, SamplingParams
+    from kernels._triton import PER_STEP_INTS
+
+    log: list = []
+    record_launches(monkeypatch, log)
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), device=str(device), dtype="float32", allow_tf32=False,
+                                    attention_backend="triton", num_kv_blocks=32, max_num_batched_tokens=64,
+                                    block_size=16, max_num_seqs=4, kv_cache_dtype=kv_cache_dtype))
+    start = len(log)  # on CUDA the engine warmed up at start: keep only what the requests launched
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    engine.generate([[7] * 5], params)  # one sequence, a one-block table
+    engine.generate([[7] * 5, [8] * 20, [9] * 40], params)  # three sequences, tables up to three blocks wide
+    engine_launches = log[start:]
+    varied: dict[str, set[str]] = {}
+    for name, consts, ints in engine_launches:
+        for arg, cls in ints.items():
+            others = {i[arg] for n, c, i in engine_launches if n == name and c == consts}
+            if len(others) > 1:
+                varied.setdefault(name, set()).add(arg)
+    assert {"num_seqs", "stride_bt"} <= varied.get("paged_attention", set())  # the test saw variation
+    for name, args in varied.items():
+        assert args <= set(PER_STEP_INTS.get(name, ())), (name, args)
+
+    log.clear()
+    assert engine.executor.runner.warm_up_kernels() > 0
+
+    def keys(launches):
+        return {(n, c, tuple(sorted((a, v) for a, v in i.items() if a not in PER_STEP_INTS.get(n, ()))))
+                for n, c, i in launches}
+
+    assert keys(engine_launches) <= keys(log)

@@ -1,0 +1,109 @@
+"""One function decides each pool's decode step (``engine.decode_path``): checked for every pool of every
+config in ``serve_configs/``, logged once per engine, exported per pool, and what ran each step counted."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from app.metrics import render
+from app.placement import pool_device
+from app.settings import AppArgs, resolve_model_path
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.decode_path import DECODE_PATHS, decode_path_for
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "serve_configs"
+
+# (config file, pool, model version, device) -> the decode step that pool runs. A pool added to a config
+# must be added here (the test below checks the table covers them all).
+EXPECTED = {
+    ("prod.yaml", "short", "v1", "cpu"): "c_step",
+    ("prod.yaml", "long", "v1", "cpu"): "eager",  # int4 KV + block_bounds sparse: not in the C step (issue 38)
+    ("prod.yaml", "short", "v1", "cuda"): "triton",
+    ("prod.yaml", "long", "v1", "cuda"): "triton",
+    ("local.yaml", "default", "v1", "cpu"): "c_step",
+    ("local.yaml", "default", "v1", "cuda"): "triton",
+    ("gpu-1.yaml", "default", "v1", "cuda"): "triton",
+    ("gpu-8.yaml", "short", "v1", "cuda"): "triton",
+    ("gpu-8.yaml", "long", "v1", "cuda"): "triton",
+    ("attnres-twins.yaml", "short", "v1", "cpu"): "c_step",
+    ("attnres-twins.yaml", "long", "v1", "cpu"): "c_step",
+    ("attnres-twins.yaml", "short", "v2", "cpu"): "eager",  # AttnRes: its own forward, no C step
+    ("attnres-twins.yaml", "long", "v2", "cpu"): "eager",
+    ("attnres-twins.yaml", "short", "v1", "cuda"): "triton",
+    ("attnres-twins.yaml", "long", "v1", "cuda"): "triton",
+    ("attnres-twins.yaml", "short", "v2", "cuda"): "triton",
+    ("attnres-twins.yaml", "long", "v2", "cuda"): "triton",
+}
+
+
+def pool_configs() -> dict[tuple[str, str, str, str], EngineConfig]:
+    """Every pool x model version x device it can be placed on (``device: auto`` on a CPU and a GPU cluster),
+    as the app builds its EngineConfig."""
+    out = {}
+    for path in sorted(CONFIGS.glob("*.yaml")):
+        doc = yaml.safe_load(path.read_text())
+        for app in doc.get("applications") or ():
+            args = AppArgs.model_validate(app["args"])
+            for pool in args.pools:
+                for v in args.versions:
+                    model = resolve_model_path(v.model or args.model)
+                    for device in sorted({pool_device(pool, 0), pool_device(pool, 1)}):
+                        out[(path.name, pool.name, v.name, device)] = pool.engine_config(model, device)
+    return out
+
+
+def test_every_pool_of_every_serve_config_has_its_decode_path() -> None:
+    configs = pool_configs()
+    assert set(configs) == set(EXPECTED)
+    got = {key: decode_path_for(cfg) for key, cfg in configs.items()}
+    assert {key: d.path for key, d in got.items()} == EXPECTED
+    long = got[("prod.yaml", "long", "v1", "cpu")].reason
+    assert "kv_cache_dtype int4" in long and "sparse attention (block_bounds)" in long
+
+
+def test_the_engine_logs_its_decision_once_and_counts_what_ran(caplog: pytest.LogCaptureFixture,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.models import llama
+
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    with caplog.at_level(logging.INFO, logger="engine"):
+        engine = LLMEngine(EngineConfig(num_kv_blocks=64))
+    assert [r.getMessage() for r in caplog.records].count(engine.decode_path.describe()) == 1
+    assert engine.decode_path == decode_path_for(engine.config)  # the runner's model agrees with the config's
+    assert engine.decode_path.path == "c_step"
+    engine.generate([[5, 6, 7], [8, 9]], params)
+    stats = engine.stats()
+    assert stats.decode_path == "c_step"
+    assert dict(stats.decode_steps) == {"c_step": 3}  # 4 tokens: one prefill step, three decode steps
+    # A decode step the C step does not take (here: more rows than it allows) runs eagerly and is counted so.
+    monkeypatch.setattr(llama, "DECODE_KERNEL_MAX_ROWS", 1)
+    engine.generate([[5, 6, 7], [8, 9]], params)
+    assert dict(engine.stats().decode_steps) == {"c_step": 3, "eager": 3}
+
+
+def test_a_pool_the_c_step_does_not_carry_runs_eager_with_the_reason() -> None:
+    engine = LLMEngine(EngineConfig(num_kv_blocks=64, kv_cache_dtype="int8"))
+    assert engine.decode_path.path == "eager" and "kv_cache_dtype int8" in engine.decode_path.reason
+    assert engine.executor.runner.model.c_step is False
+    engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert dict(engine.stats().decode_steps) == {"eager": 2}
+
+
+def test_decode_path_and_steps_are_exported_per_pool() -> None:
+    snap = {f"pool-{name}": {"kind": "pool", "pool": name, "version": "v1", "replica": "r1",
+                             "deployment": f"pool-{name}-v1",
+                             "data": {"ready": True, "stats": {"decode_path": path, "decode_steps": steps}}}
+            for name, path, steps in (("short", "c_step", [["c_step", 7], ["eager", 1]]), ("long", "eager", [["eager", 4]]))}
+    fams = {f.name: f for f in text_string_to_metric_families(render(snap).decode())}
+    assert {(s.labels["pool"], s.labels["path"], s.value) for s in fams["sinkserve_decode_path"].samples} == {
+        ("short", "c_step", 1.0), ("long", "eager", 1.0)}
+    steps = {(s.labels["pool"], s.labels["path"]): s.value for s in fams["sinkserve_decode_steps"].samples
+             if s.name == "sinkserve_decode_steps_total"}
+    assert steps == {("short", "c_step"): 7, ("short", "eager"): 1, ("long", "eager"): 4}
+    assert set(DECODE_PATHS) == {"c_step", "compiled", "eager", "triton"}
