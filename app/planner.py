@@ -28,6 +28,7 @@ from app.passages import Trimmed, pinned_token_ranges, trim_passages
 from app.schemas import (ChatCompletionRequest, CompletionRequest, TokenizeChatRequest, TokenizeResponse, TokenRange,
                          new_request_id)
 from app.settings import BucketSpec, PlanSpec, VersionSpec, pool_deployment_name
+from app.tools import render_tool_chat, tool_grammar, tool_mode
 from engine.errors import InvalidRequestError
 from engine.retention import text_anchor_span
 from engine.sampling_params import SamplingParams, StructuredOutput
@@ -205,8 +206,13 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 def structured_output(request: Request) -> StructuredOutput | None:
-    """The grammar ``response_format`` asks for (None for ``text`` or no format)."""
+    """The grammar ``response_format`` asks for (None for ``text`` or no format), or the one a
+    ``required`` / named ``tool_choice`` asks for (``app/tools.py``)."""
     rf = request.response_format
+    if isinstance(request, ChatCompletionRequest):
+        tools = tool_grammar(tool_mode(request), rf is not None and rf.type != "text")
+        if tools is not None:
+            return tools
     if rf is None or rf.type == "text":
         return None
     if rf.type == "json_object":
@@ -343,7 +349,8 @@ class Planner:
         tok = self.tokenizers[version.model]
         text: str | None = None
         if isinstance(request, ChatCompletionRequest):
-            text = render_chat(tok, [m.model_dump() for m in request.messages])
+            text = (render_tool_chat(tok, request, tool_mode(request))
+                    or render_chat(tok, [m.model_dump() for m in request.messages]))
             ids = encode(tok, text, add_special_tokens=False)
         elif isinstance(request.prompt, str):
             if not request.prompt:
@@ -362,6 +369,9 @@ class Planner:
         (``app/conversations.py``)."""
         tok = self.tokenizers[version.model]
         if isinstance(request, ChatCompletionRequest):
+            if request.tools or any(m.role == "tool" or m.tool_calls for m in request.messages):
+                raise APIError(400, "tools are not supported on a conversation's later turns (send the whole "
+                                    "history without sinkserve.conversation_id)", "tools")
             text = chat_continuation(tok, [m.model_dump() for m in request.messages])
         elif isinstance(request.prompt, str):
             text = request.prompt
