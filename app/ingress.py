@@ -52,6 +52,7 @@ from app.settings import IngressSpec
 from app.sse import DONE, sse_event
 from app.streaming import stream_plan
 from app.token_bus import TokenInbox
+from engine.detokenizer import token_text
 
 logger = logging.getLogger("sinkserve.ingress")
 
@@ -538,7 +539,7 @@ class Ingress:
         if isinstance(body, CompletionRequest) and body.echo:
             tok = self.planner.tokenizers[self._model_of(info.version)]
             text = body.prompt if isinstance(body.prompt, str) else tok.decode(list(prompt_ids))
-            toks = tuple(tok.convert_ids_to_tokens(list(prompt_ids))) if body.wants_logprobs() else ()
+            toks = token_text(tok).texts(prompt_ids) if body.wants_logprobs() else ()
             echo = Echo(text, toks)
         return Choices(body, info, body.model or self.spec.served_model_name, echo)
 

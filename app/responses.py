@@ -36,6 +36,7 @@ from app.schemas import (
     Usage,
 )
 from app.tools import ToolMode, ToolStream, finish_reason, parse_output, tool_mode
+from engine.detokenizer import token_bytes
 
 
 def route_model(info: RouteInfo) -> RouteInfoModel:
@@ -76,8 +77,8 @@ class ChoiceState:
 def _chat_logprobs(tokens: list[str], lps: list[float | None], tops: list[Any]) -> ChatChoiceLogprobs:
     content = []
     for t, lp, top in zip(tokens, lps, tops):
-        alts = [TopLogprob(token=a, logprob=v, bytes=list(a.encode())) for a, v in (top or ())]
-        content.append(ChatLogprob(token=t, logprob=lp if lp is not None else 0.0, bytes=list(t.encode()), top_logprobs=alts))
+        alts = [TopLogprob(token=a, logprob=v, bytes=token_bytes(a)) for a, v in (top or ())]
+        content.append(ChatLogprob(token=t, logprob=lp if lp is not None else 0.0, bytes=token_bytes(t), top_logprobs=alts))
     return ChatChoiceLogprobs(content=content)
 
 
