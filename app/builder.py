@@ -142,7 +142,7 @@ def bucket_spec(p: PoolArgs, model_len: int | None) -> BucketSpec:
     policy = cache_policy_from_dict(p.cache_policy)
     return BucketSpec(p.name, p.max_prompt_tokens, p.timeout_s, tuple(p.versions) if p.versions is not None else None,
                       engine_limit(p, model_len), evicts=policy.evicts, policy_version=policy.version,
-                      soft_timeout_s=p.soft_timeout_s)
+                      soft_timeout_s=p.soft_timeout_s, default_max_tokens=p.default_max_tokens)
 
 
 def build_app(args: AppArgs) -> Application:

@@ -215,7 +215,8 @@ class Ingress:
     async def models(self, request: Request) -> ModelList:
         self._authorize(request)
         name = self.spec.served_model_name
-        cards = [ModelCard(id=name, kv_cache=dict(self.spec.kv_cache) or None)] + [ModelCard(id=f"{name}@{v.name}", fingerprint=v.fingerprint, weight=v.weight,
+        caps = {b.name: b.default_max_tokens for b in self.planner.spec.buckets if b.default_max_tokens is not None}
+        cards = [ModelCard(id=name, kv_cache=dict(self.spec.kv_cache) or None, default_max_tokens=caps or None)] + [ModelCard(id=f"{name}@{v.name}", fingerprint=v.fingerprint, weight=v.weight,
                                                                   architecture=v.architecture)
                                         for v in self.planner.spec.versions]
         return ModelList(data=cards)

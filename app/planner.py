@@ -260,13 +260,19 @@ def sampling_params(request: Request, vocab_size: int | None = None) -> Sampling
 
 
 def default_max_tokens(request: Request, bucket: BucketSpec, num_prompt_tokens: int) -> int | None:
-    """Chat without ``max_tokens``/``max_completion_tokens``: the rest of the pool's context (None
-    when the request set a limit, or for completions, whose default stays OpenAI's 16)."""
+    """Chat without ``max_tokens``/``max_completion_tokens``: the pool's ``default_max_tokens`` cap or
+    what the prompt leaves of the pool's limit, whichever is smaller (None when the request set a
+    limit, or for completions, whose default stays OpenAI's 16).
+
+    >>> b = BucketSpec("long", 8192, 300.0, max_model_len=1 << 20, default_max_tokens=1024)
+    >>> default_max_tokens(ChatCompletionRequest(messages=[{"role": "user", "content": ""}]), b, 20)
+    1024
+    """
     if not isinstance(request, ChatCompletionRequest) or request.requested_max_tokens() is not None:
         return None
-    if bucket.max_model_len is None:
-        return None
-    return max(1, bucket.max_model_len - num_prompt_tokens)
+    room = max(1, bucket.max_model_len - num_prompt_tokens) if bucket.max_model_len is not None else None
+    caps = [c for c in (room, bucket.default_max_tokens) if c is not None]
+    return min(caps) if caps else None
 
 
 def anchor_spans(request: Request, tokenizer: Any, text: str | None, num_tokens: int) -> tuple[tuple[int, int], ...]:

@@ -449,6 +449,9 @@ class ModelCard(BaseModel):
     # On the served name's card: what each pool's KV cache stores ("auto": the model dtype, else
     # int8 / int4 / int2 packed with sinks, protected tokens and the newest tokens kept 16-bit).
     kv_cache: dict[str, str] | None = None
+    # On the served name's card: per pool, the max_tokens a chat request without one gets at most
+    # (the pool's default_max_tokens; less when the prompt leaves less of the pool's limit).
+    default_max_tokens: dict[str, int] | None = None
 
 
 class ModelList(BaseModel):
