@@ -194,3 +194,31 @@ def test_choices_turn_text_into_tool_calls():
     deltas = [t for ch in chunks for t in (ch.choices[0].delta.tool_calls or [])]
     assert _reassemble(deltas)[0]["arguments"] == '{"city":"Paris"}'
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("choice", ["named", "required"])
+def test_reference_model_calls_are_valid_by_construction(choice):
+    """Planner -> engine (the reference model, sampling at temperature 1) -> Choices: every call's
+    arguments validate against the function's schema, and the finish reason says tool_calls."""
+    import jsonschema
+
+    from engine import EngineConfig, LLMEngine
+
+    spec = PlanSpec(buckets=(BucketSpec("short", 900, 60.0, max_model_len=1024),),
+                    versions=(VersionSpec("v1", DEFAULT_MODEL, 1.0),))
+    planner = Planner(spec)
+    tool_choice = {"type": "function", "function": {"name": "get_weather"}} if choice == "named" else "required"
+    engine = LLMEngine(EngineConfig(model=DEFAULT_MODEL, num_kv_blocks=128, block_size=16, max_num_batched_tokens=2048))
+    schemas = {"get_weather": WEATHER["function"]["parameters"], "get_time": TIME["function"]["parameters"]}
+    for seed in range(3):
+        body = req(tools=[WEATHER, TIME], tool_choice=tool_choice, temperature=1.0, seed=seed, max_tokens=200)
+        plan = planner.plan(body)
+        out = engine.generate([list(plan.request.prompt_token_ids)], plan.request.params)[0]
+        choices = Choices(body, plan.info, "m")
+        choices.add(TokenDelta(out.text, tuple(out.token_ids), None, True, out.finish_reason, 1, len(out.token_ids)))
+        c = choices.response().choices[0]
+        assert c.finish_reason == "tool_calls", out.text
+        assert c.message.tool_calls and (choice == "required" or len(c.message.tool_calls) == 1)
+        for call in c.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    engine.check_integrity()
