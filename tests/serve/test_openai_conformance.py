@@ -63,7 +63,7 @@ def chat_text(oc, **kw) -> str:
 
 
 def sampled(oc, **kw) -> str:
-    return oc.chat.completions.create(model="tiny", messages=MSGS, max_tokens=12, extra_body=NO_EOS,
+    return oc.chat.completions.create(model="tiny", messages=MSGS, max_tokens=12, extra_body=kw.pop("extra_body", NO_EOS),
                                       **kw).choices[0].message.content
 
 
@@ -194,8 +194,8 @@ def check_stream_options(oc, client):
 
 def _penalized(oc, **kw) -> str:
     prompt = "0123456789 hello hello hello hello hello"
-    return oc.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0, extra_body=NO_EOS,
-                                 **kw).choices[0].text
+    return oc.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
+                                 extra_body=kw.pop("extra_body", NO_EOS), **kw).choices[0].text
 
 
 def check_presence_penalty(oc, client):
