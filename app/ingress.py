@@ -52,6 +52,7 @@ from app.settings import IngressSpec
 from app.sse import DONE, sse_event
 from app.streaming import stream_plan
 from app.token_bus import TokenInbox
+from engine.detokenizer import token_text
 
 logger = logging.getLogger("sinkserve.ingress")
 
@@ -215,7 +216,8 @@ class Ingress:
         self._authorize(request)
         name = self.spec.served_model_name
         limits = {pool: lim.as_dict() for pool, lim in self.spec.limits} or None
-        cards = [ModelCard(id=name, kv_cache=dict(self.spec.kv_cache) or None, limits=limits)] + [ModelCard(id=f"{name}@{v.name}", fingerprint=v.fingerprint, weight=v.weight,
+        caps = {b.name: b.default_max_tokens for b in self.planner.spec.buckets if b.default_max_tokens is not None}
+        cards = [ModelCard(id=name, kv_cache=dict(self.spec.kv_cache) or None, limits=limits, default_max_tokens=caps or None)] + [ModelCard(id=f"{name}@{v.name}", fingerprint=v.fingerprint, weight=v.weight,
                                                                   architecture=v.architecture)
                                         for v in self.planner.spec.versions]
         return ModelList(data=cards)
@@ -539,7 +541,7 @@ class Ingress:
         if isinstance(body, CompletionRequest) and body.echo:
             tok = self.planner.tokenizers[self._model_of(info.version)]
             text = body.prompt if isinstance(body.prompt, str) else tok.decode(list(prompt_ids))
-            toks = tuple(tok.convert_ids_to_tokens(list(prompt_ids))) if body.wants_logprobs() else ()
+            toks = token_text(tok).texts(prompt_ids) if body.wants_logprobs() else ()
             echo = Echo(text, toks)
         return Choices(body, info, body.model or self.spec.served_model_name, echo)
 

@@ -28,6 +28,7 @@ from app.passages import Trimmed, pinned_token_ranges, trim_passages
 from app.schemas import (ChatCompletionRequest, CompletionRequest, TokenizeChatRequest, TokenizeResponse, TokenRange,
                          new_request_id)
 from app.settings import BucketSpec, PlanSpec, VersionSpec, pool_deployment_name
+from app.tools import render_tool_chat, tool_grammar, tool_mode
 from engine.errors import InvalidRequestError
 from engine.retention import resolve_anchor_spans
 from engine.sampling_params import SamplingParams, StructuredOutput
@@ -205,8 +206,13 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 def structured_output(request: Request) -> StructuredOutput | None:
-    """The grammar ``response_format`` asks for (None for ``text`` or no format)."""
+    """The grammar ``response_format`` asks for (None for ``text`` or no format), or the one a
+    ``required`` / named ``tool_choice`` asks for (``app/tools.py``)."""
     rf = request.response_format
+    if isinstance(request, ChatCompletionRequest):
+        tools = tool_grammar(tool_mode(request), rf is not None and rf.type != "text")
+        if tools is not None:
+            return tools
     if rf is None or rf.type == "text":
         return None
     if rf.type == "json_object":
@@ -254,13 +260,19 @@ def sampling_params(request: Request, vocab_size: int | None = None) -> Sampling
 
 
 def default_max_tokens(request: Request, bucket: BucketSpec, num_prompt_tokens: int) -> int | None:
-    """Chat without ``max_tokens``/``max_completion_tokens``: the rest of the pool's context (None
-    when the request set a limit, or for completions, whose default stays OpenAI's 16)."""
+    """Chat without ``max_tokens``/``max_completion_tokens``: the pool's ``default_max_tokens`` cap or
+    what the prompt leaves of the pool's limit, whichever is smaller (None when the request set a
+    limit, or for completions, whose default stays OpenAI's 16).
+
+    >>> b = BucketSpec("long", 8192, 300.0, max_model_len=1 << 20, default_max_tokens=1024)
+    >>> default_max_tokens(ChatCompletionRequest(messages=[{"role": "user", "content": ""}]), b, 20)
+    1024
+    """
     if not isinstance(request, ChatCompletionRequest) or request.requested_max_tokens() is not None:
         return None
-    if bucket.max_model_len is None:
-        return None
-    return max(1, bucket.max_model_len - num_prompt_tokens)
+    room = max(1, bucket.max_model_len - num_prompt_tokens) if bucket.max_model_len is not None else None
+    caps = [c for c in (room, bucket.default_max_tokens) if c is not None]
+    return min(caps) if caps else None
 
 
 def anchor_spans(request: Request, tokenizer: Any, text: str | None, num_tokens: int) -> tuple[tuple[int, int], ...]:
@@ -331,7 +343,8 @@ class Planner:
         tok = self.tokenizers[version.model]
         text: str | None = None
         if isinstance(request, ChatCompletionRequest):
-            text = render_chat(tok, [m.model_dump() for m in request.messages])
+            text = (render_tool_chat(tok, request, tool_mode(request))
+                    or render_chat(tok, [m.model_dump() for m in request.messages]))
             ids = encode(tok, text, add_special_tokens=False)
         elif isinstance(request.prompt, str):
             if not request.prompt:
@@ -350,6 +363,9 @@ class Planner:
         (``app/conversations.py``)."""
         tok = self.tokenizers[version.model]
         if isinstance(request, ChatCompletionRequest):
+            if request.tools or any(m.role == "tool" or m.tool_calls for m in request.messages):
+                raise APIError(400, "tools are not supported on a conversation's later turns (send the whole "
+                                    "history without sinkserve.conversation_id)", "tools")
             text = chat_continuation(tok, [m.model_dump() for m in request.messages])
         elif isinstance(request.prompt, str):
             text = request.prompt

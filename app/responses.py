@@ -31,9 +31,12 @@ from app.schemas import (
     PassageScoreModel,
     PassagesModel,
     RouteInfoModel,
+    ToolCallModel,
     TopLogprob,
     Usage,
 )
+from app.tools import ToolMode, ToolStream, finish_reason, parse_output, tool_mode
+from engine.detokenizer import token_bytes
 
 
 def route_model(info: RouteInfo) -> RouteInfoModel:
@@ -68,13 +71,14 @@ class ChoiceState:
     finish_reason: str | None = None
     completion_tokens: int = 0
     echoed: bool = False  # streaming: the echo went out with this choice's first chunk
+    tool_stream: ToolStream | None = None  # streaming chat with tools: content vs. tool-call deltas
 
 
 def _chat_logprobs(tokens: list[str], lps: list[float | None], tops: list[Any]) -> ChatChoiceLogprobs:
     content = []
     for t, lp, top in zip(tokens, lps, tops):
-        alts = [TopLogprob(token=a, logprob=v, bytes=list(a.encode())) for a, v in (top or ())]
-        content.append(ChatLogprob(token=t, logprob=lp if lp is not None else 0.0, bytes=list(t.encode()), top_logprobs=alts))
+        alts = [TopLogprob(token=a, logprob=v, bytes=token_bytes(a)) for a, v in (top or ())]
+        content.append(ChatLogprob(token=t, logprob=lp if lp is not None else 0.0, bytes=token_bytes(t), top_logprobs=alts))
     return ChatChoiceLogprobs(content=content)
 
 
@@ -93,6 +97,12 @@ class Choices:
         self.model = model
         self.echo = echo
         self.choices = {i: ChoiceState(i) for i in range(body.n)}
+        # Tool calls are parsed out of the text (app/tools.py); the planner validated the mode already.
+        self.tools: ToolMode | None = tool_mode(body) if self.chat and body.tools else None
+        if self.tools is not None and not self.tools.parses:
+            self.tools = None
+        for c in self.choices.values():
+            c.tool_stream = ToolStream(self.tools) if self.tools is not None else None
         self.prompt_tokens = info.prompt_tokens
         self.route = route_model(info)
 
@@ -140,8 +150,14 @@ class Choices:
             out = []
             for c in self.choices.values():
                 lp = _chat_logprobs(c.tokens, c.logprobs, c.tops) if self.wants_logprobs else None
-                out.append(ChatChoice(index=c.index, message=AssistantMessage(content="".join(c.text)), logprobs=lp,
-                                      finish_reason=c.finish_reason))
+                content: str | None = "".join(c.text)
+                calls, reason = [], c.finish_reason
+                if self.tools is not None:
+                    content, calls = parse_output(self.tools, content or "")
+                    reason = finish_reason(calls, reason)
+                message = AssistantMessage(content=content,
+                                           tool_calls=[ToolCallModel.model_validate(t.as_dict()) for t in calls] or None)
+                out.append(ChatChoice(index=c.index, message=message, logprobs=lp, finish_reason=reason))
             return ChatCompletionResponse(id=self.info.request_id, model=self.model, usage=self.usage(),
                                           sinkserve=self.route, choices=out)
         out_c = []
@@ -176,10 +192,13 @@ class Choices:
             lp = None
             if self.wants_logprobs and d.logprobs is not None:
                 lp = _chat_logprobs(c.tokens[-n:] if n else [], list(d.logprobs), c.tops[-n:] if n else [])
+            delta, reason = ChatDelta(content=d.text), d.finish_reason
+            if c.tool_stream is not None:
+                delta, reason = self._tool_delta(c.tool_stream, d.text, choice_done, reason)
             return ChatCompletionChunk(
                 id=self.info.request_id, model=self.model, usage=usage,
-                choices=[ChatChunkChoice(index=d.index, delta=ChatDelta(content=d.text), logprobs=lp,
-                                         finish_reason=d.finish_reason if choice_done else None)],
+                choices=[ChatChunkChoice(index=d.index, delta=delta, logprobs=lp,
+                                         finish_reason=reason if choice_done else None)],
             )
         text = d.text
         toks: list[str] = c.tokens[-n:] if n else []
@@ -198,6 +217,16 @@ class Choices:
             choices=[CompletionChoice(index=d.index, text=text, logprobs=lp_model,
                                       finish_reason=d.finish_reason if choice_done else None)],
         )
+
+    @staticmethod
+    def _tool_delta(ts: ToolStream, text: str, done: bool, reason: str | None) -> tuple[ChatDelta, str | None]:
+        """A streamed chat delta with tools: content and ``tool_calls`` deltas (``app/tools.py``)."""
+        content, calls = ts.feed(text)
+        if done:
+            more, last = ts.finish()
+            content, calls = content + more, calls + last
+            reason = finish_reason(ts.calls, reason)
+        return ChatDelta(content=content if content or not calls else None, tool_calls=calls or None), reason
 
     def usage_chunk(self) -> Any:
         """``stream_options.include_usage``: the last chunk, no choices, the request's usage."""

@@ -208,35 +208,51 @@ class CompletionRequest(_RequestBase):
         return self.logprobs or 0
 
 
+class FunctionCallModel(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str = "{}"  # JSON text, as OpenAI sends it
+
+
+class ToolCallModel(BaseModel):
+    """An assistant message's tool call (in a request's history, or a response's ``message.tool_calls``)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    id: str = Field("", max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCallModel
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "user", "assistant", "tool"]
+    # ``null`` (an assistant message that only calls tools) is the empty string here.
+    content: str = ""
+    tool_calls: list[ToolCallModel] | None = None  # assistant messages (app/tools.py renders them)
+    tool_call_id: str | None = Field(None, max_length=256)  # tool messages: the call answered
+    name: str | None = Field(None, max_length=64)
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _null_content(cls, v: Any) -> Any:
+        return "" if v is None else v
+
+    @model_validator(mode="after")
+    def _roles(self) -> "ChatMessage":
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
 
 
 class ChatCompletionRequest(_RequestBase):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    # Tool calling is not implemented: a request that offers tools is refused (400 naming the
-    # field) rather than answered as if they were not there. ``tool_choice: "none"`` is fine.
-    tools: list[dict[str, Any]] | None = None
+    # Tool calling (app/tools.py checks the functions and the choice, 400 naming the field):
+    # OpenAI's ``{"type": "function", "function": {"name", "description", "parameters"}}`` objects.
+    tools: list[dict[str, Any]] | None = Field(None, max_length=128)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-
-    @field_validator("tools")
-    @classmethod
-    def _tools(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        if v:
-            raise ValueError("tool calling is not supported by this server")
-        return v
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _tool_choice(cls, v: Any) -> Any:
-        if v is not None and v != "none":
-            raise ValueError("tool calling is not supported by this server (only 'none' is accepted)")
-        return v
 
     def wants_logprobs(self) -> bool:
         return self.logprobs
@@ -373,7 +389,8 @@ class ChatChoiceLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None when the message is only tool calls (OpenAI's shape)
+    tool_calls: list[ToolCallModel] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -396,6 +413,8 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    # OpenAI's streamed calls: ``{"index", "id"?, "type"?, "function": {"name"?, "arguments"?}}``.
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -432,6 +451,9 @@ class ModelCard(BaseModel):
     kv_cache: dict[str, str] | None = None
     # On the served name's card: each pool's token limits, resolved from the model (engine/limits.py).
     limits: dict[str, dict[str, Any]] | None = None
+    # On the served name's card: per pool, the max_tokens a chat request without one gets at most
+    # (the pool's default_max_tokens; less when the prompt leaves less of the pool's limit).
+    default_max_tokens: dict[str, int] | None = None
 
 
 class ModelList(BaseModel):

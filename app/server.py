@@ -17,6 +17,7 @@ from app.replica import push_forever, replica_tag
 from app.settings import PoolSpec
 from app.token_bus import TokenOutbox
 from engine.config_io import cache_policy_from_dict
+from engine.detokenizer import token_text
 
 logger = logging.getLogger("sinkserve.server")
 
@@ -106,7 +107,7 @@ class LLMServer:
         params = req.params
         # Only requests that want logprobs touch the tokenizer (an engine process loads its copy here
         # on first use).
-        tok = self.engine.tokenizer if params.logprobs else None
+        tok = token_text(self.engine.tokenizer) if params.logprobs else None
         if params.n == 1:
             gen = self.engine.generate(list(req.prompt_token_ids), params, request_id=req.request_id,
                                        anchors=list(req.anchors) or None)
@@ -147,7 +148,7 @@ class LLMServer:
         request's final delta)."""
         tops = None
         if tok is not None and out.top_logprobs is not None:
-            tops = tuple(tuple(zip(tok.convert_ids_to_tokens([t for t, _ in alts]), (lp for _, lp in alts)))
+            tops = tuple(tuple(zip(tok.texts([t for t, _ in alts]), (lp for _, lp in alts)))
                          for alts in out.top_logprobs)
         return TokenDelta(
             text=out.text,
@@ -157,8 +158,8 @@ class LLMServer:
             finish_reason=out.finish_reason,
             prompt_tokens=out.prompt_tokens,
             completion_tokens=out.completion_tokens,
-            # Token strings for OpenAI logprobs, only when asked (the engine has the tokenizer).
-            tokens=tuple(tok.convert_ids_to_tokens(list(out.token_ids))) if tok is not None else None,
+            # Token texts for OpenAI logprobs (engine/detokenizer.py: TokenText), only when asked.
+            tokens=tok.texts(out.token_ids) if tok is not None else None,
             index=index,
             top_logprobs=tops,
             prompt_logprobs=tuple(out.prompt_logprobs) if out.prompt_logprobs else None,

@@ -74,6 +74,10 @@ class PoolArgs(_Strict):
     # Model versions served by this bucket (None: all). Lets a canary run on one bucket only.
     versions: list[str] | None = None
     num_replicas: int = Field(1, ge=1)
+    # max_tokens of a chat request that sets none: at most this many (and at most what the prompt leaves
+    # of the engine's limit). A pool that evicts streams up to max_stream_tokens (about 1M), so without a
+    # cap a request that forgot max_tokens would run for minutes. Shown on /v1/models.
+    default_max_tokens: int = Field(1024, ge=1)
     autoscaling: AutoscalingArgs | None = None
     max_ongoing_requests: int = Field(64, gt=0)
     max_queued_requests: int = Field(128, ge=-1)
@@ -298,6 +302,7 @@ class BucketSpec:
     evicts: bool = False  # the pool's cache policy evicts (a session may stream past its prompt bound)
     policy_version: str | None = None  # the pool's configured cache policy (content hash)
     soft_timeout_s: float | None = None
+    default_max_tokens: int | None = None  # the pool's cap on a chat's default max_tokens (None: no cap)
 
 
 @dataclass(frozen=True)

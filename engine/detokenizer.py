@@ -58,3 +58,89 @@ class IncrementalDetokenizer:
         delta = self.text[self.emitted : end]
         self.emitted = end
         return delta
+
+
+class TokenText:
+    """Each token's exact bytes and its text as OpenAI's logprobs report it (``token`` and ``bytes``).
+
+    ``convert_ids_to_tokens`` gives a byte-level BPE's internal pieces (``'Ġ='`` for ``' ='``) or a
+    SentencePiece's (``'▁the'``, ``'<0x0A>'``); this maps them back to bytes. A token that is not whole
+    UTF-8 on its own (one byte of a multi-byte character) is reported as OpenAI does,
+    ``"bytes:\\xe2\\x80"``, with its raw bytes::
+
+        'Ġ='  -> ' ='            bytes [32, 61]
+        'âĢ'  -> 'bytes:\\xe2\\x80' bytes [226, 128]
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        import json
+
+        self.tokenizer = tokenizer
+        self.added = {i for i in getattr(tokenizer, "added_tokens_decoder", {})}
+        decoder = ""
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            decoder = json.dumps(json.loads(backend.to_str()).get("decoder"))
+        self.byte_level = '"ByteLevel"' in decoder
+        self._chars = {c: b for b, c in _bytes_to_unicode().items()}
+        self._cache: dict[int, tuple[str, bytes]] = {}
+
+    def _bytes(self, token_id: int, piece: str) -> bytes:
+        if token_id in self.added:
+            return piece.encode()
+        if self.byte_level and all(c in self._chars for c in piece):
+            return bytes(self._chars[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode()
+
+    def get(self, token_id: int) -> tuple[str, bytes]:
+        """``(text, bytes)`` of one token id."""
+        hit = self._cache.get(token_id)
+        if hit is None:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id) or ""
+            raw = self._bytes(token_id, piece)
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            hit = self._cache[token_id] = (text, raw)
+        return hit
+
+    def texts(self, ids: list[int] | tuple[int, ...]) -> tuple[str, ...]:
+        return tuple(self.get(t)[0] for t in ids)
+
+
+def token_bytes(text: str) -> list[int]:
+    """The bytes of a token text from :class:`TokenText` (``"bytes:\\xNN..."`` back to its raw bytes)."""
+    if text.startswith("bytes:\\x"):
+        try:
+            return list(bytes(int(h, 16) for h in text[len("bytes:"):].split("\\x")[1:]))
+        except ValueError:
+            pass
+    return list(text.encode())
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (what byte-level BPE pieces are written in)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))
+
+
+_TOKEN_TEXTS: dict[int, TokenText] = {}
+
+
+def token_text(tokenizer: Any) -> TokenText:
+    """The :class:`TokenText` of ``tokenizer``, built once per tokenizer object (building reads the
+    tokenizer's whole serialized form)."""
+    tt = _TOKEN_TEXTS.get(id(tokenizer))
+    if tt is None or tt.tokenizer is not tokenizer:
+        tt = _TOKEN_TEXTS[id(tokenizer)] = TokenText(tokenizer)
+    return tt

@@ -23,6 +23,7 @@ LIMITED_KEY = "test-key-limited"  # used only by the rate-limit test
 ACME_KEY, FREE_KEY = "test-key-acme", "test-key-free"
 SHORT_MAX, LONG_MAX = 48, 400
 ENGINE = {"num_kv_blocks": 96, "max_model_len": 512, "max_num_seqs": 8, "max_num_batched_tokens": 256}
+LONG_DEFAULT_MAX_TOKENS = 40  # the long pool evicts: without a cap a chat's default would be max_stream_tokens
 LONG_POLICY = {"eviction_policy": "sliding_window", "window": 64, "protected_positions": [0, 1, 2, 3]}
 
 
@@ -68,7 +69,7 @@ def app_args(model: str, long_tp: int) -> dict:
             {"name": "short", "max_prompt_tokens": SHORT_MAX, "timeout_s": 60, "num_cpus": 0.05,
              "engine": {**ENGINE, "cache_policy": {"eviction_policy": "none"}}},
             {"name": "long", "max_prompt_tokens": LONG_MAX, "timeout_s": 120, "num_cpus": 0.05,
-             "versions": ["v1"], "worker_num_cpus": 0.05,
+             "versions": ["v1"], "worker_num_cpus": 0.05, "default_max_tokens": LONG_DEFAULT_MAX_TOKENS,
              "engine": {**ENGINE, "tensor_parallel_size": long_tp, "cache_policy": LONG_POLICY}},
         ],
         "stats_push_interval_s": 0.25,

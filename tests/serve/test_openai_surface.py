@@ -1,6 +1,6 @@
 """The OpenAI fields clients send, through the official ``openai`` client and raw HTTP (issue 20):
 n, logprobs with alternatives, include_usage, max_completion_tokens, chat's default max_tokens,
-echo, penalties and logit_bias, response_format (grammar-enforced), tools refused, /tokenize."""
+echo, penalties and logit_bias, response_format (grammar-enforced), inconsistent tools refused, /tokenize."""
 
 from __future__ import annotations
 
@@ -133,13 +133,14 @@ def test_json_schema_response_format_always_validates(oc):
         assert obj.choices[0].message.content.startswith("{")
 
 
-def test_tools_are_refused_naming_the_field(oc, client):
+def test_inconsistent_tools_are_refused_naming_the_field(oc, client):
     import openai
 
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     with pytest.raises(openai.BadRequestError) as e:
-        oc.chat.completions.create(model="tiny", messages=MSGS, tools=tools)
-    assert e.value.body["param"] == "tools"
+        oc.chat.completions.create(model="tiny", messages=MSGS, tools=tools,
+                                   tool_choice={"type": "function", "function": {"name": "g"}})
+    assert e.value.body["param"] == "tool_choice"
     r = client.post("/v1/chat/completions", json={"messages": MSGS, "tool_choice": "auto"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
     r = client.post("/v1/chat/completions", json={"messages": MSGS, "top_logprobs": 2})

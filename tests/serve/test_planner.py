@@ -240,3 +240,17 @@ def test_turn_refuses_n_and_a_changed_endpoint():
     with pytest.raises(APIError) as e:
         p.plan(ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], n=2), None, "c", history=conv)
     assert e.value.param == "n"
+
+
+def test_chat_default_max_tokens_is_capped_by_the_pool():
+    """Issue 42: a chat without max_tokens on an evicting pool (limit ~1M) gets the pool's cap, not the
+    rest of max_stream_tokens; a prompt that leaves less gets what it leaves; a set max_tokens wins."""
+    from app.planner import default_max_tokens
+    from app.schemas import ChatCompletionRequest, CompletionRequest
+
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": ""}])
+    evicting = BucketSpec("long", 8192, 300.0, max_model_len=1 << 20, evicts=True, default_max_tokens=1024)
+    assert default_max_tokens(chat, evicting, 30) == 1024
+    assert default_max_tokens(chat, BucketSpec("s", 500, 60.0, max_model_len=512, default_max_tokens=1024), 500) == 12
+    assert default_max_tokens(chat.model_copy(update={"max_tokens": 5000}), evicting, 30) is None
+    assert default_max_tokens(CompletionRequest(prompt="x"), evicting, 30) is None  # OpenAI's 16 stays

@@ -13,6 +13,33 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# The reference model's template plus a Hermes/Qwen-style tool format: rendered without ``tools`` it is
+# the reference template exactly (tests/serve/test_tools.py checks), so every other test sees the same
+# prompts; with ``tools`` the system turn lists them and history calls / results render as Hermes text.
+NL = "'\\n'"
+TOOLS_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}{{ '<|im_start|>system' + " + NL + " }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + " + NL + " + " + NL + " }}"
+    "{% else %}{{ 'You are a helpful assistant.' + " + NL + " + " + NL + " }}{% endif %}"
+    "{{ '# Tools' + " + NL + " + '<tools>' + " + NL + " }}"
+    "{% for t in tools %}{{ t | tojson + " + NL + " }}{% endfor %}"
+    "{{ '</tools>' + " + NL + " + 'For each call write <tool_call>{\"name\": <function-name>, "
+    "\"arguments\": <args-json-object>}</tool_call><|im_end|>' + " + NL + " }}"
+    "{% elif messages[0]['role'] != 'system' %}{{ '<|im_start|>system' + " + NL + " + "
+    "'You are a helpful assistant.<|im_end|>' + " + NL + " }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if loop.first and tools and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'tool' %}{{ '<|im_start|>user' + " + NL + " + '<tool_response>' + " + NL + " + "
+    "message['content'] + " + NL + " + '</tool_response><|im_end|>' + " + NL + " }}"
+    "{% elif message['role'] == 'assistant' and message.tool_calls %}{{ '<|im_start|>assistant' + " + NL + " + "
+    "message['content'] }}{% for c in message.tool_calls %}{{ '<tool_call>' + "
+    "({'name': c.function.name, 'arguments': c.function.arguments} | tojson) + '</tool_call>' }}{% endfor %}"
+    "{{ '<|im_end|>' + " + NL + " }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + " + NL + " + message['content'] + '<|im_end|>' + " + NL + " }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant' + " + NL + " }}{% endif %}"
+)
 SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. " * 4,
@@ -55,6 +82,10 @@ def make_tiny_model(out: Path, seed: int = 0) -> Path:
 
     out.mkdir(parents=True, exist_ok=True)
     _tokenizer(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    tok.chat_template = TOOLS_TEMPLATE
+    (out / "chat_template.jinja").unlink(missing_ok=True)
+    tok.save_pretrained(out)
     tok = AutoTokenizer.from_pretrained(out)
     cfg = LlamaConfig(
         vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
