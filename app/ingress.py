@@ -459,13 +459,28 @@ class Ingress:
         return conv, lock
 
     async def _release(self, conv_id: str, lock: str | None) -> None:
+        """Release a turn lock. While the store is down this keeps trying in the background (the
+        lock would otherwise hold the conversation until it expires, ``timeout_s`` + 30 s)."""
         if lock is None:
             return
         try:
             if not await store_call(self.conversations.unlock, conv_id, lock):
                 logger.warning("conversation %s: the turn's lock had expired before the turn ended", conv_id)
-        except StoreError as e:  # the lock expires on its own
-            logger.warning("conversation %s: turn lock not released: %s", conv_id, e)
+        except StoreError as e:
+            logger.warning("conversation %s: turn lock not released yet (retrying): %s", conv_id, e)
+            self._spawn(self._release_later(conv_id, lock))
+
+    async def _release_later(self, conv_id: str, lock: str) -> None:
+        deadline = time.monotonic() + max(b.timeout_s for b in self.spec.plan.buckets) + 30.0
+        delay = 0.25
+        while time.monotonic() < deadline:
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+            try:
+                await store_call(self.conversations.unlock, conv_id, lock)
+                return
+            except StoreError:
+                continue
 
     async def _release_now(self, conv_id: str, lock: str | None) -> None:
         """Release the lock even when this request is being cancelled (the release runs on)."""
@@ -660,7 +675,7 @@ class Ingress:
         ``keepalive_s`` of silence; after it the events are read directly (a task per read costs
         ~16 us a delta, too much for every token of every stream)."""
         acc = _Timing(t0)
-        choices = self._choices(body, info, prompt_ids)
+        choices: Choices | None = None  # built inside the try: a failure there still settles the turn
         status = 200
         unsaved = False  # the turn finished but could not be saved: an error event ends the stream, not [DONE]
         nxt = pending
@@ -690,6 +705,7 @@ class Ingress:
             return out, ev.finished
 
         try:
+            choices = self._choices(body, info, prompt_ids)
             for first in choices.first_chunks():
                 yield sse_event(first)
             stop = False
