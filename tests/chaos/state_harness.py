@@ -22,7 +22,7 @@ from app.token_bus import TokenOutbox
 
 MODEL = str(REPO_ROOT / "assets/reference-model")
 KEY, ACME_KEY, OPERATOR_KEY = "chaos-key", "chaos-acme", "chaos-operator"
-DEPLOYMENT = "pool-chat-v1"
+DEPLOYMENTS = ("pool-chat-v1", "pool-chat-v2")  # version v2 takes no traffic (weight 0)
 
 
 class FakePool:
@@ -62,7 +62,7 @@ class FakePool:
 def ingress_spec(store: StoreSpec, tenants: dict[str, TenantLimits] | None = None, fail_closed: bool = False) -> IngressSpec:
     plan = PlanSpec(buckets=(BucketSpec("chat", 600, 30.0, max_model_len=1024),),
                     versions=(VersionSpec("v1", MODEL, 1.0), VersionSpec("v2", MODEL, 0.0)))
-    return IngressSpec(auth="enabled", served_model_name="ref", plan=plan, pool_deployments=(DEPLOYMENT,),
+    return IngressSpec(auth="enabled", served_model_name="ref", plan=plan, pool_deployments=DEPLOYMENTS,
                        store=store, tenants=tuple((tenants or {}).items()), keepalive_s=5.0,
                        quota_fail_closed=fail_closed)
 
@@ -90,7 +90,7 @@ async def running_ingress(spec: IngressSpec, pool: FakePool, replicas: int = 1) 
     objs = []
     for _ in range(replicas):
         obj = Ingress.__new__(Ingress)
-        await base.__init__(obj, spec, {DEPLOYMENT: pool}, None)
+        await base.__init__(obj, spec, {d: pool for d in DEPLOYMENTS}, None)
         objs.append(obj)
     from ray import serve
 
