@@ -29,9 +29,10 @@ class FakePool:
     """A pool replica's ``generate``: ``tokens`` tokens (0: one empty final delta), one every
     ``delay_s``, sent to the request's token-bus inbox like ``LLMServer.generate``."""
 
-    def __init__(self, tokens: int = 2, delay_s: float = 0.0) -> None:
+    def __init__(self, tokens: int = 2, delay_s: float = 0.0, error: Any = None) -> None:
         self.tokens = tokens
         self.delay_s = delay_s
+        self.error = error  # an APIError to answer every request with (a refusal), instead of tokens
         self.outbox = TokenOutbox()
         self.calls = 0
 
@@ -48,6 +49,11 @@ class FakePool:
 
     async def _run(self, req: PoolRequest) -> None:
         n = len(req.prompt_token_ids)
+        if self.error is not None:
+            await asyncio.sleep(self.delay_s)
+            self.outbox.send(req.reply_to, req.request_id, self.error)
+            await self.outbox.drain(req.reply_to)
+            return
         if self.tokens == 0:
             await asyncio.sleep(self.delay_s)
             self.outbox.send(req.reply_to, req.request_id, TokenDelta("", (), None, True, "length", n, 0))
@@ -104,6 +110,8 @@ async def running_ingress(spec: IngressSpec, pool: FakePool, replicas: int = 1) 
     finally:
         serve.get_replica_context = real
         for obj in objs:
+            for t in list(obj._tasks):  # settling a request the client left
+                await asyncio.wait({t}, timeout=5)
             await obj.__del__()
             for t in list(obj._tasks):
                 t.cancel()

@@ -52,3 +52,47 @@ async def test_ten_concurrent_near_quota_requests_never_overshoot(store_spec, mo
     refusal = next(r for r in rs if r.status_code == 429).json()["error"]
     assert refusal["param"] == "tokens_per_day" and refusal["type"] == "quota_exceeded"
     assert after == before + 3 * prompt and after <= LIMIT  # 0 overshoot
+
+
+async def test_reconciled_at_the_end_aborted_before_first_token_charged_refused_refunded(tmp_path, monkeypatch):
+    """A client that leaves before its first token is charged its prompt (the prefill ran); a request
+    the pool refuses before any work gets its prompt back; a store that is down refuses a limited
+    tenant when the config says fail_closed, and serves a tenant without limits."""
+    from app.errors import APIError
+
+    keys_env(monkeypatch)
+    auth = {"Authorization": f"Bearer {ACME_KEY}"}
+    body = {"prompt": "The quick brown fox jumps over the lazy dog.", "max_tokens": 1}
+    store = StoreSpec(kind="sqlite", data_dir=str(tmp_path / "data"))
+    spec = ingress_spec(store, {"acme": TenantLimits(tokens_per_day=LIMIT)}, fail_closed=True)
+
+    async def used(client) -> int:
+        return (await client.get("/v1/tenant/usage", headers=auth)).json()["quotas"][0]["used"]
+
+    async with running_ingress(spec, FakePool(tokens=1, delay_s=2.0)) as (client, [ingress]):
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(client.post("/v1/completions", json=body, headers=auth), 0.3)
+        for _ in range(50):  # the abandoned request is settled in the background
+            if not ingress._tasks:
+                break
+            await asyncio.sleep(0.05)
+        aborted = await used(client)
+        assert aborted > 0  # its prompt, no completion
+    refusal = APIError(503, "pool at capacity", type="overloaded", retry_after=1)
+    async with running_ingress(spec, FakePool(error=refusal)) as (client, [ingress]):
+        r = await client.post("/v1/completions", json=body, headers=auth)
+        assert r.status_code == 503 and await used(client) == aborted  # refunded
+        ingress.quotas.store = _Down()
+        r = await client.post("/v1/completions", json=body, headers=auth)
+        assert r.status_code == 503 and "quota store is unavailable" in r.json()["error"]["message"]
+        assert r.headers["Retry-After"] == "5"
+
+
+class _Down:
+    def __getattr__(self, name):
+        from app.store import StoreError
+
+        def fail(*a, **k):
+            raise StoreError("down", "down")
+
+        return fail

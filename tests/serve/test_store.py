@@ -360,3 +360,16 @@ async def test_job_lease_renewal_errors_do_not_orphan_its_generation(store, monk
     assert fails["renew"] >= 1 and fails["finish"] == 2
     assert view["status"] == "succeeded" and view["result"]["text"] == "t0t1t2t3t4"
     assert [u.used for u in quotas.usage("acme")] == [5]
+
+
+def test_sqlite_is_refused_for_an_app_on_several_nodes():
+    from app.builder import check_store_fits
+    from app.settings import AppArgs
+
+    with pytest.raises(ValueError, match=r"^store: kind 'sqlite' .*Ray reports 2 alive nodes"):
+        check_store_fits(AppArgs(), alive_nodes=2)
+    with pytest.raises(ValueError, match=r"store: kind 'sqlite' .*multi_node: true"):
+        AppArgs(multi_node=True)
+    check_store_fits(AppArgs(), alive_nodes=1)
+    redis = AppArgs(multi_node=True, store={"kind": "redis", "url": "redis://h:6379/0"})
+    check_store_fits(redis, alive_nodes=3)
