@@ -73,6 +73,21 @@ def ingress_spec(store: StoreSpec, tenants: dict[str, TenantLimits] | None = Non
                        quota_fail_closed=fail_closed)
 
 
+def _local_class() -> type:
+    from app.ingress import Ingress
+
+    class Local(Ingress):
+        """The ingress outside Serve: its shutdown is awaited by the harness, not left to the GC."""
+
+        def __del__(self) -> None:
+            pass
+
+    return Local
+
+
+_Local = _local_class()
+
+
 class _ReplicaContext:
     """What Serve's ``get_current_servable_instance`` dependency reads: the replica's object
     (round-robin over the harness's ingress replicas)."""
@@ -95,7 +110,7 @@ async def running_ingress(spec: IngressSpec, pool: FakePool, replicas: int = 1) 
     base = Ingress.__bases__[0]  # the class under Serve's ASGI wrapper
     objs = []
     for _ in range(replicas):
-        obj = Ingress.__new__(Ingress)
+        obj = _Local.__new__(_Local)
         await base.__init__(obj, spec, {d: pool for d in DEPLOYMENTS}, None)
         objs.append(obj)
     from ray import serve
@@ -112,7 +127,7 @@ async def running_ingress(spec: IngressSpec, pool: FakePool, replicas: int = 1) 
         for obj in objs:
             for t in list(obj._tasks):  # settling a request the client left
                 await asyncio.wait({t}, timeout=5)
-            await obj.__del__()
+            await base.__del__(obj)
             for t in list(obj._tasks):
                 t.cancel()
 
