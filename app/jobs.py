@@ -161,16 +161,21 @@ class JobQueue:
                 return None
             job_id = raw_id.decode()
             claimed: list[Job] = []
+            first: list[int] = []  # the record's requeues when this claim first read it
 
             def run(j: Job) -> Job | None:
-                if j.status != "queued":
-                    return None  # cancelled while queued, or taken: the reaper drops it from the list
+                if not first:
+                    first.append(j.requeues)
+                if j.status != "queued" or j.requeues != first[0]:
+                    # Cancelled while queued, or taken; or the reaper queued it again while this
+                    # claim stalled (it is back on the queue, off this list): leave it.
+                    return None
                 claimed.append(replace(j, status="running", attempts=j.attempts + 1, started=self.clock()))
                 return claimed[-1]
 
-            self._change(job_id, run, puts=[("job-lease:" + job_id, b"1", LEASE_S)])
-            if claimed:
-                return claimed[-1]
+            now = self._change(job_id, run, puts=[("job-lease:" + job_id, b"1", LEASE_S)])
+            if claimed and now is claimed[-1]:  # committed (a failed attempt's record is not the result)
+                return now
 
     def renew(self, job: Job) -> bool:
         """Extend a running job's lease; False when the runner must stop it (cancelled, finished, or
@@ -231,20 +236,25 @@ class JobQueue:
                 self.store.push(running, raw)
                 continue
 
+            made: list[Job] = []
+
             def lapse(j: Job) -> Job | None:
                 if j.status == "queued":
-                    return replace(j, requeues=j.requeues + 1)  # a changed record: the stalled claim's commit fails
-                if j.status != "running" or self.store.get("job-lease:" + j.id) is not None:
+                    out = replace(j, requeues=j.requeues + 1)  # a changed record: the stalled claim's commit fails
+                elif j.status != "running" or self.store.get("job-lease:" + j.id) is not None:
                     return None
-                if j.attempts < MAX_ATTEMPTS:
-                    return replace(j, status="queued", requeues=j.requeues + 1)
-                return replace(j, status="failed", finished=self.clock(),
-                               error=f"the replica running it stopped before it finished ({j.attempts} attempts); "
-                                     "not retried again")
+                elif j.attempts < MAX_ATTEMPTS:
+                    out = replace(j, status="queued", requeues=j.requeues + 1)
+                else:
+                    out = replace(j, status="failed", finished=self.clock(),
+                                  error=f"the replica running it stopped before it finished ({j.attempts} attempts); "
+                                        "not retried again")
+                made.append(out)
+                return out
 
             new = self._change(job_id, lapse,
                                pushes=lambda n, raw=raw: [("jobs:" + deployment, raw)] if n.status == "queued" else [])
-            if new is None or new == job:
+            if new is None or not made or new is not made[-1]:  # nothing committed
                 if new is not None and new.status == "running":
                     self.store.push(running, raw)
                 continue

@@ -373,3 +373,30 @@ def test_sqlite_is_refused_for_an_app_on_several_nodes():
     check_store_fits(AppArgs(), alive_nodes=1)
     redis = AppArgs(multi_node=True, store={"kind": "redis", "url": "redis://h:6379/0"})
     check_store_fits(redis, alive_nodes=3)
+
+
+def test_a_claim_that_stalls_past_the_reaper_leaves_the_job_to_the_queue(store):
+    """A claim stalls between its move and its commit long enough for another replica's reaper to
+    queue the job again (two passes): the stalled commit fails, the claim does not take the job
+    off-list; it claims it again from the queue, so the job is running and on the running list."""
+    reaper = JobQueue(store)
+
+    class Stalling:
+        def __init__(self, inner):
+            self.inner, self.stalled = inner, False
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def commit(self, *a, **k):
+            if not self.stalled and any(key.startswith("job-lease:") for key, _, _ in k.get("puts", ())):
+                self.stalled = True
+                reaper.reap("d"), reaper.reap("d")
+            return self.inner.commit(*a, **k)
+
+    q = JobQueue(Stalling(store))
+    job = q.submit("acme", "d", "long", _preq())
+    claimed = q.claim("d")
+    assert claimed.id == job.id and claimed.requeues == 1 and claimed.status == "running"
+    assert store.pop("jobs-running:d") == job.id.encode() and store.pop("jobs-running:d") is None
+    assert q.claim("d") is None  # nothing left on the queue
