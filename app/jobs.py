@@ -23,10 +23,8 @@ restarted app finds its jobs where they were.
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import logging
-import pickle
 import secrets
 import time
 from dataclasses import asdict, dataclass, replace
@@ -43,6 +41,33 @@ MAX_ATTEMPTS = 2  # the first run and one re-queue
 FINAL = ("succeeded", "failed", "cancelled")
 
 
+def encode_request(req: PoolRequest) -> str:
+    """A planned request as JSON: its fields, sampling parameters and grammar by name.
+
+    >>> from engine.sampling_params import SamplingParams, StructuredOutput
+    >>> req = PoolRequest("r", (1, 2), SamplingParams(stop=("x",), logit_bias=((5, -1.0),),
+    ...                   structured_output=StructuredOutput("json_object")), ((0, 1),))
+    >>> decode_request(encode_request(req)) == req
+    True
+    """
+    return json.dumps(asdict(req), separators=(",", ":"))
+
+
+def _tuples(v: Any) -> Any:
+    return tuple(_tuples(x) for x in v) if isinstance(v, list) else v
+
+
+def decode_request(raw: str) -> PoolRequest:
+    """The inverse of :func:`encode_request` (JSON lists back to the dataclasses' tuples)."""
+    from engine.sampling_params import SamplingParams, StructuredOutput
+
+    d = {k: _tuples(v) for k, v in json.loads(raw).items()}
+    params = {k: _tuples(v) for k, v in d.pop("params").items()}
+    if params.get("structured_output") is not None:
+        params["structured_output"] = StructuredOutput(**params["structured_output"])
+    return PoolRequest(params=SamplingParams(**params), **d)
+
+
 @dataclass(frozen=True)
 class Job:
     id: str
@@ -51,7 +76,7 @@ class Job:
     pool: str
     status: str  # queued | running | succeeded | failed | cancelled
     created: float
-    request: str  # the planned PoolRequest, pickled, base64
+    request: str  # the planned PoolRequest, typed JSON (encode_request): never pickle, the store runs no code
     prompt_tokens: int
     attempts: int = 0
     started: float | None = None
@@ -64,7 +89,7 @@ class Job:
     requeues: int = 0  # times the reaper queued it again
 
     def pool_request(self) -> PoolRequest:
-        return pickle.loads(base64.b64decode(self.request))
+        return decode_request(self.request)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -124,7 +149,7 @@ class JobQueue:
     def submit(self, tenant: str, deployment: str, pool: str, req: PoolRequest) -> Job:
         req = replace(req, reply_to=None, affinity=None, timeout_s=None, soft_timeout_s=None)
         job = Job(id="job-" + secrets.token_hex(12), tenant=tenant, deployment=deployment, pool=pool, status="queued",
-                  created=self.clock(), request=base64.b64encode(pickle.dumps(req)).decode(),
+                  created=self.clock(), request=encode_request(req),
                   prompt_tokens=len(req.prompt_token_ids))
         self.store.commit(puts=[self._put(job)], pushes=[("jobs:" + deployment, job.id.encode())])
         return job
