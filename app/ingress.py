@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 
+from app import log_masking
 from app import metrics as m
 from app import openapi
 from app.audit import AuditLog, AuditRecord
@@ -139,6 +140,7 @@ class _Timing:
 @serve.ingress(api)
 class Ingress:
     async def __init__(self, spec: IngressSpec, pools: dict[str, Any], hub: Any = None) -> None:
+        log_masking.install()  # no credential (a store URL's password) in any log line of this replica
         self.spec = spec
         self.auth = resolve_auth(spec.auth)  # raises (replica fails to start) when no keys are set
         self.planner = Planner(spec.plan)

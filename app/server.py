@@ -68,8 +68,10 @@ class LLMServer:
         ingress charged its prompt at submission)."""
         from app.jobs import JobQueue, JobRunner
         from app.quotas import Quotas
+        from app import log_masking
         from app.store import open_store
 
+        log_masking.install()  # the store's URL may carry a password: never in a log line
         store = open_store(self.spec.store)
         quotas = Quotas(store, dict(self.spec.tenants))
         logger.info("pool %s: runs jobs, %d at a time", self.spec.deployment_name, self.spec.job_slots)

@@ -61,3 +61,14 @@ async def test_operator_only_options(tmp_path, monkeypatch, option, param):
         # A version that takes traffic may be pinned by anyone.
         r = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "model": "ref@v1"}, headers=_auth(ACME_KEY))
         assert r.status_code == 200, r.text
+
+
+def test_any_log_line_masks_url_credentials(caplog):
+    from app import log_masking
+
+    log_masking.install()
+    caplog.set_level(logging.INFO)
+    logging.getLogger("some.library").warning("connecting to %s failed", "redis://admin:hunter2@10.1.2.3:6379/0")
+    logging.getLogger("some.library").info("plain %d", 3)
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "hunter2" not in text and "redis://***@10.1.2.3:6379/0" in text and "plain 3" in text
