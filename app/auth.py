@@ -6,6 +6,14 @@ Every key belongs to a tenant: ``<key>:<tenant>`` names it (both sources), a bar
 ``default``. Tenants' quotas are not secret and live in the config (``tenants:``, app/quotas.py)::
 
     SINKSERVE_API_KEYS="sk-abc:acme,sk-def:acme,sk-ghi"   # two acme keys, one default key
+
+Operator keys (``SINKSERVE_OPERATOR_KEYS``, or a file named by ``SINKSERVE_OPERATOR_KEYS_FILE``;
+same syntax) are API keys too, and they alone may use the operator-only request options -- forcing
+a pool (``sinkserve.pool``), pinning a version that takes no traffic (``model: name@v`` with weight
+0) -- and read the per-tenant metrics (``GET /metrics/tenants``). With ``auth: disabled`` everyone
+is an operator (the server is open anyway)::
+
+    SINKSERVE_OPERATOR_KEYS="sk-ops-1:ops"
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ logger = logging.getLogger(__name__)
 
 KEYS_ENV = "SINKSERVE_API_KEYS"
 KEYS_FILE_ENV = "SINKSERVE_API_KEYS_FILE"
+OPERATOR_KEYS_ENV = "SINKSERVE_OPERATOR_KEYS"
+OPERATOR_KEYS_FILE_ENV = "SINKSERVE_OPERATOR_KEYS_FILE"
 DEFAULT_KEY_FILE = Path("~/.sinkserve/api_keys").expanduser()
 DEFAULT_TENANT = "default"
 TENANT_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
@@ -34,7 +44,17 @@ class AuthConfigError(RuntimeError):
 @dataclass(frozen=True)
 class AuthSettings:
     enabled: bool
-    tenants: Mapping[str, str]  # key -> tenant
+    tenants: Mapping[str, str]  # key -> tenant (operator keys included)
+    operators: frozenset[str] = frozenset()  # the operator keys
+
+    def is_operator(self, key: str | None) -> bool:
+        """Whether a checked key may use operator-only options (every caller when auth is off)."""
+        if not self.enabled:
+            return True
+        ok = False
+        for op in self.operators:  # constant time, as in check()
+            ok |= key is not None and hmac.compare_digest(key.encode(), op.encode())
+        return ok
 
     @property
     def keys(self) -> frozenset[str]:
@@ -78,11 +98,11 @@ def parse_entry(entry: str, where: str) -> tuple[str, str]:
     return key, tenant
 
 
-def read_key_file(path: str | os.PathLike[str]) -> dict[str, str]:
+def read_key_file(path: str | os.PathLike[str], env_name: str = KEYS_FILE_ENV) -> dict[str, str]:
     """Key -> tenant from a key file (one ``<key>[:<tenant>]`` a line)."""
     p = Path(path).expanduser()
     if not p.is_file():
-        raise AuthConfigError(f"{KEYS_FILE_ENV}={path} does not name a readable file")
+        raise AuthConfigError(f"{env_name}={path} does not name a readable file")
     keys: dict[str, str] = {}
     for i, line in enumerate(p.read_text().splitlines(), 1):
         line = line.split("#", 1)[0].strip()
@@ -92,17 +112,18 @@ def read_key_file(path: str | os.PathLike[str]) -> dict[str, str]:
     return keys
 
 
-def load_api_keys(env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Key -> tenant from the environment and the key file."""
+def load_api_keys(env: Mapping[str, str] | None = None, var: str = KEYS_ENV, file_var: str = KEYS_FILE_ENV) -> dict[str, str]:
+    """Key -> tenant from the environment and the key file (operator keys: ``var`` and
+    ``file_var`` name the operator variables)."""
     env = os.environ if env is None else env
     keys: dict[str, str] = {}
-    if env.get(KEYS_ENV):
-        for entry in env[KEYS_ENV].split(","):
+    if env.get(var):
+        for entry in env[var].split(","):
             if entry.strip():
-                key, tenant = parse_entry(entry, KEYS_ENV)
+                key, tenant = parse_entry(entry, var)
                 keys[key] = tenant
-    if env.get(KEYS_FILE_ENV):
-        keys.update(read_key_file(env[KEYS_FILE_ENV]))
+    if env.get(file_var):
+        keys.update(read_key_file(env[file_var], file_var))
     return keys
 
 
@@ -116,12 +137,13 @@ def resolve_auth(mode: str, env: Mapping[str, str] | None = None) -> AuthSetting
         logger.warning("auth: disabled in the config -- the API is OPEN to anyone who can reach it")
         return AuthSettings(enabled=False, tenants={})
     keys = load_api_keys(env)
-    if not keys:
+    operators = load_api_keys(env, OPERATOR_KEYS_ENV, OPERATOR_KEYS_FILE_ENV)
+    if not keys and not operators:
         raise AuthConfigError(
             f"no API keys: set {KEYS_ENV} (comma-separated) or {KEYS_FILE_ENV} (a file, one key a "
             "line), or write 'auth: disabled' in the config to run an open server"
         )
-    return AuthSettings(enabled=True, tenants=keys)
+    return AuthSettings(enabled=True, tenants={**keys, **operators}, operators=frozenset(operators))
 
 
 def ensure_key_file(path: Path = DEFAULT_KEY_FILE) -> tuple[str, bool]:

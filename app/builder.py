@@ -21,7 +21,7 @@ from app.ingress import Ingress
 from app.placement import app_needs, check_placement, pool_device
 from app.server import LLMServer
 from app.affinity import ROUTER_PATH
-from app.settings import AppArgs, BucketSpec, IngressSpec, PlanSpec, PoolArgs, PoolSpec, StoreSpec, TenantLimits, VersionSpec, pool_limits
+from app.settings import SINGLE_NODE_STORE, AppArgs, BucketSpec, IngressSpec, PlanSpec, PoolArgs, PoolSpec, StoreSpec, TenantLimits, VersionSpec, pool_limits
 from engine.limits import EngineLimits, read_model_config
 from engine.model_store import describe, resolve_model
 
@@ -110,6 +110,13 @@ def pool_options(pool: PoolArgs, device: str) -> dict[str, Any]:
     return opts
 
 
+def check_store_fits(args: AppArgs, alive_nodes: int) -> None:
+    """Refuse SQLite (one file on one node) for an app on a cluster of more than one node: each node
+    would keep its own conversations, quotas and jobs."""
+    if args.store.kind == "sqlite" and alive_nodes > 1:
+        raise ValueError(f"{SINGLE_NODE_STORE} (Ray reports {alive_nodes} alive nodes)")
+
+
 def build_app(args: AppArgs) -> Application:
     """Build the application from validated args (Serve validates a YAML ``args:`` dict into
     ``AppArgs`` through the type hint; every pool's ``engine:`` block is checked by the engine's
@@ -121,6 +128,7 @@ def build_app(args: AppArgs) -> Application:
     resolve_auth(args.auth)
     cluster, nodes = cluster_resources()
     check_cluster_fits(args, cluster, nodes)
+    check_store_fits(args, len(nodes))
     gpus = cluster.get("GPU", 0.0)
     from engine.weights import fingerprint
 
@@ -183,7 +191,7 @@ def build_app(args: AppArgs) -> Application:
                           store=store, tenants=tenants, jobs_pool=jobs_pool,
                           session_ttl_s=args.sessions.ttl_s,
                           keepalive_s=args.ingress.keepalive_s, audit_path=args.audit.path,
-                          audit_text=args.audit.include_text)
+                          audit_text=args.audit.include_text, quota_fail_closed=args.quotas.fail_closed)
     return serve.deployment(Ingress).options(
         name="Ingress",
         num_replicas=args.ingress.num_replicas,

@@ -12,6 +12,9 @@
        were all served (and by which version), that the app is ready and counted no new 5xx;
        roll back (candidate weight 0) when the evidence or a step fails. Prints the evidence.
 
+``SINKSERVE_API_KEY`` must be an operator key (``SINKSERVE_OPERATOR_KEYS``, app/auth.py): only
+operators may pin a version that takes no traffic.
+
 Traffic moves through the Ingress's ``user_config`` (live, no restart; ``Ingress.reconfigure``). Without
 ``--deploy`` the configs are written and printed, not deployed.
 """

@@ -126,6 +126,24 @@ def resolve_models(cfg: dict) -> None:
                 v["model"] = resolve_model(v["model"])
 
 
+def masked_store_urls(cfg: dict) -> dict:
+    """A copy of ``cfg`` whose store URLs show no password (for printing).
+
+    >>> masked_store_urls({"applications": [{"args": {"store": {"kind": "redis", "url": "redis://:pw@h:6379/0"}}}]})
+    {'applications': [{'args': {'store': {'kind': 'redis', 'url': 'redis://***@h:6379/0'}}}]}
+    """
+    import copy
+
+    from app.store.base import mask_url
+
+    out = copy.deepcopy(cfg)
+    for app in out.get("applications", ()):
+        store = (app.get("args") or {}).get("store") or {}
+        if store.get("url"):
+            store["url"] = mask_url(store["url"])
+    return out
+
+
 def needs_keys(cfg: dict) -> bool:
     return any((a.get("args") or {}).get("auth", "enabled") != "disabled" for a in cfg["applications"])
 
@@ -144,16 +162,18 @@ def run(args: argparse.Namespace) -> int:
     if needs_keys(cfg) and not (env.get(KEYS_ENV) or env.get(KEYS_FILE_ENV)):
         key, created = ensure_key_file(args.key_file)
         env[KEYS_FILE_ENV] = str(args.key_file)
+        # The key itself is never printed (terminals and CI logs keep what they show): where it is, and
+        # a command that reads it.
         print(f"{'Created' if created else 'Using'} API key file {args.key_file}")
-        print(f"API key: {key}")
-        print(f'  curl -H "Authorization: Bearer {key}" http://{cfg["http_options"].get("host", "127.0.0.1")}:'
+        print(f"  KEY=$(head -1 {args.key_file})")
+        print(f'  curl -H "Authorization: Bearer $KEY" http://{cfg["http_options"].get("host", "127.0.0.1")}:'
               f'{cfg["http_options"].get("port", 8000)}/v1/models')
     # Workers must import app/ and engine/ whatever their working directory.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     env.update(haproxy_env(args.haproxy_stats_port, args.haproxy_metrics_port))
     print(f"HTTP entry: haproxy ({HAPROXY_ENV}={env[HAPROXY_ENV]})")
     if args.dry_run:
-        print(yaml.safe_dump(cfg, sort_keys=False))
+        print(yaml.safe_dump(masked_store_urls(cfg), sort_keys=False))
         return 0
     try:
         resolve_models(cfg)

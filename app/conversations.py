@@ -15,7 +15,11 @@ to the replica that served the previous turn, whose prefix cache already holds t
 only the new tokens are prefilled. If that replica is gone the next one prefills the history from
 these ids. A turn is committed only when it finished; a failed or abandoned turn leaves the
 conversation as it was (the client may send it again). One turn at a time per conversation
-(a second one meanwhile is a 409).
+(a second one meanwhile is a 409): the turn's lock holds a random owner token, and only that
+token releases it, so a turn whose lock expired cannot release the next turn's. A turn whose save
+fails answers an error (a 503, or an SSE error event instead of ``[DONE]``) and leaves the
+conversation as it was: the save is one write of the whole record, so the client may send the turn
+again.
 """
 
 from __future__ import annotations
@@ -108,12 +112,15 @@ class ConversationStore:
             return False
         return self.store.delete("conversation:" + conv_id)
 
-    def lock(self, conv_id: str, ttl_s: float) -> bool:
-        """Claim the conversation for one turn (False: a turn is already running)."""
-        return self.store.put_if_absent("conversation-turn:" + conv_id, b"1", ttl_s)
+    def lock(self, conv_id: str, ttl_s: float) -> str | None:
+        """Claim the conversation for one turn: the owner token that releases it, or None when a
+        turn is already running. The lock expires after ``ttl_s`` whatever happens to its owner."""
+        token = secrets.token_hex(16)
+        return token if self.store.put_if_absent("conversation-turn:" + conv_id, token.encode(), ttl_s) else None
 
-    def unlock(self, conv_id: str) -> None:
-        self.store.delete("conversation-turn:" + conv_id)
+    def unlock(self, conv_id: str, token: str) -> bool:
+        """Release the turn lock if ``token`` still owns it (False: it expired, maybe taken by another turn)."""
+        return self.store.delete_if("conversation-turn:" + conv_id, token.encode())
 
 
 MARK = "\x00sinkserve-turn\x00"

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 
+from app import log_masking
 from app import metrics as m
 from app import openapi
 from app.audit import AuditLog, AuditRecord
@@ -28,9 +29,10 @@ from app.conversations import ID_PATTERN, Conversation, ConversationStore, Turn
 from app.errors import APIError, from_validation_error
 from app.events import RouteInfo, RoutePlan, TokenDelta
 from app.jobs import JobQueue
-from app.quotas import Quotas
+from app.quotas import Quotas, Reservation
 from app.store import StoreError, open_store
 from app.store.base import call as store_call
+from app.store.base import purge_forever
 from app.planner import Planner
 from app.replica import data_path_handle, node_address, push_forever, replica_tag
 from app.responses import Choices, Echo
@@ -80,10 +82,13 @@ class _Turn:
     """One request's accounting: who asked, what it cost, and (for a conversation turn) what to
     commit. Settled exactly once, however the request ends."""
 
-    def __init__(self, tenant: str, plan: RoutePlan, conv: Conversation | None, body: Any) -> None:
+    def __init__(self, tenant: str, plan: RoutePlan, conv: Conversation | None, body: Any,
+                 lock: str | None = None, reservation: Reservation | None = None) -> None:
         self.tenant = tenant
         self.plan = plan
         self.conv = conv
+        self.lock = lock  # the conversation's turn-lock owner token
+        self.reservation = reservation  # the prompt tokens reserved against the tenant's quota
         self.body = body
         self.completion_ids: dict[int, list[int]] = {}
         self.completion_tokens: dict[int, int] = {}
@@ -136,6 +141,7 @@ class _Timing:
 @serve.ingress(api)
 class Ingress:
     async def __init__(self, spec: IngressSpec, pools: dict[str, Any], hub: Any = None) -> None:
+        log_masking.install()  # no credential (a store URL's password) in any log line of this replica
         self.spec = spec
         self.auth = resolve_auth(spec.auth)  # raises (replica fails to start) when no keys are set
         self.planner = Planner(spec.plan)
@@ -148,13 +154,15 @@ class Ingress:
         # fails shows in /readyz while requests without a conversation keep working.
         self.store = open_store(spec.store)
         self.conversations = ConversationStore(self.store, spec.session_ttl_s)
-        self.quotas = Quotas(self.store, dict(spec.tenants))
+        self.quotas = Quotas(self.store, dict(spec.tenants), fail_closed=spec.quota_fail_closed)
         self.jobs = JobQueue(self.store)
         self.audit = AuditLog(spec.audit_path, spec.audit_text) if spec.audit_path else None
         # Deltas and errors come back on the token bus, one frame per engine message (app/token_bus.py).
         self.inbox = TokenInbox()
         await self.inbox.start(node_address())
         self._push = None
+        self._tasks: set[asyncio.Task[Any]] = set()  # fire-and-forget work (settling, releasing), kept referenced
+        self._purge = asyncio.get_running_loop().create_task(purge_forever(self.store))
         if hub is not None:
             self._push = asyncio.get_running_loop().create_task(
                 push_forever(hub, f"ingress/{self.replica}", self._entry, spec.stats_push_interval_s)
@@ -177,6 +185,7 @@ class Ingress:
     async def __del__(self) -> None:
         if self._push is not None:
             self._push.cancel()
+        self._purge.cancel()
         await self.inbox.stop()
         self.store.close()
         if self.audit is not None:
@@ -198,18 +207,31 @@ class Ingress:
         store: dict[str, Any] = {"kind": self.store.kind, "ok": True}
         try:
             await asyncio.wait_for(store_call(self.store.ping), 5.0)
-        except (StoreError, asyncio.TimeoutError) as e:
-            store = {"kind": self.store.kind, "ok": False, "error": str(e) or "no answer within 5 s"}
+        except StoreError as e:
+            # Unauthenticated: the reason without the URL (the log has it, password masked).
+            logger.warning("readiness: %s", e)
+            store = {"kind": self.store.kind, "ok": False, "error": e.public}
+        except asyncio.TimeoutError:
+            store = {"kind": self.store.kind, "ok": False, "error": "no answer within 5 s"}
         ok = all(pools.values()) and store["ok"]
         return JSONResponse({"ready": ok, "pools": pools, "store": store}, status_code=200 if ok else 503)
 
     @api.get("/metrics")
     async def metrics(self) -> Response:
-        snap: dict[str, Any] = {}
-        if self.hub is not None:
-            await self.hub.report.remote(f"ingress/{self.replica}", self._entry())
-            snap = await self.hub.snapshot.remote()
-        return Response(m.render(snap), media_type=m.CONTENT_TYPE)
+        """The operational series (no key); per-tenant series are on ``/metrics/tenants``."""
+        return Response(m.render(await self._snapshot()), media_type=m.CONTENT_TYPE)
+
+    @api.get("/metrics/tenants")
+    async def tenant_metrics(self, request: Request) -> Response:
+        """Per-tenant token and request counters: an operator key only (app/auth.py)."""
+        self._require_operator(self._authorize(request), "/metrics/tenants")
+        return Response(m.render(await self._snapshot(), "tenants"), media_type=m.CONTENT_TYPE)
+
+    async def _snapshot(self) -> dict[str, Any]:
+        if self.hub is None:
+            return {"local": self._entry()}
+        await self.hub.report.remote(f"ingress/{self.replica}", self._entry())
+        return await self.hub.snapshot.remote()
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> ModelList:
@@ -292,6 +314,19 @@ class Ingress:
             self.metrics.count("none", 401)
             raise APIError(401, str(e), None, "authentication_error")
 
+    def _require_operator(self, key: str | None, what: str) -> None:
+        if not self.auth.is_operator(key):
+            raise APIError(403, f"{what} needs an operator key (SINKSERVE_OPERATOR_KEYS; docs/operations.md)", what,
+                           "permission_error")
+
+    def _check_operator_options(self, key: str | None, body: Any, pinned: str | None) -> None:
+        """Options that take capacity or versions away from the traffic split are for operators:
+        forcing a pool (the scarce long pool), pinning a version with no traffic (weight 0)."""
+        if body.sinkserve is not None and body.sinkserve.pool is not None:
+            self._require_operator(key, "sinkserve.pool")
+        if pinned is not None and any(v.name == pinned and v.weight <= 0 for v in self.planner.spec.versions):
+            self._require_operator(key, "model")
+
     def _pinned_version(self, model: str | None) -> str | None:
         """``model`` may be absent, the served name, or ``name@version`` to pin a version."""
         if model is None or model == self.spec.served_model_name:
@@ -312,28 +347,50 @@ class Ingress:
             self.metrics.count("none", 400)
             raise from_validation_error(e)
         conv: Conversation | None = None
+        lock: str | None = None
         try:
             pinned = self._pinned_version(body.model)
+            self._check_operator_options(key, body, pinned)
             conv_id = self._conversation_id(request, body)
             if conv_id is not None:
-                conv = await self._claim_conversation(conv_id, tenant)
+                conv, lock = await self._claim_conversation(conv_id, tenant)
         except APIError as e:
             self.metrics.count("none", e.status)
             raise
         chat = isinstance(body, ChatCompletionRequest)
         request_id = new_request_id("chatcmpl" if chat else "cmpl")
+        reservation = None
         try:
             plan = self.planner.plan(body, key, request_id, pinned, history=conv)
             if self.quotas.limited(tenant):
-                await store_call(self.quotas.check, tenant, plan.info.prompt_tokens)
-        except APIError as e:
-            self.metrics.count("none", e.status)
+                reservation = await store_call(self.quotas.reserve, tenant, plan.info.prompt_tokens)
+        except BaseException as e:  # any exit before the turn exists releases the lock
+            if isinstance(e, APIError):
+                self.metrics.count("none", e.status)
             if conv is not None:
-                await self._release(conv.id)
+                await self._release_now(conv.id, lock)
+            if isinstance(e, Exception) and not isinstance(e, APIError):
+                logger.exception("request %s: planning failed", request_id)
+                self.metrics.count("none", 500)
+                raise APIError(500, f"internal error: {type(e).__name__}", type="server_error") from None
             raise
         if plan.info.passages is not None:
             self.metrics.trimmed(plan.info.pool, plan.info.passages.tokens_saved)
-        turn = _Turn(tenant, plan, conv, body)
+        turn = _Turn(tenant, plan, conv, body, lock, reservation)
+        try:
+            return await self._start(turn, body, chat, t0)
+        except asyncio.CancelledError:
+            raise
+        except APIError:
+            raise  # settled by whoever raised it
+        except Exception as e:  # a bug on this path: settled (the lock released, the quota reconciled), then a 500
+            logger.exception("request %s failed in the ingress", request_id)
+            await self._settle(turn, 500, _Timing(t0))
+            raise APIError(500, f"internal error: {type(e).__name__}", type="server_error") from None
+
+    async def _start(self, turn: _Turn, body: Any, chat: bool, t0: float) -> Response:
+        """Send the planned request to its pool; the response (unary, or an SSE stream)."""
+        plan = turn.plan
         gen = stream_plan(self.pools[plan.info.deployment], plan, self.inbox)
         first_task = asyncio.ensure_future(gen.__anext__())
         try:
@@ -353,7 +410,7 @@ class Ingress:
             raise APIError(500, "empty response from pool", type="server_error")
         except asyncio.CancelledError:
             first_task.cancel()
-            asyncio.get_running_loop().create_task(self._settle(turn, 499, _Timing(t0)))
+            self._spawn(self._settle(turn, 499, _Timing(t0)))
             raise
         if isinstance(first, APIError):
             await self._settle(turn, first.status, _Timing(t0))
@@ -387,54 +444,93 @@ class Ingress:
         except StoreError as e:
             raise APIError(503, f"conversation store unavailable: {e}", type="server_error", retry_after=5) from None
 
-    async def _claim_conversation(self, conv_id: str, tenant: str) -> Conversation:
-        """The conversation, locked for this turn: 404 naming it when unknown, 409 when a turn is running."""
+    async def _claim_conversation(self, conv_id: str, tenant: str) -> tuple[Conversation, str]:
+        """The conversation, locked for this turn, and the lock's owner token: 404 naming it when
+        unknown, 409 when a turn is running."""
         lock_s = max(b.timeout_s for b in self.spec.plan.buckets) + 30.0
-        if not await self._store(self.conversations.lock, conv_id, lock_s):
+        lock = await self._store(self.conversations.lock, conv_id, lock_s)
+        if lock is None:
             raise APIError(409, f"conversation {conv_id!r} has a turn in progress; send the next turn when it ends",
                            "sinkserve.conversation_id", "conflict")
         try:
             conv = await self._store(self.conversations.load, conv_id, tenant)
         except BaseException:
-            await self._release(conv_id)
+            await self._release_now(conv_id, lock)
             raise
         if conv is None:
-            await self._release(conv_id)
+            await self._release_now(conv_id, lock)
             raise APIError(404, f"conversation {conv_id!r} does not exist (or has expired); create one with "
                                 "POST /v1/conversations", "sinkserve.conversation_id", "not_found")
-        return conv
+        return conv, lock
 
-    async def _release(self, conv_id: str) -> None:
-        try:
-            await store_call(self.conversations.unlock, conv_id)
-        except StoreError as e:  # the lock expires on its own
-            logger.warning("conversation %s: turn lock not released: %s", conv_id, e)
-
-    async def _settle(self, turn: _Turn, status: int, acc: _Timing) -> None:
-        """Once per request, however it ended: metrics, the conversation's new turn (only when it
-        finished), the tenant's token charge, the audit record."""
-        if turn.settled:
+    async def _release(self, conv_id: str, lock: str | None) -> None:
+        """Release a turn lock. While the store is down this keeps trying in the background (the
+        lock would otherwise hold the conversation until it expires, ``timeout_s`` + 30 s)."""
+        if lock is None:
             return
+        try:
+            if not await store_call(self.conversations.unlock, conv_id, lock):
+                logger.warning("conversation %s: the turn's lock had expired before the turn ended", conv_id)
+        except StoreError as e:
+            logger.warning("conversation %s: turn lock not released yet (retrying): %s", conv_id, e)
+            self._spawn(self._release_later(conv_id, lock))
+
+    async def _release_later(self, conv_id: str, lock: str) -> None:
+        deadline = time.monotonic() + max(b.timeout_s for b in self.spec.plan.buckets) + 30.0
+        delay = 0.25
+        while time.monotonic() < deadline:
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+            try:
+                await store_call(self.conversations.unlock, conv_id, lock)
+                return
+            except StoreError:
+                continue
+
+    async def _release_now(self, conv_id: str, lock: str | None) -> None:
+        """Release the lock even when this request is being cancelled (the release runs on)."""
+        await asyncio.shield(self._spawn(self._release(conv_id, lock)))
+
+    def _spawn(self, coro: Any) -> "asyncio.Task[Any]":
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _settle(self, turn: _Turn, status: int, acc: _Timing) -> APIError | None:
+        """Once per request, however it ended: the conversation's new turn (only when it finished),
+        the turn lock released, the tenant's quota reconciled, metrics, the audit record. Returns the
+        error the client must get instead of success (the turn could not be saved), else None."""
+        if turn.settled:
+            return None
         turn.settled = True
         info = turn.plan.info
-        self._record(info.pool, status, acc)
         completion = sum(turn.completion_tokens.values())
-        if turn.conv is not None:
-            if status == 200 and turn.finished:
+        error: APIError | None = None
+        try:
+            if turn.conv is not None and status == 200 and turn.finished:
                 c = turn.conv
                 new = c.with_turn(turn.plan.request.prompt_token_ids, tuple(turn.completion_ids.get(0, ())),
                                   turn.plan.request.anchors, info.version, "chat" if isinstance(turn.body, ChatCompletionRequest) else "completion",
                                   Turn(info.request_id, info.new_tokens or 0, turn.prompt_tokens, completion,
                                        turn.cached_tokens, info.pool, info.policy_version or "", turn.finish_reason))
                 try:
-                    await store_call(self.conversations.save, new)
+                    await store_call(self.conversations.save, new)  # one write: the whole turn or none of it
                 except StoreError as e:
                     status = 503
                     logger.warning("conversation %s: turn %s not saved: %s", c.id, info.request_id, e)
-            await self._release(turn.conv.id)
+                    error = APIError(503, f"conversation {c.id!r}: this turn could not be saved ({e.public}); the "
+                                          "conversation is as it was before it, send the turn again",
+                                     "sinkserve.conversation_id", "server_error", retry_after=1)
+        finally:
+            if turn.conv is not None:
+                await self._release(turn.conv.id, turn.lock)
+        # The quota: what the request used, or nothing when the pool refused it before doing any work.
+        did_work = status == 200 or completion > 0 or status in (408, 499) or error is not None
+        if turn.reservation is not None:
+            await store_call(self.quotas.reconcile, turn.reservation, turn.tokens if did_work else 0)
+        self._record(info.pool, status, acc)
         if status == 200 or completion:
-            if self.quotas.limited(turn.tenant):
-                await store_call(self.quotas.charge, turn.tenant, turn.tokens)
             self.metrics.tenant_usage(turn.tenant, turn.prompt_tokens, completion)
         if self.audit is not None:
             text = None
@@ -447,6 +543,7 @@ class Ingress:
                 cached_tokens=turn.cached_tokens, status=status, finish_reason=turn.finish_reason,
                 duration_s=round(time.perf_counter() - acc.t0, 4), replica=self.replica, prompt=text,
                 output=["".join(turn.texts[i]) for i in sorted(turn.texts)] if self.audit.include_text else None))
+        return error
 
     @api.post("/v1/conversations", status_code=201)
     async def create_conversation(self, request: Request) -> JSONResponse:
@@ -495,12 +592,19 @@ class Ingress:
         if body.stream or body.n != 1 or (body.sinkserve and body.sinkserve.conversation_id):
             raise APIError(400, "a job is one choice, not streamed, outside conversations (stream, n, conversation_id)", "body")
         pool = self.spec.jobs_pool
+        self._check_operator_options(key, body, self._pinned_version(body.model))
         ext = (body.sinkserve or SinkserveExtension()).model_copy(update={"pool": pool})
         body = body.model_copy(update={"sinkserve": ext})
         plan = self.planner.plan(body, key, new_request_id("job"), self._pinned_version(body.model))
-        if self.quotas.limited(tenant):
-            await store_call(self.quotas.check, tenant, plan.info.prompt_tokens)
-        job = await self._store(self.jobs.submit, tenant, plan.info.deployment, plan.info.pool, plan.request)
+        reservation = None
+        if self.quotas.limited(tenant):  # the prompt now; the completion with the job's result (app/jobs.py)
+            reservation = await store_call(self.quotas.reserve, tenant, plan.info.prompt_tokens)
+        try:
+            job = await self._store(self.jobs.submit, tenant, plan.info.deployment, plan.info.pool, plan.request)
+        except APIError:
+            if reservation is not None:
+                await store_call(self.quotas.reconcile, reservation, 0)
+            raise
         return JSONResponse(job.view(), status_code=202)
 
     @api.get("/v1/jobs/{job_id}")
@@ -562,9 +666,11 @@ class Ingress:
                 turn.add(ev)
         except asyncio.CancelledError:
             # client went away; stream_plan cancels the pool call
-            asyncio.get_running_loop().create_task(self._settle(turn, 499, acc))
+            self._spawn(self._settle(turn, 499, acc))
             raise
-        await self._settle(turn, 200, acc)
+        error = await self._settle(turn, 200, acc)
+        if error is not None:
+            raise error  # a 200 never hides a lost write
         return JSONResponse(json.loads(choices.response().model_dump_json()), headers=_route_headers(info))
 
     async def _sse(self, gen: Any, info: RouteInfo, body: Any, chat: bool, t0: float, turn: _Turn,
@@ -574,13 +680,14 @@ class Ingress:
         ``keepalive_s`` of silence; after it the events are read directly (a task per read costs
         ~16 us a delta, too much for every token of every stream)."""
         acc = _Timing(t0)
-        choices = self._choices(body, info, prompt_ids)
+        choices: Choices | None = None  # built inside the try: a failure there still settles the turn
         status = 200
+        unsaved = False  # the turn finished but could not be saved: an error event ends the stream, not [DONE]
         nxt = pending
 
         async def handle(ev: Any) -> tuple[list[bytes], bool]:
             """The SSE bytes for one event, and whether the stream ends with it."""
-            nonlocal status
+            nonlocal status, unsaved
             if isinstance(ev, RouteInfo):
                 return [], False  # the headers already carried it
             if isinstance(ev, APIError):
@@ -594,12 +701,16 @@ class Ingress:
             chunk = choices.chunk(ev)
             out = [sse_event(chunk)] if chunk is not None else []
             if ev.finished:
-                await self._settle(turn, 200, acc)  # the turn is stored before the client sees the end
+                error = await self._settle(turn, 200, acc)  # the turn is stored before the client sees the end
+                if error is not None:
+                    status, unsaved = error.status, True
+                    return out + [sse_event(error.body())], True  # no [DONE]: the turn was not saved
                 if body.include_usage():
                     out.append(sse_event(choices.usage_chunk()))
             return out, ev.finished
 
         try:
+            choices = self._choices(body, info, prompt_ids)
             for first in choices.first_chunks():
                 yield sse_event(first)
             stop = False
@@ -627,10 +738,15 @@ class Ingress:
                         yield b
                     if stop:
                         break
-            yield DONE
+            if not unsaved:
+                yield DONE
         except (asyncio.CancelledError, GeneratorExit):
             status = 499  # client disconnected mid-stream
             raise
+        except Exception as e:  # a bug on this path: the stream ends with an error event, the turn is settled below
+            logger.exception("request %s: stream failed in the ingress", info.request_id)
+            status, unsaved = 500, True
+            yield sse_event(APIError(500, f"internal error: {type(e).__name__}", type="server_error").body())
         finally:
             if nxt is not None:
                 nxt.cancel()
@@ -641,4 +757,4 @@ class Ingress:
             if not turn.finished:
                 await gen.aclose()  # cancels the pool call: abort in the engine now
             if not turn.settled:
-                asyncio.get_running_loop().create_task(self._settle(turn, status, acc))
+                self._spawn(self._settle(turn, status, acc))

@@ -1,6 +1,11 @@
 """Metrics: replicas keep plain counters/histograms, push snapshots to the ``StatsHub``, and the
 ingress renders everything the hub holds as Prometheus text with prometheus-client, so one scrape
-sees every replica (labelled by pool and replica)."""
+sees every replica (labelled by pool and replica).
+
+Two scrapes: ``GET /metrics`` (no key, like the probes) has the operational series -- requests,
+latencies, engine and KV-cache state; ``GET /metrics/tenants`` (an operator key,
+``app/auth.py``) has the per-tenant token and request counters, which say who uses the service
+how much and are nobody else's business."""
 
 from __future__ import annotations
 
@@ -162,11 +167,15 @@ def _hist_family(name: str, doc: str, per_source: Iterable[tuple[dict[str, str],
 class SnapshotCollector:
     """A prometheus-client collector over the hub's snapshot (a dict keyed by source id)."""
 
-    def __init__(self, snapshot: Mapping[str, Mapping[str, Any]]) -> None:
+    def __init__(self, snapshot: Mapping[str, Mapping[str, Any]], part: str = "operational") -> None:
         self.snapshot = snapshot
+        self.part = part  # "operational" | "tenants"
 
     def collect(self):  # noqa: D401 - prometheus-client protocol
         ingress = [s for s in self.snapshot.values() if s.get("kind") == "ingress"]
+        if self.part == "tenants":
+            yield from _tenant_families(ingress)
+            return
         pools = [s for s in self.snapshot.values() if s.get("kind") == "pool"]
 
         req = CounterMetricFamily(PREFIX + "requests", "HTTP requests by pool and status", labels=["pool", "status", "replica"])
@@ -181,7 +190,6 @@ class SnapshotCollector:
             for pool, n in s["data"].get("passage_tokens_trimmed", ()):
                 trimmed.add_metric([pool, s["replica"]], n)
         yield trimmed
-        yield from _tenant_families(ingress)
         for key, name, doc in (
             ("ttft", "time_to_first_token_seconds", "Time to first token seen at the ingress"),
             ("itl", "inter_token_latency_seconds", "Gap between streamed token deltas at the ingress"),
@@ -274,9 +282,10 @@ def _tenant_families(ingress: list[Mapping[str, Any]]) -> Iterable[Any]:
     return (toks, reqs, mean)
 
 
-def render(snapshot: Mapping[str, Mapping[str, Any]]) -> bytes:
+def render(snapshot: Mapping[str, Mapping[str, Any]], part: str = "operational") -> bytes:
+    """Prometheus text of ``part``: "operational" (``/metrics``) or "tenants" (``/metrics/tenants``)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(SnapshotCollector(snapshot))
+    registry.register(SnapshotCollector(snapshot, part))
     return generate_latest(registry)
 
 

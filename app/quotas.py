@@ -3,16 +3,22 @@
 Each tenant may have a per-minute and a per-day limit on prompt + completion tokens
 (``tenants: {acme: {tokens_per_minute: 1000}}``). Windows are fixed and aligned to the epoch (UTC
 minutes, UTC days): one counter per tenant per window, created by its first increment and expiring
-after the window. A request is refused (429) when what the tenant used in the window plus the
-request's prompt is over the limit; once it finishes its prompt + completion tokens are added.
-So a tenant overshoots a limit by at most the completions of the requests in flight when it was
-reached (one request's, for a client that waits for each answer)::
+after the window.
 
-    limit 1,000/min   used 940   next prompt 50 -> 990 <= 1,000: served, finishes with 30 -> used 1,020
+Admission *reserves* the request's prompt: one atomic step in the store adds it to every window
+only if none goes over its limit (:meth:`Store.reserve`), so ten concurrent requests near the limit
+cannot all pass a check before any of them is charged. When the request ends it is *reconciled*:
+its completion (and any prompt difference) is added to the current windows. A request the pool
+refused before doing any work (an error other than a timeout or a client abort, with no token
+generated) gets its prompt back; one aborted before its first token keeps it (the prefill ran). So a
+tenant overshoots a limit by at most the completions of the requests in flight when it was reached::
+
+    limit 1,000/min   used 940   next prompt 50 -> reserved: 990; finishes with 30 -> used 1,020
                       used 1,020 next prompt 10 -> 429 "... used 1,020 of 1,000 ... resets at 12:01:00Z"
 
-A store that fails does not stop traffic: the check lets requests through and logs why (readiness
-reports the store's state).
+A store that fails: with ``quotas: {fail_closed: true}`` a limited tenant's request is refused (503,
+Retry-After) while the store is down; with the default (``false``) it is let through and the log
+says so (readiness reports the store's state). Tenants without limits never touch the store.
 """
 
 from __future__ import annotations
@@ -41,6 +47,15 @@ MINUTE, DAY = Window("tokens_per_minute", 60), Window("tokens_per_day", 86400)
 
 
 @dataclass(frozen=True)
+class Reservation:
+    """What admission added to a tenant's windows: ``tokens`` in each ``(key, window end)``."""
+
+    tenant: str
+    tokens: int
+    windows: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Usage:
     window: Window
     used: int
@@ -61,10 +76,12 @@ def window_key(tenant: str, window: Window, now: float) -> tuple[str, float]:
 class Quotas:
     """Checks and charges tenants' token quotas in ``store``."""
 
-    def __init__(self, store: Store, limits: Mapping[str, TenantLimits], clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, store: Store, limits: Mapping[str, TenantLimits], clock: Callable[[], float] = time.time,
+                 fail_closed: bool = False) -> None:
         self.store = store
         self.limits = dict(limits)
         self.clock = clock
+        self.fail_closed = fail_closed
 
     def limited(self, tenant: str) -> bool:
         """Whether ``tenant`` has any quota (callers skip the store entirely when not)."""
@@ -85,31 +102,69 @@ class Quotas:
             out.append(Usage(w, self.store.counter(key), limit, end))
         return out
 
-    def check(self, tenant: str, prompt_tokens: int) -> None:
-        """Raise a 429 ``APIError`` naming the quota, the tokens used and the reset time when
-        ``prompt_tokens`` more would go over one of ``tenant``'s limits."""
+    def reserve(self, tenant: str, prompt_tokens: int) -> Reservation:
+        """Add ``prompt_tokens`` to each of ``tenant``'s windows atomically, or raise a 429
+        ``APIError`` naming the quota, the tokens used and the reset time when that would go over
+        one of its limits (nothing is added then). A failing store raises a 503 when ``fail_closed``,
+        else lets the request through with nothing reserved."""
+        now = self.clock()
+        windows = self._windows(tenant)
+        keys = [window_key(tenant, w, now) for w, _ in windows]
         try:
-            usages = self.usage(tenant)
+            ok, values = self.store.reserve([(k, n, end - now + 60) for (k, end), (_, n) in zip(keys, windows)],
+                                            prompt_tokens)
         except StoreError as e:
-            logger.warning("quota check for tenant %s skipped: %s", tenant, e)
+            if self.fail_closed:
+                logger.warning("quota of tenant %s not checked, request refused (quotas.fail_closed): %s", tenant, e)
+                raise APIError(503, f"tenant {tenant!r} has a token quota and the quota store is unavailable; retry "
+                                    "later", type="server_error", retry_after=5) from None
+            logger.warning("quota of tenant %s not checked, request let through: %s", tenant, e)
+            return Reservation(tenant, 0)
+        if ok:
+            return Reservation(tenant, prompt_tokens, tuple(keys))
+        for (w, limit), (_, end), used in zip(windows, keys, values):
+            if used + prompt_tokens > limit:
+                at = datetime.fromtimestamp(end, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+                wait = max(1, math.ceil(end - now))
+                raise APIError(429, f"tenant {tenant!r} is over its {w.name} quota: {used} of {limit} "
+                                    f"tokens used, this request's prompt needs {prompt_tokens} more; the quota "
+                                    f"resets at {at} (in {wait} s)", w.name, "quota_exceeded", retry_after=wait)
+        raise AssertionError("the store refused a reservation no window explains")
+
+    def reconcile(self, res: Reservation, tokens: int) -> None:
+        """The request ended having used ``tokens`` (prompt + completion): add what admission did
+        not reserve to the current windows, or give back what it reserved too much to the windows
+        it was reserved in while they last. A failing store loses the difference (logged)."""
+        diff = tokens - res.tokens
+        if diff > 0:
+            self.charge(res.tenant, diff)
+            return
+        if diff == 0:
             return
         now = self.clock()
-        for u in usages:
-            if u.used + prompt_tokens > u.limit:
-                at = datetime.fromtimestamp(u.resets_at, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-                wait = max(1, math.ceil(u.resets_at - now))
-                raise APIError(429, f"tenant {tenant!r} is over its {u.window.name} quota: {u.used} of {u.limit} "
-                                    f"tokens used, this request's prompt needs {prompt_tokens} more; the quota "
-                                    f"resets at {at} (in {wait} s)", u.window.name, "quota_exceeded", retry_after=wait)
+        try:
+            self.store.commit(incrs=[(key, diff, end - now + 60) for key, end in res.windows if now < end])
+        except StoreError as e:
+            logger.warning("quota refund of %d tokens for tenant %s lost: %s", -diff, res.tenant, e)
+
+    def charges(self, tenant: str, tokens: int) -> list[tuple[str, int, float]]:
+        """The counter increments that add ``tokens`` to ``tenant``'s current windows (for a
+        :meth:`Store.commit` that charges in the same step as it records a result)."""
+        if tokens <= 0:
+            return []
+        now = self.clock()
+        out = []
+        for w, _ in self._windows(tenant):
+            key, end = window_key(tenant, w, now)
+            out.append((key, tokens, end - now + 60))  # outlives its window a little
+        return out
 
     def charge(self, tenant: str, tokens: int) -> None:
-        """Add a finished request's prompt + completion tokens to each of the tenant's windows."""
-        if tokens <= 0:
+        """Add ``tokens`` to each of the tenant's current windows (a failing store: logged, lost)."""
+        incrs = self.charges(tenant, tokens)
+        if not incrs:
             return
-        now = self.clock()
         try:
-            for w, _ in self._windows(tenant):
-                key, end = window_key(tenant, w, now)
-                self.store.incr(key, tokens, end - now + 60)  # outlives its window a little
+            self.store.commit(incrs=incrs)  # every window or none
         except StoreError as e:
             logger.warning("quota charge of %d tokens for tenant %s lost: %s", tokens, tenant, e)

@@ -67,16 +67,19 @@ class LLMServer:
 
     def _job_runner(self) -> Any:
         """Runs queued jobs (app/jobs.py) on this replica, ``job_slots`` at a time, and charges each
-        finished job's tokens to its tenant."""
+        finished job's completion tokens to its tenant in the step that stores its result (the
+        ingress charged its prompt at submission)."""
         from app.jobs import JobQueue, JobRunner
         from app.quotas import Quotas
+        from app import log_masking
         from app.store import open_store
 
+        log_masking.install()  # the store's URL may carry a password: never in a log line
         store = open_store(self.spec.store)
         quotas = Quotas(store, dict(self.spec.tenants))
         logger.info("pool %s: runs jobs, %d at a time", self.spec.deployment_name, self.spec.job_slots)
         return JobRunner(JobQueue(store), self.spec.deployment_name, self.spec.job_slots, self._deltas,
-                         on_finish=lambda job: quotas.charge(job.tenant, job.prompt_tokens + job.completion_tokens))
+                         charges=quotas.charges)
 
     # ---- data path ------------------------------------------------------------------------------
 

@@ -157,6 +157,19 @@ class TenantArgs(_Strict):
     tokens_per_day: int | None = Field(None, gt=0)
 
 
+class QuotaArgs(_Strict):
+    """How tenant quotas behave when the store is down (``quotas:`` in the yaml; app/quotas.py)."""
+
+    # true: a limited tenant's request is refused (503, Retry-After) while the store cannot reserve
+    # its tokens; false (the default): it is let through and the log says so. Unlimited tenants are
+    # never affected.
+    fail_closed: bool = False
+
+
+SINGLE_NODE_STORE = ("store: kind 'sqlite' keeps conversations, quotas and jobs in a file on one node; an app on "
+                     "more than one node needs kind 'redis' (store: {kind: redis, url: redis://host:6379/0})")
+
+
 class SessionArgs(_Strict):
     """Server-side conversations (``app/conversations.py``); ``sessions:`` in the yaml."""
 
@@ -200,6 +213,16 @@ class AppArgs(_Strict):
     sessions: SessionArgs = SessionArgs()
     audit: AuditArgs = AuditArgs()
     jobs: JobsArgs = JobsArgs()
+    quotas: QuotaArgs = QuotaArgs()
+    # The app's replicas may run on more than one node (also assumed when Ray reports more than one
+    # alive node at build time): the store must then be Redis.
+    multi_node: bool = False
+
+    @model_validator(mode="after")
+    def _store_spans_nodes(self) -> "AppArgs":
+        if self.multi_node and self.store.kind == "sqlite":
+            raise ValueError(SINGLE_NODE_STORE + " (multi_node: true)")
+        return self
 
     @field_validator("tenants")
     @classmethod
@@ -380,6 +403,7 @@ class IngressSpec:
     audit_path: str | None = None
     audit_text: bool = False
     jobs_pool: str | None = None
+    quota_fail_closed: bool = False
 
     @property
     def versions(self) -> tuple[str, ...]:

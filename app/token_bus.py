@@ -19,23 +19,75 @@ first tokens included, so a burst of requests prefilled in one step gets its fir
 The Serve call stays open for the whole request, so Serve's queue caps, backpressure, autoscaling
 metrics and cancellation behave as before: cancelling it (client gone, timeout) aborts the request in
 the engine. What the pool has to say -- deltas, and the ``APIError`` that refuses or ends a request --
-travels on the bus, in order. Frames are pickles of frozen dataclasses, length-prefixed; a connection
-opens with the inbox's secret so nothing else on the network can write into a stream.
+travels on the bus, in order. Frames are msgpack, length-prefixed, in a typed encoding (a delta is
+its fields in order, an error its status, message, param, type and Retry-After) -- never pickle, so
+a frame can only ever become a ``TokenDelta`` or an ``APIError``. A connection opens with the inbox's
+secret (compared in constant time, within ``HANDSHAKE_S`` or the connection is dropped) so nothing
+else on the network can write into a stream; a malformed frame closes its connection.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hmac
 import logging
-import pickle
 import secrets
 import struct
 from typing import Any
+
+import msgpack
+
+from app.errors import APIError
+from app.events import TokenDelta
 
 logger = logging.getLogger("sinkserve.token_bus")
 
 _LEN = struct.Struct("!I")
 Address = tuple[str, int, bytes]  # host, port, secret
+HANDSHAKE_S = 5.0  # a connection that has not sent the secret by then is dropped
+MAX_FRAME = 64 << 20  # bytes; a larger length prefix is not a frame this bus wrote
+_DELTA, _ERROR = 0, 1
+_DELTA_FIELDS = tuple(f.name for f in dataclasses.fields(TokenDelta))
+
+
+def encode_frame(batch: list[tuple[str, Any]]) -> bytes:
+    """``[(request_id, TokenDelta | APIError), ...]`` as msgpack.
+
+    >>> d = TokenDelta("hi", (1, 2), None, True, "stop", 3, 2, top_logprobs=((("a", -0.1),),))
+    >>> decode_frame(encode_frame([("r1", d), ("r2", APIError(429, "slow down", retry_after=3))]))[0] == ("r1", d)
+    True
+    """
+    out = []
+    for request_id, item in batch:
+        if isinstance(item, TokenDelta):
+            out.append((request_id, _DELTA, [getattr(item, f) for f in _DELTA_FIELDS]))
+        elif isinstance(item, APIError):
+            out.append((request_id, _ERROR, [item.status, item.message, item.param, item.type, item.retry_after]))
+        else:
+            raise TypeError(f"the token bus carries TokenDelta and APIError, not {type(item).__name__}")
+    return msgpack.packb(out, use_bin_type=True)
+
+
+def decode_frame(data: bytes) -> list[tuple[str, TokenDelta | APIError]]:
+    """The inverse of :func:`encode_frame`; ``ValueError`` for anything it did not write."""
+    try:
+        # Arrays decode as tuples: exactly the shape of TokenDelta's sequence fields.
+        items = msgpack.unpackb(data, use_list=False, raw=False, strict_map_key=True)
+        out: list[tuple[str, TokenDelta | APIError]] = []
+        for request_id, tag, fields in items:
+            if not isinstance(request_id, str):
+                raise ValueError("request id is not a string")
+            if tag == _DELTA:
+                out.append((request_id, TokenDelta(*fields)))
+            elif tag == _ERROR:
+                status, message, param, type_, retry_after = fields
+                out.append((request_id, APIError(int(status), str(message), param, str(type_), retry_after)))
+            else:
+                raise ValueError(f"unknown item tag {tag!r}")
+        return out
+    except (ValueError, TypeError, msgpack.UnpackException) as e:
+        raise ValueError(f"malformed token-bus frame: {e}") from None
 
 
 class TokenInbox:
@@ -72,14 +124,26 @@ class TokenInbox:
             self._server.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
         try:
-            if await reader.readexactly(len(self._secret)) != self._secret:
-                logger.warning("token bus: refused a connection without the secret from %s",
-                               writer.get_extra_info("peername"))
+            try:
+                secret = await asyncio.wait_for(reader.readexactly(len(self._secret)), HANDSHAKE_S)
+            except asyncio.TimeoutError:
+                logger.warning("token bus: dropped a connection from %s that sent no secret within %g s", peer, HANDSHAKE_S)
+                return
+            if not hmac.compare_digest(secret, self._secret):
+                logger.warning("token bus: refused a connection without the secret from %s", peer)
                 return
             while True:
                 (n,) = _LEN.unpack(await reader.readexactly(_LEN.size))
-                batch = pickle.loads(await reader.readexactly(n))
+                if n > MAX_FRAME:
+                    logger.warning("token bus: dropped a connection from %s: a %d-byte frame", peer, n)
+                    return
+                try:
+                    batch = decode_frame(await reader.readexactly(n))
+                except ValueError as e:
+                    logger.warning("token bus: dropped a connection from %s: %s", peer, e)
+                    return
                 self.frames += 1
                 for request_id, delta in batch:
                     self.deltas += 1
@@ -138,7 +202,7 @@ class TokenOutbox:
         batch = self._pending.pop(address, None)
         if not batch:
             return
-        data = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+        data = encode_frame(batch)
         try:
             writer.write(_LEN.pack(len(data)) + data)
         except (ConnectionError, RuntimeError) as e:

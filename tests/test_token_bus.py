@@ -216,3 +216,45 @@ def test_a_request_id_already_streaming_is_refused():
         inbox.open("a")
     inbox.close("a")
     inbox.open("a")  # free again once the first stream ended
+
+
+def test_silent_connections_are_dropped_and_pickled_frames_never_unpickled(monkeypatch):
+    """A peer that never sends the secret is dropped after the handshake timeout; a peer with the
+    secret that sends a pickle (which would run code if unpickled) loses its connection, and a
+    well-formed frame after it on a new connection still arrives."""
+    import pickle
+    import struct
+
+    import app.token_bus as bus
+
+    monkeypatch.setattr(bus, "HANDSHAKE_S", 0.2)
+
+    class Boom:
+        def __reduce__(self):
+            return (exec, ("raise SystemExit('unpickled')",))
+
+    async def main():
+        inbox, outbox = TokenInbox(), TokenOutbox()
+        host, port, secret = await inbox.start("127.0.0.1")
+        reader, writer = await asyncio.open_connection(host, port)
+        assert await asyncio.wait_for(reader.read(), 2) == b""  # closed by the inbox, no secret sent
+        writer.close()
+        reader, writer = await asyncio.open_connection(host, port)
+        evil = pickle.dumps([("a", Boom())])
+        writer.write(secret + struct.pack("!I", len(evil)) + evil)
+        assert await asyncio.wait_for(reader.read(), 2) == b""  # malformed frame: connection dropped
+        writer.close()
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(b"x" * len(secret))  # the wrong secret
+        assert await asyncio.wait_for(reader.read(), 2) == b""
+        writer.close()
+        q = inbox.open("a")
+        outbox.send((host, port, secret), "a", APIError(429, "slow down", "tokens_per_minute", "quota_exceeded", 3))
+        await outbox.drain((host, port, secret))
+        [err] = await take(q, 1)
+        assert (err.status, err.param, err.type, err.retry_after) == (429, "tokens_per_minute", "quota_exceeded", 3)
+        assert inbox.frames == 1
+        await outbox.close()
+        await inbox.stop()
+
+    asyncio.run(main())

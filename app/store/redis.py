@@ -1,16 +1,39 @@
 """Redis backend (``store: {kind: redis, url: redis://host:6379/0}``): for apps whose ingress
 replicas run on more than one node. Keys carry a prefix so several apps can share one server.
 Counters are ``SET NX EX`` + ``INCRBY`` in one MULTI block (the first increment starts the expiry);
-queues are lists (``RPUSH`` / ``LPOP``, atomic on the server)."""
+queues are lists (``RPUSH`` / ``LPOP`` / ``LMOVE``, atomic on the server); an owner-checked delete
+and a quota reservation are Lua scripts (one atomic step on the server); a guarded commit is
+``WATCH`` + ``MULTI``. Errors and logs name the URL with its password masked."""
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
-from app.store.base import StoreError
+from app.store.base import Incr, Limit, Put, StoreError, mask_url
 
 T = TypeVar("T")
+
+# KEYS[1]: the lock; ARGV[1]: its owner's token.
+_DELETE_IF = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
+# KEYS: counters; ARGV[1]: amount, then per counter its limit and ttl (ms). Returns {1|0, values...}.
+_RESERVE = """
+local amount = tonumber(ARGV[1])
+local now = {}
+local ok = 1
+for i, k in ipairs(KEYS) do
+  now[i] = tonumber(redis.call('get', k) or '0')
+  if now[i] + amount > tonumber(ARGV[2 * i]) then ok = 0 end
+end
+if ok == 1 then
+  for i, k in ipairs(KEYS) do
+    redis.call('set', k, 0, 'PX', ARGV[2 * i + 1], 'NX')
+    now[i] = redis.call('incrby', k, amount)
+  end
+end
+table.insert(now, 1, ok)
+return now
+"""
 
 
 class RedisStore:
@@ -21,7 +44,7 @@ class RedisStore:
     def __init__(self, url: str, prefix: str = "sinkserve:", client: Any = None, timeout_s: float = 2.0) -> None:
         import redis
 
-        self.url = url
+        self.url = mask_url(url)  # only ever shown masked
         self.prefix = prefix
         self._errors = (redis.RedisError, OSError)
         # Short timeouts: an unreachable server must fail a readiness probe, not hang it.
@@ -35,7 +58,7 @@ class RedisStore:
         try:
             return fn()
         except self._errors as e:
-            raise StoreError(f"redis store {self.url}: {e}") from e
+            raise StoreError(f"redis store {self.url}: {e}", f"redis store unreachable ({type(e).__name__})") from e
 
     @staticmethod
     def _ms(ttl_s: float | None) -> int | None:
@@ -65,6 +88,52 @@ class RedisStore:
     def counter(self, key: str) -> int:
         v = self._run(lambda: self.r.get(self._k(key)))
         return int(v) if v is not None else 0
+
+    def delete_if(self, key: str, value: bytes) -> bool:
+        return bool(self._run(lambda: self.r.eval(_DELETE_IF, 1, self._k(key), value)))
+
+    def reserve(self, limits: Sequence[Limit], amount: int) -> tuple[bool, list[int]]:
+        if not limits:
+            return True, []
+        args: list[Any] = [amount]
+        for _, limit, ttl_s in limits:
+            args += [limit, self._ms(ttl_s)]
+        out = self._run(lambda: self.r.eval(_RESERVE, len(limits), *[self._k(k) for k, _, _ in limits], *args))
+        return bool(out[0]), [int(v) for v in out[1:]]
+
+    def commit(self, puts: Sequence[Put] = (), incrs: Sequence[Incr] = (), deletes: Sequence[str] = (),
+               pushes: Sequence[tuple[str, bytes]] = (), expect: tuple[str, bytes | None] | None = None) -> bool:
+        import redis
+
+        def q() -> bool:
+            with self.r.pipeline(transaction=True) as pipe:
+                try:
+                    if expect is not None:
+                        pipe.watch(self._k(expect[0]))
+                        if pipe.get(self._k(expect[0])) != expect[1]:
+                            return False
+                        pipe.multi()
+                    for key, value, ttl_s in puts:
+                        pipe.set(self._k(key), value, px=self._ms(ttl_s))
+                    for key, amount, ttl_s in incrs:
+                        pipe.set(self._k(key), 0, px=self._ms(ttl_s), nx=True)
+                        pipe.incrby(self._k(key), amount)
+                    for key in deletes:
+                        pipe.delete(self._k(key))
+                    for queue, item in pushes:
+                        pipe.rpush(self._k("queue:" + queue), item)
+                    pipe.execute()
+                    return True
+                except redis.WatchError:  # the expected key changed meanwhile: nothing was written
+                    return False
+
+        return self._run(q)
+
+    def move(self, src: str, dst: str) -> bytes | None:
+        return self._run(lambda: self.r.lmove(self._k("queue:" + src), self._k("queue:" + dst), "LEFT", "RIGHT"))
+
+    def purge_expired(self, limit: int = 1000) -> int:
+        return 0  # Redis expires keys itself
 
     def push(self, queue: str, item: bytes) -> None:
         self._run(lambda: self.r.rpush(self._k("queue:" + queue), item))

@@ -27,6 +27,7 @@ def _full_snapshot() -> dict:
     """One ingress and one pool replica with every stat set, so every family has a sample."""
     rm = m.RequestMetrics()
     rm.count("short", 200)
+    rm.tenant_usage("acme", 3, 4)
     for hist in (rm.ttft, rm.itl, rm.e2e):
         hist["short"].observe(0.05)
     stats = {key: 1 for key, _, _, _ in m.ENGINE_STATS} | {"nll_sum": 2.0, "nll_count": 1, "decode_path": "c_step",
@@ -41,11 +42,12 @@ def _full_snapshot() -> dict:
 
 @lru_cache(maxsize=1)
 def exported() -> dict[str, frozenset[str]]:
-    """Sample name -> label names, as the app renders them."""
+    """Sample name -> label names, as the app renders them (/metrics and /metrics/tenants)."""
     out: dict[str, set[str]] = {}
-    for fam in text_string_to_metric_families(m.render(_full_snapshot()).decode()):
-        for s in fam.samples:
-            out.setdefault(s.name, set()).update(s.labels)
+    for part in ("operational", "tenants"):
+        for fam in text_string_to_metric_families(m.render(_full_snapshot(), part).decode()):
+            for s in fam.samples:
+                out.setdefault(s.name, set()).update(s.labels)
     return {k: frozenset(v) for k, v in out.items()}
 
 
@@ -140,3 +142,10 @@ def test_prometheus_config_scrapes_the_app_with_the_rules_loaded():
     assert job["static_configs"][0]["targets"] == ["127.0.0.1:8000"]
     # the alert rules name this job
     assert any('job="sinkserve"' in e for _, e in rule_exprs())
+
+
+def test_tenant_series_are_only_on_the_tenant_scrape():
+    public = m.render(_full_snapshot()).decode()
+    tenants = m.render(_full_snapshot(), "tenants").decode()
+    assert "sinkserve_tenant_" not in public and "sinkserve_requests_total" in public
+    assert "sinkserve_tenant_tokens_total" in tenants and "sinkserve_requests_total" not in tenants

@@ -86,6 +86,9 @@ def server(tiny_model):
     from app.cli_serve import haproxy_env
 
     os.environ["SINKSERVE_API_KEYS"] = f"{API_KEY},{LIMITED_KEY},{ACME_KEY}:acme,{FREE_KEY}:free"
+    # Operator keys (app/auth.py): the suite forces pools, pins the weight-0 version and reads
+    # /metrics/tenants with these; ACME_KEY and LIMITED_KEY are plain tenant keys.
+    os.environ["SINKSERVE_OPERATOR_KEYS"] = f"{API_KEY},{FREE_KEY}:free"
     os.environ["PYTHONPATH"] = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     # The HTTP entry `sinkserve serve` uses (HAProxy in front of the ingress replicas); read when Ray
     # starts. HAProxy's side listeners get ports of their own, so the suite runs beside `make run`.

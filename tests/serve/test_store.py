@@ -94,17 +94,94 @@ def test_redis_unreachable_names_the_url():
 def test_quota_refusal_names_quota_used_and_reset(store):
     now = [120.0 + 30]  # 30 s into minute 2
     q = Quotas(store, {"acme": TenantLimits(tokens_per_minute=1000)}, clock=lambda: now[0])
-    q.check("acme", 900)
-    q.charge("acme", 940)
-    q.check("acme", 60)  # 1,000: still allowed
+    res = q.reserve("acme", 900)
+    q.reconcile(res, 940)  # the completion's 40 added
     with pytest.raises(APIError) as e:
-        q.check("acme", 61)
+        q.reserve("acme", 61)
     err = e.value
     assert (err.status, err.param, err.type, err.retry_after) == (429, "tokens_per_minute", "quota_exceeded", 30)
     assert "940 of 1000 tokens used" in err.message and "1970-01-01T00:03:00Z" in err.message
-    q.check("other-tenant", 10**9)  # no limits configured
+    assert [u.used for u in q.usage("acme")] == [940]  # a refusal reserves nothing
+    last = q.reserve("acme", 60)  # 1,000: still allowed
+    q.reconcile(last, 0)  # refused by the pool before any work: the prompt comes back
+    assert [u.used for u in q.usage("acme")] == [940]
+    q.reserve("other-tenant", 10**9)  # no limits configured
     now[0] = 180.0  # the next minute: a new window
-    q.check("acme", 1000)
+    q.reconcile(last, 0)  # a refund never reaches a window that ended
+    q.reserve("acme", 1000)
+    assert [u.used for u in q.usage("acme")] == [1000]
+
+
+def test_quota_reserve_is_atomic_across_windows_and_processes(store):
+    q = Quotas(store, {"acme": TenantLimits(tokens_per_minute=100, tokens_per_day=150)})
+    q.reserve("acme", 90)
+    with pytest.raises(APIError) as e:
+        q.reserve("acme", 20)
+    assert e.value.param == "tokens_per_minute"
+    assert [u.used for u in q.usage("acme")] == [90, 90]  # neither window moved
+
+
+class _DownStore:
+    """Every call fails, as a store that is down does."""
+
+    kind = "down"
+
+    def __getattr__(self, name):
+        def fail(*a, **k):
+            raise StoreError("store down", "store down")
+
+        return fail
+
+
+def test_quota_fails_closed_when_configured():
+    limits = {"acme": TenantLimits(tokens_per_minute=100)}
+    with pytest.raises(APIError) as e:
+        Quotas(_DownStore(), limits, fail_closed=True).reserve("acme", 1)
+    assert e.value.status == 503 and e.value.retry_after == 5 and "quota store is unavailable" in e.value.message
+    assert Quotas(_DownStore(), limits).reserve("acme", 1).tokens == 0  # the default lets it through
+
+
+def test_owner_checked_delete_guarded_commit_move_and_purge(store):
+    store.put("lock", b"me", 60)
+    assert not store.delete_if("lock", b"you") and store.get("lock") == b"me"
+    assert store.delete_if("lock", b"me") and store.get("lock") is None
+    store.put("rec", b"v1")
+    assert not store.commit(puts=[("rec", b"v2", None)], incrs=[("n", 5, 60)], expect=("rec", b"v0"))
+    assert store.get("rec") == b"v1" and store.counter("n") == 0  # nothing of a refused commit lands
+    assert store.commit(puts=[("rec", b"v2", None)], incrs=[("n", 5, 60)], deletes=["gone"], pushes=[("q", b"x")],
+                        expect=("rec", b"v1"))
+    assert store.get("rec") == b"v2" and store.counter("n") == 5 and store.pop("q") == b"x"
+    assert store.commit(puts=[("new", b"1", None)], expect=("new", None)) and not store.commit(expect=("new", None))
+    for item in (b"a", b"b"):
+        store.push("src", item)
+    assert store.move("src", "dst") == b"a" and store.pop("src") == b"b" and store.pop("dst") == b"a"
+    assert store.move("src", "dst") is None
+    ok, values = store.reserve([("r1", 10, 60), ("r2", 5, 60)], 5)
+    assert ok and values == [5, 5]
+    assert store.reserve([("r1", 10, 60), ("r2", 5, 60)], 1) == (False, [5, 5])
+
+
+def test_sqlite_purges_expired_rows_in_batches(tmp_path):
+    now = [1000.0]
+    from app.store.sqlite import SQLiteStore
+
+    s = SQLiteStore(tmp_path, clock=lambda: now[0])
+    for i in range(5):
+        s.put(f"k{i}", b"v", ttl_s=10)
+        s.incr(f"c{i}", 1, ttl_s=10)
+    s.put("keep", b"v")
+    now[0] += 11
+    assert s.purge_expired(limit=3) == 6 and s.purge_expired(limit=3) == 4 and s.purge_expired() == 0
+    rows = s._connect().execute("SELECT count(*) FROM kv").fetchone()[0]
+    assert rows == 1 and s.get("keep") == b"v"
+
+
+def test_redis_errors_mask_the_password():
+    s = open_store(StoreSpec(kind="redis", url="redis://:hunter2@127.0.0.1:1/0"))
+    with pytest.raises(StoreError) as e:
+        s.ping()
+    assert "hunter2" not in str(e.value) and "redis://***@127.0.0.1:1/0" in str(e.value)
+    assert "127.0.0.1" not in e.value.public and "hunter2" not in e.value.public
 
 
 def test_conversations_round_trip_and_tenant_isolation(store):
@@ -117,8 +194,10 @@ def test_conversations_round_trip_and_tenant_isolation(store):
     cs.save(c2)
     got = cs.load(c.id, "acme")
     assert got.token_ids == (1, 2, 3, 4, 5) and got.anchors == ((0, 2),) and got.turns == (turn,)
-    assert cs.lock(c.id, 10) and not cs.lock(c.id, 10)
-    cs.unlock(c.id)
+    owner = cs.lock(c.id, 10)
+    assert owner and cs.lock(c.id, 10) is None
+    assert not cs.unlock(c.id, "not-the-owner") and cs.lock(c.id, 10) is None  # only the owner releases it
+    assert cs.unlock(c.id, owner)
     assert cs.lock(c.id, 10)
     assert not cs.delete(c.id, "beta") and cs.delete(c.id, "acme") and cs.load(c.id, "acme") is None
 
@@ -210,3 +289,114 @@ async def test_job_runner_runs_within_its_slots_and_stores_the_result(store):
     assert [v["result"]["text"] for v in views] == ["t0t1t2"] * 3 and peak[0] == 2, (views, peak)
     assert views[0]["result"]["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
     assert charged == [3, 3, 3]
+
+
+def test_job_result_and_charge_land_together_and_never_twice(store):
+    quotas = Quotas(store, {"acme": TenantLimits(tokens_per_minute=10**6)})
+    q = JobQueue(store)
+    job = q.submit("acme", "d", "long", _preq())
+    run1 = q.claim("d")
+    done = q.finish(run1, "text", "length", 7, charges=quotas.charges)
+    assert done.status == "succeeded" and done.charged and [u.used for u in quotas.usage("acme")] == [7]
+    assert q.finish(run1, "again", "length", 7, charges=quotas.charges).text == "text"  # a second finish: no change
+    assert [u.used for u in quotas.usage("acme")] == [7]
+    # Cancelled while running: stays cancelled, and what it generated is still charged (once).
+    job2 = q.submit("acme", "d", "long", _preq())
+    run2 = q.claim("d")
+    q.cancel(job2.id, "acme")
+    assert not q.renew(run2)  # the runner stops it
+    after = q.finish(run2, "part", "cancelled", 3, charges=quotas.charges)
+    assert after.status == "cancelled" and after.completion_tokens == 3
+    assert q.finish(run2, "part", "cancelled", 3, charges=quotas.charges).charged
+    assert [u.used for u in quotas.usage("acme")] == [10]
+    assert job.id != job2.id
+
+
+def test_job_claim_interrupted_between_move_and_commit_is_queued_again(store):
+    q = JobQueue(store)
+    job = q.submit("acme", "d", "long", _preq())
+    assert store.move("jobs:d", "jobs-running:d") == job.id.encode()  # a runner died right here
+    assert q.claim("d") is None and q.reap("d") == []  # first sight: maybe a claim in flight
+    [again] = q.reap("d")
+    assert again.status == "queued" and again.requeues == 1
+    assert q.claim("d").attempts == 1
+
+
+async def test_job_lease_renewal_errors_do_not_orphan_its_generation(store, monkeypatch):
+    """The store fails every lease renewal and the first result writes; the generation goes on and
+    its result and charge are stored once the store answers."""
+    import asyncio
+
+    import app.jobs as jobs
+
+    monkeypatch.setattr(jobs, "RENEW_S", 0.02)
+    quotas = Quotas(store, {"acme": TenantLimits(tokens_per_minute=10**6)})
+    q = JobQueue(store)
+    job = q.submit("acme", "d", "long", _preq())
+    fails = {"renew": 0, "finish": 0}
+    real_finish = q.finish
+
+    def renew(j):
+        fails["renew"] += 1
+        raise StoreError("down")
+
+    def finish(*a, **k):
+        if fails["finish"] < 2:
+            fails["finish"] += 1
+            raise StoreError("down")
+        return real_finish(*a, **k)
+
+    q.renew, q.finish = renew, finish
+
+    async def run(req):
+        for i in range(5):
+            await asyncio.sleep(0.03)
+            yield TokenDelta(f"t{i}", (i,), None, i == 4, "length" if i == 4 else None, 3, i + 1)
+
+    runner = JobRunner(q, "d", slots=1, run=run, poll_s=0.01, charges=quotas.charges)
+    claimed = q.claim("d")
+    await runner._one(claimed)
+    view = q.get(job.id).view()
+    assert fails["renew"] >= 1 and fails["finish"] == 2
+    assert view["status"] == "succeeded" and view["result"]["text"] == "t0t1t2t3t4"
+    assert [u.used for u in quotas.usage("acme")] == [5]
+
+
+def test_sqlite_is_refused_for_an_app_on_several_nodes():
+    from app.builder import check_store_fits
+    from app.settings import AppArgs
+
+    with pytest.raises(ValueError, match=r"^store: kind 'sqlite' .*Ray reports 2 alive nodes"):
+        check_store_fits(AppArgs(), alive_nodes=2)
+    with pytest.raises(ValueError, match=r"store: kind 'sqlite' .*multi_node: true"):
+        AppArgs(multi_node=True)
+    check_store_fits(AppArgs(), alive_nodes=1)
+    redis = AppArgs(multi_node=True, store={"kind": "redis", "url": "redis://h:6379/0"})
+    check_store_fits(redis, alive_nodes=3)
+
+
+def test_a_claim_that_stalls_past_the_reaper_leaves_the_job_to_the_queue(store):
+    """A claim stalls between its move and its commit long enough for another replica's reaper to
+    queue the job again (two passes): the stalled commit fails, the claim does not take the job
+    off-list; it claims it again from the queue, so the job is running and on the running list."""
+    reaper = JobQueue(store)
+
+    class Stalling:
+        def __init__(self, inner):
+            self.inner, self.stalled = inner, False
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def commit(self, *a, **k):
+            if not self.stalled and any(key.startswith("job-lease:") for key, _, _ in k.get("puts", ())):
+                self.stalled = True
+                reaper.reap("d"), reaper.reap("d")
+            return self.inner.commit(*a, **k)
+
+    q = JobQueue(Stalling(store))
+    job = q.submit("acme", "d", "long", _preq())
+    claimed = q.claim("d")
+    assert claimed.id == job.id and claimed.requeues == 1 and claimed.status == "running"
+    assert store.pop("jobs-running:d") == job.id.encode() and store.pop("jobs-running:d") is None
+    assert q.claim("d") is None  # nothing left on the queue
