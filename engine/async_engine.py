@@ -15,7 +15,7 @@ from typing import Any
 from engine.cache_policy import CachePolicy
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.errors import EngineDeadError, RequestAbortedError
+from engine.errors import EngineDeadError, RequestAbortedError, RequestFailedError
 from engine.executor import ExecutorFactory
 from engine.input_processor import Anchor
 from engine.outputs import RequestOutput, next_delta
@@ -91,7 +91,7 @@ class AsyncLLMEngine:
                 item = await next_delta(queue, request_id)
                 done = item.finished
                 yield item
-        except RequestAbortedError:
+        except (RequestAbortedError, RequestFailedError):  # the engine is through with it
             done = True
             raise
         finally:

@@ -26,6 +26,7 @@ from engine.config import EngineConfig, validate_kv_cache_for_model
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.executor import ExecutorFactory, LocalExecutor
 from engine.input_processor import Anchor, InputProcessor
+from engine.isolation import ERROR_FINISH, RequestFailures
 from engine.model_runner import ModelInput, kv_cache_bytes, num_fp_pool_blocks, read_model_shape
 from engine.output_processor import OutputProcessor
 from engine.outputs import CompletionResult, RequestOutput
@@ -297,12 +298,29 @@ class LLMEngine:
             for item, scores in zip(sched.scheduled, result.block_importance):
                 retention.accumulate_importance(item.seq.block_importance, scores)
         self.scheduler.update_after_step(sched, tokens)
+        failures = RequestFailures(result.failures)
         for seq, tok, lp, top in zip(sampled, tokens, logprobs, tops):
-            out = self.outputs.on_token(seq, tok, lp, self.policy, top)
-            if out.finished:
-                self._finished_ids.append(seq.request_id)
-            outputs.append(out)
+            if seq.request_id not in failures:
+                with failures.guard(seq.request_id, "detokenization"):
+                    out = self.outputs.on_token(seq, tok, lp, self.policy, top)
+                    if out.finished:
+                        self._finished_ids.append(seq.request_id)
+                    outputs.append(out)
+                    continue
+            outputs.append(self._fail(seq, failures[seq.request_id]))
         return outputs
+
+    def _fail(self, seq: Sequence, reason: str) -> RequestOutput:
+        """Finish ``seq`` because its own work raised (engine/isolation.py): its blocks are freed now,
+        its sampler state at the next step, and its last delta says why."""
+        logger.warning("request %s failed: %s", seq.request_id, reason)
+        if not seq.is_finished:
+            self.scheduler.finish(seq, ERROR_FINISH)
+        seq.finish_reason = ERROR_FINISH
+        self._finished_ids.append(seq.request_id)
+        out = self.outputs.output(seq, [], None, finished=True)
+        out.error = reason
+        return out
 
     # ------------------------------------------------------------------ offline / inspection
     def generate(

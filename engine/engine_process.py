@@ -69,7 +69,7 @@ from multiprocessing.connection import Connection
 from typing import Any, AsyncIterator, Iterable, Sequence as Seq
 
 from engine.config import CachePolicy, EngineConfig
-from engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError, RequestAbortedError
+from engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError, RequestAbortedError, RequestFailedError
 from engine.input_processor import Anchor
 from engine.outputs import RequestOutput, merge_deltas, next_delta
 from engine.sampling_params import SamplingParams
@@ -222,7 +222,7 @@ class EngineProcess:
                 item = await next_delta(q, request_id)
                 done = item.finished
                 yield item
-        except (RequestAbortedError, InvalidRequestError):
+        except (RequestAbortedError, RequestFailedError, InvalidRequestError):
             done = True
             raise
         finally:

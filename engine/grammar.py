@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from engine.isolation import RequestFailures
 from engine.sampling_params import StructuredOutput
 
 logger = logging.getLogger(__name__)
@@ -63,15 +64,21 @@ class GrammarBackend:
         return xgr.GrammarMatcher(compiled)
 
     @staticmethod
-    def apply(logits: torch.Tensor, matchers: Sequence[Any], rows: torch.Tensor) -> None:
+    def apply(logits: torch.Tensor, matchers: Sequence[Any], rows: torch.Tensor,
+              request_ids: Sequence[str] | None = None, failures: RequestFailures | None = None) -> None:
         """Mask ``logits[rows[i]]`` in place with what ``matchers[i]`` allows next (``rows`` on the
-        logits' device; the packed bitmask is filled on the CPU and copied there once)."""
+        logits' device; the packed bitmask is filled on the CPU and copied there once). With
+        ``failures``, a matcher that raises fails ``request_ids[i]`` alone (its row's token is discarded)."""
         import xgrammar as xgr
 
         vocab = logits.shape[-1]
         bitmask = xgr.allocate_token_bitmask(len(matchers), vocab)
         for i, m in enumerate(matchers):
-            m.fill_next_token_bitmask(bitmask, i)
+            if failures is None or request_ids is None:
+                m.fill_next_token_bitmask(bitmask, i)
+                continue
+            with failures.guard(request_ids[i], "grammar (response_format)"):
+                m.fill_next_token_bitmask(bitmask, i)
         sub = logits.index_select(0, rows)
         xgr.apply_token_bitmask_inplace(sub, bitmask.to(logits.device), vocab_size=vocab)
         logits.index_copy_(0, rows, sub)
