@@ -135,6 +135,8 @@ ENGINE_STATS: tuple[tuple[str, str, str, str], ...] = (
     # The pool replica's own counters, beside the engine's (app/token_bus.py).
     ("token_bus_frames", "token_bus_frames_total", "counter", "Token-bus frames sent to ingress replicas"),
     ("token_bus_deltas", "token_bus_deltas_total", "counter", "Token deltas sent on the token bus (deltas / frames = streams per frame)"),
+    ("engine_restarts_died", "engine_restarts_died_total", "counter", "Engine processes restarted in their replica after they died"),
+    ("engine_restarts_hung", "engine_watchdog_restarts_total", "counter", "Engine processes the watchdog killed and restarted (held work, no step for engine_watchdog_s)"),
 )
 
 

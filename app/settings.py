@@ -92,6 +92,9 @@ class PoolArgs(_Strict):
     max_queued_requests: int = Field(128, ge=-1)
     num_cpus: float = Field(0.1, ge=0)  # the replica (scheduler, KV bookkeeping; the model at TP=1)
     worker_num_cpus: float = Field(0.1, ge=0)  # each tensor-parallel worker
+    # An engine that holds work and has not stepped for this long is hung: killed and restarted, its
+    # requests answered 503 (engine/engine_process.py). Above the longest step a pool can take.
+    engine_watchdog_s: float = Field(60.0, gt=0)
     engine: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("engine")
@@ -306,6 +309,7 @@ class PoolSpec:
     job_slots: int = 0
     store: StoreSpec | None = None
     tenants: tuple[tuple[str, TenantLimits], ...] = ()  # to charge a finished job to its tenant
+    engine_watchdog_s: float = 60.0  # PoolArgs.engine_watchdog_s
 
     @property
     def deployment_name(self) -> str:

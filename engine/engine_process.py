@@ -118,7 +118,8 @@ class LoadFailed:
     traceback: str
 
 
-STATS_INTERVAL_S = 0.05  # how stale the serving side's stats may be while requests run
+STATS_INTERVAL_S = 0.05
+WATCHDOG_S = 60.0  # default: an engine that holds work and says nothing this long is hung (see EngineProcess)  # how stale the serving side's stats may be while requests run
 STREAM_INTERVAL_S = 0.004  # how long a delta may wait in the child for the next steps' (see above)
 
 
@@ -149,10 +150,22 @@ class EngineProcess:
 
     The constructor blocks until the child has loaded the model (like building the engine
     in-process would), and raises ``ModelLoadError`` with the child's traceback if it could not.
+
+    Watchdog: while the child holds work it reports at least every ``STATS_INTERVAL_S`` after each
+    step, so a child that holds work and has said nothing for ``watchdog_s`` is hung (a step that never
+    returns: a deadlock, a kernel that spins). It is killed, its requests get ``EngineDeadError``
+    ("engine hung ...", HTTP 503), and ``hung`` says so; the owner starts a new one. "Holds work" is the
+    child's own last report (running or waiting requests) or a request sent since then.
     """
 
-    def __init__(self, config: EngineConfig, start_timeout_s: float = 900.0) -> None:
+    def __init__(self, config: EngineConfig, start_timeout_s: float = 900.0, watchdog_s: float = WATCHDOG_S) -> None:
+        if watchdog_s <= 0:
+            raise ValueError(f"watchdog_s must be > 0, got {watchdog_s}")
         self._config = config
+        self.watchdog_s = watchdog_s
+        self.hung = False  # the watchdog killed it
+        self._heard_at = time.monotonic()  # the child's last message
+        self._sent_at: float | None = None  # the first request sent since then
         ours, theirs = socket.socketpair()
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "engine.engine_process", str(theirs.fileno())], pass_fds=[theirs.fileno()]
@@ -218,6 +231,8 @@ class EngineProcess:
         try:
             self._send(AddRequest(request_id, prompt if isinstance(prompt, str) else tuple(prompt), params,
                                   tuple(anchors or ())))
+            if self._sent_at is None:
+                self._sent_at = time.monotonic()
             while not done:
                 item = await next_delta(q, request_id)
                 done = item.finished
@@ -281,6 +296,36 @@ class EngineProcess:
             except RuntimeError:
                 return
             self._loop.add_reader(self._conn.fileno(), self._on_readable)
+            self._loop.call_later(self._watch_period, self._watch)
+
+    @property
+    def _watch_period(self) -> float:
+        return min(1.0, self.watchdog_s / 4)
+
+    def silent_for(self, now: float | None = None) -> float:
+        """Seconds the child has held work without a word (0 when it holds none)."""
+        now = time.monotonic() if now is None else now
+        if self._stats.running or self._stats.waiting:
+            return now - self._heard_at
+        return 0.0 if self._sent_at is None else now - self._sent_at
+
+    def _watch(self) -> None:
+        if self._dead is not None:
+            return
+        silent = self.silent_for()
+        if silent > self.watchdog_s:
+            self.hung = True
+            held = self._stats.running + self._stats.waiting
+            self._proc.kill()
+            try:
+                self._proc.wait(5)  # SIGKILL: reaped in milliseconds
+            except subprocess.TimeoutExpired:
+                pass
+            self._die(f"engine hung: no step for {silent:.1f}s while holding work ({held} requests at its last "
+                      f"report, {len(self._queues)} streams open; watchdog_s={self.watchdog_s:g}); it was killed")
+            return
+        assert self._loop is not None
+        self._loop.call_later(self._watch_period, self._watch)
 
     def _send(self, msg: AddRequest | AbortRequest | SetPolicy | Stop) -> None:
         try:
@@ -294,6 +339,7 @@ class EngineProcess:
         # in one wake-up per request, not one per step. Whatever is ready goes out now, so a stream is
         # never held back.
         ready: dict[str, RequestOutput] = {}
+        self._heard_at, self._sent_at = time.monotonic(), None
         try:
             while self._conn.poll():
                 msg = self._conn.recv()

@@ -124,3 +124,33 @@ def test_the_poisoned_stream_gets_an_error_naming_it(tiny_llama: Path, monkeypat
     err = APIError.from_engine(bad)
     assert err.status == 500 and "request bad failed in the engine: sampling failed: ValueError" in err.message
     eng.engine.check_integrity()
+
+
+def test_the_in_process_engine_watchdog_fails_a_step_that_never_returns(tiny_llama: Path) -> None:
+    """AsyncLLMEngine (TP > 1): a step still running after watchdog_s marks the engine dead; its streams
+    get EngineDeadError ("engine hung") and check_health raises, so Serve replaces the replica."""
+    import threading
+
+    from engine.errors import EngineDeadError
+
+    eng = AsyncLLMEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=128, block_size=16), watchdog_s=0.5)
+    release = threading.Event()
+    real = eng.engine.step
+    eng.engine.step = lambda: (release.wait(10), real())[1]  # type: ignore[method-assign]
+
+    async def main():
+        async def one():
+            try:
+                async for _ in eng.generate("hello", GREEDY):
+                    pass
+            except EngineDeadError as e:
+                return e
+        got = await asyncio.wait_for(asyncio.gather(one(), one()), 30)
+        release.set()
+        return got
+
+    got = asyncio.run(main())
+    assert all(isinstance(g, EngineDeadError) and "engine hung" in str(g) for g in got)
+    assert eng.hung
+    with pytest.raises(EngineDeadError, match="engine hung"):
+        eng.check_health()
