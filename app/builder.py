@@ -195,7 +195,8 @@ def build_app(args: AppArgs) -> Application:
                           store=store, tenants=tenants, jobs_pool=args.jobs_pool,
                           session_ttl_s=args.sessions.ttl_s,
                           keepalive_s=args.ingress.keepalive_s, audit_path=args.audit.path,
-                          audit_text=args.audit.include_text)
+                          audit_text=args.audit.include_text, max_body_bytes=args.ingress.max_body_bytes,
+                          plan_threads=args.ingress.plan_threads, plan_max_waiting=args.ingress.plan_max_waiting)
     return serve.deployment(Ingress).options(
         name="Ingress",
         num_replicas=args.ingress.num_replicas,

@@ -31,7 +31,9 @@ from app.jobs import JobQueue
 from app.quotas import Quotas
 from app.store import StoreError, open_store
 from app.store.base import call as store_call
+from app.plan_pool import PlanPool
 from app.planner import Planner
+from app.request_body import read_body
 from app.replica import data_path_handle, node_address, push_forever, replica_tag
 from app.responses import Choices, Echo
 from app.schemas import (
@@ -138,6 +140,7 @@ class Ingress:
         self.spec = spec
         self.auth = resolve_auth(spec.auth)  # raises (replica fails to start) when no keys are set
         self.planner = Planner(spec.plan)
+        self.plan_pool = PlanPool(spec.plan_threads, spec.plan_max_waiting)  # planning off the event loop
         # deployment name -> handle; the pool's deltas come back on the token bus
         self.pools = {name: data_path_handle(h) for name, h in pools.items()}
         self.hub = hub
@@ -177,6 +180,7 @@ class Ingress:
         if self._push is not None:
             self._push.cancel()
         await self.inbox.stop()
+        self.plan_pool.shutdown()
         self.store.close()
         if self.audit is not None:
             self.audit.close()
@@ -233,32 +237,38 @@ class Ingress:
     async def tokenize(self, request: Request) -> Response:
         """vLLM's ``/tokenize``: ``{"prompt": ...}`` or ``{"messages": [...]}`` -> ids and count."""
         key = self._authorize(request)
-        raw = await request.body()
-        try:
-            parsed = json.loads(raw)
-        except ValueError:
-            parsed = None  # pydantic names the problem below
-        chat = isinstance(parsed, dict) and "messages" in parsed
-        try:
-            body = (TokenizeChatRequest if chat else TokenizeCompletionRequest).model_validate_json(raw)
-        except ValidationError as e:
-            raise from_validation_error(e)
+        raw = await read_body(request, self.spec.max_body_bytes)
+
+        def parse() -> Any:
+            try:
+                parsed = json.loads(raw)
+            except ValueError:
+                parsed = None  # pydantic names the problem below
+            chat = isinstance(parsed, dict) and "messages" in parsed
+            try:
+                return (TokenizeChatRequest if chat else TokenizeCompletionRequest).model_validate_json(raw)
+            except ValidationError as e:
+                raise from_validation_error(e)
+
+        body = await self.plan_pool.run(parse)
         self.planner.limiter.check(key, time.monotonic())
         version = self._tokenizer_version(body.model)
-        out: TokenizeResponse = self.planner.tokenize_only(body, version)
+        out: TokenizeResponse = await self.plan_pool.run(self.planner.tokenize_only, body, version)
         return JSONResponse(out.model_dump(exclude_none=True))
 
     @api.post("/detokenize", openapi_extra=openapi.body(DetokenizeRequest))
     async def detokenize(self, request: Request) -> Response:
         """vLLM's ``/detokenize``: ``{"tokens": [...]}`` -> ``{"prompt": text}``."""
         key = self._authorize(request)
+        raw = await read_body(request, self.spec.max_body_bytes)
         try:
-            body = DetokenizeRequest.model_validate_json(await request.body())
+            body = await self.plan_pool.run(DetokenizeRequest.model_validate_json, raw)
         except ValidationError as e:
             raise from_validation_error(e)
         self.planner.limiter.check(key, time.monotonic())
         version = self._tokenizer_version(body.model)
-        return JSONResponse(DetokenizeResponse(prompt=self.planner.detokenize(body.tokens, version)).model_dump())
+        text = await self.plan_pool.run(self.planner.detokenize, body.tokens, version)
+        return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
     def _tokenizer_version(self, model: str | None) -> Any:
         """The version whose tokenizer answers: the pinned one (``name@version``), else the first
@@ -273,7 +283,8 @@ class Ingress:
         """Stream events for a handle caller (inside the cluster, so no bearer token): ``RouteInfo``,
         then ``TokenDelta``s; or an ``APIError`` (first, or after some deltas). See docs/handle_example.py."""
         try:
-            plan = self.planner.plan(request, None, request_id, self._pinned_version(request.model))
+            plan = await self.plan_pool.run(self.planner.plan, request, None, request_id,
+                                            self._pinned_version(request.model))
         except APIError as e:
             yield e
             return
@@ -303,11 +314,14 @@ class Ingress:
         key = self._authorize(request)
         tenant = self.auth.tenant_of(key)
         try:
-            raw = await request.body()
-            body = cls.model_validate_json(raw)
+            raw = await read_body(request, self.spec.max_body_bytes)
+            body = await self.plan_pool.run(cls.model_validate_json, raw)
         except ValidationError as e:
             self.metrics.count("none", 400)
             raise from_validation_error(e)
+        except APIError as e:  # too large, or the planning threads are saturated
+            self.metrics.count("none", e.status)
+            raise
         conv: Conversation | None = None
         try:
             pinned = self._pinned_version(body.model)
@@ -320,7 +334,7 @@ class Ingress:
         chat = isinstance(body, ChatCompletionRequest)
         request_id = new_request_id("chatcmpl" if chat else "cmpl")
         try:
-            plan = self.planner.plan(body, key, request_id, pinned, history=conv)
+            plan = await self.plan_pool.run(self.planner.plan, body, key, request_id, pinned, history=conv)
             if self.quotas.limited(tenant):
                 await store_call(self.quotas.check, tenant, plan.info.prompt_tokens)
         except APIError as e:
@@ -477,7 +491,7 @@ class Ingress:
         key = self._authorize(request)
         tenant = self.auth.tenant_of(key)
         try:
-            raw = json.loads(await request.body())
+            raw = json.loads(await read_body(request, self.spec.max_body_bytes))
         except ValueError:
             raise APIError(400, "body must be a JSON object", "body")
         endpoint = raw.get("endpoint") if isinstance(raw, dict) else None
@@ -494,7 +508,7 @@ class Ingress:
         pool = self.spec.jobs_pool
         ext = (body.sinkserve or SinkserveExtension()).model_copy(update={"pool": pool})
         body = body.model_copy(update={"sinkserve": ext})
-        plan = self.planner.plan(body, key, new_request_id("job"), self._pinned_version(body.model))
+        plan = await self.plan_pool.run(self.planner.plan, body, key, new_request_id("job"), self._pinned_version(body.model))
         if self.quotas.limited(tenant):
             await store_call(self.quotas.check, tenant, plan.info.prompt_tokens)
         job = await self._store(self.jobs.submit, tenant, plan.info.deployment, plan.info.pool, plan.request)

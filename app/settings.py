@@ -143,6 +143,12 @@ class IngressArgs(_Strict):
     # An SSE comment (": keep-alive") after this many seconds without an event, so gateways with a
     # read timeout (often 5-60 s) do not cut a stream whose prefill or queueing is slow.
     keepalive_s: float = Field(2.0, gt=0)
+    # Larger request bodies are refused with 413 before they are parsed (app/request_body.py).
+    max_body_bytes: int = Field(8 * 1024 * 1024, gt=0)
+    # Parsing, tokenizing and planning run on this many threads per replica, off the event loop, with
+    # at most plan_max_waiting more waiting (then 503); app/plan_pool.py.
+    plan_threads: int = Field(2, ge=1)
+    plan_max_waiting: int = Field(64, ge=0)
 
 
 class StoreArgs(_Strict):
@@ -359,6 +365,9 @@ class IngressSpec:
     keepalive_s: float = 2.0
     audit_path: str | None = None
     audit_text: bool = False
+    max_body_bytes: int = 8 * 1024 * 1024  # IngressArgs.max_body_bytes
+    plan_threads: int = 2  # IngressArgs.plan_threads
+    plan_max_waiting: int = 64  # IngressArgs.plan_max_waiting
     jobs_pool: str | None = None
 
     @property
