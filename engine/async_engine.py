@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Iterable, Sequence as Seq
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from engine.cache_policy import CachePolicy
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.errors import EngineDeadError, RequestAbortedError, RequestFailedError
+from engine.errors import EngineDeadError, InvalidRequestError, RequestAbortedError, RequestFailedError
+from engine.grammar_admission import COMPILE_TIMEOUT_S
 from engine.executor import ExecutorFactory
 from engine.input_processor import Anchor
 from engine.outputs import RequestOutput, next_delta
@@ -45,6 +47,7 @@ class AsyncLLMEngine:
         self.hung = False
         self._step_started: float | None = None  # monotonic start of the step in flight
         self._watch_task: asyncio.Task[None] | None = None
+        self._grammar_pool: ThreadPoolExecutor | None = None
         self.engine = LLMEngine(config, executor_factory)
         self.tokenizer = self.engine.tokenizer
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
@@ -111,8 +114,11 @@ class AsyncLLMEngine:
         request_id: str | None = None,
         anchors: Iterable[Anchor] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream the deltas of one request. Validation errors raise before the first delta."""
+        """Stream the deltas of one request. Validation errors raise before the first delta; so does a
+        grammar (``response_format``) that does not compile within ``COMPILE_TIMEOUT_S``."""
         self._ensure_loop()
+        if params.structured_output is not None:
+            await self._compile(params.structured_output)
         request_id = self.engine.add_request(request_id, prompt, params, anchors)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
@@ -131,6 +137,25 @@ class AsyncLLMEngine:
             self._queues.pop(request_id, None)
             if not done:
                 self.engine.abort(request_id)
+
+    async def _compile(self, so: Any) -> None:
+        """Compile the grammar before admission, on one thread beside the step (xgrammar releases the GIL),
+        within ``COMPILE_TIMEOUT_S`` or a 400 naming ``response_format``. At TP > 1 the sampling rank
+        compiles it once more in its step; this bounds how long that can take."""
+        if self._grammar_pool is None:
+            self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        fut = asyncio.get_running_loop().run_in_executor(self._grammar_pool, self.engine.grammar.compile, so,
+                                                         self.engine.shape.vocab_size)
+        try:
+            await asyncio.wait_for(fut, COMPILE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            # Abandoned (xgrammar cannot stop it): it finishes on its thread, the next grammar gets a fresh one.
+            old, self._grammar_pool = self._grammar_pool, None
+            old.shutdown(wait=False)
+            raise InvalidRequestError("response_format", f"the grammar did not compile within {COMPILE_TIMEOUT_S:g}s; "
+                                                         "simplify the schema") from None
+        except Exception as e:  # noqa: BLE001 - xgrammar's errors have no common base
+            raise InvalidRequestError("response_format", f"the grammar does not compile: {type(e).__name__}: {e}") from None
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

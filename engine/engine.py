@@ -119,6 +119,22 @@ class LLMEngine:
                 f"(protected {'on' if self.policy.keep_protected_16bit else 'off'}, residual "
                 f"{self.policy.residual_window} tokens), {per_token:.0f} B/token")
 
+    @property
+    def grammar(self) -> Any:
+        """The grammar compiler whose cache the sampler reads when the model runs in this process (its
+        ``GrammarBackend``), else one of this process's own: compiling with it before admission checks a
+        grammar and bounds its compile time, and the rank that samples compiles it once more."""
+        runner = getattr(self.executor, "runner", None)
+        sampler = getattr(runner, "sampler", None)
+        if sampler is not None:
+            return sampler.processing.grammar
+        own = self.__dict__.get("_own_grammar")
+        if own is None:
+            from engine.grammar import GrammarBackend
+
+            own = self._own_grammar = GrammarBackend(None, self.tokenizer)
+        return own
+
     def block_manager_blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.config.block_size)
 

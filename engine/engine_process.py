@@ -69,6 +69,7 @@ from multiprocessing.connection import Connection
 from typing import Any, AsyncIterator, Iterable, Sequence as Seq
 
 from engine.config import CachePolicy, EngineConfig
+from engine.grammar_admission import GrammarAdmission
 from engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError, RequestAbortedError, RequestFailedError
 from engine.input_processor import Anchor
 from engine.outputs import RequestOutput, merge_deltas, next_delta
@@ -103,6 +104,11 @@ class SetPolicy:
 @dataclass(frozen=True)
 class Stop:
     """Finish: shut the engine down and exit (also what a closed pipe means)."""
+
+
+@dataclass(frozen=True)
+class _Wake:
+    """Inside the child only: a grammar compile ended (engine/grammar_admission.py)."""
 
 
 # ---- messages: engine process -> serving process ------------------------------------------------
@@ -411,30 +417,59 @@ def serve_engine(conn: Connection) -> None:
     conn.send(Ready(engine.stats()))
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_receive_forever, args=(conn, inbox), daemon=True, name="engine-inbox").start()
+    # Requests with response_format wait here until their grammar is compiled, off the step.
+    admission: GrammarAdmission[AddRequest] = GrammarAdmission(engine.grammar, engine.shape.vocab_size,
+                                                               on_done=lambda: inbox.put(_Wake()))
+
+    def admit(msg: AddRequest) -> None:
+        try:
+            engine.add_request(msg.request_id, msg.prompt, msg.params, msg.anchors)
+        except InvalidRequestError as e:
+            conn.send(Rejected(msg.request_id, e.field, e.message))
+        except (TypeError, ValueError) as e:
+            conn.send(Rejected(msg.request_id, "sampling", str(e)))
+
     stats_at = 0.0  # when the last snapshot went out (monotonic)
     held: dict[str, RequestOutput] = {}  # deltas not sent yet, merged per request
     held_since = 0.0  # when the oldest of them was made
     while True:
-        msgs = [inbox.get()] if not engine.has_unfinished() else []
+        msgs = []
+        if not engine.has_unfinished():  # idle: block for a message (or a grammar's deadline)
+            try:
+                msgs.append(inbox.get(timeout=admission.next_deadline()))
+            except queue.Empty:
+                pass
         while not inbox.empty():
             msgs.append(inbox.get())
         for msg in msgs:
             if isinstance(msg, AddRequest):
+                so = msg.params.structured_output
+                if so is None:
+                    admit(msg)
+                    continue
                 try:
-                    engine.add_request(msg.request_id, msg.prompt, msg.params, msg.anchors)
+                    admission.submit(msg.request_id, so, msg)
                 except InvalidRequestError as e:
                     conn.send(Rejected(msg.request_id, e.field, e.message))
-                except (TypeError, ValueError) as e:
-                    conn.send(Rejected(msg.request_id, "sampling", str(e)))
             elif isinstance(msg, AbortRequest):
-                engine.abort(msg.request_id)
+                if not admission.discard(msg.request_id):
+                    engine.abort(msg.request_id)
             elif isinstance(msg, SetPolicy):
                 engine.set_cache_policy(msg.policy)
             elif isinstance(msg, Stop):
                 if held:
                     conn.send(StepResult(list(held.values()), None))
+                admission.shutdown()
                 engine.shutdown()
                 return
+        if len(admission):
+            ready, refused = admission.poll()
+            for msg in ready:
+                admit(msg)
+            for msg, reason in refused:
+                conn.send(Rejected(msg.request_id, "response_format", reason))
+            if ready or refused:
+                msgs.append(_Wake())  # stats go out with this step (a request arrived or left)
         started = time.monotonic()
         try:
             outputs = engine.step() if engine.has_unfinished() else []

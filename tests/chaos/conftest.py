@@ -23,3 +23,14 @@ def faults(monkeypatch: pytest.MonkeyPatch) -> None:
     """Processes started by this test (engine children) carry the fault injector."""
     for k, v in inject_env().items():
         monkeypatch.setenv(k, v)
+
+
+def record(case: str, **figures: object) -> None:
+    """Keep a case's measured figures (not asserted: timings vary by machine) in the file
+    ``SINKSERVE_CHAOS_RECORD`` names, for ``make chaos`` to write into docs/chaos.md."""
+    import json
+
+    path = os.environ.get("SINKSERVE_CHAOS_RECORD")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"case": case, **figures}) + "\n")
