@@ -10,6 +10,7 @@ request is planned here and its tokens stream back from the chosen pool on the t
 
 import asyncio
 import json
+from dataclasses import replace
 import logging
 import time
 from typing import Any, AsyncIterator
@@ -52,7 +53,7 @@ from app.schemas import (
 )
 from app.settings import IngressSpec
 from app.sse import DONE, sse_event
-from app.streaming import stream_plan
+from app.failover import fallback_plans, stream_with_failover
 from app.token_bus import TokenInbox
 
 logger = logging.getLogger("sinkserve.ingress")
@@ -157,10 +158,14 @@ class Ingress:
         self.inbox = TokenInbox()
         await self.inbox.start(node_address())
         self._push = None
+        self._watch = None
+        # Deployments with a ready replica, as the hub last said (None: not known yet); app/failover.py.
+        self._ready_deployments: set[str] | None = None
         if hub is not None:
             self._push = asyncio.get_running_loop().create_task(
                 push_forever(hub, f"ingress/{self.replica}", self._entry, spec.stats_push_interval_s)
             )
+            self._watch = asyncio.get_running_loop().create_task(self._watch_pools())
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Serve calls this with the deployment's ``user_config`` at start and whenever only that
@@ -179,6 +184,8 @@ class Ingress:
     async def __del__(self) -> None:
         if self._push is not None:
             self._push.cancel()
+        if self._watch is not None:
+            self._watch.cancel()
         await self.inbox.stop()
         self.plan_pool.shutdown()
         self.store.close()
@@ -288,10 +295,34 @@ class Ingress:
         except APIError as e:
             yield e
             return
-        async for ev in stream_plan(self.pools[plan.info.deployment], plan, self.inbox):
+        async for ev in self._stream(plan, request):
             yield ev
 
     # ---- internals ------------------------------------------------------------------------------
+
+    def _stream(self, plan: RoutePlan, body: Any) -> AsyncIterator[RouteInfo | TokenDelta | APIError]:
+        """The plan's events from its pool, or from another pool that fits it while its own has no live
+        engine (app/failover.py); a request that named its pool stays there."""
+        forced = body.sinkserve is not None and body.sinkserve.pool is not None
+        fallbacks = [] if forced else fallback_plans(plan, self.spec.plan.buckets, list(self.pools))
+        return stream_with_failover(plan, fallbacks, self.pools, self.inbox, self._deployment_ready,
+                                    self.metrics.failover)
+
+    def _deployment_ready(self, deployment: str) -> bool:
+        return self._ready_deployments is None or deployment in self._ready_deployments
+
+    async def _watch_pools(self, interval_s: float = 0.5) -> None:
+        """Keep ``_ready_deployments`` current from the hub (pools push their readiness)."""
+        while True:
+            try:
+                snap = await self.hub.snapshot.remote()
+                self._ready_deployments = {d for d, ok in m.ready_pools(snap, self.pools).items() if ok}
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - unknown readiness: route as planned
+                self._ready_deployments = None
+                logger.debug("pool readiness unknown: %s", e)
+            await asyncio.sleep(interval_s)
 
     def _authorize(self, request: Request) -> str | None:
         try:
@@ -345,7 +376,7 @@ class Ingress:
         if plan.info.passages is not None:
             self.metrics.trimmed(plan.info.pool, plan.info.passages.tokens_saved)
         turn = _Turn(tenant, plan, conv, body)
-        gen = stream_plan(self.pools[plan.info.deployment], plan, self.inbox)
+        gen = self._stream(plan, body)
         first_task = asyncio.ensure_future(gen.__anext__())
         try:
             if body.stream:
@@ -370,6 +401,7 @@ class Ingress:
             await self._settle(turn, first.status, _Timing(t0))
             raise first
         assert isinstance(first, RouteInfo)
+        turn.plan = replace(turn.plan, info=first)  # the pool that serves it (another one after a failover)
         if body.stream:
             return StreamingResponse(
                 self._sse(gen, first, body, chat, t0, turn, plan.request.prompt_token_ids),
@@ -593,6 +625,7 @@ class Ingress:
             """The SSE bytes for one event, and whether the stream ends with it."""
             nonlocal status
             if isinstance(ev, RouteInfo):
+                turn.plan = replace(turn.plan, info=ev)  # the pool that serves it (after a failover, another)
                 return [], False  # the headers already carried it
             if isinstance(ev, APIError):
                 # Headers are gone already; the error travels as a final SSE event.
