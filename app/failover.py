@@ -6,8 +6,9 @@ Two triggers, both before the request's first token (a stream that started stays
 - the pool is known to be down: no replica of its deployment reports itself ready to the hub (an
   engine that died or hung reports not ready at once, ``LLMServer._entry``) -- the request goes straight
   to a pool that is up;
-- the pool answers that it cannot serve: 503 "engine unavailable" (its engine died and is restarting)
-  or no live replica after the one resend -- the request is sent to the next pool that fits.
+- the pool answers that it cannot take it: 503 "engine unavailable" (its engine had died and is
+  restarting) or no live replica after the one resend -- the request is sent to the next pool that
+  fits. A request that was *in* an engine when it died or hung is not moved: it may be what killed it.
 
 "Can serve" means the same model version, in a pool whose bucket holds the prompt (``max_prompt_tokens``);
 a request that named its pool (``sinkserve.pool``) is never moved. Each move is counted
@@ -34,9 +35,11 @@ NOT_READY = "not_ready"  # the hub says no replica of the pool is ready
 
 
 def pool_unavailable(e: APIError) -> bool:
-    """The pool cannot serve right now (no engine, no replica) -- not "busy" (overloaded: 503 too, but the
-    pool works; its overflow must not flood the scarcer pools) and not a problem with the request."""
-    return e.status == 503 and e.type != "overloaded"
+    """The pool could not take the request at all (its engine was dead already, no live replica) -- not
+    "busy" (overloaded: 503 too, but the pool works; its overflow must not flood the scarcer pools), and
+    not an engine that died while running it (type ``server_error``: the request may be what killed it,
+    and must not take the next pool down too)."""
+    return e.status == 503 and e.type == "unavailable"
 
 
 def fallback_plans(plan: RoutePlan, buckets: Sequence[BucketSpec], deployments: Sequence[str]) -> list[RoutePlan]:

@@ -224,7 +224,7 @@ async def stream_plan(pool: Any, plan: RoutePlan, inbox: TokenInbox) -> AsyncIte
                                info.request_id, info.deployment, type(e).__name__)
                 continue
             if not started and _replica_gone(e):  # twice: the pool has no live replica now (app/failover.py)
-                yield APIError(503, f"pool {info.pool!r} has no live replica; retry shortly", type="server_error",
+                yield APIError(503, f"pool {info.pool!r} has no live replica; retry shortly", type="unavailable",
                                retry_after=5)
                 return
             logger.exception("request %s failed in %s", info.request_id, info.deployment)

@@ -16,7 +16,7 @@ from typing import Any
 from engine.cache_policy import CachePolicy
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.errors import EngineDeadError, InvalidRequestError, RequestAbortedError, RequestFailedError
+from engine.errors import EngineDeadError, EngineUnavailableError, InvalidRequestError, RequestAbortedError, RequestFailedError
 from engine.grammar_admission import COMPILE_TIMEOUT_S
 from engine.executor import ExecutorFactory
 from engine.input_processor import Anchor
@@ -62,7 +62,7 @@ class AsyncLLMEngine:
 
     def _ensure_loop(self) -> None:
         if self._dead is not None:
-            raise EngineDeadError(f"engine loop died: {self._dead}")
+            raise EngineUnavailableError(f"engine loop died: {self._dead}")
         if self._loop_task is None or self._loop_task.done():
             self._wakeup = asyncio.Event()
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
@@ -167,7 +167,7 @@ class AsyncLLMEngine:
 
     def check_health(self) -> None:
         if self._dead is not None:
-            raise EngineDeadError(f"engine loop died: {self._dead}")
+            raise EngineUnavailableError(f"engine loop died: {self._dead}")
 
     def set_cache_policy(self, policy: CachePolicy) -> str:
         return self.engine.set_cache_policy(policy)

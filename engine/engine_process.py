@@ -70,7 +70,7 @@ from typing import Any, AsyncIterator, Iterable, Sequence as Seq
 
 from engine.config import CachePolicy, EngineConfig
 from engine.grammar_admission import GrammarAdmission
-from engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError, RequestAbortedError, RequestFailedError
+from engine.errors import EngineDeadError, EngineUnavailableError, InvalidRequestError, ModelLoadError, RequestAbortedError, RequestFailedError
 from engine.input_processor import Anchor
 from engine.outputs import RequestOutput, merge_deltas, next_delta
 from engine.sampling_params import SamplingParams
@@ -265,7 +265,7 @@ class EngineProcess:
         if self._dead is None and self._proc.poll() is not None:
             self._die(f"engine process exited with code {self._proc.returncode}")
         if self._dead is not None:
-            raise EngineDeadError(self._dead)
+            raise EngineUnavailableError(self._dead)
 
     def set_cache_policy(self, policy: CachePolicy) -> str:
         """Validated here (a bad policy raises now), applied by the child before its next step."""

@@ -67,4 +67,11 @@ class RequestFailedError(SinkserveError):
 
 
 class EngineDeadError(SinkserveError):
-    """The engine's step loop has died; the replica must be restarted."""
+    """The engine's step loop has died; the replica must be restarted. Raised into the requests that were
+    in the engine when it died (they may have caused it: a request that hangs or crashes an engine must
+    not be sent on to the next one)."""
+
+
+class EngineUnavailableError(EngineDeadError):
+    """A request arrived at an engine that had died already: it never reached it, so another pool may
+    take it (app/failover.py)."""

@@ -13,6 +13,7 @@ from app.errors import APIError
 from app.events import PoolRequest, RouteInfo, RoutePlan, TokenDelta
 from app.failover import fallback_plans, stream_with_failover
 from app.settings import BucketSpec
+from engine.errors import EngineDeadError, EngineUnavailableError
 from engine.sampling_params import SamplingParams
 
 BUCKETS = (BucketSpec("short", 48, 60.0), BucketSpec("long", 400, 120.0, versions=("v1",)), BucketSpec("mid", 200, 60.0))
@@ -57,7 +58,7 @@ def run(monkeypatch: pytest.MonkeyPatch, answers: dict[str, list], p: RoutePlan,
     return asyncio.run(main()), calls, moves
 
 
-DOWN = APIError(503, "engine unavailable: engine process exited with code -9", type="server_error", retry_after=5)
+DOWN = APIError(503, "engine unavailable: engine process exited with code -9", type="unavailable", retry_after=5)
 
 
 def test_a_request_whose_pool_answers_unavailable_goes_to_the_next_pool(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -74,6 +75,11 @@ def test_a_pool_known_down_is_skipped_and_an_overloaded_one_is_not_failed_over(m
     busy = APIError(503, "pool 'short' is at capacity; retry later", type="overloaded", retry_after=1)
     evs, calls, moves = run(monkeypatch, {"pool-short-v1": [busy]}, plan("short", 30))
     assert evs == [busy] and calls == ["pool-short-v1"] and moves == []
+    # A request that was in the engine when it died is not moved: it may be what killed it.
+    died = APIError.from_engine(EngineDeadError("engine hung: no step for 3.1s"))
+    evs, calls, moves = run(monkeypatch, {"pool-short-v1": [died]}, plan("short", 30))
+    assert evs == [died] and died.status == 503 and moves == []
+    assert APIError.from_engine(EngineUnavailableError("engine process exited")).type == "unavailable"
 
 
 def test_with_nowhere_to_go_the_client_gets_503_with_retry_after(monkeypatch: pytest.MonkeyPatch) -> None:
