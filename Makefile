@@ -20,7 +20,7 @@ TORCH_STAMP := $(VENV)/.torch-$(shell printf '%s' '$(TORCH_SPEC)' | tr -c 'A-Za-
 TORCH_OK := import sys, torch; s = sys.argv[1]; want = s.split("==", 1)[1] if "==" in s else None; \
 	sys.exit(0 if (torch.__version__.split("+")[0] == want if want else torch.version.cuda is not None) else 1)
 
-.PHONY: install run test bench clean
+.PHONY: install run test chaos bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,11 @@ run: install
 
 test: install
 	$(PY) -m pytest -q tests
+
+# The chaos suite with its serve-level cases (a local Ray and three engines: minutes), figures written to
+# docs/chaos.md. `make test` runs the engine-level chaos cases only.
+chaos: install
+	$(PY) -m bench.chaos_run
 
 clean:
 	rm -rf $(VENV) .pytest_cache
