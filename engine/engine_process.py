@@ -17,6 +17,7 @@ reason.)
     reader (loop.add_reader) <-- StepResult(deltas, stats) -- at most one per step, deltas held
                                                                 up to STREAM_INTERVAL_S (see below)
                              <-- Rejected(id, field, message) -- invalid request
+                             <-- Failed(id, reason) -- admission raised (a bug; the engine goes on)
 
 The child exits when the pipe closes (the serving process died) and the parent marks the engine dead
 when the child does, so neither outlives the other unnoticed. Start:
@@ -143,6 +144,14 @@ class Rejected:
     request_id: str
     field: str
     message: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A request that could not be admitted for a reason of the engine's, not the request's (a 500)."""
+
+    request_id: str
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -359,6 +368,10 @@ class EngineProcess:
                     q = self._queues.get(msg.request_id)
                     if q is not None:
                         q.put_nowait(InvalidRequestError(msg.field, msg.message))
+                elif isinstance(msg, Failed):
+                    q = self._queues.get(msg.request_id)
+                    if q is not None:
+                        q.put_nowait(RequestFailedError(msg.request_id, msg.reason))
                 elif isinstance(msg, EngineDied):
                     self._hand_on(ready)
                     self._die(f"engine loop died: {msg.traceback}")
@@ -417,9 +430,9 @@ def serve_engine(conn: Connection) -> None:
     conn.send(Ready(engine.stats()))
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_receive_forever, args=(conn, inbox), daemon=True, name="engine-inbox").start()
-    # Requests with response_format wait here until their grammar is compiled, off the step.
-    admission: GrammarAdmission[AddRequest] = GrammarAdmission(engine.grammar, engine.shape.vocab_size,
-                                                               on_done=lambda: inbox.put(_Wake()))
+    # Requests with response_format wait here until their grammar is compiled, off the step (made with
+    # the first such request).
+    admission: GrammarAdmission[AddRequest] | None = None
 
     def admit(msg: AddRequest) -> None:
         try:
@@ -428,6 +441,9 @@ def serve_engine(conn: Connection) -> None:
             conn.send(Rejected(msg.request_id, e.field, e.message))
         except (TypeError, ValueError) as e:
             conn.send(Rejected(msg.request_id, "sampling", str(e)))
+        except Exception as e:  # noqa: BLE001 - one request's admission must not end the engine
+            logger.exception("request %s: admission failed", msg.request_id)
+            conn.send(Failed(msg.request_id, f"admission failed: {type(e).__name__}: {e}"))
 
     stats_at = 0.0  # when the last snapshot went out (monotonic)
     held: dict[str, RequestOutput] = {}  # deltas not sent yet, merged per request
@@ -436,7 +452,7 @@ def serve_engine(conn: Connection) -> None:
         msgs = []
         if not engine.has_unfinished():  # idle: block for a message (or a grammar's deadline)
             try:
-                msgs.append(inbox.get(timeout=admission.next_deadline()))
+                msgs.append(inbox.get(timeout=admission.next_deadline() if admission is not None else None))
             except queue.Empty:
                 pass
         while not inbox.empty():
@@ -447,22 +463,26 @@ def serve_engine(conn: Connection) -> None:
                 if so is None:
                     admit(msg)
                     continue
+                if admission is None:
+                    admission = GrammarAdmission(engine.grammar, engine.shape.vocab_size,
+                                                 on_done=lambda: inbox.put(_Wake()))
                 try:
                     admission.submit(msg.request_id, so, msg)
                 except InvalidRequestError as e:
                     conn.send(Rejected(msg.request_id, e.field, e.message))
             elif isinstance(msg, AbortRequest):
-                if not admission.discard(msg.request_id):
+                if admission is None or not admission.discard(msg.request_id):
                     engine.abort(msg.request_id)
             elif isinstance(msg, SetPolicy):
                 engine.set_cache_policy(msg.policy)
             elif isinstance(msg, Stop):
                 if held:
                     conn.send(StepResult(list(held.values()), None))
-                admission.shutdown()
+                if admission is not None:
+                    admission.shutdown()
                 engine.shutdown()
                 return
-        if len(admission):
+        if admission is not None and len(admission):
             ready, refused = admission.poll()
             for msg in ready:
                 admit(msg)

@@ -19,6 +19,7 @@ from engine.errors import EngineDeadError, RequestFailedError
 HEALTHY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 POISON = replace(HEALTHY, stop=("CHAOS-POISON",))
 HANG = replace(HEALTHY, stop=("CHAOS-HANG",))
+ADMIT = replace(HEALTHY, stop=("CHAOS-ADMIT",))
 
 
 def config(model: Path) -> EngineConfig:
@@ -43,6 +44,7 @@ def test_poison_requests_fail_alone_and_the_engine_process_goes_on(tiny_llama: P
         jobs = [collect(eng, f"ok-{i}", HEALTHY) for i in range(8)]
         jobs[2:2] = [collect(eng, "poison-a", POISON)]
         jobs[6:6] = [collect(eng, "poison-b", POISON)]
+        jobs.append(collect(eng, "poison-admit", ADMIT))
         got = await asyncio.wait_for(asyncio.gather(*jobs), 60)
         after = await asyncio.wait_for(collect(eng, "after", HEALTHY), 30)  # still serving
         eng.check_health()
@@ -54,9 +56,10 @@ def test_poison_requests_fail_alone_and_the_engine_process_goes_on(tiny_llama: P
     poisoned = [g for g in got if isinstance(g, BaseException)]
     healthy = [g for g in got if not isinstance(g, BaseException)]
     assert len(healthy) == 8 and all(len(t) == 24 for t in healthy)  # 0 errors among the healthy
-    assert len(poisoned) == 2 and all(isinstance(e, RequestFailedError) for e in poisoned)
-    assert {e.request_id for e in poisoned} == {"poison-a", "poison-b"}
+    assert len(poisoned) == 3 and all(isinstance(e, RequestFailedError) for e in poisoned)
+    assert {e.request_id for e in poisoned} == {"poison-a", "poison-b", "poison-admit"}
     assert "detokenization failed: RuntimeError: poisoned by the chaos suite" in str(poisoned[0])
+    assert "admission failed: KeyError" in str(poisoned[-1])
     assert APIError.from_engine(poisoned[0]).status == 500
     assert after == healthy[0] and eng.pid == pid  # same process: 0 restarts
     assert stats.running == 0 and stats.waiting == 0

@@ -7,6 +7,7 @@ product flag. The fault rides on a stop string, which every endpoint accepts:
 
 - ``CHAOS-POISON``: the request's detokenization raises (a per-request failure: the request must fail
   alone, with an error naming it, while the engine goes on);
+- ``CHAOS-ADMIT``: admitting the request raises (it must fail alone, before it runs);
 - ``CHAOS-HANG``: the engine's step blocks forever (the watchdog must kill and replace the engine).
 """
 
@@ -17,7 +18,7 @@ if os.environ.get("SINKSERVE_CHAOS_INJECT") == "1":
     import time
 
     sys.path.insert(0, os.environ["SINKSERVE_CHAOS_REPO"])
-    from engine import detokenizer
+    from engine import detokenizer, output_processor
 
     _update = detokenizer.IncrementalDetokenizer.update
 
@@ -29,3 +30,12 @@ if os.environ.get("SINKSERVE_CHAOS_INJECT") == "1":
         return _update(self, output_ids, finished)
 
     detokenizer.IncrementalDetokenizer.update = _faulty_update
+
+    _register = output_processor.OutputProcessor.register
+
+    def _faulty_register(self, seq):
+        if "CHAOS-ADMIT" in seq.params.stop:
+            raise KeyError("admission poisoned by the chaos suite")
+        return _register(self, seq)
+
+    output_processor.OutputProcessor.register = _faulty_register
