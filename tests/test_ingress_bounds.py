@@ -31,11 +31,15 @@ def test_a_body_over_the_limit_is_refused_with_413_naming_it() -> None:
     with pytest.raises(APIError) as e:
         asyncio.run(read_body(big, 4096))
     assert e.value.status == 413 and "4096 bytes" in e.value.message and "max_body_bytes" in e.value.message
-    assert big.read == 0  # refused from the header, nothing read
+    assert big.read == 4 * 4096 + 1024  # drained (and dropped) up to 4x the limit, then cut
+    small_over = FakeRequest([b"x" * 1024] * 5, content_length=5 * 1024)
+    with pytest.raises(APIError):
+        asyncio.run(read_body(small_over, 4096))
+    assert small_over.read == 5 * 1024  # read to its end, so the client gets the 413, not a reset
     chunked = FakeRequest([b"x" * 1024] * 20, content_length=None)  # no Content-Length: counted as it arrives
     with pytest.raises(APIError) as e:
         asyncio.run(read_body(chunked, 4096))
-    assert e.value.status == 413 and chunked.read <= 4096 + 1024  # stopped at the limit
+    assert e.value.status == 413 and chunked.read == 4 * 4096 + 1024
     ok = FakeRequest([b'{"a":', b" 1}"], content_length=None)
     assert asyncio.run(read_body(ok, 4096)) == b'{"a": 1}'
     with pytest.raises(APIError) as e:
