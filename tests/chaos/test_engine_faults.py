@@ -136,3 +136,50 @@ def test_a_pool_replica_replaces_a_hung_engine_and_counts_it(tiny_llama: Path, f
 
     text = render({"pool/x": entry}).decode()
     assert 'sinkserve_engine_watchdog_restarts_total{pool="short",replica=' in text
+
+
+def test_a_killed_engine_process_is_replaced_and_requests_meanwhile_may_fail_over(tiny_llama: Path) -> None:
+    """The engine process killed (SIGKILL) under a pool replica: requests that arrive before the new one
+    is up get 503 type "unavailable" (what app/failover.py moves to another pool), the replica reports
+    not ready, starts a new engine process and counts it (engine_restarts_died)."""
+    import os
+    import signal
+
+    from app.events import PoolRequest
+    from app.server import LLMServer
+    from app.settings import PoolSpec
+
+    spec = PoolSpec(bucket="short", version="v1", engine=config(tiny_llama))
+
+    async def run(server: LLMServer, rid: str):
+        req = PoolRequest(request_id=rid, prompt_token_ids=(1, 2, 3, 4), params=HEALTHY)
+        try:
+            return [t async for d in server._deltas(req) for t in d.token_ids]
+        except EngineDeadError as e:
+            return e
+
+    async def main():
+        server = object.__new__(LLMServer)
+        await server.__init__(spec)
+        pid = server.engine.pid
+        assert len(await run(server, "before")) == 24
+        os.kill(pid, signal.SIGKILL)
+        await asyncio.sleep(0.2)
+        meanwhile = await run(server, "meanwhile")
+        ready_meanwhile = server._entry()["data"]["ready"]
+        for _ in range(600):
+            if server.ready and server.engine.pid != pid:
+                break
+            await asyncio.sleep(0.1)
+        after = await run(server, "after")
+        entry = server._entry()
+        await server.__del__()
+        return meanwhile, ready_meanwhile, after, entry, pid, server.engine.pid
+
+    meanwhile, ready_meanwhile, after, entry, old_pid, new_pid = asyncio.run(main())
+    assert isinstance(meanwhile, EngineDeadError)
+    err = APIError.from_engine(meanwhile)
+    assert err.status == 503 and err.type == "unavailable" and err.headers == {"Retry-After": "5"}
+    assert not ready_meanwhile
+    assert len(after) == 24 and new_pid != old_pid
+    assert entry["data"]["stats"]["engine_restarts_died"] == 1 and entry["data"]["stats"]["engine_restarts_hung"] == 0
