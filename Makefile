@@ -39,7 +39,7 @@ TORCH_STAMP := $(VENV)/.torch-$(TORCH)-$(TORCH_VERSION)
 TORCH_OK := import sys, torch; v, cuda = sys.argv[1], sys.argv[2] or None; \
 	sys.exit(0 if torch.__version__.split("+")[0] == v and (torch.version.cuda == cuda if cuda else True) else 1)
 
-.PHONY: install run test bench clean
+.PHONY: install run test chaos bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +60,11 @@ run: install
 
 test: install
 	$(PY) -m pytest -q tests
+
+# The chaos suite with its serve-level cases (a local Ray and three engines: minutes), figures written to
+# docs/chaos.md. `make test` runs the engine-level chaos cases only.
+chaos: install
+	$(PY) -m bench.chaos_run
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -172,7 +172,7 @@ def build_app(args: AppArgs) -> Application:
             slots = max(1, int(engine.max_num_seqs * args.jobs.max_share)) if pool.name == jobs_pool else 0
             spec = PoolSpec(bucket=pool.name, version=v.name, engine=engine, stats_push_interval_s=args.stats_push_interval_s,
                             worker_num_cpus=pool.worker_num_cpus, job_slots=slots, store=store if slots else None,
-                            tenants=tenants if slots else ())
+                            tenants=tenants if slots else (), engine_watchdog_s=pool.engine_watchdog_s)
             dep = serve.deployment(LLMServer).options(name=spec.deployment_name, **pool_options(pool, device))
             pools[spec.deployment_name] = dep.bind(spec, hub)
             logger.info("pool %s: model %s, tp=%d on %s, weight %g", spec.deployment_name, v.model,
@@ -191,7 +191,9 @@ def build_app(args: AppArgs) -> Application:
                           store=store, tenants=tenants, jobs_pool=jobs_pool,
                           session_ttl_s=args.sessions.ttl_s,
                           keepalive_s=args.ingress.keepalive_s, audit_path=args.audit.path,
-                          audit_text=args.audit.include_text, quota_fail_closed=args.quotas.fail_closed)
+                          audit_text=args.audit.include_text, quota_fail_closed=args.quotas.fail_closed,
+                          max_body_bytes=args.ingress.max_body_bytes,
+                          plan_threads=args.ingress.plan_threads, plan_max_waiting=args.ingress.plan_max_waiting)
     return serve.deployment(Ingress).options(
         name="Ingress",
         num_replicas=args.ingress.num_replicas,

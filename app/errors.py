@@ -43,13 +43,19 @@ class APIError(Exception):
     @classmethod
     def from_engine(cls, e: BaseException) -> "APIError":
         """The HTTP form of an engine error: 400 naming the field for invalid requests, 499 for an
-        abort, 503 (retry) when the engine has died, 500 for anything unexpected."""
-        from engine.errors import EngineDeadError, InvalidRequestError, RequestAbortedError
+        abort, 500 naming the request and the stage when it alone failed inside the engine, 503 (retry)
+        when the engine has died, 500 for anything unexpected."""
+        from engine.errors import (EngineDeadError, EngineUnavailableError, InvalidRequestError, RequestAbortedError,
+                                   RequestFailedError)
 
         if isinstance(e, InvalidRequestError):
             return cls(400, str(e), _ENGINE_PARAMS.get(e.field, e.field))
         if isinstance(e, RequestAbortedError):
             return cls(499, f"request aborted: {e}", type="aborted")
+        if isinstance(e, RequestFailedError):  # this request alone; the engine went on
+            return cls(500, str(e), type="server_error")
+        if isinstance(e, EngineUnavailableError):  # never reached the engine: another pool may serve it
+            return cls(503, f"engine unavailable: {e}", type="unavailable", retry_after=5)
         if isinstance(e, EngineDeadError):
             return cls(503, f"engine unavailable: {e}", type="server_error", retry_after=5)
         return cls(500, f"internal error: {type(e).__name__}", type="server_error")

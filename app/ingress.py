@@ -10,6 +10,7 @@ request is planned here and its tokens stream back from the chosen pool on the t
 
 import asyncio
 import json
+from dataclasses import replace
 import logging
 import time
 from typing import Any, AsyncIterator
@@ -33,7 +34,9 @@ from app.quotas import Quotas, Reservation
 from app.store import StoreError, open_store
 from app.store.base import call as store_call
 from app.store.base import purge_forever
+from app.plan_pool import PlanPool
 from app.planner import Planner
+from app.request_body import read_body
 from app.replica import data_path_handle, node_address, push_forever, replica_tag
 from app.responses import Choices, Echo
 from app.schemas import (
@@ -52,7 +55,7 @@ from app.schemas import (
 )
 from app.settings import IngressSpec
 from app.sse import DONE, sse_event
-from app.streaming import stream_plan
+from app.failover import fallback_plans, stream_with_failover
 from app.token_bus import TokenInbox
 from engine.detokenizer import token_text
 
@@ -145,6 +148,7 @@ class Ingress:
         self.spec = spec
         self.auth = resolve_auth(spec.auth)  # raises (replica fails to start) when no keys are set
         self.planner = Planner(spec.plan)
+        self.plan_pool = PlanPool(spec.plan_threads, spec.plan_max_waiting)  # planning off the event loop
         # deployment name -> handle; the pool's deltas come back on the token bus
         self.pools = {name: data_path_handle(h) for name, h in pools.items()}
         self.hub = hub
@@ -163,10 +167,14 @@ class Ingress:
         self._push = None
         self._tasks: set[asyncio.Task[Any]] = set()  # fire-and-forget work (settling, releasing), kept referenced
         self._purge = asyncio.get_running_loop().create_task(purge_forever(self.store))
+        self._watch = None
+        # Deployments with a ready replica, as the hub last said (None: not known yet); app/failover.py.
+        self._ready_deployments: set[str] | None = None
         if hub is not None:
             self._push = asyncio.get_running_loop().create_task(
                 push_forever(hub, f"ingress/{self.replica}", self._entry, spec.stats_push_interval_s)
             )
+            self._watch = asyncio.get_running_loop().create_task(self._watch_pools())
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Serve calls this with the deployment's ``user_config`` at start and whenever only that
@@ -186,7 +194,10 @@ class Ingress:
         if self._push is not None:
             self._push.cancel()
         self._purge.cancel()
+        if self._watch is not None:
+            self._watch.cancel()
         await self.inbox.stop()
+        self.plan_pool.shutdown()
         self.store.close()
         if self.audit is not None:
             self.audit.close()
@@ -258,32 +269,38 @@ class Ingress:
     async def tokenize(self, request: Request) -> Response:
         """vLLM's ``/tokenize``: ``{"prompt": ...}`` or ``{"messages": [...]}`` -> ids and count."""
         key = self._authorize(request)
-        raw = await request.body()
-        try:
-            parsed = json.loads(raw)
-        except ValueError:
-            parsed = None  # pydantic names the problem below
-        chat = isinstance(parsed, dict) and "messages" in parsed
-        try:
-            body = (TokenizeChatRequest if chat else TokenizeCompletionRequest).model_validate_json(raw)
-        except ValidationError as e:
-            raise from_validation_error(e)
+        raw = await read_body(request, self.spec.max_body_bytes)
+
+        def parse() -> Any:
+            try:
+                parsed = json.loads(raw)
+            except ValueError:
+                parsed = None  # pydantic names the problem below
+            chat = isinstance(parsed, dict) and "messages" in parsed
+            try:
+                return (TokenizeChatRequest if chat else TokenizeCompletionRequest).model_validate_json(raw)
+            except ValidationError as e:
+                raise from_validation_error(e)
+
+        body = await self.plan_pool.run(parse)
         self.planner.limiter.check(key, time.monotonic())
         version = self._tokenizer_version(body.model)
-        out: TokenizeResponse = self.planner.tokenize_only(body, version)
+        out: TokenizeResponse = await self.plan_pool.run(self.planner.tokenize_only, body, version)
         return JSONResponse(out.model_dump(exclude_none=True))
 
     @api.post("/detokenize", openapi_extra=openapi.body(DetokenizeRequest))
     async def detokenize(self, request: Request) -> Response:
         """vLLM's ``/detokenize``: ``{"tokens": [...]}`` -> ``{"prompt": text}``."""
         key = self._authorize(request)
+        raw = await read_body(request, self.spec.max_body_bytes)
         try:
-            body = DetokenizeRequest.model_validate_json(await request.body())
+            body = await self.plan_pool.run(DetokenizeRequest.model_validate_json, raw)
         except ValidationError as e:
             raise from_validation_error(e)
         self.planner.limiter.check(key, time.monotonic())
         version = self._tokenizer_version(body.model)
-        return JSONResponse(DetokenizeResponse(prompt=self.planner.detokenize(body.tokens, version)).model_dump())
+        text = await self.plan_pool.run(self.planner.detokenize, body.tokens, version)
+        return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
     def _tokenizer_version(self, model: str | None) -> Any:
         """The version whose tokenizer answers: the pinned one (``name@version``), else the first
@@ -298,14 +315,39 @@ class Ingress:
         """Stream events for a handle caller (inside the cluster, so no bearer token): ``RouteInfo``,
         then ``TokenDelta``s; or an ``APIError`` (first, or after some deltas). See docs/handle_example.py."""
         try:
-            plan = self.planner.plan(request, None, request_id, self._pinned_version(request.model))
+            plan = await self.plan_pool.run(self.planner.plan, request, None, request_id,
+                                            self._pinned_version(request.model))
         except APIError as e:
             yield e
             return
-        async for ev in stream_plan(self.pools[plan.info.deployment], plan, self.inbox):
+        async for ev in self._stream(plan, request):
             yield ev
 
     # ---- internals ------------------------------------------------------------------------------
+
+    def _stream(self, plan: RoutePlan, body: Any) -> AsyncIterator[RouteInfo | TokenDelta | APIError]:
+        """The plan's events from its pool, or from another pool that fits it while its own has no live
+        engine (app/failover.py); a request that named its pool stays there."""
+        forced = body.sinkserve is not None and body.sinkserve.pool is not None
+        fallbacks = [] if forced else fallback_plans(plan, self.spec.plan.buckets, list(self.pools))
+        return stream_with_failover(plan, fallbacks, self.pools, self.inbox, self._deployment_ready,
+                                    self.metrics.failover)
+
+    def _deployment_ready(self, deployment: str) -> bool:
+        return self._ready_deployments is None or deployment in self._ready_deployments
+
+    async def _watch_pools(self, interval_s: float = 0.5) -> None:
+        """Keep ``_ready_deployments`` current from the hub (pools push their readiness)."""
+        while True:
+            try:
+                snap = await self.hub.snapshot.remote()
+                self._ready_deployments = {d for d, ok in m.ready_pools(snap, self.pools).items() if ok}
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - unknown readiness: route as planned
+                self._ready_deployments = None
+                logger.debug("pool readiness unknown: %s", e)
+            await asyncio.sleep(interval_s)
 
     def _authorize(self, request: Request) -> str | None:
         try:
@@ -341,11 +383,14 @@ class Ingress:
         key = self._authorize(request)
         tenant = self.auth.tenant_of(key)
         try:
-            raw = await request.body()
-            body = cls.model_validate_json(raw)
+            raw = await read_body(request, self.spec.max_body_bytes)
+            body = await self.plan_pool.run(cls.model_validate_json, raw)
         except ValidationError as e:
             self.metrics.count("none", 400)
             raise from_validation_error(e)
+        except APIError as e:  # too large, or the planning threads are saturated
+            self.metrics.count("none", e.status)
+            raise
         conv: Conversation | None = None
         lock: str | None = None
         try:
@@ -361,7 +406,7 @@ class Ingress:
         request_id = new_request_id("chatcmpl" if chat else "cmpl")
         reservation = None
         try:
-            plan = self.planner.plan(body, key, request_id, pinned, history=conv)
+            plan = await self.plan_pool.run(self.planner.plan, body, key, request_id, pinned, history=conv)
             if self.quotas.limited(tenant):
                 reservation = await store_call(self.quotas.reserve, tenant, plan.info.prompt_tokens)
         except BaseException as e:  # any exit before the turn exists releases the lock
@@ -391,7 +436,7 @@ class Ingress:
     async def _start(self, turn: _Turn, body: Any, chat: bool, t0: float) -> Response:
         """Send the planned request to its pool; the response (unary, or an SSE stream)."""
         plan = turn.plan
-        gen = stream_plan(self.pools[plan.info.deployment], plan, self.inbox)
+        gen = self._stream(plan, body)
         first_task = asyncio.ensure_future(gen.__anext__())
         try:
             if body.stream:
@@ -416,6 +461,7 @@ class Ingress:
             await self._settle(turn, first.status, _Timing(t0))
             raise first
         assert isinstance(first, RouteInfo)
+        turn.plan = replace(turn.plan, info=first)  # the pool that serves it (another one after a failover)
         if body.stream:
             return StreamingResponse(
                 self._sse(gen, first, body, chat, t0, turn, plan.request.prompt_token_ids),
@@ -577,7 +623,7 @@ class Ingress:
         key = self._authorize(request)
         tenant = self.auth.tenant_of(key)
         try:
-            raw = json.loads(await request.body())
+            raw = json.loads(await read_body(request, self.spec.max_body_bytes))
         except ValueError:
             raise APIError(400, "body must be a JSON object", "body")
         endpoint = raw.get("endpoint") if isinstance(raw, dict) else None
@@ -595,7 +641,7 @@ class Ingress:
         self._check_operator_options(key, body, self._pinned_version(body.model))
         ext = (body.sinkserve or SinkserveExtension()).model_copy(update={"pool": pool})
         body = body.model_copy(update={"sinkserve": ext})
-        plan = self.planner.plan(body, key, new_request_id("job"), self._pinned_version(body.model))
+        plan = await self.plan_pool.run(self.planner.plan, body, key, new_request_id("job"), self._pinned_version(body.model))
         reservation = None
         if self.quotas.limited(tenant):  # the prompt now; the completion with the job's result (app/jobs.py)
             reservation = await store_call(self.quotas.reserve, tenant, plan.info.prompt_tokens)
@@ -689,6 +735,7 @@ class Ingress:
             """The SSE bytes for one event, and whether the stream ends with it."""
             nonlocal status, unsaved
             if isinstance(ev, RouteInfo):
+                turn.plan = replace(turn.plan, info=ev)  # the pool that serves it (after a failover, another)
                 return [], False  # the headers already carried it
             if isinstance(ev, APIError):
                 # Headers are gone already; the error travels as a final SSE event.

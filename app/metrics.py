@@ -74,6 +74,7 @@ class RequestMetrics:
         self.itl: dict[str, Histogram] = defaultdict(Histogram)
         self.e2e: dict[str, Histogram] = defaultdict(Histogram)
         self.passage_tokens_trimmed: dict[str, int] = defaultdict(int)
+        self.failovers: dict[tuple[str, str, str], int] = defaultdict(int)  # (from, to, reason)
 
     def count(self, pool: str, status: int | str) -> None:
         self.requests[(pool, str(status))] += 1
@@ -97,8 +98,13 @@ class RequestMetrics:
         """Passage tokens a request's budget dropped before prefill (``app/passages.py``)."""
         self.passage_tokens_trimmed[pool] += tokens
 
+    def failover(self, from_pool: str, to_pool: str, reason: str) -> None:
+        """A request moved to another pool because its own had no live engine (app/failover.py)."""
+        self.failovers[(from_pool, to_pool, reason)] += 1
+
     def snapshot(self) -> dict[str, Any]:
         return {
+            "failovers": [[f, t, r, n] for (f, t, r), n in self.failovers.items()],
             "requests": [[p, s, n] for (p, s), n in self.requests.items()],
             "ttft": {p: h.to_dict() for p, h in self.ttft.items()},
             "itl": {p: h.to_dict() for p, h in self.itl.items()},
@@ -140,6 +146,8 @@ ENGINE_STATS: tuple[tuple[str, str, str, str], ...] = (
     # The pool replica's own counters, beside the engine's (app/token_bus.py).
     ("token_bus_frames", "token_bus_frames_total", "counter", "Token-bus frames sent to ingress replicas"),
     ("token_bus_deltas", "token_bus_deltas_total", "counter", "Token deltas sent on the token bus (deltas / frames = streams per frame)"),
+    ("engine_restarts_died", "engine_restarts_died_total", "counter", "Engine processes restarted in their replica after they died"),
+    ("engine_restarts_hung", "engine_watchdog_restarts_total", "counter", "Engine processes the watchdog killed and restarted (held work, no step for engine_watchdog_s)"),
 )
 
 
@@ -190,6 +198,12 @@ class SnapshotCollector:
             for pool, n in s["data"].get("passage_tokens_trimmed", ()):
                 trimmed.add_metric([pool, s["replica"]], n)
         yield trimmed
+        fail = CounterMetricFamily(PREFIX + "failover", "Requests sent to another pool because theirs had no live engine",
+                                   labels=["from_pool", "to_pool", "reason", "replica"])
+        for s in ingress:
+            for f, t, r, n in s["data"].get("failovers", ()):
+                fail.add_metric([f, t, r, s["replica"]], n)
+        yield fail
         for key, name, doc in (
             ("ttft", "time_to_first_token_seconds", "Time to first token seen at the ingress"),
             ("itl", "inter_token_latency_seconds", "Gap between streamed token deltas at the ingress"),

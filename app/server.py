@@ -28,10 +28,14 @@ def build_engine(spec: PoolSpec) -> Any:
         from app.tp_executor import RayTPExecutor
         from engine.async_engine import AsyncLLMEngine
 
-        return AsyncLLMEngine(spec.engine, executor_factory=RayTPExecutor.factory(spec.worker_num_cpus))
+        return AsyncLLMEngine(spec.engine, executor_factory=RayTPExecutor.factory(spec.worker_num_cpus),
+                              watchdog_s=spec.engine_watchdog_s)
     from engine.engine_process import EngineProcess
 
-    return EngineProcess(spec.engine)
+    return EngineProcess(spec.engine, watchdog_s=spec.engine_watchdog_s)
+
+
+SUPERVISE_PERIOD_S = 0.5  # how often a TP=1 replica looks at its engine process
 
 
 class LLMServer:
@@ -56,8 +60,15 @@ class LLMServer:
         self.policy_version = self.engine.stats().policy_version  # includes the sparse-attention settings
         self.ready = True
         logger.info("pool %s ready; %s", spec.deployment_name, self.policy.describe())
+        # Engines restarted in this replica, by why: "died" (exited, or its loop raised) or "hung"
+        # (the watchdog: held work, no step for engine_watchdog_s).
+        self.engine_restarts = {"died": 0, "hung": 0}
+        self._restarting = False
         self._push_task = None
         self._jobs_task = None
+        self._supervise_task = None
+        if spec.engine.tensor_parallel_size == 1:
+            self._supervise_task = asyncio.get_running_loop().create_task(self._supervise())
         if spec.job_slots and spec.store is not None:
             self._jobs_task = asyncio.get_running_loop().create_task(self._job_runner().forever())
         if hub is not None:
@@ -80,6 +91,42 @@ class LLMServer:
         logger.info("pool %s: runs jobs, %d at a time", self.spec.deployment_name, self.spec.job_slots)
         return JobRunner(JobQueue(store), self.spec.deployment_name, self.spec.job_slots, self._deltas,
                          charges=quotas.charges)
+
+    async def _supervise(self) -> None:
+        """TP = 1: an engine process that died or hung is replaced inside this replica -- seconds, where
+        Serve's health check and a new replica took ~20 s. Its streams already got a 503 (the ingress
+        sends requests that had not started to another pool that fits them); while the new engine loads
+        this replica reports itself not ready. If the new one cannot start, ``check_health`` fails and
+        Serve replaces the replica."""
+        from engine.errors import EngineDeadError
+
+        while True:
+            await asyncio.sleep(SUPERVISE_PERIOD_S)
+            try:
+                self.engine.check_health()
+                continue
+            except EngineDeadError as e:
+                reason = str(e)
+            kind = "hung" if getattr(self.engine, "hung", False) else "died"
+            self.engine_restarts[kind] += 1
+            logger.error("pool %s: engine %s (%s); starting a new one", self.spec.deployment_name, kind, reason)
+            self._restarting, self.ready = True, False
+            old = self.engine
+            try:
+                await old.shutdown(drain_timeout=0)
+            except Exception:  # noqa: BLE001 - it is dead already; reaping it is best effort
+                logger.exception("pool %s: shutting the dead engine down failed", self.spec.deployment_name)
+            try:
+                engine = await asyncio.to_thread(build_engine, self.spec)
+                if engine.config.cache_policy != self.policy:  # keep the live policy (reconfigure)
+                    engine.set_cache_policy(self.policy)
+            except Exception:  # noqa: BLE001 - Serve replaces the replica (check_health raises now)
+                logger.exception("pool %s: the new engine did not start", self.spec.deployment_name)
+                self._restarting = False
+                return
+            self.engine = engine
+            self._restarting, self.ready = False, True
+            logger.info("pool %s: new engine process %s ready", self.spec.deployment_name, getattr(engine, "pid", "?"))
 
     # ---- data path ------------------------------------------------------------------------------
 
@@ -182,8 +229,10 @@ class LLMServer:
             "deployment": self.spec.deployment_name,
             "replica": self.replica,
             "data": {
-                "ready": self.ready,
-                "stats": {**self.stats(), "token_bus_frames": self.outbox.frames, "token_bus_deltas": self.outbox.deltas},
+                "ready": self.ready and self._engine_alive(),
+                "stats": {**self.stats(), "token_bus_frames": self.outbox.frames, "token_bus_deltas": self.outbox.deltas,
+                          "engine_restarts_died": self.engine_restarts["died"],
+                          "engine_restarts_hung": self.engine_restarts["hung"]},
                 "policy_version": self.policy_version,
                 "policy_generation": self.policy_generation,
                 "tensor_parallel_size": self.spec.engine.tensor_parallel_size,
@@ -191,6 +240,15 @@ class LLMServer:
                 "weights_fingerprint": self.weights_fingerprint,
             },
         }
+
+    def _engine_alive(self) -> bool:
+        """Whether the engine can take requests now (a dead one makes the pool not ready at once, so the
+        ingress sends what fits elsewhere, before the supervisor or Serve replaces it)."""
+        try:
+            self.engine.check_health()
+            return True
+        except Exception:  # noqa: BLE001 - any failure means not ready
+            return False
 
     def info(self) -> dict[str, Any]:
         """Replica identity and policy (used by tests and operators)."""
@@ -221,7 +279,12 @@ class LLMServer:
                     self.policy_version, self.policy_generation, policy.describe())
 
     async def check_health(self) -> None:
-        """Serve restarts the replica when this raises: the engine loop has died."""
+        """Serve restarts the replica when this raises: the engine loop has died (at TP = 1 only once
+        this replica could not start a new engine process itself, see ``_supervise``)."""
+        if self._restarting:
+            return
+        if self._supervise_task is not None and not self._supervise_task.done():
+            return  # the supervisor replaces a dead engine process within SUPERVISE_PERIOD_S
         self.engine.check_health()
 
     async def __del__(self) -> None:
@@ -230,6 +293,8 @@ class LLMServer:
             self._push_task.cancel()
         if self._jobs_task is not None:
             self._jobs_task.cancel()
+        if self._supervise_task is not None:
+            self._supervise_task.cancel()
         if self.hub is not None:
             try:
                 # Bounded: when the whole app is deleted the hub goes first, and a handle call to a

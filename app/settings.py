@@ -83,6 +83,9 @@ class PoolArgs(_Strict):
     max_queued_requests: int = Field(128, ge=-1)
     num_cpus: float = Field(0.1, ge=0)  # the replica (scheduler, KV bookkeeping; the model at TP=1)
     worker_num_cpus: float = Field(0.1, ge=0)  # each tensor-parallel worker
+    # An engine that holds work and has not stepped for this long is hung: killed and restarted, its
+    # requests answered 503 (engine/engine_process.py). Above the longest step a pool can take.
+    engine_watchdog_s: float = Field(60.0, gt=0)
     engine: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("engine")
@@ -131,6 +134,12 @@ class IngressArgs(_Strict):
     # An SSE comment (": keep-alive") after this many seconds without an event, so gateways with a
     # read timeout (often 5-60 s) do not cut a stream whose prefill or queueing is slow.
     keepalive_s: float = Field(2.0, gt=0)
+    # Larger request bodies are refused with 413 before they are parsed (app/request_body.py).
+    max_body_bytes: int = Field(8 * 1024 * 1024, gt=0)
+    # Parsing, tokenizing and planning run on this many threads per replica, off the event loop, with
+    # at most plan_max_waiting more waiting (then 503); app/plan_pool.py.
+    plan_threads: int = Field(2, ge=1)
+    plan_max_waiting: int = Field(64, ge=0)
 
 
 class StoreArgs(_Strict):
@@ -352,6 +361,7 @@ class PoolSpec:
     job_slots: int = 0
     store: StoreSpec | None = None
     tenants: tuple[tuple[str, TenantLimits], ...] = ()  # to charge a finished job to its tenant
+    engine_watchdog_s: float = 60.0  # PoolArgs.engine_watchdog_s
 
     @property
     def deployment_name(self) -> str:
@@ -402,6 +412,9 @@ class IngressSpec:
     keepalive_s: float = 2.0
     audit_path: str | None = None
     audit_text: bool = False
+    max_body_bytes: int = 8 * 1024 * 1024  # IngressArgs.max_body_bytes
+    plan_threads: int = 2  # IngressArgs.plan_threads
+    plan_max_waiting: int = 64  # IngressArgs.plan_max_waiting
     jobs_pool: str | None = None
     quota_fail_closed: bool = False
 

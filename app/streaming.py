@@ -223,6 +223,10 @@ async def stream_plan(pool: Any, plan: RoutePlan, inbox: TokenInbox) -> AsyncIte
                 logger.warning("request %s: replica of %s died before answering (%s); sending it again",
                                info.request_id, info.deployment, type(e).__name__)
                 continue
+            if not started and _replica_gone(e):  # twice: the pool has no live replica now (app/failover.py)
+                yield APIError(503, f"pool {info.pool!r} has no live replica; retry shortly", type="unavailable",
+                               retry_after=5)
+                return
             logger.exception("request %s failed in %s", info.request_id, info.deployment)
             yield APIError(500, f"internal error in pool {info.pool!r}: {type(e).__name__}", type="server_error")
             return

@@ -2,6 +2,13 @@
 
 Byte-level BPE can split one character across tokens, so text is only released when it no longer ends
 in a replacement character, and text that could still become a stop string is held back.
+
+Stop strings are searched incrementally: only the new text and the tail before it that a stop string
+could still start in (its longest length - 1 characters) -- every earlier start was already searched.
+Searching the whole output on every token made a long generation quadratic. Example, stop ``"END"``::
+
+    text before: "...the E"   (searched, no "END")      new text: "ND of"
+    searched now:       "E" + "ND of"  -> found at the "E"; the text is cut there
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = 0
         self.stopped = False
+        self._longest_stop = max((len(x) for x in stop), default=0)
 
     def _decode(self, ids: list[int]) -> str:
         if self._backend_decode is not None:
@@ -46,11 +54,13 @@ class IncrementalDetokenizer:
         """Account for the newest tokens; returns the text that may be released now."""
         prefix = self._decode(output_ids[self.prefix_offset : self.read_offset])
         full = self._decode(output_ids[self.prefix_offset :])
+        searched = len(self.text)  # no stop string starts before searched - (longest - 1)
         if len(full) > len(prefix) and (finished or not full.endswith("\ufffd")):
             self.text += full[len(prefix) :]
             self.prefix_offset, self.read_offset = self.read_offset, len(output_ids)
-        if self.stop:
-            cut = min((i for i in (self.text.find(s) for s in self.stop) if i >= 0), default=-1)
+        if self.stop and len(self.text) > searched:
+            start = max(0, searched - self._longest_stop + 1)
+            cut = min((i for i in (self.text.find(s, start) for s in self.stop) if i >= 0), default=-1)
             if cut >= 0:
                 self.text = self.text[:cut]
                 self.stopped = True

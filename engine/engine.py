@@ -29,6 +29,7 @@ from engine.errors import InvalidRequestError, ModelLoadError
 from engine.executor import ExecutorFactory, LocalExecutor
 from engine.input_processor import Anchor, InputProcessor
 from engine.limits import derive_limits, limits_for_policy, read_model_config
+from engine.isolation import ERROR_FINISH, RequestFailures
 from engine.model_runner import ModelInput, kv_cache_bytes, num_fp_pool_blocks, read_model_shape
 from engine.output_processor import OutputProcessor
 from engine.outputs import CompletionResult, RequestOutput
@@ -132,6 +133,22 @@ class LLMEngine:
                 f"{self.num_kv_blocks} packed blocks + {self.num_fp_blocks} {c.dtype} side-pool blocks "
                 f"(protected {'on' if self.policy.keep_protected_16bit else 'off'}, residual "
                 f"{self.policy.residual_window} tokens), {per_token:.0f} B/token")
+
+    @property
+    def grammar(self) -> Any:
+        """The grammar compiler whose cache the sampler reads when the model runs in this process (its
+        ``GrammarBackend``), else one of this process's own: compiling with it before admission checks a
+        grammar and bounds its compile time, and the rank that samples compiles it once more."""
+        runner = getattr(self.executor, "runner", None)
+        sampler = getattr(runner, "sampler", None)
+        if sampler is not None:
+            return sampler.processing.grammar
+        own = self.__dict__.get("_own_grammar")
+        if own is None:
+            from engine.grammar import GrammarBackend
+
+            own = self._own_grammar = GrammarBackend(None, self.tokenizer)
+        return own
 
     def block_manager_blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.config.block_size)
@@ -320,12 +337,29 @@ class LLMEngine:
             for item, scores in zip(sched.scheduled, result.block_importance):
                 retention.accumulate_importance(item.seq.block_importance, scores)
         self.scheduler.update_after_step(sched, tokens)
+        failures = RequestFailures(result.failures)
         for seq, tok, lp, top in zip(sampled, tokens, logprobs, tops):
-            out = self.outputs.on_token(seq, tok, lp, self.policy, top)
-            if out.finished:
-                self._finished_ids.append(seq.request_id)
-            outputs.append(out)
+            if seq.request_id not in failures:
+                with failures.guard(seq.request_id, "detokenization"):
+                    out = self.outputs.on_token(seq, tok, lp, self.policy, top)
+                    if out.finished:
+                        self._finished_ids.append(seq.request_id)
+                    outputs.append(out)
+                    continue
+            outputs.append(self._fail(seq, failures[seq.request_id]))
         return outputs
+
+    def _fail(self, seq: Sequence, reason: str) -> RequestOutput:
+        """Finish ``seq`` because its own work raised (engine/isolation.py): its blocks are freed now,
+        its sampler state at the next step, and its last delta says why."""
+        logger.warning("request %s failed: %s", seq.request_id, reason)
+        if not seq.is_finished:
+            self.scheduler.finish(seq, ERROR_FINISH)
+        seq.finish_reason = ERROR_FINISH
+        self._finished_ids.append(seq.request_id)
+        out = self.outputs.output(seq, [], None, finished=True)
+        out.error = reason
+        return out
 
     # ------------------------------------------------------------------ offline / inspection
     def generate(

@@ -17,6 +17,7 @@ reason.)
     reader (loop.add_reader) <-- StepResult(deltas, stats) -- at most one per step, deltas held
                                                                 up to STREAM_INTERVAL_S (see below)
                              <-- Rejected(id, field, message) -- invalid request
+                             <-- Failed(id, reason) -- admission raised (a bug; the engine goes on)
 
 The child exits when the pipe closes (the serving process died) and the parent marks the engine dead
 when the child does, so neither outlives the other unnoticed. Start:
@@ -69,7 +70,8 @@ from multiprocessing.connection import Connection
 from typing import Any, AsyncIterator, Iterable, Sequence as Seq
 
 from engine.config import CachePolicy, EngineConfig
-from engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError, RequestAbortedError
+from engine.grammar_admission import GrammarAdmission
+from engine.errors import EngineDeadError, EngineUnavailableError, InvalidRequestError, ModelLoadError, RequestAbortedError, RequestFailedError
 from engine.input_processor import Anchor
 from engine.outputs import RequestOutput, merge_deltas, next_delta
 from engine.sampling_params import SamplingParams
@@ -105,6 +107,11 @@ class Stop:
     """Finish: shut the engine down and exit (also what a closed pipe means)."""
 
 
+@dataclass(frozen=True)
+class _Wake:
+    """Inside the child only: a grammar compile ended (engine/grammar_admission.py)."""
+
+
 # ---- messages: engine process -> serving process ------------------------------------------------
 
 
@@ -118,7 +125,8 @@ class LoadFailed:
     traceback: str
 
 
-STATS_INTERVAL_S = 0.05  # how stale the serving side's stats may be while requests run
+STATS_INTERVAL_S = 0.05
+WATCHDOG_S = 60.0  # default: an engine that holds work and says nothing this long is hung (see EngineProcess)  # how stale the serving side's stats may be while requests run
 STREAM_INTERVAL_S = 0.004  # how long a delta may wait in the child for the next steps' (see above)
 
 
@@ -139,6 +147,14 @@ class Rejected:
 
 
 @dataclass(frozen=True)
+class Failed:
+    """A request that could not be admitted for a reason of the engine's, not the request's (a 500)."""
+
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class EngineDied:
     traceback: str
 
@@ -149,11 +165,23 @@ class EngineProcess:
 
     The constructor blocks until the child has loaded the model (like building the engine
     in-process would), and raises ``ModelLoadError`` with the child's traceback if it could not.
+
+    Watchdog: while the child holds work it reports at least every ``STATS_INTERVAL_S`` after each
+    step, so a child that holds work and has said nothing for ``watchdog_s`` is hung (a step that never
+    returns: a deadlock, a kernel that spins). It is killed, its requests get ``EngineDeadError``
+    ("engine hung ...", HTTP 503), and ``hung`` says so; the owner starts a new one. "Holds work" is the
+    child's own last report (running or waiting requests) or a request sent since then.
     """
 
-    def __init__(self, config: EngineConfig, start_timeout_s: float = 900.0) -> None:
+    def __init__(self, config: EngineConfig, start_timeout_s: float = 900.0, watchdog_s: float = WATCHDOG_S) -> None:
+        if watchdog_s <= 0:
+            raise ValueError(f"watchdog_s must be > 0, got {watchdog_s}")
         # Resolved here (a GGUF converted once, here) so the child and this side's tokenizer read one directory.
         self._config = config = config.with_model_resolved()
+        self.watchdog_s = watchdog_s
+        self.hung = False  # the watchdog killed it
+        self._heard_at = time.monotonic()  # the child's last message
+        self._sent_at: float | None = None  # the first request sent since then
         ours, theirs = socket.socketpair()
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "engine.engine_process", str(theirs.fileno())], pass_fds=[theirs.fileno()]
@@ -219,11 +247,13 @@ class EngineProcess:
         try:
             self._send(AddRequest(request_id, prompt if isinstance(prompt, str) else tuple(prompt), params,
                                   tuple(anchors or ())))
+            if self._sent_at is None:
+                self._sent_at = time.monotonic()
             while not done:
                 item = await next_delta(q, request_id)
                 done = item.finished
                 yield item
-        except (RequestAbortedError, InvalidRequestError):
+        except (RequestAbortedError, RequestFailedError, InvalidRequestError):
             done = True
             raise
         finally:
@@ -245,7 +275,7 @@ class EngineProcess:
         if self._dead is None and self._proc.poll() is not None:
             self._die(f"engine process exited with code {self._proc.returncode}")
         if self._dead is not None:
-            raise EngineDeadError(self._dead)
+            raise EngineUnavailableError(self._dead)
 
     def set_cache_policy(self, policy: CachePolicy) -> str:
         """Validated here (a bad policy raises now), applied by the child before its next step."""
@@ -287,6 +317,36 @@ class EngineProcess:
             except RuntimeError:
                 return
             self._loop.add_reader(self._conn.fileno(), self._on_readable)
+            self._loop.call_later(self._watch_period, self._watch)
+
+    @property
+    def _watch_period(self) -> float:
+        return min(1.0, self.watchdog_s / 4)
+
+    def silent_for(self, now: float | None = None) -> float:
+        """Seconds the child has held work without a word (0 when it holds none)."""
+        now = time.monotonic() if now is None else now
+        if self._stats.running or self._stats.waiting:
+            return now - self._heard_at
+        return 0.0 if self._sent_at is None else now - self._sent_at
+
+    def _watch(self) -> None:
+        if self._dead is not None:
+            return
+        silent = self.silent_for()
+        if silent > self.watchdog_s:
+            self.hung = True
+            held = self._stats.running + self._stats.waiting
+            self._proc.kill()
+            try:
+                self._proc.wait(5)  # SIGKILL: reaped in milliseconds
+            except subprocess.TimeoutExpired:
+                pass
+            self._die(f"engine hung: no step for {silent:.1f}s while holding work ({held} requests at its last "
+                      f"report, {len(self._queues)} streams open; watchdog_s={self.watchdog_s:g}); it was killed")
+            return
+        assert self._loop is not None
+        self._loop.call_later(self._watch_period, self._watch)
 
     def _send(self, msg: AddRequest | AbortRequest | SetPolicy | Stop) -> None:
         try:
@@ -300,6 +360,7 @@ class EngineProcess:
         # in one wake-up per request, not one per step. Whatever is ready goes out now, so a stream is
         # never held back.
         ready: dict[str, RequestOutput] = {}
+        self._heard_at, self._sent_at = time.monotonic(), None
         try:
             while self._conn.poll():
                 msg = self._conn.recv()
@@ -313,6 +374,10 @@ class EngineProcess:
                     q = self._queues.get(msg.request_id)
                     if q is not None:
                         q.put_nowait(InvalidRequestError(msg.field, msg.message))
+                elif isinstance(msg, Failed):
+                    q = self._queues.get(msg.request_id)
+                    if q is not None:
+                        q.put_nowait(RequestFailedError(msg.request_id, msg.reason))
                 elif isinstance(msg, EngineDied):
                     self._hand_on(ready)
                     self._die(f"engine loop died: {msg.traceback}")
@@ -371,30 +436,66 @@ def serve_engine(conn: Connection) -> None:
     conn.send(Ready(engine.stats()))
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_receive_forever, args=(conn, inbox), daemon=True, name="engine-inbox").start()
+    # Requests with response_format wait here until their grammar is compiled, off the step (made with
+    # the first such request).
+    admission: GrammarAdmission[AddRequest] | None = None
+
+    def admit(msg: AddRequest) -> None:
+        try:
+            engine.add_request(msg.request_id, msg.prompt, msg.params, msg.anchors)
+        except InvalidRequestError as e:
+            conn.send(Rejected(msg.request_id, e.field, e.message))
+        except (TypeError, ValueError) as e:
+            conn.send(Rejected(msg.request_id, "sampling", str(e)))
+        except Exception as e:  # noqa: BLE001 - one request's admission must not end the engine
+            logger.exception("request %s: admission failed", msg.request_id)
+            conn.send(Failed(msg.request_id, f"admission failed: {type(e).__name__}: {e}"))
+
     stats_at = 0.0  # when the last snapshot went out (monotonic)
     held: dict[str, RequestOutput] = {}  # deltas not sent yet, merged per request
     held_since = 0.0  # when the oldest of them was made
     while True:
-        msgs = [inbox.get()] if not engine.has_unfinished() else []
+        msgs = []
+        if not engine.has_unfinished():  # idle: block for a message (or a grammar's deadline)
+            try:
+                msgs.append(inbox.get(timeout=admission.next_deadline() if admission is not None else None))
+            except queue.Empty:
+                pass
         while not inbox.empty():
             msgs.append(inbox.get())
         for msg in msgs:
             if isinstance(msg, AddRequest):
+                so = msg.params.structured_output
+                if so is None:
+                    admit(msg)
+                    continue
+                if admission is None:
+                    admission = GrammarAdmission(engine.grammar, engine.shape.vocab_size,
+                                                 on_done=lambda: inbox.put(_Wake()))
                 try:
-                    engine.add_request(msg.request_id, msg.prompt, msg.params, msg.anchors)
+                    admission.submit(msg.request_id, so, msg)
                 except InvalidRequestError as e:
                     conn.send(Rejected(msg.request_id, e.field, e.message))
-                except (TypeError, ValueError) as e:
-                    conn.send(Rejected(msg.request_id, "sampling", str(e)))
             elif isinstance(msg, AbortRequest):
-                engine.abort(msg.request_id)
+                if admission is None or not admission.discard(msg.request_id):
+                    engine.abort(msg.request_id)
             elif isinstance(msg, SetPolicy):
                 engine.set_cache_policy(msg.policy)
             elif isinstance(msg, Stop):
                 if held:
                     conn.send(StepResult(list(held.values()), None))
+                if admission is not None:
+                    admission.shutdown()
                 engine.shutdown()
                 return
+        if admission is not None and len(admission):
+            ready, refused = admission.poll()
+            for msg in ready:
+                admit(msg)
+            for msg, reason in refused:
+                conn.send(Rejected(msg.request_id, "response_format", reason))
+            if ready or refused:
+                msgs.append(_Wake())  # stats go out with this step (a request arrived or left)
         started = time.monotonic()
         try:
             outputs = engine.step() if engine.has_unfinished() else []

@@ -56,8 +56,25 @@ class RequestAbortedError(SinkserveError):
     """The request was aborted (client disconnect, timeout or explicit abort)."""
 
 
+class RequestFailedError(SinkserveError):
+    """One request failed inside the engine (its sampling, logits processing, grammar or detokenization
+    raised); the engine and every other request went on. ``reason`` says which stage and why."""
+
+    def __init__(self, request_id: str, reason: str) -> None:
+        super().__init__(f"request {request_id} failed in the engine: {reason}")
+        self.request_id = request_id
+        self.reason = reason
+
+
 class EngineDeadError(SinkserveError):
-    """The engine's step loop has died; the replica must be restarted."""
+    """The engine's step loop has died; the replica must be restarted. Raised into the requests that were
+    in the engine when it died (they may have caused it: a request that hangs or crashes an engine must
+    not be sent on to the next one)."""
+
+
+class EngineUnavailableError(EngineDeadError):
+    """A request arrived at an engine that had died already: it never reached it, so another pool may
+    take it (app/failover.py)."""
 
 
 class GGUFReadError(ModelLoadError):

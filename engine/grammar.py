@@ -13,16 +13,21 @@ disallowed tokens become ``-inf`` before the choice. The sampled token then adva
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from engine.isolation import RequestFailures
 from engine.sampling_params import StructuredOutput
 
 logger = logging.getLogger(__name__)
 
 JSON_OBJECT = '{"type": "object"}'
+# Compiled grammars kept for reuse (xgrammar's cache, least recently used out first): a client sending
+# a new schema per request must not grow the engine's memory without bound.
+CACHE_LIMIT_BYTES = 256 * 1024 * 1024
 
 
 class GrammarBackend:
@@ -34,8 +39,13 @@ class GrammarBackend:
         self._tokenizer = tokenizer
         self._compiler: Any = None
         self._vocab_size: int | None = None
+        self._lock = threading.Lock()  # the admission thread (engine/grammar_admission.py) compiles too
 
     def _compiler_for(self, vocab_size: int) -> Any:
+        with self._lock:
+            return self._make_compiler(vocab_size)
+
+    def _make_compiler(self, vocab_size: int) -> Any:
         import xgrammar as xgr
 
         if self._compiler is None or self._vocab_size != vocab_size:
@@ -47,31 +57,40 @@ class GrammarBackend:
 
                 tok = self._tokenizer = AutoTokenizer.from_pretrained(self._path, local_files_only=True)
             info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=CACHE_LIMIT_BYTES)
             self._vocab_size = vocab_size
         return self._compiler
 
-    def matcher(self, so: StructuredOutput, vocab_size: int) -> Any:
-        """A fresh matcher for one request (compiled grammars are cached by the compiler)."""
-        import xgrammar as xgr
-
+    def compile(self, so: StructuredOutput, vocab_size: int) -> Any:
+        """``so`` compiled for this tokenizer (from the bounded cache when it was compiled before)."""
         compiler = self._compiler_for(vocab_size)
         # json_object is OpenAI's "some JSON object" (the builtin JSON grammar would allow arrays too).
         # Compact JSON: a random or weak model could otherwise pad with whitespace forever.
         schema = JSON_OBJECT if so.kind == "json_object" else so.schema
-        compiled = compiler.compile_json_schema(schema, any_whitespace=False)
-        return xgr.GrammarMatcher(compiled)
+        return compiler.compile_json_schema(schema, any_whitespace=False)
+
+    def matcher(self, so: StructuredOutput, vocab_size: int) -> Any:
+        """A fresh matcher for one request (compiled before admission, so this is a cache hit)."""
+        import xgrammar as xgr
+
+        return xgr.GrammarMatcher(self.compile(so, vocab_size))
 
     @staticmethod
-    def apply(logits: torch.Tensor, matchers: Sequence[Any], rows: torch.Tensor) -> None:
+    def apply(logits: torch.Tensor, matchers: Sequence[Any], rows: torch.Tensor,
+              request_ids: Sequence[str] | None = None, failures: RequestFailures | None = None) -> None:
         """Mask ``logits[rows[i]]`` in place with what ``matchers[i]`` allows next (``rows`` on the
-        logits' device; the packed bitmask is filled on the CPU and copied there once)."""
+        logits' device; the packed bitmask is filled on the CPU and copied there once). With
+        ``failures``, a matcher that raises fails ``request_ids[i]`` alone (its row's token is discarded)."""
         import xgrammar as xgr
 
         vocab = logits.shape[-1]
         bitmask = xgr.allocate_token_bitmask(len(matchers), vocab)
         for i, m in enumerate(matchers):
-            m.fill_next_token_bitmask(bitmask, i)
+            if failures is None or request_ids is None:
+                m.fill_next_token_bitmask(bitmask, i)
+                continue
+            with failures.guard(request_ids[i], "grammar (response_format)"):
+                m.fill_next_token_bitmask(bitmask, i)
         sub = logits.index_select(0, rows)
         xgr.apply_token_bitmask_inplace(sub, bitmask.to(logits.device), vocab_size=vocab)
         logits.index_copy_(0, rows, sub)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from engine.grammar import GrammarBackend
+from engine.isolation import RequestFailures
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -85,13 +86,22 @@ class LogitsProcessing:
     # ---- per step ----------------------------------------------------------------------------------
 
     def apply(self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams],
-              prompt_ids: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Shaped copy of ``logits [B, V]`` (row ``i`` is ``request_ids[i]``'s next token)."""
+              prompt_ids: Sequence[Sequence[int]], failures: RequestFailures | None = None) -> torch.Tensor:
+        """Shaped copy of ``logits [B, V]`` (row ``i`` is ``request_ids[i]``'s next token). A request whose
+        own state (penalty slot, bias, grammar matcher or mask) raises is recorded in ``failures`` and its
+        row is left unshaped (its token will be discarded); the other rows are shaped as usual."""
+        failures = RequestFailures() if failures is None else failures
         out = logits.clone()
         dev, vocab = logits.device, logits.shape[-1]
-        pen = [i for i, p in enumerate(params) if p.penalized]
+        pen: list[int] = []
+        pen_slots: list[int] = []
+        for i, p in enumerate(params):
+            if p.penalized:
+                with failures.guard(request_ids[i], "logits processing (penalties)"):
+                    pen_slots.append(self._slot(request_ids[i], prompt_ids[i], vocab))
+                    pen.append(i)
         if pen:
-            slots = torch.tensor([self._slot(request_ids[i], prompt_ids[i], vocab) for i in pen], dtype=torch.long, device=dev)
+            slots = torch.tensor(pen_slots, dtype=torch.long, device=dev)
             rows = torch.tensor(pen, dtype=torch.long, device=dev)
             assert self._counts is not None and self._seen is not None
             counts = self._counts.index_select(0, slots).to(out.dtype)
@@ -108,32 +118,46 @@ class LogitsProcessing:
         bias_cols: list[int] = []
         bias_vals: list[float] = []
         for i, p in enumerate(params):
-            for tok, b in p.logit_bias:
-                if tok < vocab:
+            if not p.logit_bias:
+                continue
+            with failures.guard(request_ids[i], "logits processing (logit_bias)"):
+                row = [(int(tok), float(b)) for tok, b in p.logit_bias if tok < vocab]
+                for tok, b in row:
                     bias_rows.append(i)
                     bias_cols.append(tok)
-                    bias_vals.append(float(b))
+                    bias_vals.append(b)
         if bias_rows:
             idx = (torch.tensor(bias_rows, dtype=torch.long, device=dev), torch.tensor(bias_cols, dtype=torch.long, device=dev))
             out.index_put_(idx, torch.tensor(bias_vals, dtype=out.dtype, device=dev), accumulate=True)
-        gram = [i for i, p in enumerate(params) if p.structured_output is not None]
-        matchers = [self._matcher(request_ids[i], params[i], vocab) for i in gram]
-        # A terminated grammar (its document ended and EOS was accepted, yet the request goes on:
-        # ``ignore_eos``) allows nothing; masking every token would leave no distribution at all.
-        live = [(i, m) for i, m in zip(gram, matchers) if not m.is_terminated()]
+        live: list[tuple[int, Any]] = []
+        for i, p in enumerate(params):
+            if p.structured_output is None:
+                continue
+            with failures.guard(request_ids[i], "grammar (response_format)"):
+                m = self._matcher(request_ids[i], p, vocab)
+                # A terminated grammar (its document ended and EOS was accepted, yet the request goes on:
+                # ``ignore_eos``) allows nothing; masking every token would leave no distribution at all.
+                if not m.is_terminated():
+                    live.append((i, m))
         if live:
             rows = torch.tensor([i for i, _ in live], dtype=torch.long, device=dev)
-            self.grammar.apply(out, [m for _, m in live], rows)
+            self.grammar.apply(out, [m for _, m in live], rows, [request_ids[i] for i, _ in live], failures)
         return out
 
-    def accept(self, request_ids: Sequence[str], params: Sequence[SamplingParams], tokens: Sequence[int]) -> None:
-        """Record the chosen tokens: counts of penalized requests, grammar matchers advance."""
-        pen = [i for i, p in enumerate(params) if p.penalized and request_ids[i] in self._slots]
+    def accept(self, request_ids: Sequence[str], params: Sequence[SamplingParams], tokens: Sequence[int],
+               failures: RequestFailures | None = None) -> None:
+        """Record the chosen tokens: counts of penalized requests, grammar matchers advance. Requests in
+        ``failures`` are skipped (their token is a placeholder); a matcher that raises fails its request."""
+        failures = RequestFailures() if failures is None else failures
+        pen = [i for i, p in enumerate(params) if p.penalized and request_ids[i] in self._slots and request_ids[i] not in failures]
         if pen and self._counts is not None:
             slots = torch.tensor([self._slots[request_ids[i]] for i in pen], dtype=torch.long, device=self.device)
             toks = torch.tensor([tokens[i] for i in pen], dtype=torch.long, device=self.device)
             self._counts.index_put_((slots, toks), torch.ones_like(toks, dtype=torch.int32), accumulate=True)
         for i, p in enumerate(params):
             m = self._matchers.get(request_ids[i])
-            if m is not None and not m.is_terminated() and not m.accept_token(tokens[i]):
-                logger.warning("request %s: token %d not accepted by its grammar", request_ids[i], tokens[i])
+            if m is None or request_ids[i] in failures:
+                continue
+            with failures.guard(request_ids[i], "grammar (response_format)"):
+                if not m.is_terminated() and not m.accept_token(tokens[i]):
+                    logger.warning("request %s: token %d not accepted by its grammar", request_ids[i], tokens[i])

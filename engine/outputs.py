@@ -6,7 +6,8 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Sequence as Seq
 
-from engine.errors import RequestAbortedError
+from engine.errors import RequestAbortedError, RequestFailedError
+from engine.isolation import ERROR_FINISH
 
 
 @dataclass
@@ -25,6 +26,8 @@ class RequestOutput:
     prompt_logprobs: list[float] | None = None  # delta: log p(prompt[i] | prompt[:i]) for new i >= 1
     # Per token of ``token_ids``: its ``top_logprobs`` alternatives ``(id, log-prob)``, best first.
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # Why the request failed inside the engine (``finish_reason == "error"``, engine/isolation.py).
+    error: str | None = None
 
 
 def concat_optional(a: Seq | None, b: Seq | None) -> Seq | None:
@@ -58,6 +61,7 @@ def merge_deltas(first: RequestOutput, then: RequestOutput) -> RequestOutput:
         cached_tokens=then.cached_tokens,
         prompt_logprobs=concat_optional(first.prompt_logprobs, then.prompt_logprobs),
         top_logprobs=concat_optional(first.top_logprobs, then.top_logprobs),
+        error=then.error,
     )
 
 
@@ -76,10 +80,13 @@ class CompletionResult:
 
 async def next_delta(queue: asyncio.Queue[RequestOutput | BaseException], request_id: str) -> RequestOutput:
     """The next delta the engine loop put in a request's queue. Raises what the loop put there
-    instead (engine dead, request refused), or ``RequestAbortedError`` when the engine aborted it."""
+    instead (engine dead, request refused), ``RequestAbortedError`` when the engine aborted it, or
+    ``RequestFailedError`` when this request alone failed inside the engine."""
     item = await queue.get()
     if isinstance(item, BaseException):
         raise item
     if item.finished and item.finish_reason == "abort":
         raise RequestAbortedError(f"request {request_id} was aborted")
+    if item.finished and item.finish_reason == ERROR_FINISH:
+        raise RequestFailedError(request_id, item.error or "unknown error")
     return item

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.grammar import GrammarBackend
+from engine.isolation import RequestFailures
 from engine.logits_processing import LogitsProcessing
 from engine.sampling_params import SamplingParams
 from kernels.cpu_ops import greedy
@@ -60,6 +61,9 @@ class SamplerOutput:
     block_importance: list[list[float]] | None = None
     # A decode step (every sequence fed one token): the path that ran it (engine/decode_path.py); else None.
     decode_path: str | None = None
+    # Requests whose own sampling work raised this step (engine/isolation.py): their token entry is a
+    # placeholder, and the engine finishes them with an error; everyone else's row is as usual.
+    failures: RequestFailures = field(default_factory=RequestFailures)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -94,12 +98,17 @@ def sample(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     raw: torch.Tensor | None = None,
+    request_ids: Sequence[str] | None = None,
+    failures: RequestFailures | None = None,
 ) -> tuple[list[int], list[float]]:
     """Pick one token per row of ``logits [B, V]``; returns the tokens and their log-probabilities.
 
     Log-probabilities are of the model's raw distribution ``raw`` (default ``logits``: before
     penalties, bias, grammar masks, temperature and filters), so they measure the model, not the
     sampling settings.
+
+    With ``failures`` (and ``request_ids``) a row whose sampling raises fails that request alone: it
+    keeps its argmax as a placeholder and the other rows are sampled as usual.
     """
     if (raw is None or raw is logits) and all(p.greedy for p in params):
         return greedy(logits)  # every row greedy: one C call on CPU (argmax + log_softmax + gather)
@@ -108,12 +117,20 @@ def sample(
     for i, p in enumerate(params):
         if p.greedy:
             continue
-        check_generator_device(generators[i], logits)
-        row = apply_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
-        probs = row.softmax(-1)
-        tokens[i] = torch.multinomial(probs, 1, generator=generators[i])[0]
+        if failures is None or request_ids is None:
+            tokens[i] = _sample_row(logits[i], p, generators[i])
+            continue
+        with failures.guard(request_ids[i], "sampling"):
+            tokens[i] = _sample_row(logits[i], p, generators[i])
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
     return tokens.tolist(), chosen.tolist()
+
+
+def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """One non-greedy row ``[V]``: temperature, top-k/top-p, then a draw with the request's generator."""
+    check_generator_device(generator, logits)
+    row = apply_top_k_top_p(logits / p.temperature, p.top_k, p.top_p)
+    return torch.multinomial(row.softmax(-1), 1, generator=generator)[0]
 
 
 class Sampler:
@@ -154,7 +171,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: Sequence[SeqSampling]) -> SamplerOutput:
         """Prompt log-probs and sampled tokens for ``seqs`` from ``logits [sum(num_rows), V]`` (rows in
-        ``seqs`` order). One device-to-host copy for the prompt log-probs, one for the tokens."""
+        ``seqs`` order). One device-to-host copy for the prompt log-probs, one for the tokens. A request
+        whose own logits processing, grammar or draw raises is named in ``failures``; the rest go on."""
         out = SamplerOutput()
         prompt_rows: list[int] = []
         prompt_targets: list[int] = []
@@ -184,13 +202,13 @@ class Sampler:
             rows = logits if every else logits[torch.tensor(sample_rows, dtype=torch.long, device=logits.device)]
             params = [s.params for s in sampling]
             gens = [None if p.greedy else self.generator_for(s.request_id, p.seed) for s, p in zip(sampling, params)]
+            ids = [s.request_id for s in sampling]
             shaped = rows
             if LogitsProcessing.needed(params):
-                ids = [s.request_id for s in sampling]
-                shaped = self.processing.apply(rows, ids, params, [s.prompt_token_ids for s in sampling])
-            tokens, lps = sample(shaped, params, gens, raw=rows)
+                shaped = self.processing.apply(rows, ids, params, [s.prompt_token_ids for s in sampling], out.failures)
+            tokens, lps = sample(shaped, params, gens, raw=rows, request_ids=ids, failures=out.failures)
             if shaped is not rows:
-                self.processing.accept([s.request_id for s in sampling], params, tokens)
+                self.processing.accept(ids, params, tokens, out.failures)
             tops = top_logprobs(rows, params)
         pos = 0
         it = iter(zip(tokens, lps, tops))

@@ -12,7 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.metrics import render
 from app.placement import pool_device
-from app.settings import AppArgs, resolve_model_path
+from app.settings import AppArgs
+from engine.model_store import CATALOG, REFERENCE_MODEL, normalize_spec
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.decode_path import DECODE_PATHS, decode_path_for
 
@@ -52,7 +53,10 @@ def pool_configs() -> dict[tuple[str, str, str, str], EngineConfig]:
             args = AppArgs.model_validate(app["args"])
             for pool in args.pools:
                 for v in args.versions:
-                    model = resolve_model_path(v.model or args.model)
+                    spec = v.model or args.model
+                    # A catalog model may not be fetched here: decide on the reference model, as an offline
+                    # start serves it (the decision depends on the config and the model's shape family only).
+                    model = str(REFERENCE_MODEL) if spec in CATALOG else normalize_spec(spec)
                     for device in sorted({pool_device(pool, 0), pool_device(pool, 1)}):
                         out[(path.name, pool.name, v.name, device)] = pool.engine_config(model, device)
     return out

@@ -249,6 +249,7 @@ async def test_check_health_fails_when_engine_loop_died():
 
     server = object.__new__(LLMServer)  # no model load: only the health path is under test
     server.engine = DeadEngine()
+    server._restarting, server._supervise_task = False, None  # TP > 1: no supervisor, Serve replaces it
     with pytest.raises(EngineDeadError):
         await server.check_health()
 
