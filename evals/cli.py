@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from evals import arms as A
+from evals.long_ppl import TEXT_SOURCES
 from evals.report import EvalResult, markdown_table, write_report
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         p.add_argument("--with", dest="with_protection", action="store_true", help="run the protected arm")
         p.add_argument("--without", dest="without_protection", action="store_true", help="run the unprotected arm")
         p.add_argument("--threads", type=int, default=1, help="torch threads per process (1: see evals.arms)")
+        p.add_argument("--arms", help="comma-separated arms to run (default all; long-ppl: dense, recompute, "
+                                      "recompute_bos, sinks_window, window_only; needle: dense, window_only, "
+                                      "sinks_window, sinks_window_anchor)")
         p.add_argument("--kv-cache-dtype", choices=("int8", "int4", "int2"),
                        help="run the KV-storage A/B instead (16-bit vs packed with protection vs packed everything; "
                             "writes <name>_kv_<dtype>.*; evals.kv_quant)")
@@ -70,12 +74,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
             p.add_argument("--top-k", type=int, help="selected memory's top_k (default evals.selected_memory.TOP_K)")
             p.add_argument("--kv-budget", metavar="B,C", help="fixed-memory arms instead: sinks + window vs importance "
                            "eviction at the needle's B%%, C%% budgets, beside dense (writes long_ppl_budget.*; evals.eviction)")
-            p.add_argument("--text", default="corpus", choices=("corpus", "licenses"), help="held-out text source")
+            p.add_argument("--text", default="corpus", choices=TEXT_SOURCES,
+                           help="text source: corpus (held out from the reference model's training), licenses, or "
+                                "prose (pydoc_data.topics: English documentation prose shipped with CPython)")
             p.add_argument("--smooth", type=int, help="moving-average width of the plot (default ctx/2)")
         else:
             p.add_argument("--docs", type=int, help="documents per point (default 50; quick 4)")
             p.add_argument("--lengths", help="comma-separated multiples of ctx (default 1,2,4,8,16; quick 1,2)")
             p.add_argument("--workers", type=int, default=1, help="processes running (arm, length) points")
+            p.add_argument("--filler", choices=("licenses", "haystack", "prose"),
+                           help="one filler for every document (default: licenses and haystack in turn; prose: "
+                                "pydoc_data.topics, English documentation prose shipped with CPython)")
     p = sub.add_parser("retrieval", help="retrieval-augmented answering: trimmed vs untrimmed vs oracle passages")
     p.add_argument("--model", default=A.default_model(), help="model directory (default: the reference model)")
     p.add_argument("--out", default=DEFAULT_OUT, help="folder for the table (md + json) and the plot (png)")
@@ -112,7 +121,13 @@ def _settings(args: argparse.Namespace, ctx: int) -> tuple[int, int]:
 
 
 def _arm_filter(args: argparse.Namespace, protected: str, unprotected: str, every: tuple[str, ...]) -> tuple[tuple[str, ...], str]:
-    """Arms to run and the result-name suffix for the ``--with`` / ``--without`` flags."""
+    """Arms to run and the result-name suffix for the ``--arms`` and ``--with`` / ``--without`` flags."""
+    if args.arms:
+        chosen = tuple(a.strip() for a in args.arms.split(",") if a.strip())
+        unknown = [a for a in chosen if a not in every]
+        if unknown:
+            raise SystemExit(f"--arms: unknown arm(s) {', '.join(unknown)}; choose from {', '.join(every)}")
+        every = tuple(a for a in every if a in chosen)
     picked = [n for n, on in ((protected, args.with_protection), (unprotected, args.without_protection)) if on]
     if not picked:
         return every, ""
@@ -143,7 +158,7 @@ def _needle(args: argparse.Namespace, ctx: int) -> EvalResult:
     lengths = args.lengths or ("1,2" if args.quick else "1,2,4,8,16")
     cfg = NeedleConfig(
         model=args.model, lengths=tuple(float(x) for x in lengths.split(",")), docs=args.docs or (4 if args.quick else 50),
-        window=window, chunk=chunk, arms=arms,
+        window=window, chunk=chunk, arms=arms, filler=args.filler,
     )
 
     def write_partial(partial: EvalResult) -> None:
