@@ -164,10 +164,14 @@ def dense_windows(n: int, ctx: int, stride: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def score_dense(cfg: PplConfig, ids: list[int], ctx: int, arm: A.Arm = A.DENSE, bos: bool = True) -> ArmScores:
+def score_dense(cfg: PplConfig, ids: list[int], ctx: int, arm: A.Arm = A.DENSE, bos: bool | None = None) -> ArmScores:
     """Full attention inside the trained context, through the engine (no eviction). ``bos``: the stream
     starts with the tokenizer's BOS, and every later window gets it in front as well (as in training);
-    otherwise a window is plain text of the same length."""
+    otherwise a window is plain text of the same length. ``None``: whether the model's tokenizer adds a BOS."""
+    if bos is None:
+        from transformers import AutoTokenizer
+
+        bos = bool(start_ids(AutoTokenizer.from_pretrained(cfg.model)))
     stride = max(1, ctx // 2)
     wins = dense_windows(len(ids), ctx - 1, stride)  # one position is left for the sampled output token
     per_seq = -(-ctx // A.BLOCK_SIZE) + 1
