@@ -157,6 +157,9 @@ def run_system_prompt(cfg: SystemPromptConfig) -> EvalResult:
     t0 = time.perf_counter()
     ctx = A.trained_context(cfg.model)
     tok = AutoTokenizer.from_pretrained(cfg.model)
+    if not getattr(tok, "chat_template", None):
+        raise SystemExit(f"--model {cfg.model}: the tokenizer has no chat template; the system-prompt eval needs a "
+                         f"chat model")
     rows: list[dict[str, Any]] = []
     per_chat: list[dict[str, Any]] = []
     notes: list[str] = []
