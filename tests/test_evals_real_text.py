@@ -96,3 +96,28 @@ def test_system_prompt_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.Ca
     assert ("dense", 0.5) in ran and ("sinks_window_anchor", 2.0) in ran and ("dense", 2.0) not in ran
     assert all(r["system turn out of the window"] for r in blob["rows"] if r["x_context"] == 2.0)
     assert (tmp_path / "system_prompt.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_merge_long_ppl_compares_past_the_context_with_dense_within_it(tmp_path: Path) -> None:
+    from evals.merge import main
+
+    def part(arm: str, ppl_: float, seg: dict[str, float] | None) -> Path:
+        cols = ["arm", "0-1x", "1-2x", "past the context (>= 8)"]
+        blob = {"name": "long_ppl", "title": "t", "meta": {"trained_context": 8, "command": f"run {arm}"},
+                "rows": [{"arm": arm, "context": arm, "tokens": 7 if seg is None else 15, "ppl": ppl_, "wall_s": 1.0}],
+                "tables": [] if seg is None else [["segments", cols, [{"arm": arm, **seg}]]],
+                "notes": [], "extra": {"moving_ppl": {arm: [[1.0, 2.0], [ppl_, ppl_]]}}}
+        path = tmp_path / f"{arm}.json"
+        path.write_text(json.dumps(blob))
+        return path
+
+    parts = [part("dense", 10.0, None),
+             part("sinks_window", 10.5, {"0-1x": 10.0, "1-2x": 10.5, "past the context (>= 8)": 10.5}),
+             part("window_only", 40.0, {"0-1x": 10.0, "1-2x": 40.0, "past the context (>= 8)": 40.0})]
+    assert main(["long-ppl", *map(str, parts), "--out", str(tmp_path / "out")]) == 0
+    blob = json.loads((tmp_path / "out" / "long_ppl.json").read_text())
+    assert [r["arm"] for r in blob["rows"]] == ["dense", "sinks_window", "window_only"]
+    assert blob["meta"]["commands"] == ["run dense", "run sinks_window", "run window_only"]
+    sw = next(n for n in blob["notes"] if n.startswith("sinks_window"))
+    assert "1.050x dense" in sw and sw.split("; per")[0].endswith("-> MET")
+    assert any(n.startswith("window_only") and "4.000x dense" in n for n in blob["notes"])
