@@ -4,6 +4,7 @@
     sinkserve eval needle    [--quick] [--with] [--without] [--workers 2] [--out docs/evals]
     sinkserve eval needle|long-ppl --sparse 8,16 [--quick]   (dense vs block_bounds vs random selection)
     sinkserve eval retrieval [--quick] [--docs 400] [--mixes 4,16] [--budgets 32,64] [--out docs/evals]
+    sinkserve eval system-prompt [--quick] [--lengths 0.5,4] [--trials 8] [--out docs/evals]
     sinkserve eval twins     --model A --baseline B [--quick] [--windows 16] [--rounds 6] [--needle B_DIR,A_DIR]
                              [--copy-samples 12] [--copy-lengths 4,16] [--out docs/evals]
 
@@ -24,6 +25,7 @@ import time
 from pathlib import Path
 
 from evals import arms as A
+from evals.long_ppl import TEXT_SOURCES
 from evals.report import EvalResult, markdown_table, write_report
 
 logger = logging.getLogger(__name__)
@@ -46,6 +48,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         p.add_argument("--with", dest="with_protection", action="store_true", help="run the protected arm")
         p.add_argument("--without", dest="without_protection", action="store_true", help="run the unprotected arm")
         p.add_argument("--threads", type=int, default=1, help="torch threads per process (1: see evals.arms)")
+        p.add_argument("--arms", help="comma-separated arms to run (default all; long-ppl: dense, recompute, "
+                                      "recompute_bos, sinks_window, window_only; needle: dense, window_only, "
+                                      "sinks_window, sinks_window_anchor)")
         p.add_argument("--kv-cache-dtype", choices=("int8", "int4", "int2"),
                        help="run the KV-storage A/B instead (16-bit vs packed with protection vs packed everything; "
                             "writes <name>_kv_<dtype>.*; evals.kv_quant)")
@@ -56,7 +61,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
             p.add_argument("--selected-memory", metavar="L,M", help="hint-free needle past the trained context "
                            "instead: dense at 1x vs sinks + window vs selected memory (sparse.position_mode compact) "
                            "at L, M x ctx (writes needle_selected_memory.*; evals.selected_memory)")
-            p.add_argument("--top-k", type=int, help="selected memory's top_k (default evals.selected_memory.TOP_K)")
+            p.add_argument("--top-k", type=int, help="selected memory's top_k (default ctx/2: evals.selected_memory.default_top_k)")
         p.add_argument("--sparse", metavar="N,M", help="run the sparse-attention A/B instead: dense vs the block_bounds "
                        "indexer vs a random control with top_k = ctx/N (comma-separated N, e.g. 8,16), inside the "
                        "trained context (writes <name>_sparse.*; long-ppl adds sparse_recall.*; evals.sparse)")
@@ -67,15 +72,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
             p.add_argument("--tokens", type=int, help="stream length (default 16x ctx; quick 2x)")
             p.add_argument("--selected-memory", action="store_true", help="dense vs sinks + window vs selected "
                            "memory (sparse.position_mode compact) over the stream (writes long_ppl_selected_memory.*)")
-            p.add_argument("--top-k", type=int, help="selected memory's top_k (default evals.selected_memory.TOP_K)")
+            p.add_argument("--top-k", type=int, help="selected memory's top_k (default ctx/2: "
+                                                         "evals.selected_memory.default_top_k)")
             p.add_argument("--kv-budget", metavar="B,C", help="fixed-memory arms instead: sinks + window vs importance "
                            "eviction at the needle's B%%, C%% budgets, beside dense (writes long_ppl_budget.*; evals.eviction)")
-            p.add_argument("--text", default="corpus", choices=("corpus", "licenses"), help="held-out text source")
+            p.add_argument("--text", default="corpus", choices=TEXT_SOURCES,
+                           help="text source: corpus (held out from the reference model's training), licenses, or "
+                                "prose (pydoc_data.topics: English documentation prose shipped with CPython)")
             p.add_argument("--smooth", type=int, help="moving-average width of the plot (default ctx/2)")
         else:
             p.add_argument("--docs", type=int, help="documents per point (default 50; quick 4)")
             p.add_argument("--lengths", help="comma-separated multiples of ctx (default 1,2,4,8,16; quick 1,2)")
             p.add_argument("--workers", type=int, default=1, help="processes running (arm, length) points")
+            p.add_argument("--filler", choices=("licenses", "haystack", "prose"),
+                           help="one filler for every document (default: licenses and haystack in turn; prose: "
+                                "pydoc_data.topics, English documentation prose shipped with CPython)")
     p = sub.add_parser("retrieval", help="retrieval-augmented answering: trimmed vs untrimmed vs oracle passages")
     p.add_argument("--model", default=A.default_model(), help="model directory (default: the reference model)")
     p.add_argument("--out", default=DEFAULT_OUT, help="folder for the table (md + json) and the plot (png)")
@@ -84,6 +95,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--mixes", help="comma-separated distractor/relevant token ratios (default 4,16)")
     p.add_argument("--budgets", help="comma-separated passage budgets in tokens, one trimmed arm each (default 32,64)")
     p.add_argument("--passage-tokens", type=int, help="passage size in tokens (default 24)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1: see evals.arms)")
+    p = sub.add_parser("system-prompt", help="an instruction from the system prompt still followed after a chat of "
+                                             "L x the trained context (evals/system_prompt.py)")
+    p.add_argument("--model", default=A.default_model(), help="model directory (default: the reference model)")
+    p.add_argument("--out", default=DEFAULT_OUT, help="folder for the table (md + json) and the plot (png)")
+    p.add_argument("--quick", action="store_true", help="small fast smoke run (2 chats, L = 0.5, 2)")
+    p.add_argument("--lengths", help="comma-separated multiples of ctx (default 0.5,4; quick 0.5,2)")
+    p.add_argument("--trials", type=int, help="chats per point, one assistant name each (default 8; quick 2)")
+    p.add_argument("--window", type=int, help="sliding window in tokens (default ctx/2; quick ctx/8)")
+    p.add_argument("--chunk", type=int, help="prefill chunk = max_num_batched_tokens (default window/4)")
+    p.add_argument("--arms", help="comma-separated arms (default all: dense, sinks_window, sinks_window_system, "
+                                  "sinks_window_anchor)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: see evals.arms)")
     p = sub.add_parser("twins", help="two models on the same inputs: ppl, sinks and hidden norm per layer, "
                                      "depth-mix weights, decode latency in the engine (evals/twins.py)")
@@ -112,7 +135,13 @@ def _settings(args: argparse.Namespace, ctx: int) -> tuple[int, int]:
 
 
 def _arm_filter(args: argparse.Namespace, protected: str, unprotected: str, every: tuple[str, ...]) -> tuple[tuple[str, ...], str]:
-    """Arms to run and the result-name suffix for the ``--with`` / ``--without`` flags."""
+    """Arms to run and the result-name suffix for the ``--arms`` and ``--with`` / ``--without`` flags."""
+    if args.arms:
+        chosen = tuple(a.strip() for a in args.arms.split(",") if a.strip())
+        unknown = [a for a in chosen if a not in every]
+        if unknown:
+            raise SystemExit(f"--arms: unknown arm(s) {', '.join(unknown)}; choose from {', '.join(every)}")
+        every = tuple(a for a in every if a in chosen)
     picked = [n for n, on in ((protected, args.with_protection), (unprotected, args.without_protection)) if on]
     if not picked:
         return every, ""
@@ -143,7 +172,7 @@ def _needle(args: argparse.Namespace, ctx: int) -> EvalResult:
     lengths = args.lengths or ("1,2" if args.quick else "1,2,4,8,16")
     cfg = NeedleConfig(
         model=args.model, lengths=tuple(float(x) for x in lengths.split(",")), docs=args.docs or (4 if args.quick else 50),
-        window=window, chunk=chunk, arms=arms,
+        window=window, chunk=chunk, arms=arms, filler=args.filler,
     )
 
     def write_partial(partial: EvalResult) -> None:
@@ -182,7 +211,23 @@ def _twins(args: argparse.Namespace, ctx: int) -> EvalResult:
                      needle=args.needle.split(",") if args.needle else None, copy=copy)
 
 
-EVALS = {"long-ppl": _long_ppl, "needle": _needle, "retrieval": _retrieval, "twins": _twins}
+def _system_prompt(args: argparse.Namespace, ctx: int) -> EvalResult:
+    from evals.system_prompt import ARMS, SystemPromptConfig, run_system_prompt
+
+    window, chunk = _settings(args, ctx)
+    every = tuple(a.name for a in ARMS)
+    arms = tuple(a.strip() for a in args.arms.split(",")) if args.arms else every
+    unknown = [a for a in arms if a not in every]
+    if unknown:
+        raise SystemExit(f"--arms: unknown arm(s) {', '.join(unknown)}; choose from {', '.join(every)}")
+    lengths = args.lengths or ("0.5,2" if args.quick else "0.5,4")
+    cfg = SystemPromptConfig(model=args.model, lengths=tuple(float(x) for x in lengths.split(",")),
+                             trials=args.trials or (2 if args.quick else 8), window=window, chunk=chunk, arms=arms)
+    return run_system_prompt(cfg)
+
+
+EVALS = {"long-ppl": _long_ppl, "needle": _needle, "retrieval": _retrieval, "twins": _twins,
+         "system-prompt": _system_prompt}
 
 
 def _kv_ab(args: argparse.Namespace, ctx: int) -> EvalResult:
@@ -228,11 +273,12 @@ def _selected_memory(args: argparse.Namespace) -> EvalResult:
 
     if args.eval_name == "long-ppl":
         ctx = A.trained_context(args.model)
-        return sm.run_selected_long_ppl(args.model, args.tokens or (2 if args.quick else 16) * ctx, args.chunk or 128,
-                                        args.top_k or sm.TOP_K, args.text)
+        return sm.run_selected_long_ppl(args.model, args.tokens or (2 if args.quick else 16) * ctx, args.chunk or ctx // 8,
+                                        args.top_k or sm.default_top_k(ctx), args.text)
+    ctx = A.trained_context(args.model)
     lengths = tuple(float(x) for x in args.selected_memory.split(","))
-    return sm.run_selected_needle(args.model, lengths, args.docs or (4 if args.quick else 50), args.chunk or 128,
-                                  args.top_k or sm.TOP_K, on_point=write_partial)
+    return sm.run_selected_needle(args.model, lengths, args.docs or (4 if args.quick else 50), args.chunk or ctx // 8,
+                                  args.top_k or sm.default_top_k(ctx), on_point=write_partial)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -253,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
         from evals import eviction
 
         result = eviction.run_budget_long_ppl(args.model, tuple(int(x) for x in args.kv_budget.split(",")),
-                                              args.tokens or (2 if args.quick else 16) * ctx, args.chunk or 128, args.text)
+                                              args.tokens or (2 if args.quick else 16) * ctx, args.chunk or ctx // 8, args.text)
     elif getattr(args, "kv_budget", None):
         from evals import eviction
 

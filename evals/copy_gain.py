@@ -69,7 +69,7 @@ class CopyConfig:
     arms: tuple[str, ...] = (A.SINKS_WINDOW.name, JUDGED_ARM, "selected_memory")
     span: int = 40
     lead: int = 48
-    chunk: int = 128
+    chunk: int | None = None  # prefill chunk; None: ctx / 8 (128 on the reference model)
     seed: int = 8_000_000
 
 
@@ -164,7 +164,8 @@ def score(model: str, arm: A.Arm, inputs: list[CopyInput], window: int, chunk: i
     per_seq = (A.blocks_for_stream(arm.window or window, chunk, 1 + anchor_blocks) if arm.evicts
                else -(-(longest + 2) // A.BLOCK_SIZE) + 1)
     seqs = min(max_num_seqs, len(inputs))
-    engine = A.make_engine(model, arm.policy(window), chunk if arm.evicts or arm.sparse else max(chunk, 1024),
+    ctx = A.trained_context(model)
+    engine = A.make_engine(model, arm.policy(window), chunk if arm.evicts or arm.sparse else max(chunk, ctx),
                            seqs * per_seq + 1, seqs, sparse=arm.sparse, selector=arm.selector, **arm.kv_storage())
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=True)
     requests = {str(i): x.ids for i, x in enumerate(inputs)}
@@ -211,7 +212,7 @@ def run_copy_gain(models: list[str], cfg: CopyConfig) -> dict[str, Any]:
                                  "x_context": round(length / ctx, 3), "first": {}, "second": {}, "decoy": {}}
             for m in models:
                 t1 = time.perf_counter()
-                got = score(m, arm, inputs, window, cfg.chunk)
+                got = score(m, arm, inputs, window, cfg.chunk or ctx // 8)
                 p["first"][m] = [round(a, 4) for a, _, _ in got]
                 p["second"][m] = [round(b, 4) for _, b, _ in got]
                 p["decoy"][m] = [round(c, 4) for _, _, c in got]
@@ -219,7 +220,7 @@ def run_copy_gain(models: list[str], cfg: CopyConfig) -> dict[str, Any]:
                             sum(a - b for a, b, _ in got) / len(got), sum(c - b for _, b, c in got) / len(got),
                             time.perf_counter() - t1)
             points.append(p)
-    return {"points": points, "meta": {"trained_context": ctx, "window": window, "prefill_chunk": cfg.chunk,
+    return {"points": points, "meta": {"trained_context": ctx, "window": window, "prefill_chunk": cfg.chunk or ctx // 8,
                                        "samples": cfg.samples, "span": cfg.span, "lead": cfg.lead,
                                        "judged_arm": JUDGED_ARM, "wall_s": round(time.perf_counter() - t0, 1)}}
 

@@ -30,7 +30,7 @@ from evals.report import EvalResult, Panel, Series
 logger = logging.getLogger(__name__)
 
 LOCAL_WINDOW = 64
-DOC_TOKENS = 900
+DOC_FRACTION = 900 / 1024  # document length / trained context: 900 tokens on the reference model
 
 
 def budget_arms(doc_tokens: int, budgets: tuple[int, ...]) -> list[A.Arm]:
@@ -48,13 +48,13 @@ def budget_arms(doc_tokens: int, budgets: tuple[int, ...]) -> list[A.Arm]:
 
 def run_budget_needle(model: str, budgets: tuple[int, ...], docs: int, chunk: int | None = None,
                       doc_tokens: int | None = None) -> EvalResult:
-    """Answer the same ``docs`` documents of ``doc_tokens`` tokens (default ``DOC_TOKENS``, at most 7/8 of
-    the trained context) under every arm; rates vs dense."""
+    """Answer the same ``docs`` documents of ``doc_tokens`` tokens (default ``DOC_FRACTION`` of the trained
+    context: 900 of the reference model's 1,024) under every arm; rates vs dense."""
     from evals.needle import NeedleConfig, _tokenizer, build_docs, run_arm
 
     t0 = time.perf_counter()
     ctx = A.trained_context(model)
-    doc_tokens = doc_tokens or min(DOC_TOKENS, ctx * 7 // 8)
+    doc_tokens = doc_tokens or round(ctx * DOC_FRACTION)
     one_chunk = chunk is None or chunk >= doc_tokens
     cfg = NeedleConfig(model=model, lengths=(1.0,), docs=docs, window=ctx, chunk=chunk or ctx)
     dset = build_docs(_tokenizer(model), cfg, doc_tokens)
@@ -115,7 +115,7 @@ def run_budget_long_ppl(model: str, budgets: tuple[int, ...], n_tokens: int, chu
 
     t0 = time.perf_counter()
     ctx = A.trained_context(model)
-    doc_tokens = doc_tokens or min(DOC_TOKENS, ctx * 7 // 8)
+    doc_tokens = doc_tokens or round(ctx * DOC_FRACTION)
     ids = heldout_stream(AutoTokenizer.from_pretrained(model), n_tokens, text)
     cfg = PplConfig(model=model, n_tokens=n_tokens, window=ctx // 2, chunk=chunk, text=text)
     rows, ref, series = [], None, []

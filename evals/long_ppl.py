@@ -44,7 +44,7 @@ class PplConfig:
     n_tokens: int  # stream length, BOS included
     window: int
     chunk: int
-    text: str = "corpus"  # "corpus" (held-out split of training.corpus) or "licenses"
+    text: str = "corpus"  # one of TEXT_SOURCES
     arms: tuple[str, ...] = ("dense", RECOMPUTE, RECOMPUTE_BOS, "sinks_window", "window_only")
     smooth: int = 512  # moving-average width of the plotted per-token NLL
     batch: int = 8  # sequences per transformers forward in the recompute arms
@@ -62,8 +62,18 @@ class ArmScores:
 # ---------------------------------------------------------------------------------------------- data
 
 
+TEXT_SOURCES = ("corpus", "licenses", "prose")  # --text choices
+
+
 def heldout_texts(source: str) -> list[str]:
-    """Text the reference model never trained on."""
+    """The documents of a text source.
+
+    ``corpus``: the held-out split of ``training.corpus`` (never trained on by the reference model);
+    ``licenses``: Debian's common licences; ``prose``: ``pydoc_data.topics``, English documentation prose
+    shipped with every CPython (:func:`evals.longmem.prose_text`; real text for real checkpoints).
+    """
+    if source not in TEXT_SOURCES:
+        raise ValueError(f"unknown text source {source!r}; choose one of {', '.join(TEXT_SOURCES)}")
     if source == "corpus":
         try:
             from training.corpus import load_corpus
@@ -71,25 +81,38 @@ def heldout_texts(source: str) -> list[str]:
             logger.warning("training.corpus not importable; using the 'licenses' held-out text instead")
         else:
             return load_corpus("heldout")
-    if source in ("corpus", "licenses"):
-        from evals.longmem import TextFiller, _get_filler
+    if source == "prose":
+        from evals.longmem import prose_text
 
-        filler = _get_filler("licenses")
-        if isinstance(filler, TextFiller):
-            return [filler.text]
-        return [filler(random.Random(0), 400_000)]
-    raise ValueError(f"unknown text source {source!r}; choose 'corpus' or 'licenses'")
+        return [prose_text()]
+    from evals.longmem import TextFiller, _get_filler
+
+    filler = _get_filler("licenses")
+    if isinstance(filler, TextFiller):
+        return [filler.text]
+    return [filler(random.Random(0), 400_000)]
+
+
+def start_ids(tokenizer: Any) -> list[int]:
+    """The tokens the tokenizer itself puts before a text (the reference model's BOS; none for SmolLM2,
+    whose GGUF ``bos`` is the chat delimiter ``<|im_start|>``, which raw text never starts with)."""
+    return list(tokenizer("")["input_ids"])
 
 
 def heldout_stream(tokenizer: Any, n_tokens: int, source: str) -> list[int]:
-    """BOS + held-out documents separated by EOS (as in training), cut to ``n_tokens``; repeats if short."""
+    """The source's documents as one stream cut to ``n_tokens``; repeats if short.
+
+    A tokenizer that adds BOS gets BOS first and EOS between documents (as the reference model trained);
+    one that adds nothing gets the raw text, documents joined by a blank line.
+    """
     texts = heldout_texts(source)
-    ids: list[int] = [tokenizer.bos_token_id]
+    ids: list[int] = start_ids(tokenizer)
+    sep = [tokenizer.eos_token_id] if ids else tokenizer("\n\n", add_special_tokens=False)["input_ids"]
     while len(ids) < n_tokens:
         before = len(ids)
         for text in texts:
             ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
-            ids.append(tokenizer.eos_token_id)
+            ids.extend(sep)
             if len(ids) >= n_tokens:
                 break
         if len(ids) == before:
@@ -141,8 +164,14 @@ def dense_windows(n: int, ctx: int, stride: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def score_dense(cfg: PplConfig, ids: list[int], ctx: int, arm: A.Arm = A.DENSE) -> ArmScores:
-    """Full attention inside the trained context, through the engine (no eviction)."""
+def score_dense(cfg: PplConfig, ids: list[int], ctx: int, arm: A.Arm = A.DENSE, bos: bool | None = None) -> ArmScores:
+    """Full attention inside the trained context, through the engine (no eviction). ``bos``: the stream
+    starts with the tokenizer's BOS, and every later window gets it in front as well (as in training);
+    otherwise a window is plain text of the same length. ``None``: whether the model's tokenizer adds a BOS."""
+    if bos is None:
+        from transformers import AutoTokenizer
+
+        bos = bool(start_ids(AutoTokenizer.from_pretrained(cfg.model)))
     stride = max(1, ctx // 2)
     wins = dense_windows(len(ids), ctx - 1, stride)  # one position is left for the sampled output token
     per_seq = -(-ctx // A.BLOCK_SIZE) + 1
@@ -150,7 +179,7 @@ def score_dense(cfg: PplConfig, ids: list[int], ctx: int, arm: A.Arm = A.DENSE) 
                            sparse=arm.sparse, selector=arm.selector, **arm.kv_storage())
     prompts: dict[str, tuple[list[int], int, int, int]] = {}
     for k, (s, lo, hi) in enumerate(wins):
-        prompt = ids[0:hi] if s == 0 else [ids[0]] + ids[s:hi]
+        prompt = ids[0:hi] if s == 0 else ([ids[0]] + ids[s:hi] if bos else ids[s - 1:hi])
         prompts[str(k)] = (prompt, s, lo, hi)
         engine.add_request(str(k), prompt, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=True))
     got: dict[str, list[float]] = {k: [] for k in prompts}
@@ -166,7 +195,8 @@ def score_dense(cfg: PplConfig, ids: list[int], ctx: int, arm: A.Arm = A.DENSE) 
     engine.shutdown()
     for k, (prompt, s, lo, hi) in prompts.items():
         lps = got[k]
-        # prompt_logprobs[j] scores prompt[j + 1]; target t sits at prompt index t (first window) or t - s + 1.
+        # prompt_logprobs[j] scores prompt[j + 1]; target t sits at prompt index t (first window) or t - s + 1
+        # (BOS + ids[s:] or ids[s - 1:], the same length).
         offset = 0 if s == 0 else s - 1
         for t in range(lo, hi):
             nll[t - 1] = -lps[t - offset - 1]
@@ -287,6 +317,17 @@ def summarize(cfg: PplConfig, scores: list[ArmScores], ctx: int, n_tokens: int, 
             if steady:
                 notes.append(f"target flat memory ({s.name}): blocks_used {min(steady)}..{max(steady)} after token "
                              f"{fill} -> {'MET' if max(steady) - min(steady) <= 1 else 'MISSED'}")
+    seg_cols, seg_rows = segment_table(scores, ctx)
+    dense = by.get("dense")
+    if dense is not None and n_tokens > ctx:
+        d_in, d_past = ppl(dense.nll[: ctx - 1]), ppl(dense.nll[ctx - 1:])
+        for s in (sw, wo):
+            if s is not None:
+                past = ppl(s.nll[ctx - 1:])
+                verdict = f" -> {'MET' if past <= 1.10 * d_past else 'MISSED'}" if s is sw else ""
+                notes.append(f"{s.name} past the context (tokens {ctx}..{n_tokens - 1}): ppl {past:.3f} = "
+                             f"{past / d_past:.3f}x dense on the same tokens ({d_past:.3f}; target <= 1.10x){verdict}; "
+                             f"{past / d_in:.3f}x dense within the first context (tokens 1..{ctx - 1}, {d_in:.3f})")
     panels = [Panel(
         title=f"per-token perplexity, moving average over {cfg.smooth} tokens (trained context {ctx})",
         xlabel="token position", ylabel="perplexity", logy=True,
@@ -308,8 +349,28 @@ def summarize(cfg: PplConfig, scores: list[ArmScores], ctx: int, n_tokens: int, 
         "moving_ppl": {s.name: moving_ppl(s.nll, cfg.smooth) for s in scores},
         "blocks_trace": {s.name: s.blocks for s in scores if s.blocks},
     }
-    return EvalResult("long_ppl", "Long-stream perplexity (sink- and window-retention)", columns, rows, meta, notes,
-                      list(ab_rows[0]) if ab_rows else [], ab_rows, panels, extra)
+    result = EvalResult("long_ppl", "Long-stream perplexity (sink- and window-retention)", columns, rows, meta, notes,
+                        list(ab_rows[0]) if ab_rows else [], ab_rows, panels, extra)
+    if seg_rows:
+        result.tables.append(("Perplexity per context-length segment of the stream", seg_cols, seg_rows))
+    return result
+
+
+def segment_table(scores: list[ArmScores], ctx: int) -> tuple[list[str], list[dict[str, Any]]]:
+    """ppl per arm over tokens ``[(k-1) ctx, k ctx)`` (the k-th context length of the stream) and over every
+    token past the first context; empty when the stream is no longer than one context."""
+    if not scores or len(scores[0].nll) + 1 <= ctx:
+        return [], []
+    n = len(scores[0].nll) + 1
+    spans = [(f"{k - 1}-{k}x", max(1, (k - 1) * ctx), min(n, k * ctx)) for k in range(1, -(-n // ctx) + 1)]
+    spans.append((f"past the context (>= {ctx})", ctx, n))
+    rows = []
+    for s in scores:
+        row: dict[str, Any] = {"arm": s.name}
+        for label, lo, hi in spans:
+            row[label] = ppl(s.nll[lo - 1: hi - 1])
+        rows.append(row)
+    return ["arm"] + [label for label, _, _ in spans], rows
 
 
 def run_long_ppl(cfg: PplConfig) -> EvalResult:
@@ -320,12 +381,13 @@ def run_long_ppl(cfg: PplConfig) -> EvalResult:
     ctx = A.trained_context(cfg.model)
     tok = AutoTokenizer.from_pretrained(cfg.model)
     ids = heldout_stream(tok, cfg.n_tokens, cfg.text)
+    bos = bool(start_ids(tok))
     logger.info("long-ppl: %d tokens (%.1fx the trained context %d), arms %s", len(ids), len(ids) / ctx, ctx, cfg.arms)
     by_name = {a.name: a for a in (A.WINDOW_ONLY, A.SINKS_WINDOW)}
     scores: list[ArmScores] = []
     for name in cfg.arms:
         if name == "dense":
-            scores.append(score_dense(cfg, ids, ctx))
+            scores.append(score_dense(cfg, ids, ctx, bos=bos))
         elif name in (RECOMPUTE, RECOMPUTE_BOS):
             scores.append(score_recompute(cfg, ids, bos=name == RECOMPUTE_BOS))
         elif name in by_name:

@@ -358,7 +358,21 @@ def _licenses_filler() -> FillerFn:
     return TextFiller(texts)
 
 
-_LAZY: dict[str, Callable[[], FillerFn]] = {"licenses": _licenses_filler}
+def prose_text() -> str:
+    """English documentation prose every CPython ships: ``pydoc_data.topics`` (the language reference and
+    library topics behind ``help()``), topics in sorted order joined by blank lines, so the text is the
+    same on every machine with the same Python. Not held out for the reference model (77 of its 79 topics
+    are in ``training.corpus``'s train split); it is real prose for real checkpoints."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k].strip() for k in sorted(topics) if topics[k].strip())
+
+
+def _prose_filler() -> FillerFn:
+    return TextFiller(prose_text())
+
+
+_LAZY: dict[str, Callable[[], FillerFn]] = {"licenses": _licenses_filler, "prose": _prose_filler}
 FILLERS: dict[str, FillerFn] = {"haystack": _haystack_filler, "babble": _babble_filler}
 
 # "corpus" is registered by training/ (windows of the training text); see register_filler.

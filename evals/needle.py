@@ -42,6 +42,7 @@ class NeedleConfig:
     lead_tokens: int = 48
     seed: int = 7_000_000  # far from the seeds training used for its long-memory documents
     max_num_seqs: int = 8
+    filler: str | None = None  # one filler for every document (e.g. "prose"); None: HELDOUT_FILLERS in turn
 
 
 @dataclass
@@ -70,7 +71,7 @@ def build_docs(tokenizer: Any, cfg: NeedleConfig, n_tokens: int, indices: range 
     depth = min(0.5, cfg.lead_tokens / n_tokens)
     for i in indices if indices is not None else range(cfg.docs):
         template = longmem.HELDOUT_TEMPLATES[i % len(longmem.HELDOUT_TEMPLATES)]
-        filler = longmem.HELDOUT_FILLERS[(i // len(longmem.HELDOUT_TEMPLATES)) % len(longmem.HELDOUT_FILLERS)]
+        filler = cfg.filler or longmem.HELDOUT_FILLERS[(i // len(longmem.HELDOUT_TEMPLATES)) % len(longmem.HELDOUT_FILLERS)]
         doc = longmem.make_document(template, cfg.seed + i, n_tokens, tokenizer=tokenizer, filler=filler, depth=depth)
         enc = tokenizer(doc.prompt, return_offsets_mapping=True)
         fact_end = doc.fact_span[1]
@@ -186,9 +187,12 @@ def _collect(cfg: NeedleConfig, ctx: int, docs_at: dict[float, list[Doc]], resul
         evicts = r["arm"] != A.DENSE.name
         out_of_window = sum(1 for d in docs if d.n_tokens - 1 - d.fact_last_token > reach) / len(docs)
         correct[(r["arm"], length)] = ok
+        by_kind = {kind: [o for d, o in zip(docs, ok) if d.doc.kind == kind] for kind in ("passkey", "fact")}
         rows.append({
             "arm": r["arm"], "L": length, "x_context": r["mult"], "docs": len(docs), "correct": sum(ok),
-            "retrieval": sum(ok) / len(docs), "chance": sum(chance(d.doc) for d in docs) / len(docs),
+            "retrieval": sum(ok) / len(docs),
+            **{f"{kind} correct": f"{sum(v)}/{len(v)}" for kind, v in by_kind.items()},
+            "chance": sum(chance(d.doc) for d in docs) / len(docs),
             "fact_out_of_window": out_of_window if evicts else 0.0, "wall_s": round(r["wall"], 1),
         })
         per_doc += [{"arm": r["arm"], "L": length, "doc": d.index, "template": d.doc.template, "answer": d.doc.answer,
@@ -243,7 +247,8 @@ def summarize(cfg: NeedleConfig, ctx: int, rows: list[dict[str, Any]], correct: 
     )]
     meta = {
         "model": cfg.model, "trained_context": ctx, "lengths": lengths, "docs_per_point": cfg.docs,
-        "templates": [t.name for t in longmem.HELDOUT_TEMPLATES], "fillers": list(longmem.HELDOUT_FILLERS),
+        "templates": [t.name for t in longmem.HELDOUT_TEMPLATES],
+        "fillers": [cfg.filler] if cfg.filler else list(longmem.HELDOUT_FILLERS),
         "fact_at_token": f"~{cfg.lead_tokens}", "window": cfg.window, "prefill_chunk": cfg.chunk,
         "block_size": A.BLOCK_SIZE, "sinks": list(A.SINK_POSITIONS), "max_new_tokens": cfg.max_new_tokens,
         "wall_s_total": round(total_wall, 1), "workers": workers,

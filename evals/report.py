@@ -57,6 +57,7 @@ class EvalResult:
     panels: list[Panel] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # bulky per-token/per-doc data, JSON only
     ab_title: str = "With / without protection (same inputs)"  # heading of the second table
+    tables: list[tuple[str, list[str], list[dict[str, Any]]]] = field(default_factory=list)  # (heading, columns, rows)
 
 
 def _fmt(value: Any) -> str:
@@ -93,6 +94,8 @@ def render_markdown(result: EvalResult) -> str:
     parts += [markdown_table(result.columns, result.rows), ""]
     if result.ab_rows:
         parts += [f"## {result.ab_title}", "", markdown_table(result.ab_columns, result.ab_rows), ""]
+    for heading, columns, rows in result.tables:
+        parts += [f"## {heading}", "", markdown_table(columns, rows), ""]
     if result.notes:
         parts += ["## Notes", ""] + [f"- {n}" for n in result.notes] + [""]
     if result.panels:

@@ -26,20 +26,26 @@ from evals.report import EvalResult, Panel, Series
 
 logger = logging.getLogger(__name__)
 
-TOP_K = 512
-LOCAL_WINDOW = 64
-MIN_CONTEXT = 256
+TOP_K = 512  # the reference model's: ctx / 2 (see default_top_k)
+LOCAL_WINDOW = 64  # ctx / 16
+MIN_CONTEXT = 256  # ctx / 4
+REFERENCE_CTX = 1024
 
 
-def settings(top_k: int = TOP_K) -> SparseAttention:
-    """The selected-memory arm's sparse settings."""
-    return SparseAttention(enabled=True, indexer="block_bounds", top_k=top_k, min_context=MIN_CONTEXT,
-                           local_window=LOCAL_WINDOW, position_mode="compact")
+def default_top_k(ctx: int) -> int:
+    """``TOP_K`` scaled to the model's trained context (512 of the reference model's 1,024)."""
+    return TOP_K * ctx // REFERENCE_CTX
 
 
-def selected_arm(top_k: int = TOP_K) -> A.Arm:
+def settings(top_k: int = TOP_K, ctx: int = REFERENCE_CTX) -> SparseAttention:
+    """The selected-memory arm's sparse settings; ``min_context`` and ``local_window`` follow ``ctx``."""
+    return SparseAttention(enabled=True, indexer="block_bounds", top_k=top_k, min_context=MIN_CONTEXT * ctx // REFERENCE_CTX,
+                           local_window=LOCAL_WINDOW * ctx // REFERENCE_CTX, position_mode="compact")
+
+
+def selected_arm(top_k: int = TOP_K, ctx: int = REFERENCE_CTX) -> A.Arm:
     return dataclasses.replace(A.DENSE, name="selected_memory", label=f"selected memory, top_k {top_k}",
-                               sparse=settings(top_k))
+                               sparse=settings(top_k, ctx))
 
 
 def run_selected_needle(model: str, lengths: tuple[float, ...], docs: int, chunk: int = 128, top_k: int = TOP_K,
@@ -53,7 +59,7 @@ def run_selected_needle(model: str, lengths: tuple[float, ...], docs: int, chunk
     window = ctx // 2
     cfg = NeedleConfig(model=model, lengths=lengths, docs=docs, window=window, chunk=chunk)
     tok = _tokenizer(model)
-    arm_sm = selected_arm(top_k)
+    arm_sm = selected_arm(top_k, ctx)
     points: list[tuple[A.Arm, float]] = [(A.DENSE, 1.0), (arm_sm, 1.0)]
     for m in sorted(lengths):
         points += [(A.SINKS_WINDOW, m), (arm_sm, m)]
@@ -101,7 +107,7 @@ def _result(model: str, ctx: int, cfg, top_k: int, rows: list[dict], rate: dict,
                      style) for name, style in (("selected_memory", "-o"), (A.SINKS_WINDOW.name, ":^"))]
     panel = Panel("hint-free needle past the trained context", "document length (x trained context)",
                   "retrieval rate", [s for s in series if s.x], logx=len(xs) > 1, hlines=[(dense, "dense in context")] if dense is not None else [], ylim=(-0.03, 1.03))
-    sp = settings(top_k)
+    sp = settings(top_k, ctx)
     return EvalResult(
         name="needle_selected_memory", title="Hint-free needle past the trained context: selected memory vs sliding window",
         columns=["arm", "L", "x_context", "correct", "rate", "x dense", "wall s", "s / doc"], rows=rows,
@@ -149,7 +155,7 @@ def run_selected_long_ppl(model: str, n_tokens: int, chunk: int = 128, top_k: in
     ids = heldout_stream(AutoTokenizer.from_pretrained(model), n_tokens, text)
     cfg = PplConfig(model=model, n_tokens=n_tokens, window=ctx // 2, chunk=chunk, text=text)
     rows, ref, series = [], None, []
-    for arm in (A.DENSE, A.SINKS_WINDOW, selected_arm(top_k)):
+    for arm in (A.DENSE, A.SINKS_WINDOW, selected_arm(top_k, ctx)):
         sc = score_dense(cfg, ids, ctx) if arm is A.DENSE else _score_stream(model, arm, ids, chunk, ctx // 2)
         nll = sc.nll[~np.isnan(sc.nll)]
         series.append(Series(arm.name, *moving_ppl(nll, ctx // 2)))
@@ -165,7 +171,7 @@ def run_selected_long_ppl(model: str, n_tokens: int, chunk: int = 128, top_k: in
                       "ppl", series)],
         notes=[f"held-out {text} text, {n_tokens} tokens ({n_tokens / ctx:g}x the trained context) streamed by one "
                f"request in {chunk}-token prefill chunks; dense = windows of the trained context (stride ctx/2); "
-               f"sinks + window: W = {ctx // 2}; selected memory: {settings(top_k)}"],
+               f"sinks + window: W = {ctx // 2}; selected memory: {settings(top_k, ctx)}"],
         meta={"model": model, "trained_context": ctx, "tokens": n_tokens, "chunk": chunk,
-              "attended_span": settings(top_k).selected_span(A.BLOCK_SIZE, A.SINK_POSITIONS),
+              "attended_span": settings(top_k, ctx).selected_span(A.BLOCK_SIZE, A.SINK_POSITIONS),
               "wall_s": round(time.perf_counter() - t0, 1)})
