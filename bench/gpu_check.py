@@ -432,12 +432,10 @@ def long_context(plan: Plan, args: argparse.Namespace) -> dict:
             path = str(random_model_dir(Path(tmp) / "long", plan.long_model))
             source = "random weights, " + ("smoke Llama shape" if plan.smoke else "SmolLM2-135M's shape")
         max_len = json.loads((Path(path) / "config.json").read_text())["max_position_embeddings"]
-        n_prompt = min(plan.long_len, max_len - 64)
-        rng = random.Random(5)
-        prompt = [rng.randrange(3, 250) for _ in range(n_prompt)]
         n_new = 8
         long_block = {k: v for k, v in long_pool_engine_block().items() if k not in ("device", "tensor_parallel_size")}
-        variants = {"dense": {"max_num_batched_tokens": 512},
+        # dense: inside the trained context, every token kept; long_pool: as prod.yaml runs it.
+        variants = {"dense": {"max_num_batched_tokens": 512, "max_model_len": min(plan.long_len, max_len - 64) + 64},
                     "long_pool": {**long_block, "max_num_seqs": 4}}
         splits_seen: list[int] = []
         reduce = pa.reduce_splits
@@ -451,13 +449,16 @@ def long_context(plan: Plan, args: argparse.Namespace) -> dict:
         try:
             for name, block in variants.items():
                 tokens, timing = {}, {}
+                prompt: list[int] = []
                 for backend in ("torch", plan.candidate_backend):
                     splits_seen.clear()
                     cfg = engine_config_from_dict(block, model=path, device=plan.device, dtype="float32",
                                                   allow_tf32=False, attention_backend=backend,
                                                   load_format="dummy" if source.startswith("random") else "auto",
-                                                  max_model_len=n_prompt + 64, num_kv_blocks=-(-max_len // 16) + 64)
+                                                  num_kv_blocks=-(-max_len // 16) + 64)
                     engine = LLMEngine(cfg)
+                    if not prompt:
+                        prompt = long_prompt(engine, name, plan.long_len, max_len, n_new)
                     rid = engine.add_request(None, prompt, SamplingParams(max_tokens=n_new, temperature=0.0,
                                                                          ignore_eos=True))
                     out: list[int] = []
@@ -480,16 +481,31 @@ def long_context(plan: Plan, args: argparse.Namespace) -> dict:
                 equal = tokens["torch"] == tokens[plan.candidate_backend]
                 ok = equal and (name != "long_pool" or sparse_steps > 0) and \
                     (name != "dense" or plan.smoke or cand_splits > 1)
-                rows.append(dict(variant=name, backend=plan.candidate_backend, prompt_tokens=n_prompt,
+                rows.append(dict(variant=name, backend=plan.candidate_backend, prompt_tokens=len(prompt),
                                  new_tokens=n_new, tokens_equal=equal,
                                  prefix_agreement=round(agreement([tokens[plan.candidate_backend]], [tokens["torch"]]), 3),
                                  max_splits=cand_splits, sparse_steps=sparse_steps,
                                  ms_per_step=timing[plan.candidate_backend], torch_ms_per_step=timing["torch"],
                                  **{"pass": ok}))
-                logger.info("long context %s: equal=%s splits=%d sparse steps=%d", name, equal, cand_splits, sparse_steps)
+                logger.info("long context %s: %d tokens, equal=%s splits=%d sparse steps=%d", name, len(prompt), equal,
+                            cand_splits, sparse_steps)
         finally:
             pa.reduce_splits = reduce
     return dict(model=source, rows=rows, **{"pass": bool(rows) and all(r["pass"] for r in rows)})
+
+
+def long_prompt(engine: Any, variant: str, long_len: int, trained: int, n_new: int) -> list[int]:
+    """A seeded random prompt for ``variant``: ``dense`` stays inside the trained context; ``long_pool`` goes
+    a quarter past it when the engine derives its limits from the model (``engine.limits``: the pool attends
+    exactly inside the context and evicts and selects sparsely only past it), else (explicit window and
+    sparse bounds, sequences limited to the context) stays inside it."""
+    limits = getattr(engine, "limits", None)
+    if variant == "dense" or limits is None:
+        n = min(long_len, trained - 64)
+    else:
+        n = min(limits.max_prompt_tokens - n_new, max(limits.sparse_min_context, trained) + trained // 4)
+    rng = random.Random(5)
+    return [rng.randrange(3, 250) for _ in range(n)]
 
 
 # ------------------------------------------------------------------------------------------ kernel tests
