@@ -58,6 +58,18 @@ def test_a_section_past_its_budget_is_stopped_and_the_others_still_run(tmp_path:
     assert "| equivalence | 2 |" in (tmp_path / "results.md").read_text()
 
 
+@pytest.mark.slow
+def test_the_real_model_section_runs_any_checkpoint_given_by_path(tmp_path: Path) -> None:
+    """``--model PATH``: greedy tokens against transformers in float32, the chat answer, decode rates. The
+    reference model stands in for SmolLM2 (which must name Paris to pass; this one does not)."""
+    proc = run_check("--out", str(tmp_path), "--only", "real_model", "--model", "assets/reference-model")
+    real = json.loads((tmp_path / "results.json").read_text())["real_model"]
+    assert real["source"] == "--model assets/reference-model" and real["tokens_equal_fp32"] is True
+    assert isinstance(real["chat_answer"], str) and real["chat_answer"]
+    assert [(r["batch"], r["tokens"]) for r in real["rows"]] == [(1, 16), (16, 256)]  # decode steps only
+    assert real["pass"] is ("Paris" in real["chat_answer"]) and proc.returncode == (0 if real["pass"] else 1)
+
+
 def test_each_section_has_its_own_budget_within_one_device_command() -> None:
     from bench.gpu_check import SECTIONS, Plan, budgets
 
