@@ -13,7 +13,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from app.metrics import render
 from app.placement import pool_device
 from app.settings import AppArgs
-from engine.model_store import CATALOG, REFERENCE_MODEL, normalize_spec
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.decode_path import DECODE_PATHS, decode_path_for
 
@@ -43,6 +42,15 @@ EXPECTED = {
 }
 
 
+def model_dir(spec: str) -> str:
+    """The directory a config's model spec names, as the app resolves it at build time, offline: a catalog
+    name not in the model cache falls back to the reference model, as ``sinkserve serve`` does (the
+    catalog's SmolLM2 is a Llama-family model like it, so the decision is the same)."""
+    from engine.model_store import resolve_model
+
+    return resolve_model(spec, fetch=False, fallback=True)
+
+
 def pool_configs() -> dict[tuple[str, str, str, str], EngineConfig]:
     """Every pool x model version x device it can be placed on (``device: auto`` on a CPU and a GPU cluster),
     as the app builds its EngineConfig."""
@@ -53,10 +61,7 @@ def pool_configs() -> dict[tuple[str, str, str, str], EngineConfig]:
             args = AppArgs.model_validate(app["args"])
             for pool in args.pools:
                 for v in args.versions:
-                    spec = v.model or args.model
-                    # A catalog model may not be fetched here: decide on the reference model, as an offline
-                    # start serves it (the decision depends on the config and the model's shape family only).
-                    model = str(REFERENCE_MODEL) if spec in CATALOG else normalize_spec(spec)
+                    model = model_dir(v.model or args.model)
                     for device in sorted({pool_device(pool, 0), pool_device(pool, 1)}):
                         out[(path.name, pool.name, v.name, device)] = pool.engine_config(model, device)
     return out
