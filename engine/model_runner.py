@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -456,7 +456,12 @@ class ModelRunner:
         native = type(self.model) is LlamaForward  # subclasses (AttnRes) have their own forward, no C step
         facts = DecodeFacts(native_llama=native, head_dim=self.shape.head_dim, sinks=self.layout.sinks,
                             backend=self.backend.name, c_kernel=not self.config.on_cuda and cpu_decode.available())
-        path = choose_decode_path(self.config, facts)
+        # The ranks this runner shards over (a test or worker may build one with world_size > 1 on a config
+        # that says tensor_parallel_size 1): the C step runs one whole model, never a shard.
+        config = self.config
+        if config.tensor_parallel_size != self.world_size:
+            config = replace(config, tensor_parallel_size=self.world_size)
+        path = choose_decode_path(config, facts)
         if native:
             self.model.c_step = path.path == "c_step"
         return path

@@ -88,4 +88,4 @@ def test_cli_generate_streams_text(tiny_llama: Path) -> None:
         [sys.executable, "-m", "app.cli", "generate", "--model", "/nonexistent", "--prompt", "hello"],
         capture_output=True, text=True, timeout=120,
     )
-    assert bad.returncode == 2 and "does not exist" in bad.stderr
+    assert bad.returncode == 2 and "no such file or directory" in bad.stderr

@@ -90,7 +90,7 @@ def test_cpu_runner_sizes_kv_after_loading_and_warm_up_is_a_no_op(tiny_llama: Pa
     assert ex.runner.warm_up() is False and calls == []
 
 
-def test_cuda_runner_warms_up_its_backend_for_the_model_shape(tiny_llama: Path) -> None:
+def test_cuda_runner_warms_up_its_backend_for_the_model_shape(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from dataclasses import replace
 
     from engine.attention_backends import AttentionBackend
@@ -102,9 +102,11 @@ def test_cuda_runner_warms_up_its_backend_for_the_model_shape(tiny_llama: Path) 
     runner.backend = AttentionBackend("fake", runner.backend.write_kv, runner.backend.paged_attention,
                                       warm_up=lambda *a, **kw: calls.append((*a, kw)))
     runner.config = replace(runner.config, device="cuda")  # what warm_up reads; no GPU is touched
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)  # the warm-up's decode steps ran on the CPU
     assert runner.warm_up() is True
-    # tiny llama: 4 query heads, 2 KV heads of 16, 512 positions, no learned sinks
-    assert calls == [(4, 2, 16, 16, torch.float32, runner.device, 512, {"sinks": False})]
+    # tiny llama: 4 query heads, 2 KV heads of 16, 512 positions, no learned sinks, 16-bit KV
+    assert calls == [(4, 2, 16, 16, torch.float32, runner.device, 512,
+                      {"force": True, "sinks": False, "quant": 0, "group_size": 1})]
 
 
 def test_profile_input_is_the_largest_step(tiny_llama: Path) -> None:

@@ -114,9 +114,9 @@ def test_abort_of_waiting_request_reports_abort(tiny_llama: Path) -> None:
 
 
 def test_bad_model_directories(tmp_path: Path, tiny_llama: Path) -> None:
-    with pytest.raises(ModelLoadError, match="does not exist"):
+    with pytest.raises(ModelLoadError, match="no such file or directory"):
         make(tmp_path / "missing")
-    with pytest.raises(ModelLoadError, match="not a model directory"):
+    with pytest.raises(ModelLoadError, match="has no config.json and no .gguf file"):
         make(tmp_path)
     odd = tmp_path / "odd"
     odd.mkdir()

@@ -158,8 +158,10 @@ def test_compact_mode_keeps_its_smaller_prefill_group() -> None:
 
     from engine import sparse_runtime
 
-    for sparse, group in ((SparseAttention(enabled=True), bs.PREFILL_GROUP),
-                          (SparseAttention(enabled=True, position_mode="compact"), COMPACT_PREFILL_GROUP)):
+    # Resolved budgets, as the engine passes them (engine/limits.py fills a config's None values).
+    resolved = dict(top_k=64, min_context=128, local_window=32)
+    for sparse, group in ((SparseAttention(enabled=True, **resolved), bs.PREFILL_GROUP),
+                          (SparseAttention(enabled=True, position_mode="compact", **resolved), COMPACT_PREFILL_GROUP)):
         assert sparse.prefill_group == group
         # The step's plan carries the mode's group to the kernels.
         step = sparse_runtime.plan([[0]], SimpleNamespace(sparse=sparse, block_size=BS), 4, torch.device("cpu"))
