@@ -209,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         res = run(client, args.runs, args.max_tokens)
     finally:
         stop(proc)
-    if args.grafted:
+    if args.grafted:  # the first part's table is written already, in case the second server fails
+        emit(report(res, str(args.model), args.runs, time.time() - t0), args.out)
         proc, port = start_sinkserve(args.config, grafted_model(args.model, tmp), tmp)
         try:
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=300)

@@ -245,8 +245,9 @@ def check_tools(oc, client):
 
 def check_tool_choice(oc, client):
     """required: one or more calls of offered functions; none: plain text; an unknown name: 400."""
+    # One call (parallel_tool_calls false): a random model may otherwise grow the array until max_tokens.
     out = oc.chat.completions.create(model="tiny", messages=MSGS, tools=[WEATHER, TIME], tool_choice="required",
-                                     max_tokens=120, temperature=1.0, seed=4)
+                                     parallel_tool_calls=False, max_tokens=120, temperature=1.0, seed=4)
     calls = out.choices[0].message.tool_calls
     assert out.choices[0].finish_reason == "tool_calls" and calls
     by_name = {"get_weather": WEATHER, "get_time": TIME}
