@@ -1,7 +1,7 @@
 """Chaos over HTTP against the whole application (HAProxy, ingress, hub, pools short and long, each an
 engine process), with the fault injector loaded in every process (``inject/sitecustomize.py``).
 
-Slow to start (a local Ray and three engines), so it runs in ``make chaos`` (SINKSERVE_CHAOS_SERVE=1),
+Slow to start (a local Ray and three engines), so it runs in ``make chaos`` (SINKSERVE_CHAOS_FULL=1),
 which writes the recorded figures to docs/chaos.md. Each case states what must happen and checks it:
 
 - a 20 MB body while /healthz is polled: 413 naming the limit; every probe answered 200;
@@ -28,7 +28,7 @@ import pytest
 
 from tests.chaos.conftest import inject_env, record
 
-pytestmark = pytest.mark.skipif(os.environ.get("SINKSERVE_CHAOS_SERVE") != "1",
+pytestmark = pytest.mark.skipif(os.environ.get("SINKSERVE_CHAOS_FULL") != "1",
                                 reason="starts a local Ray and three engines: run with `make chaos`")
 
 KEY = "chaos-key"
