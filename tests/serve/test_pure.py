@@ -132,7 +132,7 @@ def test_builder_refuses_to_build_without_keys(monkeypatch):
     monkeypatch.delenv("SINKSERVE_API_KEYS", raising=False)
     monkeypatch.delenv("SINKSERVE_API_KEYS_FILE", raising=False)
     with pytest.raises(AuthConfigError, match="auth: disabled"):
-        build_app({"model": "/nonexistent"})
+        build_app({"model": "reference"})
 
 
 def test_prod_and_local_configs_validate():
