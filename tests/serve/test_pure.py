@@ -131,6 +131,8 @@ def test_builder_refuses_to_build_without_keys(monkeypatch):
 
     monkeypatch.delenv("SINKSERVE_API_KEYS", raising=False)
     monkeypatch.delenv("SINKSERVE_API_KEYS_FILE", raising=False)
+    monkeypatch.delenv("SINKSERVE_OPERATOR_KEYS", raising=False)  # operator keys are API keys too (the serve
+    monkeypatch.delenv("SINKSERVE_OPERATOR_KEYS_FILE", raising=False)  # fixtures set them)
     with pytest.raises(AuthConfigError, match="auth: disabled"):
         build_app({"model": "reference"})
 
