@@ -92,7 +92,7 @@ class TokenText:
         if backend is not None:
             decoder = json.dumps(json.loads(backend.to_str()).get("decoder"))
         self.byte_level = '"ByteLevel"' in decoder
-        self._chars = {c: b for b, c in _bytes_to_unicode().items()}
+        self._chars = {c: b for b, c in bytes_to_unicode().items()}
         self._cache: dict[int, tuple[str, bytes]] = {}
 
     def _bytes(self, token_id: int, piece: str) -> bytes:
@@ -131,7 +131,7 @@ def token_bytes(text: str) -> list[int]:
     return list(text.encode())
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table (what byte-level BPE pieces are written in)."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]

@@ -30,27 +30,15 @@ from transformers import (
 )
 
 from engine.attnres import AttnResConfig, AttnResForCausalLM
+from engine.detokenizer import bytes_to_unicode
 
 VOCAB = 256
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map used by byte-level BPE."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """A byte-level tokenizer without merges: bytes 0..251 are tokens, 252..255 are BOS/EOS/delimiters."""
     specials = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
-    vocab = {ch: b for b, ch in _bytes_to_unicode().items() if b < VOCAB - len(specials)}
+    vocab = {ch: b for b, ch in bytes_to_unicode().items() if b < VOCAB - len(specials)}
     vocab.update({s: VOCAB - len(specials) + i for i, s in enumerate(specials)})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
