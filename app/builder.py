@@ -171,7 +171,8 @@ def build_app(args: AppArgs) -> Application:
             engine = pool.engine_config(v.model, device)
             slots = max(1, int(engine.max_num_seqs * args.jobs.max_share)) if pool.name == jobs_pool else 0
             spec = PoolSpec(bucket=pool.name, version=v.name, engine=engine, stats_push_interval_s=args.stats_push_interval_s,
-                            worker_num_cpus=pool.worker_num_cpus, job_slots=slots, store=store if slots else None,
+                            worker_num_cpus=pool.worker_num_cpus, job_slots=slots, job_timeout_s=args.jobs.timeout_s,
+                            store=store if slots else None,
                             tenants=tenants if slots else (), engine_watchdog_s=pool.engine_watchdog_s)
             dep = serve.deployment(LLMServer).options(name=spec.deployment_name, **pool_options(pool, device))
             pools[spec.deployment_name] = dep.bind(spec, hub)

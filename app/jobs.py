@@ -10,6 +10,8 @@ requests keep the rest. Lifecycle::
                  |                 |  app restarted
                  +-- re-queued once+--> second time: failed, "the replica running it stopped ..."
     cancel: queued -> cancelled at once; running -> the runner stops it at its next lease renewal (within 5 s)
+    wall clock: running longer than ``jobs.timeout_s`` -> failed, with the partial text and
+                finish_reason "time_limit" (no client waits on a job: nothing else would stop it)
 
 A job's prompt tokens are charged to its tenant when it is submitted (an atomic reserve, like
 any request: app/quotas.py); its completion tokens are charged in the same store step that records
@@ -27,6 +29,7 @@ import json
 import logging
 import secrets
 import time
+from contextlib import aclosing
 from dataclasses import asdict, dataclass, replace
 from typing import Any, AsyncIterator, Callable
 
@@ -299,7 +302,7 @@ class JobRunner:
     def __init__(self, queue: JobQueue, deployment: str, slots: int,
                  run: Callable[[PoolRequest], AsyncIterator[TokenDelta]], poll_s: float = 1.0,
                  on_finish: Callable[[Job], None] | None = None,
-                 charges: Callable[[str, int], list[Incr]] | None = None) -> None:
+                 charges: Callable[[str, int], list[Incr]] | None = None, timeout_s: float = 1800.0) -> None:
         self.queue = queue
         self.deployment = deployment
         self.slots = slots
@@ -307,6 +310,7 @@ class JobRunner:
         self.poll_s = poll_s
         self.on_finish = on_finish  # told of each stored result (tests, logs)
         self.charges = charges  # the quota increments of a job's completion tokens (Quotas.charges)
+        self.timeout_s = timeout_s  # a job's wall clock (JobsArgs.timeout_s)
         self.running: dict[str, asyncio.Task] = {}
         self._last_reap = 0.0
 
@@ -379,9 +383,15 @@ class JobRunner:
         parts: list[str] = []
         reason, n = None, 0
         try:
-            async for d in self.run(job.pool_request()):
-                parts.append(d.text)
-                reason, n = d.finish_reason or reason, d.completion_tokens
+            # The wall clock closes the engine stream (aborting the request there): a job has no
+            # client whose disconnect would, and the pool's timeout_s is for interactive requests.
+            async with asyncio.timeout(self.timeout_s), aclosing(self.run(job.pool_request())) as deltas:
+                async for d in deltas:
+                    parts.append(d.text)
+                    reason, n = d.finish_reason or reason, d.completion_tokens
+        except TimeoutError:
+            logger.warning("job %s: stopped at its %g s wall clock (%d tokens)", job.id, self.timeout_s, n)
+            return "".join(parts), "time_limit", n, f"time limit: the job ran past jobs.timeout_s ({self.timeout_s:g} s)"
         except asyncio.CancelledError:
             return "".join(parts), "cancelled", n, None
         except Exception as e:  # noqa: BLE001 - recorded on the job

@@ -90,7 +90,7 @@ class LLMServer:
         quotas = Quotas(store, dict(self.spec.tenants))
         logger.info("pool %s: runs jobs, %d at a time", self.spec.deployment_name, self.spec.job_slots)
         return JobRunner(JobQueue(store), self.spec.deployment_name, self.spec.job_slots, self._deltas,
-                         charges=quotas.charges)
+                         charges=quotas.charges, timeout_s=self.spec.job_timeout_s)
 
     async def _supervise(self) -> None:
         """TP = 1: an engine process that died or hung is replaced inside this replica -- seconds, where

@@ -191,6 +191,10 @@ class JobsArgs(_Strict):
     pool: str | None = None  # None: the pool with the largest prompt bound
     # Of each replica's sequence slots (engine.max_num_seqs), the share jobs may hold at once (at least one).
     max_share: float = Field(0.25, gt=0, le=1)
+    # A job's wall clock once running: past it the runner stops the generation and the job ends
+    # "failed" with the partial text and finish_reason "time_limit" (a huge max_tokens on an evicting
+    # pool could otherwise run for hours with no client).
+    timeout_s: float = Field(1800.0, gt=0)
 
 
 class AuditArgs(_Strict):
@@ -359,6 +363,7 @@ class PoolSpec:
     worker_num_cpus: float = 0.1
     # The job pool's replicas run queued jobs (app/jobs.py), at most job_slots at once; 0: none.
     job_slots: int = 0
+    job_timeout_s: float = 1800.0  # JobsArgs.timeout_s
     store: StoreSpec | None = None
     tenants: tuple[tuple[str, TenantLimits], ...] = ()  # to charge a finished job to its tenant
     engine_watchdog_s: float = 60.0  # PoolArgs.engine_watchdog_s

@@ -317,6 +317,12 @@ class EngineProcess:
             except RuntimeError:
                 return
             self._loop.add_reader(self._conn.fileno(), self._on_readable)
+            # uvloop (Serve's loop) makes a watched fd non-blocking (libuv's uv_poll_init): a send larger
+            # than the socket's buffer -- a long prompt -- then failed with EAGAIN part-written, and a
+            # message read half-arrived failed alike, each ending the engine (503 "engine process
+            # unreachable: [Errno 11]", found by schemathesis). The pipe stays blocking: the child drains
+            # it in a thread (_receive_forever), so a send waits at most for that thread.
+            os.set_blocking(self._conn.fileno(), True)
             self._loop.call_later(self._watch_period, self._watch)
 
     @property

@@ -151,3 +151,24 @@ async def test_steps_ready_together_reach_the_reader_as_one_delta(tiny_llama: Pa
     assert "".join(d.text for d in deltas) == ref.text and deltas[-1].completion_tokens == 20
     assert engine.stats().requests_finished_total == 1 and engine.stats().running == 0
     await engine.shutdown()
+
+
+def test_a_prompt_larger_than_the_pipe_buffer_under_uvloop_is_judged_not_fatal(tiny_llama: Path) -> None:
+    """Serve runs replicas on uvloop, which made the pipe non-blocking when the reader was attached: a
+    prompt whose message outgrew the socket buffer failed with EAGAIN and ended the engine (every
+    stream on it got 503). Now it reaches the engine, which judges it (too long: the field named)."""
+    import uvloop
+
+    async def main() -> None:
+        engine = EngineProcess(EngineConfig(model=str(tiny_llama), num_kv_blocks=128))
+        try:
+            with pytest.raises(InvalidRequestError):
+                async for _ in engine.generate([5] * 400_000, replace(PARAMS, max_tokens=4)):
+                    pass
+            engine.check_health()
+            outs = [o async for o in engine.generate("still serving", replace(PARAMS, max_tokens=4))]
+            assert sum(len(o.token_ids) for o in outs) == 4
+        finally:
+            await engine.shutdown()
+
+    uvloop.run(main())

@@ -400,3 +400,34 @@ def test_a_claim_that_stalls_past_the_reaper_leaves_the_job_to_the_queue(store):
     assert claimed.id == job.id and claimed.requeues == 1 and claimed.status == "running"
     assert store.pop("jobs-running:d") == job.id.encode() and store.pop("jobs-running:d") is None
     assert q.claim("d") is None  # nothing left on the queue
+
+
+async def test_a_job_past_its_wall_clock_fails_with_its_partial_text_and_its_stream_closed(store):
+    """No client waits on a job, so nothing but the runner's wall clock stops one that asked for a
+    huge max_tokens on an evicting pool: it ends failed, keeps what it made, and its engine stream is
+    closed (the engine aborts the request) -- not left running with no one to read it."""
+    import asyncio
+
+    quotas = Quotas(store, {"acme": TenantLimits(tokens_per_minute=10**6)})
+    q = JobQueue(store)
+    job = q.submit("acme", "d", "long", _preq())
+    closed = []
+
+    async def endless(req):
+        try:
+            i = 0
+            while True:  # a generation that never reaches max_tokens in the test's time
+                await asyncio.sleep(0.01)
+                yield TokenDelta(f"t{i}", (i,), None, False, None, 3, i + 1)
+                i += 1
+        finally:
+            closed.append(req.request_id)
+
+    runner = JobRunner(q, "d", slots=1, run=endless, poll_s=0.01, charges=quotas.charges, timeout_s=0.2)
+    await asyncio.wait_for(runner._one(q.claim("d")), 10.0)
+    done = q.get(job.id)
+    view = done.view()
+    assert view["status"] == "failed" and "jobs.timeout_s (0.2 s)" in view["error"], view
+    assert done.finish_reason == "time_limit" and done.text.startswith("t0t1") and done.completion_tokens >= 2
+    assert closed == ["job-req"] and runner.running == {}
+    assert [u.used for u in quotas.usage("acme")] == [done.completion_tokens]  # what it generated is charged
