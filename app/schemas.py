@@ -14,6 +14,7 @@ import uuid
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer, model_validator
+from pydantic.json_schema import WithJsonSchema
 
 from engine.sampling_params import MAX_LOGIT_BIAS, MAX_N, MAX_TOP_LOGPROBS
 
@@ -226,8 +227,9 @@ class ToolCallModel(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "user", "assistant", "tool"]
-    # ``null`` (an assistant message that only calls tools) is the empty string here.
-    content: str = ""
+    # ``null`` (an assistant message that only calls tools) is the empty string here; the schema says
+    # ``null`` is accepted (schemathesis' negative data sent it and expected a 400).
+    content: Annotated[str, WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "null"}], "default": ""})] = ""
     tool_calls: list[ToolCallModel] | None = None  # assistant messages (app/tools.py renders them)
     tool_call_id: str | None = Field(None, max_length=256)  # tool messages: the call answered
     name: str | None = Field(None, max_length=64)

@@ -254,3 +254,16 @@ def test_chat_default_max_tokens_is_capped_by_the_pool():
     assert default_max_tokens(chat, BucketSpec("s", 500, 60.0, max_model_len=512, default_max_tokens=1024), 500) == 12
     assert default_max_tokens(chat.model_copy(update={"max_tokens": 5000}), evicting, 30) is None
     assert default_max_tokens(CompletionRequest(prompt="x"), evicting, 30) is None  # OpenAI's 16 stays
+
+
+def test_a_null_message_content_is_accepted_and_the_schema_says_so():
+    """Found by schemathesis: ``content: null`` was accepted (as ""), but the schema said string only,
+    so the fuzzer's negative data expected a 400. The schema and the validation now agree."""
+    from pydantic import ValidationError
+
+    from app.schemas import ChatMessage
+
+    assert ChatMessage.model_validate({"role": "assistant", "content": None}).content == ""
+    assert {"type": "null"} in ChatMessage.model_json_schema()["properties"]["content"]["anyOf"]
+    with pytest.raises(ValidationError):
+        ChatMessage.model_validate({"role": "user", "content": 5})
