@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from evals.report import emit
+
 QUESTION = "What is the pass key? Answer with the number only."
 
 
@@ -178,11 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dumps(answers[a][i][0])[:60].replace("|", "\\|") for a in args.arms) + " |")
     lines += ["", "</details>", ""]
     text = "\n".join(lines)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
-    return 0
+    return emit(text, args.out)
 
 
 if __name__ == "__main__":

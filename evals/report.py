@@ -144,3 +144,13 @@ def write_report(result: EvalResult, out_dir: Path) -> dict[str, Path]:
     plot(result, paths["png"])
     logger.info("wrote %s", ", ".join(str(p) for p in paths.values()))
     return paths
+
+
+def emit(text: str, out: Path | None) -> int:
+    """Print ``text`` and write it to ``out`` (parent folders made); the exit status of a finished run.
+    The CLI tail of every script that writes one Markdown table (``evals/*_http.py``, ``bench/*``)."""
+    print(text)  # noqa: T201 - a CLI's result
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+    return 0

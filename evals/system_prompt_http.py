@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from evals.report import emit
+
 QUESTIONS = ["What is the capital of France?", "Name a fruit that is yellow.", "How many legs does a spider have?",
              "What colour is the sky on a clear day?"]
 
@@ -99,11 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["", "| arm | question | tokens | seconds | reply |", "|---|---|---|---|---|"]
     lines += [f"| {a} | {q} | {n} | {s:.0f} | {json.dumps(ans)[:120].replace('|', '/')} |" for a, q, n, _, ans, s in rows]
     text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
-    return 0
+    return emit(text, args.out)
 
 
 if __name__ == "__main__":
