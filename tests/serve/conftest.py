@@ -48,6 +48,17 @@ def prebuild_deepspeed_shm_op() -> None:
                    env={**os.environ, "DS_ACCELERATOR": "cpu"}, check=True, timeout=900)
 
 
+
+def wait_ready(base: str, timeout_s: float, what: str, poll_s: float = 0.5, request_timeout_s: float = 10) -> None:
+    """Poll ``base``/readyz until it answers 200; ``RuntimeError`` naming ``what`` and the last answer."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        r = httpx.get(base + "/readyz", timeout=request_timeout_s)
+        if r.status_code == 200:
+            return
+        time.sleep(poll_s)
+    raise RuntimeError(f"{what} not ready: {r.text}")
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     from engine.weights import write_manifest
@@ -119,14 +130,7 @@ def server(tiny_model):
     t.start()
     t0 = time.time()
     serve.run(app, name="sinkserve", route_prefix="/")
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        r = httpx.get(base + "/readyz", timeout=5)
-        if r.status_code == 200:
-            break
-        time.sleep(0.25)
-    else:
-        raise RuntimeError(f"not ready after deploy: {r.text}")
+    wait_ready(base, 120, "the app, after deploy,", poll_s=0.25, request_timeout_s=5)
     stop.set()
     t.join()
     info = {"base": base, "readyz_seen": readyz_seen, "startup_s": time.time() - t0, "long_tp": long_tp,

@@ -20,7 +20,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.serve.conftest import ACME_KEY, FREE_KEY, REPO
+from tests.serve.conftest import ACME_KEY, FREE_KEY, REPO, wait_ready
 from tests.serve.redis_server import redis_server
 
 pytestmark = pytest.mark.serve
@@ -62,14 +62,7 @@ def conv(request, server, tmp_path_factory):
     audit = str(tmp / "audit.jsonl")
     serve.run(build_app(conv_args(store, audit)), name="conv", route_prefix="/conv")
     base = server["base"] + "/conv"
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        r = httpx.get(base + "/readyz", timeout=10)
-        if r.status_code == 200:
-            break
-        time.sleep(0.5)
-    else:
-        raise RuntimeError(f"conversation app not ready: {r.text}")
+    wait_ready(base, 180, "conversation app")
     yield {"base": base, "store": request.param, "audit": Path(audit), "redis": with_redis}
     try:
         serve.delete("conv")

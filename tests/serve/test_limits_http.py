@@ -5,12 +5,10 @@ which exists to run past the trained context; the builder used to cap it there).
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 
-from tests.serve.conftest import API_KEY, REPO
+from tests.serve.conftest import API_KEY, REPO, wait_ready
 
 pytestmark = pytest.mark.serve
 
@@ -41,14 +39,7 @@ def lim(server):
 
     serve.run(build_app(lim_args()), name="lim", route_prefix="/lim")
     base = server["base"] + "/lim"
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        r = httpx.get(base + "/readyz", timeout=10)
-        if r.status_code == 200:
-            break
-        time.sleep(0.5)
-    else:
-        raise RuntimeError(f"limits app not ready: {r.text}")
+    wait_ready(base, 180, "limits app")
     with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as c:
         yield c
     try:
