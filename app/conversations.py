@@ -112,10 +112,16 @@ class ConversationStore:
             return False
         return self.store.delete("conversation:" + conv_id)
 
-    def lock(self, conv_id: str, ttl_s: float) -> str | None:
+    @staticmethod
+    def new_lock_token() -> str:
+        """A fresh owner token for :meth:`lock`. The caller holds it before the write, so a claim
+        whose reply was lost (the store died after taking it) can still be released."""
+        return secrets.token_hex(16)
+
+    def lock(self, conv_id: str, ttl_s: float, token: str | None = None) -> str | None:
         """Claim the conversation for one turn: the owner token that releases it, or None when a
         turn is already running. The lock expires after ``ttl_s`` whatever happens to its owner."""
-        token = secrets.token_hex(16)
+        token = token or self.new_lock_token()
         return token if self.store.put_if_absent("conversation-turn:" + conv_id, token.encode(), ttl_s) else None
 
     def unlock(self, conv_id: str, token: str) -> bool:

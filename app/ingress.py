@@ -494,7 +494,14 @@ class Ingress:
         """The conversation, locked for this turn, and the lock's owner token: 404 naming it when
         unknown, 409 when a turn is running."""
         lock_s = max(b.timeout_s for b in self.spec.plan.buckets) + 30.0
-        lock = await self._store(self.conversations.lock, conv_id, lock_s)
+        token = self.conversations.new_lock_token()
+        try:
+            lock = await store_call(self.conversations.lock, conv_id, lock_s, token)
+        except StoreError as e:
+            # The store may have taken the claim and died before answering: release it in the
+            # background (a no-op when it never landed) so the conversation is not held until expiry.
+            self._spawn(self._release_later(conv_id, token))
+            raise APIError(503, f"conversation store unavailable: {e}", type="server_error", retry_after=5) from None
         if lock is None:
             raise APIError(409, f"conversation {conv_id!r} has a turn in progress; send the next turn when it ends",
                            "sinkserve.conversation_id", "conflict")
@@ -526,7 +533,7 @@ class Ingress:
         delay = 0.25
         while time.monotonic() < deadline:
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
+            delay = min(delay * 2, 2.0)  # the store is usually back within seconds
             try:
                 await store_call(self.conversations.unlock, conv_id, lock)
                 return

@@ -127,8 +127,8 @@ async def running_ingress(spec: IngressSpec, pool: FakePool, replicas: int = 1) 
     finally:
         serve.get_replica_context = real
         for obj in objs:
-            for t in list(obj._tasks):  # settling a request the client left
-                await asyncio.wait({t}, timeout=5)
+            if obj._tasks:  # settling a request the client left: 5 s for all of them, not each
+                await asyncio.wait(set(obj._tasks), timeout=5)
             await base.__del__(obj)
             for t in list(obj._tasks):
                 t.cancel()

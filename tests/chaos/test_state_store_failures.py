@@ -136,3 +136,35 @@ async def test_a_bug_inside_a_turn_answers_500_and_releases_the_lock(spec, monke
             r = await client.post("/v1/completions", json=body)  # at once: the lock was released
             assert r.status_code == 200, (where, r.text)
         assert await _turns(client, cid) == 2
+
+
+async def test_a_turn_claim_whose_reply_was_lost_is_released(spec):
+    """The store takes the turn lock and dies before answering (Redis killed mid-reply): the request
+    gets a 503, and the lock it never learned it held is released in the background, so the next
+    turn runs within a second instead of getting 409 until the lock expires (timeout + 30 s)."""
+    import asyncio
+
+    async with running_ingress(spec, FakePool(tokens=2)) as (client, [ingress]):
+        store = _wrap(ingress)
+        cid = (await client.post("/v1/conversations")).json()["id"]
+        body = {"prompt": "hello", "max_tokens": 2, "sinkserve": {"conversation_id": cid}}
+        inner_put_if_absent = store.inner.put_if_absent
+
+        def written_then_lost(key, value, ttl_s=None):
+            inner_put_if_absent(key, value, ttl_s)
+            raise StoreError("chaos: connection lost after the write", "chaos: connection lost")
+
+        store.put_if_absent = written_then_lost
+        r = await client.post("/v1/completions", json=body)
+        assert r.status_code == 503 and "conversation store unavailable" in r.json()["error"]["message"], r.text
+        del store.put_if_absent
+        statuses = []
+        for _ in range(20):
+            r = await client.post("/v1/completions", json=body)
+            statuses.append(r.status_code)
+            if r.status_code == 200:
+                break
+            assert r.status_code == 409, r.text  # the orphaned claim, until the background release
+            await asyncio.sleep(0.1)
+        assert statuses[-1] == 200, statuses
+        assert await _turns(client, cid) == 1
