@@ -223,6 +223,7 @@ class ModelRunner:
                                                                 self.device)
         # Outlier key channels per layer [1, Hkv, O] (calibrated once, kept across re-allocations).
         self.outlier_idx: list[torch.Tensor] | None = None
+        self.key_absmax: list[torch.Tensor] | None = None  # per layer [Hkv, D] max |k| of the calibration forward
         if num_kv_blocks is not None:
             self.allocate_kv(num_kv_blocks)
 
@@ -373,6 +374,8 @@ class ModelRunner:
         finally:
             fp_index.fill_(-1)
         o = kv_outlier_channels(c, self.shape.head_dim)
+        # Kept for observability (evals.kv_quant reports which channels are outliers per layer).
+        self.key_absmax = [m.float().cpu() for m in absmax]  # type: ignore[union-attr]
         out = [m.topk(o, dim=-1).indices.sort(dim=-1).values[None].to(self.device) for m in absmax]  # type: ignore[union-attr]
         ratio = [float(m.topk(o, dim=-1).values.mean() / m.median()) for m in absmax]  # type: ignore[union-attr]
         logger.info("rank %d: %d outlier key channels per layer and KV head kept 16-bit (calibrated on %d tokens; "

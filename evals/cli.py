@@ -70,6 +70,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                             "engine's, 8 for int2 and 0 otherwise; 0 disables)")
         if name == "long-ppl":
             p.add_argument("--tokens", type=int, help="stream length (default 16x ctx; quick 2x)")
+            p.add_argument("--kv-outliers", action="store_true", help="which key channels are outliers, per layer, "
+                           "from the engine's calibration forward (writes kv_outlier_channels.*; evals.kv_quant)")
             p.add_argument("--selected-memory", action="store_true", help="dense vs sinks + window vs selected "
                            "memory (sparse.position_mode compact) over the stream (writes long_ppl_selected_memory.*)")
             p.add_argument("--top-k", type=int, help="selected memory's top_k (default ctx/2: "
@@ -238,7 +240,8 @@ def _kv_ab(args: argparse.Namespace, ctx: int) -> EvalResult:
     if args.eval_name == "long-ppl":
         tokens = args.tokens or (2 if args.quick else 16) * ctx
         return kv_quant.run_kv_long_ppl(args.model, args.kv_cache_dtype, tokens, window, chunk,
-                                        context_tokens=(2 if args.quick else 4) * ctx, text=args.text,
+                                        # in-context windows over at most the stream (a long context makes 4x costly)
+                                        context_tokens=min((2 if args.quick else 4) * ctx, max(ctx, tokens)), text=args.text,
                                         smooth=args.smooth or max(16, ctx // 4),
                                         outlier_channels=args.kv_outlier_channels)
     mults = tuple(float(x) for x in (args.lengths or ("2" if args.quick else "16")).split(",") if float(x) != 1)
@@ -293,7 +296,11 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, key, None):
             setattr(args, key, resolve_model(getattr(args, key), fallback=False))
     ctx = A.trained_context(args.model)
-    if getattr(args, "kv_cache_dtype", None):
+    if getattr(args, "kv_outliers", False):
+        from evals import kv_quant
+
+        result = kv_quant.outlier_report(args.model, args.kv_outlier_channels or 8)
+    elif getattr(args, "kv_cache_dtype", None):
         result = _kv_ab(args, ctx)
     elif getattr(args, "kv_budget", None) and args.eval_name == "long-ppl":
         from evals import eviction

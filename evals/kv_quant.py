@@ -131,3 +131,44 @@ def run_kv_needle(model: str, dtype: str, docs: int, mults: tuple[float, ...], w
         notes=["1x: in context, no eviction; other lengths: sinks + window + the fact as an anchor",
                "'everything' packs sinks, the anchor and the residual window too (the ablation)"],
     )
+
+
+def outlier_report(model: str, channels: int = 8, threshold: float = 4.0) -> EvalResult:
+    """Which key channels are outliers in ``model``, per layer: the engine's calibration forward (seeded
+    random ids, ``ModelRunner.calibrate_outliers``) gives each layer's ``max |k|`` per (KV head, channel).
+    A channel is an outlier when its max is ``threshold`` x the layer's median channel or more; the
+    ``channels`` the engine keeps 16-bit per KV head are the largest, whatever their ratio."""
+    t0 = time.perf_counter()
+    engine = A.make_engine(model, A.DENSE.policy(0), 256, 64, kv_cache_dtype="int2", kv_outlier_channels=channels,
+                           block_size=DEFAULT_PACKED_BLOCK_SIZE)
+    runner = engine.executor.runner
+    absmax = runner.key_absmax
+    chosen = runner.outlier_idx
+    engine.shutdown()
+    rows, ratios, counts = [], [], []
+    for layer, (m, idx) in enumerate(zip(absmax, chosen)):
+        med = float(m.median())
+        over = (m >= threshold * med)
+        top = m.flatten().topk(min(4, m.numel()))
+        heads = m.shape[0]
+        kept = idx[0]  # [Hkv, O]
+        kept_share = float(m.gather(1, kept.cpu()).mean() / med)
+        rows.append({"layer": layer, "median max|k|": round(med, 2),
+                     f"channels >= {threshold:g}x median": int(over.sum()),
+                     "largest (head:channel = x median)": ", ".join(
+                         f"{int(i) // m.shape[1]}:{int(i) % m.shape[1]}={float(v) / med:.1f}" for v, i in zip(top.values, top.indices)),
+                     f"kept 16-bit ({channels}/head x {heads}) mean x median": round(kept_share, 2)})
+        ratios.append(float(top.values[0]) / med)
+        counts.append(int(over.sum()))
+    panel = Panel(f"outlier key channels per layer (>= {threshold:g}x the layer's median channel)", "layer", "channels",
+                  [Series("outlier channels", list(range(len(counts))), counts, "-o")])
+    return EvalResult(
+        name="kv_outlier_channels", title="Outlier key channels per layer (calibration forward)",
+        columns=list(rows[0]), rows=rows, panels=[panel],
+        meta={"model": model, "threshold_x_median": threshold, "kept_per_kv_head": channels,
+              "layers": len(rows), "kv_heads": int(absmax[0].shape[0]), "head_dim": int(absmax[0].shape[1]),
+              "wall_s": round(time.perf_counter() - t0, 1)},
+        notes=[f"layers with any channel >= {threshold:g}x median: {sum(1 for c in counts if c)} of {len(counts)}; "
+               f"outlier channels in all: {sum(counts)}; largest ratio {max(ratios):.1f}x (layer {ratios.index(max(ratios))})",
+               "max |k| after RoPE over a 256-token calibration forward of seeded random ids"],
+    )

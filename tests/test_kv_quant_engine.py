@@ -339,3 +339,25 @@ def test_tp2_packed_cache_matches_tp1(tiny_llama: Path) -> None:
         assert ta == tb and len(ta) == params.max_tokens
         diffs = [abs(x - y) for x, y in zip(la, lb)]
         assert max(diffs) < 1e-4, max(diffs)
+
+
+def test_outlier_report_names_the_planted_channels(tmp_path: Path) -> None:
+    """``sinkserve eval long-ppl --kv-outliers``: channel 5 of each KV head planted 30x shows up per
+    layer as the largest channels (5 and its RoPE pair 13), counted as outliers; nothing else is."""
+    from transformers import AutoModelForCausalLM
+
+    from evals.kv_quant import outlier_report
+    from tests.tiny_models import build_model
+
+    path = build_model(tmp_path / "outliers", "llama", seed=3)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.k_proj.weight.view(2, 16, -1)[:, 5] *= 30
+    model.save_pretrained(path)
+    report = outlier_report(str(path), channels=2)
+    assert len(report.rows) == len(model.model.layers)
+    for row in report.rows:
+        largest = {c.split("=")[0].split(":")[1] for c in row["largest (head:channel = x median)"].split(", ")}
+        assert largest == {"5", "13"}, row
+        assert 2 <= row["channels >= 4x median"] <= 4, row  # channel 5 and 13 of 2 KV heads, at most
