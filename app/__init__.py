@@ -1,1 +1,1 @@
-"""sinkserve serving layer: a Ray Serve application (ingress -> router -> per-bucket engine pools)."""
+"""sinkserve serving layer: a Ray Serve application (ingress, whose planner picks a pool by prompt length -> per-bucket engine pools)."""

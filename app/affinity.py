@@ -5,7 +5,7 @@ session id) goes to the replica with the highest rendezvous score ``sha256(sessi
 every ingress replica computes the same ranking from the same replica set, so no state is shared
 and nothing is stored. When that replica is full the next in the ranking takes the turn; when it
 dies, Serve drops it from the set and the session moves to the next replica, where the turn is
-re-prefilled from the token ids the store keeps (``app/sessions.py``). Requests without a session
+re-prefilled from the token ids the store keeps (``app/conversations.py``). Requests without a session
 use Serve's power-of-two-choices. Worked example (scores invented)::
 
     replicas   r1     r2     r3          session "c-42": r2 > r3 > r1  -> turns go to r2
