@@ -292,9 +292,9 @@ def run(args: argparse.Namespace) -> int:
     # of a model that is not there must fail, not measure the reference model instead.
     from engine.model_store import resolve_model
 
-    for key in ("model", "baseline"):
-        if getattr(args, key, None):
-            setattr(args, key, resolve_model(getattr(args, key), fallback=False))
+    typed = {key: getattr(args, key) for key in ("model", "baseline") if getattr(args, key, None)}
+    for key, value in typed.items():
+        setattr(args, key, resolve_model(value, fallback=False))
     ctx = A.trained_context(args.model)
     if getattr(args, "kv_outliers", False):
         from evals import kv_quant
@@ -318,7 +318,8 @@ def run(args: argparse.Namespace) -> int:
         result = _sparse_ab(args, ctx)
     else:
         result = EVALS[args.eval_name](args, ctx)
-    result.meta["command"] = "sinkserve eval " + args.eval_name + _flags(args)
+    # The command as typed (a model name stays a name), so the record can be run again on another machine.
+    result.meta["command"] = "sinkserve eval " + args.eval_name + _flags(argparse.Namespace(**{**vars(args), **typed}))
     result.meta["model_sha256"] = A.model_fingerprint(args.model)
     paths = write_report(result, Path(args.out))
     print(markdown_table(result.columns, result.rows))
