@@ -5,15 +5,18 @@ Issue 36's first target: through the default topology (``serve_configs/prod.yaml
 filler is real English prose (the Python reference's topic pages, ``pydoc_data.topics``, code lines
 dropped), a five-digit key is placed at a spread of depths, and the question comes last::
 
-    <chat template: user>  prose ... "The pass key is 48213. Remember it. 48213 is the pass key." ... prose
-                           "What is the pass key? Answer with the number only."  <assistant>
+    <chat template: user>  prose ... "The secret number is 48213. Remember it. 48213 is the secret number." ...
+                           prose ... "What is the secret number? Answer with the number only."  <assistant>
+
+Not "pass key": the filler documents Python, where ``pass`` is a statement, and the model answered with
+the keyword ("The pass key is \"pass\".") as often as with the key.
 
 Arms (same prompts, greedy): ``http`` (routed by length, as a client would be), ``http-long`` (forced onto
 the long pool with ``sinkserve.pool``: sinks + window + sparse past the context, exact inside it) and
 ``dense`` (transformers, full cache). Start the server first::
 
-    flock /tmp/sinkserve-heavy.lock python -m app.cli serve serve_configs/prod.yaml --model /tmp/smollm2-hf &
-    python -m evals.passkey_http --base http://127.0.0.1:8000 --api-key KEY --model /tmp/smollm2-hf \\
+    python -m app.cli serve serve_configs/prod.yaml &
+    python -m evals.passkey_http --base http://127.0.0.1:8000 --api-key KEY --model smollm2-135m-instruct \\
         --out docs/evals/smollm2_passkey_http.md
 """
 
@@ -30,7 +33,7 @@ from pathlib import Path
 
 from evals.report import emit
 
-QUESTION = "What is the pass key? Answer with the number only."
+QUESTION = "What is the secret number? Answer with the number only."
 
 
 def prose_paragraphs() -> list[str]:
@@ -62,7 +65,7 @@ def build_case(tok, paragraphs: list[str], fraction: float, ctx: int, depth: flo
     """A chat whose rendered prompt has at most ``fraction * ctx`` tokens (whole paragraphs added while they
     fit), with the key at ``depth`` of the prose."""
     target = int(fraction * ctx)
-    needle = f"The pass key is {key}. Remember it. {key} is the pass key."
+    needle = f"The secret number is {key}. Remember it. {key} is the secret number."
 
     def render(paras: list[str]) -> tuple[list[dict[str, str]], int]:
         at = round(depth * len(paras))
@@ -121,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--base", default="http://127.0.0.1:8000")
     ap.add_argument("--api-key", required=True)
-    ap.add_argument("--model", required=True, help="the model directory the server serves (for dense and tokens)")
+    ap.add_argument("--model", required=True, help="the model the server serves: a name from the model cache, a "
+                    "directory or a .gguf (for dense and tokens)")
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.9])
     ap.add_argument("--n", type=int, default=8, help="prompts per fraction")
     ap.add_argument("--max-tokens", type=int, default=12)
@@ -134,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from engine.limits import read_model_config, trained_context
 
+    from engine.model_store import resolve_model
+
+    typed = args.model
+    args.model = str(resolve_model(typed, fallback=False))
     tok = AutoTokenizer.from_pretrained(args.model)
     ctx = trained_context(read_model_config(args.model))
     rng = random.Random(args.seed)
@@ -155,12 +163,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{arm}: {sum(c.key in a for c, (a, _) in zip(cases, answers[arm]))}/{len(cases)} in {seconds[arm]:.0f} s",
               file=sys.stderr)
 
-    lines = [f"# Pass-key retrieval over HTTP vs dense: {Path(args.model).name}", "",
+    lines = [f"# Pass-key retrieval over HTTP vs dense: {Path(typed).name}", "",
              f"Trained context {ctx} tokens; {args.n} prompts per length, key at depths 0..1, greedy, "
              f"{args.max_tokens} new tokens; filler: `pydoc_data.topics` prose. Command: "
-             f"`python -m evals.passkey_http --model {args.model} --n {args.n} --fractions "
+             f"`python -m evals.passkey_http --model {typed} --n {args.n} --fractions "
              f"{' '.join(map(str, args.fractions))}` against `python -m app.cli serve serve_configs/prod.yaml "
-             f"--model {args.model}`.", "",
+             f"--model {typed}`. The key is worded \"the secret number\".", "",
              "| length | prompt tokens | " + " | ".join(args.arms) + " | pools (http) |",
              "|---|---|" + "---|" * len(args.arms) + "---|"]
     for f in args.fractions:

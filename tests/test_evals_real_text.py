@@ -121,3 +121,22 @@ def test_merge_long_ppl_compares_past_the_context_with_dense_within_it(tmp_path:
     sw = next(n for n in blob["notes"] if n.startswith("sinks_window"))
     assert "1.050x dense" in sw and sw.split("; per")[0].endswith("-> MET")
     assert any(n.startswith("window_only") and "4.000x dense" in n for n in blob["notes"])
+
+
+def test_passkey_http_prompt_fits_its_length_and_names_no_python_keyword() -> None:
+    """evals/passkey_http: the chat fits ``fraction * ctx`` tokens, holds the key once worded "secret number"
+    (not "pass key": the prose documents Python, whose ``pass`` statement the model answered with)."""
+    import random
+
+    from evals.passkey_http import QUESTION, build_case, prose_paragraphs
+
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    paragraphs = prose_paragraphs()
+    for depth in (0.0, 0.5, 1.0):
+        case = build_case(tok, paragraphs, 0.5, 2048, depth, "48213", random.Random(1))
+        text = case.messages[0]["content"]
+        assert 1024 - 200 <= case.num_tokens <= 1024, case.num_tokens  # stops when a paragraph overshoots by <= 200
+        assert text.count("The secret number is 48213.") == 1 and text.endswith(QUESTION)
+        assert "pass key" not in text.lower() and "pass key" not in QUESTION.lower()
+        before = text.index("48213") / len(text)
+        assert abs(before - depth) < 0.35, (depth, before)
