@@ -236,7 +236,7 @@ class SnapshotCollector:
         info = InfoMetricFamily(PREFIX + "pool", "Pool replica settings", labels=labels)
         # engine/decode_path.py: the pool's decode step (decided once at start-up) and what ran each decode step.
         dpath = GaugeMetricFamily(PREFIX + "decode_path", "The decode step this pool replica runs (1 on its path: "
-                                  "c_step, compiled, eager or triton)", labels=labels + ["path"])
+                                  "c_step, eager or triton)", labels=labels + ["path"])
         dsteps = CounterMetricFamily(PREFIX + "decode_steps", "Decode steps by the path that ran them",
                                      labels=labels + ["path"])
         sparse = HistogramMetricFamily(PREFIX + "sparse_attended_tokens",

@@ -153,14 +153,14 @@ def run_llamacpp(venv: Path, gguf: Path, threads: int, work: dict) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
-def run_engine(model_dir: Path, work: dict, model_impl: str, compile_decode: bool) -> dict:
+def run_engine(model_dir: Path, work: dict, model_impl: str) -> dict:
     """The same workload through ``LLMEngine`` (this process)."""
     from engine import EngineConfig, LLMEngine, SamplingParams
 
     n_batch = max(len(work["prefill"]), len(work["prompt"]))
     engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", max_num_seqs=1, max_num_batched_tokens=n_batch,
                                     enable_prefix_caching=False, num_kv_blocks=-(-work["n_ctx"] // 16) + 2,
-                                    model_impl=model_impl, compile_decode=compile_decode))
+                                    model_impl=model_impl))
     greedy = dict(temperature=0.0, ignore_eos=True)
     engine.generate([work["prefill"][:8]], SamplingParams(max_tokens=2, **greedy))  # warm-up
     t, c = time.perf_counter(), time.process_time()
@@ -193,7 +193,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill", type=int, default=512)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--model-impl", default="auto")
-    p.add_argument("--compile-decode", action="store_true")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
 
@@ -215,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict]] = {k: [] for k in names}
     load = [os.getloadavg()[0]]
     for _ in range(args.rounds):
-        runs["engine"].append(run_engine(args.model, work, args.model_impl, args.compile_decode))
+        runs["engine"].append(run_engine(args.model, work, args.model_impl))
         for t in outtypes:
             runs[f"llama.cpp {t}"].append(run_llamacpp(args.venv, ggufs[t], args.threads, work))
         load.append(os.getloadavg()[0])
@@ -247,8 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Python {platform.python_version()}. ggml: `{info['system_info'].strip()}`",
         "",
         f"**Model:** `{args.model.name}` ({cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, vocab {vocab}). "
-        f"Engine: float32 weights ({engine_bytes / 1e6:.1f} MB of safetensors), forward {args.model_impl}"
-        f"{', compiled decode step' if args.compile_decode else ''}. "
+        f"Engine: float32 weights ({engine_bytes / 1e6:.1f} MB of safetensors), forward {args.model_impl}. "
         "llama.cpp weight precision per GGUF (tensor types, parameters): "
         + "; ".join(f"`--outtype {t}`: {types[t]} ({ggufs[t].stat().st_size / 1e6:.1f} MB)" for t in outtypes)
         + ". The first GGUF is the headline comparison"

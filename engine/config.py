@@ -103,9 +103,6 @@ class EngineConfig:
     # "auto": the native forward for architectures that have one (engine/models/), transformers' modules
     # otherwise; "native" requires it; "transformers" always uses the modules (the fallback path).
     model_impl: str = "auto"
-    # Compile the decode step of the native forward (torch.compile, inductor) at bucketed batch sizes at
-    # start-up (engine/compiled_step.py); a model or device it cannot compile runs eagerly (one log line).
-    compile_decode: bool = False
     cache_policy: CachePolicy = field(default_factory=CachePolicy)
     # KV cache storage (see docs/kv_cache.md). "auto": model dtype, today's layout. "int8" / "int4" / "int2":
     # a packed pool (every block id) plus a small 16-bit side pool for the blocks the cache policy keeps

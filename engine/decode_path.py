@@ -6,8 +6,6 @@ A *decode step* is a step in which every scheduled sequence feeds one token. Wha
     triton    the forward in torch ops, attention and KV writes   attention_backend "triton" (CUDA; the
               in the Triton kernels (kernels/paged_attention.py)  CPU interpreter in tests)
     eager     the forward in torch ops (the reference)            any other CUDA engine
-    compiled  torch.compile's graph of the native forward, per    compile_decode on a CPU engine with the
-              batch bucket (engine/compiled_step.py)              native Llama-family forward
     c_step    the whole step as one C call (kernels/cpu_decode.py) a CPU engine whose model and features
                                                                   the C step carries (``c_step_blockers``)
     eager     the forward in torch ops                            anything else; ``reason`` names what the
@@ -18,8 +16,8 @@ dtype, sparse attention, eviction policy, tensor parallelism, the model's forwar
 The model runner applies it (``LlamaForward.c_step``), the engine logs it once at start-up and exports it
 (``EngineStats.decode_path``: the ``sinkserve_decode_path`` gauge, labelled by pool). A step may still fall
 back for its own reasons -- a C-step pool's decode step with more than ``DECODE_KERNEL_MAX_ROWS``
-sequences, or a compiled graph that failed to build at start-up -- so what *ran* is counted per step
-(``EngineStats.decode_steps``: the ``sinkserve_decode_steps_total{path}`` counter).
+sequences -- so what *ran* is counted per step (``EngineStats.decode_steps``: the
+``sinkserve_decode_steps_total{path}`` counter).
 
 >>> from engine.config import EngineConfig
 >>> choose_decode_path(EngineConfig(), DecodeFacts(native_llama=True, head_dim=32, sinks=False,
@@ -41,7 +39,7 @@ from engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
-DECODE_PATHS = ("c_step", "compiled", "eager", "triton")
+DECODE_PATHS = ("c_step", "eager", "triton")
 # Architectures whose native forward is engine.models.llama.LlamaForward (the one the C step compiles).
 LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 C_STEP_MAX_HEAD_DIM = 256
@@ -108,8 +106,6 @@ def choose_decode_path(config: EngineConfig, facts: DecodeFacts | None) -> Decod
         return DecodePath("eager", f"attention backend {config.attention_backend} on {config.device}")
     if facts is None:
         raise ValueError("a CPU engine's decode path depends on its model: pass DecodeFacts")
-    if config.compile_decode and facts.native_llama:
-        return DecodePath("compiled", "compile_decode on the native forward")
     blockers = c_step_blockers(config, facts)
     if blockers:
         return DecodePath("eager", "the C step does not carry: " + ", ".join(blockers))

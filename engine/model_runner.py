@@ -37,6 +37,18 @@ from engine.weights import verify_model_dir
 
 logger = logging.getLogger(__name__)
 
+WARM_UP_POWERS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def warm_up_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """The decode batch sizes ``ModelRunner.warm_up_kernels`` runs: powers of two below ``max_num_seqs``,
+    then ``max_num_seqs`` itself (a few sizes spanning the range, not every one).
+
+    >>> warm_up_batch_sizes(48)
+    (1, 2, 4, 8, 16, 32, 48)
+    """
+    return tuple(b for b in WARM_UP_POWERS if b < max_num_seqs) + (max_num_seqs,)
+
 
 @dataclass
 class ModelInput:
@@ -206,7 +218,6 @@ class ModelRunner:
         if config.sparse.compact and any(f is None for f in self.inv_freqs):
             raise ConfigError("sparse.position_mode", "'compact' re-positions keys by rotating them: it needs a model "
                               "with rotary position embeddings in every layer")
-        self.compiled = None  # engine.compiled_step.CompiledDecode once compile_decode_step succeeded
         self.buffers = StepBuffers(config.max_num_batched_tokens, config.max_num_seqs, self.device)
         # Only the rank that holds the full logits samples (rank 0; logits are all-reduced to every rank).
         self.sampler = Sampler(self.device, config.seed, tokenizer_path=config.model) if rank == 0 else None
@@ -393,9 +404,7 @@ class ModelRunner:
 
     def warm_up(self) -> bool:
         """Compile the attention kernels before the first request (CUDA only: on CPU nothing is compiled and
-        this returns False; ``warm_up_kernels``), then the decode step when ``compile_decode`` is set."""
-        if self.config.compile_decode:
-            self.compile_decode_step()
+        this returns False; ``warm_up_kernels``)."""
         if not self.config.on_cuda or self.backend.warm_up is None:
             return False
         self.warm_up_kernels()
@@ -403,13 +412,11 @@ class ModelRunner:
 
     def warm_up_kernels(self) -> int:
         """Launch every kernel configuration this model's steps can pick (``backend.warm_up``: each tile x
-        split count, over this pool's KV storage), then one decode step at each batch bucket
-        (``engine.compiled_step.decode_buckets``) through the real forward, so no request pays a compile.
+        split count, over this pool's KV storage), then one decode step at each of a few batch sizes
+        (``warm_up_batch_sizes``) through the real forward, so no request pays a compile.
         Step-varying integers (sequence count, table width) are not specialized by the kernels
         (``kernels._triton.PER_STEP_INTS``), so these launches cover every batch size and context length.
         Returns the kernel launches made. Runs the kernels wherever they run (the interpreter in tests)."""
-        from engine.compiled_step import decode_buckets
-
         c = self.config
         heads = self.model.config.num_attention_heads // self.world_size
         kv_heads = self.shape.num_kv_heads // self.world_size
@@ -417,38 +424,14 @@ class ModelRunner:
         n = self.backend.warm_up(heads, kv_heads, self.shape.head_dim, c.block_size, torch_dtype(c.dtype), self.device,
                                  self.max_model_len, force=True, sinks=self.layout.sinks, quant=quant,
                                  group_size=kv_value_group_size(c, self.shape.head_dim) if quant else 1)
-        buckets = decode_buckets(c.max_num_seqs)
-        for b in buckets:
+        batches = warm_up_batch_sizes(c.max_num_seqs)
+        for b in batches:
             self.execute(self._decode_dummy(b))
         if c.on_cuda:
             torch.cuda.synchronize(self.device)
         logger.info("rank %d: %s kernels warmed up (%d configurations; decode steps at batch sizes %s)", self.rank,
-                    self.backend.name, n, list(buckets))
+                    self.backend.name, n, list(batches))
         return n
-
-    def compile_decode_step(self) -> bool:
-        """Compile the native forward's decode step at every bucket (``engine.compiled_step``), timing it;
-        a configuration that cannot compile runs eagerly, with one log line saying why."""
-        from engine.compiled_step import CompiledDecode, decode_buckets
-        from engine.models.llama import LlamaForward
-
-        self.compiled = None
-        if not isinstance(self.model, LlamaForward) or self.config.on_cuda:
-            why = "CUDA (graphs not implemented)" if self.config.on_cuda else "transformers modules"
-            logger.info("rank %d: compiled decode step off: %s run eagerly", self.rank, why)
-            return False
-        compiled = CompiledDecode(self.model, decode_buckets(self.config.max_num_seqs))
-        try:
-            self.compiled = compiled
-            seconds = compiled.warm_up(lambda b: self.execute(self._decode_dummy(b)))
-        except Exception as exc:  # any compiler failure: the eager step is always correct
-            self.compiled = None
-            logger.warning("rank %d: compiled decode step off, running eagerly (%s: %s)", self.rank,
-                           type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-            return False
-        logger.info("rank %d: decode step compiled for batch sizes %s in %.1f s", self.rank, list(compiled.buckets),
-                    seconds)
-        return True
 
     def _choose_decode_path(self) -> DecodePath:
         """``engine.decode_path.choose_decode_path`` over the model this runner loaded; a Llama-family
@@ -520,13 +503,8 @@ class ModelRunner:
                                            position_free=self.config.sparse.compact)
         if self.indexer is not None:
             indexer_runtime.apply_block_ops(self.indexer, self.kv_caches, inp, self.device)
-        # A decode-only step (one token per sequence) runs the compiled graph of its bucket, if any (not while
-        # importance eviction scores blocks: that runs Python per sequence, which a captured graph cannot).
-        num = len(inp.input_ids)
-        compiled = self.compiled is not None and num == len(inp.seq_lens) and not inp.score_importance
-        bucket = self.compiled.bucket(num) if compiled else None
         st = self.buffers.load(inp.input_ids, inp.positions, inp.slot_mapping, inp.logits_indices, inp.block_tables,
-                               inp.seq_lens, inp.query_start_loc, pad_to=bucket)
+                               inp.seq_lens, inp.query_start_loc)
         ctx = attention.ForwardContext(
             backend=self.backend,
             kv_caches=self.kv_caches,
@@ -550,12 +528,8 @@ class ModelRunner:
         self.last_block_importance = None
         self.last_decode_path = None
         with attention.forward_context(ctx):
-            if bucket is not None:
-                n = len(inp.logits_indices)
-                self.last_decode_path = "compiled"
-                return self.compiled.fn(st.input_ids, st.positions, st.padded_logits_indices[:bucket])[:n]
             logits = self.model(st.input_ids, st.positions, st.logits_indices)
-        if num == len(inp.seq_lens):  # a decode step: count what ran it (engine/decode_path.py)
+        if len(inp.input_ids) == len(inp.seq_lens):  # a decode step: count what ran it (engine/decode_path.py)
             self.last_decode_path = ("c_step" if getattr(self.model, "ran_c_step", False)
                                      else "triton" if self.backend.name == "triton" else "eager")
         if ctx.block_importance is not None:

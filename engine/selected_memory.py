@@ -164,7 +164,7 @@ class StepContext:
     each layer's RoPE table, the step's token positions, and the canonical scoring distance."""
 
     inv_freqs: list[torch.Tensor]
-    positions: torch.Tensor  # [T'] (the step's rows, padding included)
+    positions: torch.Tensor  # [T] (the step's rows)
     distance: int
 
     def bounds_keys(self, k: torch.Tensor, layer: int) -> torch.Tensor:

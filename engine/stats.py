@@ -34,7 +34,7 @@ class EngineCounters:
     sparse_step_attended: int = 0  # the current step's sums (the fraction gauge)
     sparse_step_context: int = 0
     sparse_step: int = -1
-    # Decode steps by the path that ran them (engine/decode_path.py: c_step, compiled, eager, triton).
+    # Decode steps by the path that ran them (engine/decode_path.py: c_step, eager, triton).
     decode_steps: dict[str, int] = field(default_factory=dict)
 
     def observe_sparse(self, attended: int, visible: int, is_sparse: bool) -> None:

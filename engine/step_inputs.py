@@ -9,8 +9,6 @@ buffer::
     tokens[2, :T] slot mapping
     tokens[3, :N] logits indices
 
-``pad_to`` >= T pads the token rows (id 0, position 0, slot -1: written nowhere) so a compiled decode
-step sees one of a few fixed shapes; attention reads only the ``T`` real rows (its metadata is unpadded).
 A step larger than the buffers grows them (the outlier calibration forward can exceed the batch budget).
 """
 
@@ -23,11 +21,10 @@ import torch
 
 @dataclass(frozen=True)
 class StepTensors:
-    input_ids: torch.Tensor  # [T'] (T' = pad_to or T)
+    input_ids: torch.Tensor  # [T'] (T' = max(T, N))
     positions: torch.Tensor  # [T']
     slot_mapping: torch.Tensor  # [T'] (-1 on padding)
     logits_indices: torch.Tensor  # [N]
-    padded_logits_indices: torch.Tensor  # [max(T', N)]: logits_indices, then zeros
     block_tables: torch.Tensor  # [S, W] int32
     seq_lens: torch.Tensor  # [S] int32
     query_start_loc: torch.Tensor  # [S + 1] int32
@@ -42,10 +39,9 @@ class StepBuffers:
         self.seqs = torch.zeros(2, max(1, max_seqs) + 1, dtype=torch.int32, device=device)
 
     def load(self, input_ids: list[int], positions: list[int], slot_mapping: list[int], logits_indices: list[int],
-             block_tables: list[list[int]], seq_lens: list[int], query_start_loc: list[int],
-             pad_to: int | None = None) -> StepTensors:
+             block_tables: list[list[int]], seq_lens: list[int], query_start_loc: list[int]) -> StepTensors:
         t, n, s = len(input_ids), len(logits_indices), len(seq_lens)
-        width = max(t if pad_to is None else pad_to, n)
+        width = max(t, n)
         if width > self.tokens.shape[1]:
             self.tokens = torch.zeros(4, width, dtype=torch.long, device=self.device)
         if s + 1 > self.seqs.shape[1]:
@@ -65,7 +61,7 @@ class StepBuffers:
         if self.device.type == "cpu":
             # On the CPU the host tensors are the step's tensors: no copy into the persistent buffers
             # (they exist for devices, where a copy is one transfer and captured graphs need fixed
-            # addresses; a compiled CPU graph takes its inputs as arguments).
+            # addresses).
             tok, seq = rows, ints[: 2 * (s + 1)].view(2, s + 1)
             tables = ints[2 * (s + 1):].view(s, w)
         else:
@@ -74,4 +70,4 @@ class StepBuffers:
             seq = self.seqs[:, : s + 1]
             seq.copy_(ints[: 2 * (s + 1)].view(2, s + 1), non_blocking=True)
             tables = ints[2 * (s + 1):].view(s, w).to(self.device)
-        return StepTensors(tok[0], tok[1], tok[2], tok[3, :n], tok[3], tables, seq[0, :s], seq[1])
+        return StepTensors(tok[0], tok[1], tok[2], tok[3, :n], tables, seq[0, :s], seq[1])

@@ -30,8 +30,6 @@ def _ok(t: torch.Tensor) -> bool:
 
 
 def _fast(*tensors: torch.Tensor) -> bool:
-    if torch.compiler.is_compiling():  # a compiled graph (engine/compiled_step.py) keeps the torch ops
-        return False
     for t in tensors:
         if not _ok(t):
             return False

@@ -13,10 +13,9 @@ step buffer and, after each sub-layer, mixes the next sub-layer's input from it:
 On a decode step these are a few hundred floats per op, where torch's dispatch -- not arithmetic -- is the
 cost: the torch path is five ops (norm, division, softmax, batched product, RMSNorm), the C kernel
 (``kernels/csrc/depth_mix.c``) one call. The torch path is the reference and runs whenever the kernel
-cannot: no C compiler, a dtype other than float32, a device other than the CPU, or inside a
-``torch.compile`` graph (``engine/compiled_step.py``). It keeps the slots not yet written at -inf (weight
-0, values zeros) and takes the softmax over all S slots, so it needs no per-mix slicing; the kernel reads
-only slots 0..slot and never sees an infinity.
+cannot: no C compiler, a dtype other than float32 or a device other than the CPU. It keeps the slots not
+yet written at -inf (weight 0, values zeros) and takes the softmax over all S slots, so it needs no per-mix
+slicing; the kernel reads only slots 0..slot and never sees an infinity.
 """
 
 from __future__ import annotations
@@ -41,8 +40,7 @@ class DepthMix:
                  dtype: torch.dtype, device: torch.device) -> None:
         t, s, q, d = tokens, num_slots, num_queries, hidden
         self.shape = (t, s, q, d)
-        self.fast = (dtype is torch.float32 and device.type == "cpu" and not torch.compiler.is_compiling()
-                     and load() is not None)
+        self.fast = dtype is torch.float32 and device.type == "cpu" and load() is not None
         # The kernel reads only written slots; the torch path needs zeros and -inf in the unwritten ones.
         self.src = (torch.empty if self.fast else torch.zeros)(t, s, q + d + 1, dtype=dtype, device=device)
         self.src[:, :, -1] = floor

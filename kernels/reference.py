@@ -224,13 +224,7 @@ def _paged_attention(query: torch.Tensor, fetch, plan: AttentionPlan, scale: flo
         def decode(q: torch.Tensor, g: Gather, mask: torch.Tensor) -> torch.Tensor:
             return _decode_attention(q, *fetch(g), mask, scale, sinks)
     if plan.decode is not None and plan.decode_tok is None:
-        rows = plan.decode.rows
-        o = decode(query[:rows], plan.decode, plan.decode_mask)
-        if rows == query.shape[0]:
-            return o
-        out = torch.empty_like(query)  # rows past the sequences' are padding (a compiled step's bucket)
-        out[:rows] = o
-        return out
+        return decode(query, plan.decode, plan.decode_mask)  # a decode-only step: the queries are the rows
     out = torch.empty_like(query)
     if plan.decode is not None:
         tok = plan.decode_tok

@@ -14,7 +14,9 @@ from app.metrics import render
 from app.placement import pool_device
 from app.settings import AppArgs
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.config_io import engine_config_from_dict
 from engine.decode_path import DECODE_PATHS, decode_path_for
+from engine.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "serve_configs"
@@ -115,4 +117,12 @@ def test_decode_path_and_steps_are_exported_per_pool() -> None:
     steps = {(s.labels["pool"], s.labels["path"]): s.value for s in fams["sinkserve_decode_steps"].samples
              if s.name == "sinkserve_decode_steps_total"}
     assert steps == {("short", "c_step"): 7, ("short", "eager"): 1, ("long", "eager"): 4}
-    assert set(DECODE_PATHS) == {"c_step", "compiled", "eager", "triton"}
+    assert set(DECODE_PATHS) == {"c_step", "eager", "triton"}
+
+
+def test_a_config_that_still_sets_the_removed_compile_decode_is_refused_naming_it() -> None:
+    # The compiled decode step was removed (issue 39, docs/compiled_step.md): an old config must fail
+    # loudly, not run a different step than it asks for.
+    with pytest.raises(ConfigError, match="compile_decode: unknown field") as e:
+        engine_config_from_dict({"compile_decode": True})
+    assert e.value.field == "compile_decode"

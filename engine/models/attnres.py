@@ -32,7 +32,7 @@ Where the work goes (decode on CPU is bound by the number of small ops, not thei
   and the next sub-layer's RMSNorm (which the standard forward fuses with its residual add).
 
 So a sub-layer costs what a standard one does: its output GEMM and one fused call (``add_rms_norm``
-there, the mix here). Elsewhere (bf16, GPU, a compiled step) the mix is five torch ops (norm, division,
+there, the mix here). Elsewhere (bf16, GPU) the mix is five torch ops (norm, division,
 softmax, batched product, RMSNorm). docs/attnres.md measures what that is per decode step. Tensor
 parallelism needs nothing more: the pseudo-queries are replicated, and the extension rows of a
 row-parallel projection are partial sums like its other rows, all-reduced with them.

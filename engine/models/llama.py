@@ -274,14 +274,13 @@ class LlamaForward(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         """``input_ids, positions [T]`` -> logits ``[len(logits_indices), vocab]`` (float32). Runs inside
         an ``engine.attention.forward_context`` (the paged KV metadata of the step)."""
-        if not torch.compiler.is_compiling():  # a compiled graph (engine/compiled_step.py) traces the torch ops
-            ctx = attention.current_context()
-            self.ran_c_step = ctx is not None and self.decode_kernel_applies(ctx, input_ids.shape[0])
-            if self.ran_c_step:
-                if self._decode_kernel is None:
-                    self._decode_kernel = cpu_decode.DecodeStep(self)
-                return self._decode_kernel(input_ids, positions, ctx.slot_mapping, ctx.block_tables, ctx.seq_lens,
-                                           ctx.query_start_loc, logits_indices, ctx.kv_caches)
+        ctx = attention.current_context()
+        self.ran_c_step = ctx is not None and self.decode_kernel_applies(ctx, input_ids.shape[0])
+        if self.ran_c_step:
+            if self._decode_kernel is None:
+                self._decode_kernel = cpu_decode.DecodeStep(self)
+            return self._decode_kernel(input_ids, positions, ctx.slot_mapping, ctx.block_tables, ctx.seq_lens,
+                                       ctx.query_start_loc, logits_indices, ctx.kv_caches)
         return self.eager_forward(input_ids, positions, logits_indices)
 
     def eager_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,7 @@ def test_app_args_validation():
 @pytest.mark.parametrize("engine, message", [
     ({"cache_policy": {"windw": 64}}, "engine.cache_policy.windw: unknown field; did you mean 'window'"),
     ({"max_num_seq": 8}, "engine.max_num_seq: unknown field; did you mean 'max_num_seqs'"),
+    ({"compile_decode": True}, "engine.compile_decode: unknown field"),  # removed in issue 39
     ({"block_size": 12}, "engine.block_size: must be a power of two"),
     ({"cache_policy": {"eviction_policy": "sliding_window", "window": 8}}, "engine.cache_policy.window: window 8 is smaller"),
     ({"model": "/elsewhere"}, "engine.model: set the model per version"),
