@@ -24,6 +24,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -356,13 +357,18 @@ def train(s: TrainSettings, progress: bool = True) -> TrainResult:
             "wall_s": str(round(wall_s)), "final_kl_ema": f"{ema:.4f}" if ema is not None else "nan",
             "queries": str(s.queries), "reuse": str(s.reuse), "text": text.source, "heldout_windows": str(HELDOUT_WINDOWS), "threads": str(s.threads),
             "heldout": json.dumps(res)}
-    save_file(idx.state(), str(out), metadata=meta)
-    logger.info("wrote %s (%d bytes)", out, out.stat().st_size)
+    # Written under a name the manifest does not cover, hashed, then renamed into place and listed at once:
+    # a server verifying this model meanwhile sees the old state or (for two syscalls) an unlisted file.
+    tmp = out.with_name(f".{out.name}.tmp")
+    save_file(idx.state(), str(tmp), metadata=meta)
+    digest = W.hash_file(tmp)
+    os.replace(tmp, out)
     manifest = card = None
+    if out.parent == model_dir and W.read_manifest(model_dir) is not None:
+        manifest, m = W.add_to_manifest(model_dir, (out.name,), {out.name: digest})
+        logger.info("added %s to %s (fingerprint %s)", out.name, manifest, m.fingerprint)
+    logger.info("wrote %s (%d bytes)", out, out.stat().st_size)
     if out.parent == model_dir:
-        if W.read_manifest(model_dir) is not None:
-            manifest, m = W.add_to_manifest(model_dir, (out.name,))
-            logger.info("added %s to %s (fingerprint %s)", out.name, manifest, m.fingerprint)
         card = write_card(model_dir, out)
     return TrainResult(out, step, wall_s, res, manifest, card, forced, seq_len)
 
