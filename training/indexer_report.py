@@ -77,22 +77,13 @@ def curve_result(curve: list[dict[str, float]], meta: dict[str, object]) -> Eval
                       columns=["step", "kl", "ema", "lr", "wall_s"], rows=rows, panels=[panel], meta=meta)
 
 
-def recall_result(model_dir: str, heldout: list[int], start: list[int], local_window: int, denoms: tuple[int, ...],
-                  docs: int, weights: Path | None = None) -> EvalResult:
-    """Per-layer recall of the trained indexer vs block_bounds vs random on held-out windows of the trained
-    context (``evals.sparse.run_recall`` with this model's forced window and held-out text)."""
-    from evals.sparse import run_recall
-
-    return run_recall(model_dir, denoms, docs, ids=heldout, start=start, local_window=local_window,
-                      indexer_path=weights)
-
-
 def write_reports(model_dir: str, result: TrainResult, out_dir: Path, recall_docs: int, command: str) -> list[Path]:
     """Under ``out_dir``: ``indexer_card.md``, ``indexer_training.{md,json,png}`` (the loss curve) and
     ``indexer_recall.{md,json,png}`` (per layer: trained vs block_bounds vs random at ctx/8 and ctx/16, on
     ``recall_docs`` held-out windows of the trained context); returns the paths written."""
     from engine.limits import read_model_config, trained_context
     from evals.report import write_report
+    from evals.sparse import run_recall
     from training import indexer_checkpoint as ckpt
     from training.indexer_data import load_text
 
@@ -104,8 +95,8 @@ def write_reports(model_dir: str, result: TrainResult, out_dir: Path, recall_doc
     paths += list(write_report(curve_result(ckpt.read_curve(result.out), meta), out_dir).values())
     ctx = trained_context(read_model_config(model_dir))
     text = load_text(model_dir, min_heldout=recall_docs * ctx)
-    recall = recall_result(model_dir, text.heldout, text.start, result.forced.local_window, (8, 16), recall_docs,
-                           result.out)
+    recall = run_recall(model_dir, (8, 16), recall_docs, ids=text.heldout, start=text.start,
+                        local_window=result.forced.local_window, indexer_path=result.out)
     recall.name = "indexer_recall"
     recall.meta.update({"command": meta["command"], "text": text.source, "training_minutes": meta["training_minutes"]})
     paths += list(write_report(recall, out_dir).values())
