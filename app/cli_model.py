@@ -1,9 +1,11 @@
-"""``sinkserve model fetch|manifest|verify``: install a model into the model cache; write or check a
-model directory's weight manifest.
+"""``sinkserve model fetch|manifest|verify|train-indexer``: install a model into the model cache; write or
+check a model directory's weight manifest; train its lightning indexer.
 
     sinkserve model fetch smollm2-135m-instruct      # download its GGUF, convert it once into the cache
     sinkserve model manifest assets/reference-model   # hash the files, write DIR/SHA256SUMS
     sinkserve model verify assets/reference-model     # check them, as a pool does before loading
+    sinkserve model train-indexer smollm2-135m-instruct --minutes 55 --report docs/evals/smollm2
+                                                      # indexer.safetensors + SHA256SUMS entry beside the model
 
 Each prints the fingerprint that identifies the weights (engine/weights.py; docs/models.md,
 docs/operations.md).
@@ -32,6 +34,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     v = sub.add_parser("verify", help=f"check DIR against its {weights.MANIFEST_NAME} (exit 1 naming the file on a mismatch)")
     v.add_argument("dir", help="model directory")
     v.set_defaults(run=run_verify)
+    from training.train_indexer import add_arguments
+
+    t = sub.add_parser("train-indexer", help="train the model's lightning indexer (KL to its frozen attention) and "
+                       "write indexer.safetensors + its SHA256SUMS entry beside it; a rerun resumes")
+    add_arguments(t)
+    t.add_argument("--report", default=None, help="also write the loss curve, the card and the per-layer recall "
+                   "(trained vs block_bounds vs random, held-out windows) under this folder")
+    t.add_argument("--recall-docs", type=int, default=2, help="held-out windows of the trained context for --report")
+    t.set_defaults(run=run_train_indexer)
 
 
 def run_fetch(args: argparse.Namespace) -> int:
@@ -73,4 +84,38 @@ def run_verify(args: argparse.Namespace) -> int:
         return 1
     assert manifest is not None  # require=True: no manifest raises
     print(f"{args.dir}: {len(manifest.entries)} files match {weights.MANIFEST_NAME}, fingerprint {manifest.fingerprint}")
+    return 0
+
+
+def run_train_indexer(args: argparse.Namespace) -> int:
+    import logging
+    from pathlib import Path
+
+    from engine.errors import ConfigError
+    from engine.model_store import resolve_model
+    from training import train_indexer as ti
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    try:
+        model_dir = resolve_model(args.model, fallback=False)
+        result = ti.train(ti.settings_from_args(args, model_dir))
+    except ConfigError as e:
+        print(f"sinkserve model train-indexer: --{e.field}: {e.message}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError, ModelLoadError) as e:
+        print(f"sinkserve model train-indexer: {e}", file=sys.stderr)
+        return 1
+    print(f"{result.out}: {result.step} steps, {result.wall_s / 60:.1f} min trained, windows of {result.seq_len} "
+          f"tokens, forced sink {result.forced.sink_tokens} + local window {result.forced.local_window}")
+    print(f"  held-out KL (sum over {len(result.heldout['kl'])} layers) {sum(result.heldout['kl']):.3f}")
+    if result.manifest is not None:
+        print(f"  manifest     {result.manifest} (entry for {result.out.name} added)")
+    if result.card is not None:
+        print(f"  card         {result.card}")
+    if args.report:
+        from training import indexer_report
+
+        for path in indexer_report.write_reports(model_dir, result, Path(args.report), args.recall_docs,
+                                                 " ".join(sys.argv[1:]) or "model train-indexer"):
+            print(f"  report       {path}")
     return 0

@@ -87,10 +87,13 @@ class SparseAttention:
         if self.position_mode == "compact" and not self.enabled:
             raise ConfigError("sparse.position_mode", "'compact' (selected memory) needs sparse.enabled: true")
         if self.compact and self.indexer != "block_bounds":
-            # The trained indexer ranks tokens from post-RoPE index keys: it would need position-free index
-            # keys and the token-granular form of the shift rule (engine/selected_memory.py, block_size 1).
+            # The trained indexer's Wq / Wk mix the rotary channels of post-RoPE q and k, so its score depends
+            # on absolute positions, and past the trained context those are rotary angles it never trained on.
+            # It would need position-free index keys (pre-RoPE k, queries at a canonical distance, trained that
+            # way) and block-granular selection for the shift rule (engine/selected_memory.py).
             raise ConfigError("sparse.indexer", "position_mode 'compact' selects with 'block_bounds' (position-free "
-                              f"bounds); {self.indexer!r} is not wired to re-positioned selection yet")
+                              f"bounds); {self.indexer!r} scores post-RoPE queries and keys at their absolute "
+                              "positions, which past the trained context it never saw (docs/evals/smollm2/indexer.md)")
         if self.compact and not (self.decode and self.prefill):
             # A dense step past the trained context would see keys at distances the model never trained on.
             raise ConfigError("sparse.prefill" if not self.prefill else "sparse.decode",

@@ -158,6 +158,28 @@ def write_manifest(model_dir: str | os.PathLike[str]) -> tuple[Path, Manifest]:
     return path, manifest
 
 
+def add_to_manifest(model_dir: str | os.PathLike[str], names: tuple[str, ...],
+                    digests: Mapping[str, str] | None = None) -> tuple[Path, Manifest]:
+    """Add (or refresh) the entries of ``names`` in ``model_dir``'s ``SHA256SUMS``, hashing only those files,
+    so a file written beside verified weights (a trained ``indexer.safetensors``) is covered without
+    re-vouching for the others: a corrupt weight file stays a mismatch. ``ManifestMissingError`` when the
+    directory has no manifest (nothing there was verified; ``write_manifest`` makes a first one).
+    ``digests``: already known ones (a file hashed before it was renamed into place, so that a verifier
+    starting meanwhile sees it unlisted for as short a time as possible)."""
+    path = Path(model_dir) / MANIFEST_NAME
+    current = read_manifest(model_dir)
+    if current is None:
+        raise ManifestMissingError(model_dir)
+    entries = dict(current.entries)
+    for name in names:
+        entries[name] = (digests or {}).get(name) or hash_file(Path(model_dir) / name)
+    manifest = Manifest(tuple(sorted(entries.items())))
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(manifest.to_text())
+    os.replace(tmp, path)  # a reader never sees half a manifest
+    return path, manifest
+
+
 def parse_manifest(text: str, model_dir: str | os.PathLike[str] = "?") -> Manifest:
     """Parse ``SHA256SUMS`` text (blank lines and ``#`` comments allowed)."""
     seen: dict[str, str] = {}

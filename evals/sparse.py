@@ -254,23 +254,35 @@ def attention_recall(q: torch.Tensor, k: torch.Tensor, scale: float, queries: to
     return out
 
 
-def run_recall(model: str, denoms: tuple[int, ...], docs: int, stride: int = 8) -> EvalResult:
+def run_recall(model: str, denoms: tuple[int, ...], docs: int, stride: int = 8, *, ids: list[int] | None = None,
+               start: list[int] | None = None, local_window: int = LOCAL_WINDOW,
+               indexer_path: Path | None = None) -> EvalResult:
     """Per layer and budget: recall of dense attention mass, averaged over queries ``ctx/4 .. ctx`` (every
-    ``stride``-th position) of ``docs`` held-out windows of the trained context."""
+    ``stride``-th position) of ``docs`` held-out windows of the trained context.
+
+    ``ids``: the held-out token stream (default: the reference corpus' held-out split), each window led by
+    ``start`` (default: the tokenizer's own, BOS or nothing). ``local_window``: the forced window.
+    ``indexer_path``: the trained indexer to rank too (default: the model's, when it ships one)."""
     from transformers import AutoTokenizer
 
-    from evals.long_ppl import heldout_stream
+    from evals.long_ppl import heldout_stream, start_ids
 
     t0 = time.perf_counter()
     ctx = A.trained_context(model)
-    ids = heldout_stream(AutoTokenizer.from_pretrained(model), docs * ctx, "corpus")
-    gen = torch.Generator().manual_seed(0)
-    weights = (lightning.LightningIndexer.load(Path(model) / INDEXER_WEIGHTS) if "trained" in selectors(model)
-               else None)
+    tok = AutoTokenizer.from_pretrained(model)
+    lead = start_ids(tok) if start is None else start
+    body = ctx - len(lead)
+    if ids is None:
+        ids = heldout_stream(tok, docs * ctx, "corpus")[len(lead):]
+    if len(ids) < docs * body:
+        raise ValueError(f"held-out stream has {len(ids)} tokens, fewer than {docs} windows of {ctx}")
+    if indexer_path is None and "trained" in selectors(model):
+        indexer_path = Path(model) / INDEXER_WEIGHTS
+    weights = lightning.LightningIndexer.load(indexer_path) if indexer_path is not None else None
     acc: dict[tuple[int, int], dict[str, list[float]]] = {}
+    gen = torch.Generator().manual_seed(0)
     for i in range(docs):
-        window_ids = ids[i * ctx : (i + 1) * ctx]
-        window_ids[0] = ids[0]  # BOS first, as the model always saw
+        window_ids = lead + ids[i * body : (i + 1) * body]  # BOS first where the tokenizer adds one
         layers = capture_qk(model, window_ids)
         queries = torch.arange(ctx // 4, ctx, stride)
         for li, (q, k, scale) in enumerate(layers):
@@ -280,7 +292,7 @@ def run_recall(model: str, denoms: tuple[int, ...], docs: int, stride: int = 8) 
                 codes, ks = lightning.quantize_keys(weights.keys(li, k.transpose(0, 1)))
                 idx = (iq, iw, codes.float() * ks[:, None])
             for d in denoms:
-                r = attention_recall(q, k, scale, queries, (ctx // d) // A.BLOCK_SIZE, LOCAL_WINDOW, A.BLOCK_SIZE, gen,
+                r = attention_recall(q, k, scale, queries, (ctx // d) // A.BLOCK_SIZE, local_window, A.BLOCK_SIZE, gen,
                                      idx)
                 for key, v in r.items():
                     acc.setdefault((li, d), {}).setdefault(key, []).append(v)
@@ -301,9 +313,10 @@ def run_recall(model: str, denoms: tuple[int, ...], docs: int, stride: int = 8) 
                  "random beyond forced", "oracle beyond forced"] + trained_cols, rows=rows, panels=panels,
         notes=["mass = softmax attention summed over heads / heads, of queries at positions ctx/4 .. ctx (every "
                f"{stride}th) in {docs} held-out windows of {ctx} tokens; the attended set is the forced set (sink block, "
-               f"newest {LOCAL_WINDOW} tokens) + top_k tokens of blocks (block_size {A.BLOCK_SIZE}); 'forced' = the "
+               f"newest {local_window} tokens) + top_k tokens of blocks (block_size {A.BLOCK_SIZE}); 'forced' = the "
                "forced set alone, 'oracle' = the heaviest blocks (an upper bound for any block selector); 'beyond forced' = "
                "(attended - forced) / (1 - forced): the share of the mass outside the forced set the selector finds",
                "trained: the lightning indexer (int8 index keys, as in the engine), token granular: forced = the sink "
-               f"block's tokens + the newest {LOCAL_WINDOW} tokens ('trained forced'), + the top_k best-scoring tokens"],
-        meta={"model": model, "trained_context": ctx, "docs": docs, "wall_s": round(time.perf_counter() - t0, 1)})
+               f"block's tokens + the newest {local_window} tokens ('trained forced'), + the top_k best-scoring tokens"],
+        meta={"model": model, "trained_context": ctx, "docs": docs, "local_window": local_window,
+              "indexer": str(indexer_path) if indexer_path else "none", "wall_s": round(time.perf_counter() - t0, 1)})

@@ -297,7 +297,7 @@ def render_card(f: dict, history: str = "", indexer: str = "") -> str:
     """The model card (README.md) from the figures; ``history`` (markdown, hand-written in the model's
     ``training_history.md``) records what earlier stages and discarded experiments measured, which the
     shipped weights' figures cannot show; ``indexer`` (``indexer_card.md``, written by
-    ``training/train_indexer.py``) is the trained lightning indexer's section."""
+    ``training/indexer_report.py``) is the trained lightning indexer's section."""
     tr = f.get("training", {})
     c = f["config"]
     sink = f["sink_mass_pos0"]["per_layer"]

@@ -1,19 +1,21 @@
-"""Train the lightning indexer of the reference model (``engine/lightning.py``), DeepSeek-V3.2's dense
-warm-up stage: the model is frozen; per layer a small indexer learns to reproduce the model's own
-attention distribution.
+"""Train a lightning indexer (``engine/lightning.py``) for a frozen model: DeepSeek-V3.2's dense warm-up
+stage, where per layer a small indexer learns to reproduce the model's own attention distribution.
 
-Per training window (``--seq-len`` tokens of the model's training corpus, ``training/corpus.py``, BOS
-first as the model was trained) one frozen forward records every layer's query and key (after RoPE).
+Per training window (``seq_len`` tokens of ``training/indexer_data.py``'s train stream: the reference
+corpus for the reference model, real English prose for any other) one frozen forward records every layer's
+query and key (after RoPE, with the model's own GQA shapes: ``q [B, Hq, T, D]``, ``k [B, Hkv, T, D]``).
 Target per query ``t``: the model's attention probabilities averaged over heads, restricted to the
-*candidate* positions (outside the forced set the engine always attends: the sink block
-``[0, SINK_TOKENS)`` and the local window ``(t - LOCAL_WINDOW, t]``) and renormalised. Loss:
+*candidate* positions and renormalised. Candidates are the positions outside the forced set the engine
+always attends with ``sparse.indexer: trained`` for this model (``forced_set``: the protected sink block
+and the newest ``local_window`` tokens, as ``engine/limits.py`` derives them from the model's context), so
+the indexer spends its few parameters on the positions it actually ranks. Loss:
 ``KL(target || softmax(indexer scores over the candidates))`` summed over layers, mean over queries.
-The forced set is excluded because the indexer never ranks it (it holds 91-99 % of the mass in this
-model; fitting it would spend the indexer's few parameters on positions it never chooses).
 
-    nice -n 10 python -m training.train_indexer --model assets/reference-model --minutes 20
+    sinkserve model train-indexer smollm2-135m-instruct --minutes 55 --threads 2
+    nice -n 10 python -m training.train_indexer reference --minutes 20
 
-writes ``<model>/indexer.safetensors`` (a few KB per layer) and logs held-out KL and top-k recall.
+writes ``<model>/indexer.safetensors`` (its ``SHA256SUMS`` entry added), resumes from
+``<out>.ckpt`` (``training/indexer_checkpoint.py``), and records the loss curve and held-out KL / recall.
 """
 
 from __future__ import annotations
@@ -22,18 +24,55 @@ import argparse
 import json
 import logging
 import math
+import os
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from engine import lightning
+from engine.errors import ConfigError
 
-logger = logging.getLogger("train_indexer")
+logger = logging.getLogger(__name__)
 
-SINK_TOKENS = 16  # the sink block (block_size 16) is forced
-LOCAL_WINDOW = 64  # the evals' and prod's local window
+# Held-out windows of seq_len tokens for the KL / in-window recall check at the end of training.
+HELDOUT_WINDOWS = 2
+RECALL_KS = (32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class ForcedSet:
+    """The tokens a query always attends with ``sparse.indexer: trained`` (the indexer never ranks them):
+    ``[0, sink_tokens)`` (the protected positions' blocks) and the newest ``local_window`` tokens."""
+
+    sink_tokens: int
+    local_window: int
+    block_size: int
+
+
+def forced_set(model_dir: str, block_size: int | None = None) -> ForcedSet:
+    """What the engine forces for this model at serve time: the default cache policy's protected positions,
+    whole blocks (``block_size``, else the engine's default), and the ``local_window`` that
+    ``engine/limits.py`` derives from the model's trained context (ctx/16: 64 for the reference model, 512
+    for SmolLM2)."""
+    from engine.config import EngineConfig
+    from engine.limits import derive_limits, read_model_config
+    from engine.sparse_config import SparseAttention
+
+    model_cfg = read_model_config(model_dir)
+    if not model_cfg:
+        raise ConfigError("model", f"{model_dir} has no readable config.json")
+    config = EngineConfig(block_size=block_size, sparse=SparseAttention(enabled=True))
+    limits = derive_limits(config, model_cfg)
+    bs = config.block_size
+    assert bs is not None  # resolved by EngineConfig
+    protected = config.cache_policy.protected_positions
+    # The default protected positions (0..3) fill part of block 0; the engine forces whole blocks.
+    sink = (max(protected) // bs + 1) * bs if protected else 0
+    return ForcedSet(sink, limits.sparse_local_window, bs)
 
 
 class Capture:
@@ -58,24 +97,27 @@ class Capture:
 
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+        """Per layer ``(q, k, scale)`` of one forward over ``ids [B, T]``."""
         self.captured = []
-        self.model(input_ids=ids)
+        # The decoder only: the LM head's logits ([B, T, vocab], 400 MB per 2K window of a 49K vocabulary)
+        # are not needed.
+        self.model.base_model(input_ids=ids)
         return [(q.clone(), k.clone(), s) for q, k, s in self.captured]
 
 
-def candidates(t: int) -> torch.Tensor:
+def candidates(t: int, forced: ForcedSet) -> torch.Tensor:
     """``[T, T]`` bool: position ``p`` is a candidate for query ``t`` (visible, outside the forced set)."""
     i = torch.arange(t)
-    return (i[None, :] >= SINK_TOKENS) & (i[None, :] <= i[:, None] - LOCAL_WINDOW)
+    return (i[None, :] >= forced.sink_tokens) & (i[None, :] <= i[:, None] - forced.local_window)
 
 
-def targets(q: torch.Tensor, k: torch.Tensor, scale: float, cand: torch.Tensor) -> torch.Tensor:
-    """Head-averaged causal attention ``[B, T, T]`` restricted to ``cand`` and renormalised per row
-    (rows without candidates are all zero)."""
+def targets(q: torch.Tensor, k: torch.Tensor, scale: float, cand: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Head-averaged causal attention ``[B, G, T]`` of the queries ``q [B, Hq, G, D]`` at positions ``pos [G]``
+    over the keys ``k [B, Hkv, T, D]``, restricted to ``cand [G, T]`` and renormalised per row (rows without
+    candidates are all zero)."""
     rep = q.shape[1] // k.shape[1]
     logits = torch.einsum("bhtd,bhpd->bhtp", q, k.repeat_interleave(rep, 1)) * scale
-    t = q.shape[2]
-    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    causal = torch.arange(k.shape[2])[None, :] <= pos[:, None]
     probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), -1).mean(1)
     probs = probs * cand
     return probs / probs.sum(-1, keepdim=True).clamp(min=1e-12)
@@ -97,11 +139,11 @@ class Indexer(torch.nn.Module):
             [torch.nn.Parameter(0.01 * torch.randn(heads, q_in, generator=g) / math.sqrt(q_in)) for _ in range(layers)])
 
     def logits(self, layer: int, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """``q [B, Hq, T, D]``, ``k [B, Hkv, T, D]`` -> indexer scores ``[B, T, T]``."""
-        b, _, t, _ = q.shape
-        qf = q.transpose(1, 2).reshape(b, t, -1)
-        kf = k.transpose(1, 2).reshape(b, t, -1)
-        qi = (qf @ self.wq[layer].T).view(b, t, self.heads, self.dim)
+        """``q [B, Hq, G, D]`` (G queries), ``k [B, Hkv, T, D]`` -> indexer scores ``[B, G, T]``."""
+        b, _, g, _ = q.shape
+        qf = q.transpose(1, 2).reshape(b, g, -1)
+        kf = k.transpose(1, 2).reshape(b, k.shape[2], -1)
+        qi = (qf @ self.wq[layer].T).view(b, g, self.heads, self.dim)
         return lightning.scores(qi, qf @ self.ww[layer].T, kf @ self.wk[layer].T)
 
     def state(self) -> dict[str, torch.Tensor]:
@@ -136,42 +178,17 @@ def recall_at(logits: torch.Tensor, probs_full: torch.Tensor, cand: torch.Tensor
     return float(got.mean()), float(best.mean())
 
 
-def token_stream(model_dir: str, split: str, n_tokens: int, seed: int) -> list[int]:
-    """BOS + shuffled corpus documents separated by EOS, ``n_tokens`` long (as the model was trained)."""
-    from transformers import AutoTokenizer
-
-    from training.corpus import load_corpus
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    docs = load_corpus(split)
-    random.Random(seed).shuffle(docs)
-    ids: list[int] = [tok.bos_token_id]
-    for text in docs:
-        ids.extend(tok(text, add_special_tokens=False)["input_ids"])
-        ids.append(tok.eos_token_id)
-        if len(ids) >= n_tokens:
-            break
-    return ids[:n_tokens]
-
-
-def windows(stream: list[int], seq_len: int, batch: int, rng: random.Random, bos: int) -> torch.Tensor:
-    out = []
-    for _ in range(batch):
-        a = rng.randrange(0, len(stream) - seq_len)
-        w = [bos] + stream[a : a + seq_len - 1]
-        out.append(w)
-    return torch.tensor(out)
-
-
-def evaluate(cap: Capture, idx: Indexer, heldout: torch.Tensor, ks: tuple[int, ...]) -> dict:
+def evaluate(cap: Capture, idx: Indexer, heldout: torch.Tensor, ks: tuple[int, ...], forced: ForcedSet) -> dict:
     """Held-out KL and recall per layer (top-``k`` candidates vs the oracle)."""
     res: dict = {"kl": [], "recall": {k: [] for k in ks}, "oracle": {k: [] for k in ks}}
     t = heldout.shape[1]
-    cand = candidates(t)
+    pos = torch.arange(forced.sink_tokens + forced.local_window, t)  # every query with a candidate
+    cand = candidates(t, forced)[pos]
     layers = cap(heldout)
     with torch.no_grad():
         for li, (q, k, s) in enumerate(layers):
-            tgt = targets(q, k, s, cand)
+            q = q[:, :, pos]
+            tgt = targets(q, k, s, cand, pos)
             lg = idx.logits(li, q, k)
             res["kl"].append(float(kl_loss(lg, tgt, cand)))
             for kk in ks:
@@ -181,130 +198,224 @@ def evaluate(cap: Capture, idx: Indexer, heldout: torch.Tensor, ks: tuple[int, .
     return res
 
 
-def write_card(model_dir: Path, weights: Path) -> Path:
-    """``<model>/indexer_card.md``: the indexer's section of the model card (``training/model_card.py``
-    includes it), from the metadata ``main`` stored in the weights file."""
-    from safetensors import safe_open
 
-    with safe_open(str(weights), "pt") as f:
-        meta = f.metadata()
-        n_params = sum(f.get_tensor(k).numel() for k in f.keys())
-    res = json.loads(meta["heldout"])
-    ks = sorted(res["recall"], key=int)
-    layers = len(res["kl"])
-    lines = [
-        "### Lightning indexer (`indexer.safetensors`)", "",
-        f"A trained indexer for `sparse: {{indexer: trained}}` (`engine/lightning.py`, DeepSeek-V3.2's DSA indexer): "
-        f"per layer {meta['heads']} heads x {meta['dim']} dims reading the layer's own query and key (after RoPE); "
-        "`score[t, p] = sum_h w[t, h] relu(qi[t, h] . ki[p])` with `qi = Wq q`, `w = Ww q` (weights from the query "
-        f"side), `ki = Wk k`; {n_params:,} parameters ({weights.stat().st_size // 1024} KiB, float32), index keys "
-        f"cached as int8 + one fp32 scale per token ({int(meta['dim']) + 4} bytes per token and layer).", "",
-        f"Trained with the model frozen (`nice -n 10 python -m training.train_indexer`, {meta['steps']} steps of "
-        f"{meta['batch']} x {meta['seq_len']}-token windows of the model's training corpus, {int(meta['wall_s']) // 60} "
-        "min on the shared 2-core CPU): KL from the model's head-averaged attention to `softmax(score)`, both over "
-        f"the *candidate* positions (outside the forced set the engine always attends: the first {meta['sink_tokens']} "
-        f"tokens and the newest {meta['local_window']}), summed over layers (final EMA {meta['final_kl_ema']}).", "",
-        "Held-out (2 windows of 1,024 tokens, every query with more than top_k candidates): share of the candidates' "
-        "attention mass held by the top_k candidates the indexer ranks first, vs the oracle (the top_k heaviest).", "",
-        "| layer | KL | " + " | ".join(f"top_k {k}: indexer / oracle" for k in ks) + " |",
-        "|---|---|" + "---|" * len(ks),
-    ]
-    for li in range(layers):
-        cells = [f"{res['recall'][k][li]:.2f} / {res['oracle'][k][li]:.2f}" for k in ks]
-        lines.append(f"| {li} | {res['kl'][li]:.3f} | " + " | ".join(cells) + " |")
-    lines += ["", "Engine-level figures (forced set + selection, both indexers, needle and perplexity at 1/8 and 1/16 "
-              "budgets): `docs/sparse_attention.md`, `docs/evals/sparse_recall.md`."]
-    out = model_dir / "indexer_card.md"
-    out.write_text("\n".join(lines) + "\n")
-    return out
+
+# ---------------------------------------------------------------------------------------------- the run
+@dataclass(frozen=True)
+class TrainSettings:
+    """One training run. ``model``: a resolved model directory. ``seq_len`` None: ``default_seq_len``.
+    ``out`` None: ``<model>/indexer.safetensors`` (then its manifest entry and card are written too)."""
+
+    model: str
+    out: str | None = None
+    steps: int = 600
+    minutes: float = 55.0
+    seq_len: int | None = None
+    batch: int = 2
+    threads: int = 1
+    heads: int = 4
+    dim: int = 32
+    lr: float = 3e-3
+    seed: int = 0
+    block_size: int | None = None
+    queries: int = 256
+    reuse: int = 4
+    checkpoint_every: int = 20
+    checkpoint_minutes: float = 5.0
+
+    def validate(self) -> None:
+        """``ConfigError`` naming the option of the first value that cannot work."""
+        for name in ("steps", "batch", "threads", "heads", "dim", "queries", "reuse", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name.replace("_", "-"), f"must be >= 1, got {getattr(self, name)}")
+        for name in ("minutes", "lr", "checkpoint_minutes"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(name.replace("_", "-"), f"must be > 0, got {getattr(self, name)}")
+
+
+def default_seq_len(ctx: int, forced: ForcedSet) -> int:
+    """Windows long enough that most queries have candidates beyond the forced set (4x the local window,
+    at least 512: the reference model's 512, SmolLM2's 2,048), at most the trained context. Attention
+    costs T^2, so longer windows would blow the one-hour budget on a 2-core CPU."""
+    return min(ctx, max(512, 4 * forced.local_window))
+
+
+@dataclass
+class TrainResult:
+    """What a run produced: the weights (and manifest) written, its card, steps and seconds trained."""
+
+    out: Path
+    step: int
+    wall_s: float
+    heldout: dict[str, Any]
+    manifest: Path | None
+    card: Path | None
+    forced: ForcedSet
+    seq_len: int
+
+
+def _lr(base: float, step: int, steps: int) -> float:
+    # Warm-up over 50 steps, then cosine to 10 % (a resumed run continues the same schedule).
+    return base * min(1.0, step / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / steps))))
+
+
+def train(s: TrainSettings, progress: bool = True) -> TrainResult:
+    """Train (or resume) the indexer of ``s.model``; write the weights, manifest entry and card."""
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    from engine import weights as W
+    from engine.limits import read_model_config, trained_context
+    from engine.sparse_config import INDEXER_WEIGHTS
+    from training import indexer_checkpoint as ckpt
+    from training.indexer_report import write_card
+    from training.indexer_data import consecutive_windows, load_text, windows
+
+    s.validate()
+    torch.set_num_threads(s.threads)
+    model_dir = Path(s.model)
+    cfg = read_model_config(str(model_dir))
+    if not cfg:
+        raise ConfigError("model", f"{model_dir} has no readable config.json")
+    ctx = trained_context(cfg)
+    forced = forced_set(str(model_dir), s.block_size)
+    seq_len = s.seq_len or default_seq_len(ctx, forced)
+    if seq_len > ctx:
+        raise ConfigError("seq-len", f"{seq_len} is longer than the model's trained context ({ctx})")
+    if seq_len <= forced.sink_tokens + forced.local_window:
+        raise ConfigError("seq-len", f"{seq_len} leaves no candidate outside the forced set (sink {forced.sink_tokens} "
+                          f"+ local window {forced.local_window} tokens); use more than "
+                          f"{forced.sink_tokens + forced.local_window}")
+    out = Path(s.out) if s.out else model_dir / INDEXER_WEIGHTS
+    out.parent.mkdir(parents=True, exist_ok=True)
+    text = load_text(model_dir, min_heldout=HELDOUT_WINDOWS * seq_len, seed=s.seed)
+    hq, hkv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    d = cfg.get("head_dim") or cfg["hidden_size"] // hq
+    layers = cfg["num_hidden_layers"]
+    cap = Capture(str(model_dir))
+    idx = Indexer(layers, hq * d, hkv * d, s.heads, s.dim, s.seed)
+    opt = torch.optim.Adam(idx.parameters(), lr=s.lr)
+    rng = random.Random(s.seed)
+    # What a resumed run must share with the checkpoint (steps, minutes, threads may change between runs).
+    fixed = {"seq_len": seq_len, "batch": s.batch, "heads": s.heads, "dim": s.dim, "lr": s.lr, "seed": s.seed,
+             "sink_tokens": forced.sink_tokens, "local_window": forced.local_window}
+    state = ckpt.load(out, fixed, idx, opt, rng)
+    ckpt.truncate_curve(out, state.step)
+    logger.info("%s: %d layers, q %d x %d, k %d x %d; indexer %d heads x %d; windows %d x %d tokens; forced: sink %d "
+                "+ local window %d; from step %d of %d", model_dir, layers, hq, d, hkv, d, s.heads, s.dim, s.batch,
+                seq_len, forced.sink_tokens, forced.local_window, state.step, s.steps)
+    cand = candidates(seq_len, forced)
+    query_pool = list(range(forced.sink_tokens + forced.local_window, seq_len))
+    caught: list[tuple[torch.Tensor, torch.Tensor, float]] | None = None
+    t0 = time.perf_counter()
+    last_ck, step, ema, pending = t0, state.step, state.ema, []
+
+    def checkpoint() -> None:
+        nonlocal last_ck, pending
+        ckpt.append_curve(out, pending)
+        ckpt.save(out, fixed, step, state.wall_s + time.perf_counter() - t0, ema, idx, opt, rng)
+        last_ck, pending = time.perf_counter(), []
+
+    with tqdm(total=s.steps, initial=step, desc="train-indexer", unit="step", disable=not progress) as bar:
+        while step < s.steps:
+            if time.perf_counter() - t0 > s.minutes * 60:
+                logger.info("time budget (%.1f min) reached at step %d", s.minutes, step)
+                break
+            step += 1
+            lr = _lr(s.lr, step, s.steps)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            if (step - 1) % s.reuse == 0 or caught is None:
+                caught = cap(windows(text.train, text.start, seq_len, s.batch, rng))
+            # A random subset of the queries that have candidates: the loss is a mean over queries, so a
+            # subset is unbiased, and the targets and scores cost G x T instead of T x T.
+            pos = torch.tensor(sorted(rng.sample(query_pool, min(s.queries, len(query_pool)))))
+            opt.zero_grad()
+            total = 0.0
+            for li, (q, k, sc) in enumerate(caught):
+                q = q[:, :, pos]
+                with torch.no_grad():
+                    tgt = targets(q, k, sc, cand[pos], pos)
+                loss = kl_loss(idx.logits(li, q, k), tgt, cand[pos])
+                loss.backward()  # per layer: the layers share no parameters, and one graph at a time fits memory
+                total += float(loss.detach())
+            opt.step()
+            ema = total if ema is None else 0.95 * ema + 0.05 * total
+            pending.append({"step": step, "kl": round(total, 5), "ema": round(ema, 5), "lr": lr,
+                            "wall_s": round(state.wall_s + time.perf_counter() - t0, 1)})
+            bar.set_postfix(kl=f"{total:.3f}", ema=f"{ema:.3f}")
+            bar.update(1)
+            if step % s.checkpoint_every == 0 or time.perf_counter() - last_ck > s.checkpoint_minutes * 60:
+                checkpoint()
+    checkpoint()
+    wall_s = state.wall_s + time.perf_counter() - t0
+    heldout = consecutive_windows(text.heldout, text.start, seq_len, HELDOUT_WINDOWS)
+    res = evaluate(cap, idx, heldout, RECALL_KS, forced)
+    logger.info("held-out KL per layer %s (sum %.3f)", [round(x, 3) for x in res["kl"]], sum(res["kl"]))
+    meta = {"heads": str(s.heads), "dim": str(s.dim), "steps": str(step), "seq_len": str(seq_len),
+            "batch": str(s.batch), "sink_tokens": str(forced.sink_tokens), "local_window": str(forced.local_window),
+            "wall_s": str(round(wall_s)), "final_kl_ema": f"{ema:.4f}" if ema is not None else "nan",
+            "queries": str(s.queries), "reuse": str(s.reuse), "text": text.source, "heldout_windows": str(HELDOUT_WINDOWS), "threads": str(s.threads),
+            "heldout": json.dumps(res)}
+    # Written under a name the manifest does not cover, hashed, then renamed into place and listed at once:
+    # a server verifying this model meanwhile sees the old state or (for two syscalls) an unlisted file.
+    tmp = out.with_name(f".{out.name}.tmp")
+    save_file(idx.state(), str(tmp), metadata=meta)
+    digest = W.hash_file(tmp)
+    os.replace(tmp, out)
+    manifest = card = None
+    if out.parent == model_dir and W.read_manifest(model_dir) is not None:
+        manifest, m = W.add_to_manifest(model_dir, (out.name,), {out.name: digest})
+        logger.info("added %s to %s (fingerprint %s)", out.name, manifest, m.fingerprint)
+    logger.info("wrote %s (%d bytes)", out, out.stat().st_size)
+    if out.parent == model_dir:
+        card = write_card(model_dir, out)
+    return TrainResult(out, step, wall_s, res, manifest, card, forced, seq_len)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The training options, shared by ``sinkserve model train-indexer`` and ``python -m training.train_indexer``."""
+    d = TrainSettings(model="")
+    p.add_argument("model", help="the model: any form --model takes (reference, smollm2-135m-instruct, a directory, "
+                   "a .gguf)")
+    p.add_argument("--minutes", type=float, default=d.minutes, help="stop after this much wall time (this run)")
+    p.add_argument("--steps", type=int, default=d.steps, help="total optimizer steps (a resumed run counts on)")
+    p.add_argument("--seq-len", type=int, default=None, help="window tokens (default: 4x the engine's local window, "
+                   ">= 512, <= the trained context)")
+    p.add_argument("--batch", type=int, default=d.batch, help="windows per step")
+    p.add_argument("--threads", type=int, default=d.threads, help="torch CPU threads")
+    p.add_argument("--out", default=None, help="weights file (default <model>/indexer.safetensors, with its "
+                   "SHA256SUMS entry and card); <out>.ckpt beside it resumes a rerun")
+    p.add_argument("--heads", type=int, default=d.heads, help="indexer heads per layer")
+    p.add_argument("--dim", type=int, default=d.dim, help="indexer key width")
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--queries", type=int, default=d.queries, help="queries per window and step (a random subset "
+                   "of those with candidates)")
+    p.add_argument("--reuse", type=int, default=d.reuse, help="optimizer steps per frozen forward (each on another "
+                   "query subset): the forward dominates a step's cost")
+    p.add_argument("--block-size", type=int, default=None, help="KV block size of the serving engine (the forced "
+                   "sink block; default: the engine's)")
+    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="checkpoint every N steps")
+    p.add_argument("--checkpoint-minutes", type=float, default=d.checkpoint_minutes, help="... or every M minutes")
+
+
+def settings_from_args(args: argparse.Namespace, model_dir: str) -> TrainSettings:
+    """``TrainSettings`` from parsed ``add_arguments`` options and the resolved model directory."""
+    names = {f for f in TrainSettings.__dataclass_fields__} - {"model"}
+    return TrainSettings(model=model_dir, **{n: getattr(args, n) for n in names})
 
 
 def main(argv: list[str] | None = None) -> None:
+    """``python -m training.train_indexer MODEL [options]`` (the same as ``sinkserve model train-indexer``)."""
+    from engine.model_store import resolve_model
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="assets/reference-model")
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--dim", type=int, default=32)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--steps", type=int, default=1500)
-    p.add_argument("--minutes", type=float, default=25.0, help="stop early after this much wall time")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default=None, help="default: <model>/indexer.safetensors")
-    p.add_argument("--card-only", action="store_true", help="only (re)write <model>/indexer_card.md from the weights")
+    add_arguments(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    if args.card_only:
-        write_card(Path(args.model), Path(args.out) if args.out else Path(args.model) / lightning_weights_name())
-        return
-    torch.set_num_threads(args.threads)
-    from safetensors.torch import save_file
-
-    cfg = json.loads((Path(args.model) / "config.json").read_text())
-    hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d = cfg.get("head_dim") or cfg["hidden_size"] // hq
-    layers = cfg["num_hidden_layers"]
-    cap = Capture(args.model)
-    bos = cap.model.config.bos_token_id
-    stream = token_stream(args.model, "train", max(400_000, args.seq_len * 400), args.seed)
-    held = token_stream(args.model, "heldout", 4 * 1024 + 1, args.seed)
-    heldout = torch.tensor([[bos] + held[i * 1024 : (i + 1) * 1024 - 1] for i in range(2)])
-    logger.info("train stream %d tokens, held-out 2 x 1024; indexer %d heads x %d per layer, %d layers",
-                len(stream), args.heads, args.dim, layers)
-    idx = Indexer(layers, hq * d, hkv * d, args.heads, args.dim, args.seed)
-    opt = torch.optim.Adam(idx.parameters(), lr=args.lr)
-    rng = random.Random(args.seed)
-    cand = candidates(args.seq_len)
-    t0 = time.perf_counter()
-    ema = None
-    step = 0
-    for step in range(1, args.steps + 1):
-        frac = step / args.steps
-        lr = args.lr * (min(1.0, step / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        ids = windows(stream, args.seq_len, args.batch, rng, bos)
-        caught = cap(ids)
-        loss = torch.zeros(())
-        for li, (q, k, s) in enumerate(caught):
-            with torch.no_grad():
-                tgt = targets(q, k, s, cand)
-            loss = loss + kl_loss(idx.logits(li, q, k), tgt, cand)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        ema = float(loss.detach()) if ema is None else 0.95 * ema + 0.05 * float(loss.detach())
-        el = time.perf_counter() - t0
-        if step % 25 == 0 or step == 1:
-            eta = el / step * (args.steps - step)
-            logger.info("step %d/%d  KL (sum over %d layers) %.4f  ema %.4f  lr %.2e  %.0fs elapsed, ~%.0fs left",
-                        step, args.steps, layers, float(loss), ema, lr, el, eta)
-        if el > args.minutes * 60:
-            logger.info("time budget reached at step %d", step)
-            break
-    ks = (32, 64, 128, 256)
-    res = evaluate(cap, idx, heldout, ks)
-    logger.info("held-out KL per layer %s", [round(x, 3) for x in res["kl"]])
-    for kk in ks:
-        logger.info("held-out recall of candidate mass @%d: trained %s oracle %s", kk, res["recall"][kk],
-                    res["oracle"][kk])
-    out = Path(args.out) if args.out else Path(args.model) / lightning_weights_name()
-    meta = {"heads": str(args.heads), "dim": str(args.dim), "steps": str(step), "seq_len": str(args.seq_len),
-            "batch": str(args.batch), "sink_tokens": str(SINK_TOKENS), "local_window": str(LOCAL_WINDOW),
-            "wall_s": str(round(time.perf_counter() - t0)), "final_kl_ema": f"{ema:.4f}",
-            "heldout": json.dumps(res)}
-    save_file(idx.state(), str(out), metadata=meta)
-    logger.info("wrote %s (%d bytes)", out, out.stat().st_size)
-    if args.out is None:
-        logger.info("wrote %s (re-render the card: python -m training.model_card --render-only)",
-                    write_card(Path(args.model), out))
-
-
-def lightning_weights_name() -> str:
-    from engine.sparse_config import INDEXER_WEIGHTS
-
-    return INDEXER_WEIGHTS
+    r = train(settings_from_args(args, resolve_model(args.model, fallback=False)))
+    logger.info("%s: %d steps, %.1f min", r.out, r.step, r.wall_s / 60)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,22 @@ def test_manifest_covers_load_files_and_verifies(tmp_path):
     assert W.verify_model_dir(d) == manifest
 
 
+def test_add_to_manifest_lists_a_new_file_and_vouches_for_nothing_else(tmp_path):
+    d = _fake_model(tmp_path)
+    _, before = W.write_manifest(d)
+    _flip_one_byte(d / "model-00002-of-00002.safetensors")  # corrupt after the manifest was written
+    (d / "indexer.safetensors").write_bytes(b"\x02" * 300)
+    (d / "indexer.safetensors.ckpt").write_bytes(b"resume state")  # not a covered name
+    _, after = W.add_to_manifest(d, ("indexer.safetensors",))
+    assert set(after.files) == set(before.files) | {"indexer.safetensors"}
+    assert dict(after.entries)["model-00002-of-00002.safetensors"] == dict(before.entries)["model-00002-of-00002.safetensors"]
+    with pytest.raises(W.WeightDigestMismatchError) as err:  # the corrupt file is still refused
+        W.verify_model_dir(d)
+    assert err.value.file == "model-00002-of-00002.safetensors"
+    with pytest.raises(W.ManifestMissingError):
+        W.add_to_manifest(tmp_path, ("x.safetensors",))
+
+
 def test_one_changed_byte_is_refused_naming_the_file(tmp_path):
     d = _fake_model(tmp_path)
     _, manifest = W.write_manifest(d)

@@ -1,0 +1,141 @@
+"""``sinkserve model train-indexer``: trains a lightning indexer for a GQA model without BOS, writes
+``indexer.safetensors`` and its manifest entry beside the model (verification still passes), the engine
+serves it with ``sparse.indexer: trained``, a rerun resumes the step count, bad input names the field; and
+SmolLM2's indexer, where it has been trained into the user's model cache, loads through the engine."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.cli import main as cli
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import weights as W
+from engine.model_store import cache_root, is_complete, resolve_model
+from engine.sparse_config import INDEXER_WEIGHTS, SparseAttention
+from training import indexer_checkpoint as ckpt
+from training.train_indexer import forced_set
+
+FAST = ["--seq-len", "96", "--batch", "1", "--queries", "16", "--reuse", "2", "--heads", "2", "--dim", "8",
+        "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def no_bos_model(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny GQA Llama (4 query heads, 2 KV heads) with a tokenizer that adds no BOS, and a manifest."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("nobos") / "llama"
+    shutil.copytree(tiny_llama, out)
+    tok = AutoTokenizer.from_pretrained(out)
+    tok._tokenizer.post_processor = processors.TemplateProcessing(single="$A", special_tokens=[])
+    tok.save_pretrained(out)
+    assert AutoTokenizer.from_pretrained(out)("")["input_ids"] == []
+    W.write_manifest(out)
+    return out
+
+
+def test_forced_set_follows_the_engine_limits(no_bos_model: Path) -> None:
+    # The tiny model's context is 512: local window ctx/16 = 32 (engine/limits.py); sinks 0..3 = block 0.
+    f = forced_set(str(no_bos_model))
+    assert (f.sink_tokens, f.local_window, f.block_size) == (16, 32, 16)
+    assert forced_set(resolve_model("reference")).local_window == 64  # ctx 1,024
+
+
+def test_train_writes_weights_and_manifest_entry_and_the_engine_serves_them(no_bos_model: Path, tmp_path: Path,
+                                                                              capsys: pytest.CaptureFixture) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(no_bos_model, model)
+    assert cli(["model", "train-indexer", str(model), "--steps", "3", *FAST]) == 0
+    assert "3 steps" in capsys.readouterr().out
+    weights = model / INDEXER_WEIGHTS
+    assert weights.is_file() and (model / "indexer_card.md").is_file()
+    manifest = W.verify_model_dir(model, require=True)  # still passes, and now vouches for the indexer
+    assert manifest is not None and INDEXER_WEIGHTS in manifest.files
+    assert ckpt.checkpoint_path(weights).is_file() and len(ckpt.read_curve(weights)) == 3
+    engine = LLMEngine(EngineConfig(model=str(model), block_size=16, num_kv_blocks=64, max_num_batched_tokens=64,
+                                    sparse=SparseAttention(enabled=True, indexer="trained", top_k=32, min_context=32,
+                                                           local_window=16)))
+    prompt = torch.randint(5, 250, (200,), generator=torch.Generator().manual_seed(0)).tolist()
+    engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert engine.stats().sparse_sequence_steps_total > 0
+
+
+def test_rerun_resumes_the_step_count(no_bos_model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "idx" / INDEXER_WEIGHTS
+    args = ["model", "train-indexer", str(no_bos_model), "--out", str(out), *FAST]
+    assert cli([*args, "--steps", "2"]) == 0
+    first = ckpt.read_curve(out)
+    assert cli([*args, "--steps", "4"]) == 0
+    curve = ckpt.read_curve(out)
+    assert [r["step"] for r in curve] == [1, 2, 3, 4] and curve[:2] == first
+    assert torch.load(ckpt.checkpoint_path(out), weights_only=False)["step"] == 4
+    from safetensors import safe_open
+
+    with safe_open(str(out), "pt") as f:
+        meta = f.metadata()
+    assert meta["steps"] == "4" and json.loads(meta["heldout"])["kl"]
+    assert not (no_bos_model / INDEXER_WEIGHTS).exists()  # --out elsewhere leaves the model alone
+
+
+def test_resume_with_other_settings_names_the_option(no_bos_model: Path, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / INDEXER_WEIGHTS
+    assert cli(["model", "train-indexer", str(no_bos_model), "--out", str(out), "--steps", "1", *FAST]) == 0
+    fast = [a if a != "2" else "3" for a in FAST]  # --heads 3
+    assert cli(["model", "train-indexer", str(no_bos_model), "--out", str(out), "--steps", "2", *fast]) == 2
+    assert "--heads:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["no-such-model"], "model 'no-such-model': no such file or directory"),
+    (["MODEL", "--seq-len", "40"], "--seq-len: 40 leaves no candidate outside the forced set"),
+    (["MODEL", "--seq-len", "4096"], "--seq-len: 4096 is longer than the model's trained context (512)"),
+    (["MODEL", "--steps", "0"], "--steps: must be >= 1"),
+])
+def test_bad_input_is_a_clear_error(no_bos_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture,
+                                    args: list[str], expected: str) -> None:
+    args = [str(no_bos_model) if a == "MODEL" else a for a in args]
+    assert cli(["model", "train-indexer", *args, "--out", str(tmp_path / INDEXER_WEIGHTS)]) != 0
+    assert expected in capsys.readouterr().err
+
+
+@pytest.mark.slow  # loads the 538 MB model (hashing it first): ~1 min on the shared 2-core machine
+def test_smollm2_indexer_loads_through_the_engine() -> None:
+    """The real model's trained indexer (``sinkserve model train-indexer smollm2-135m-instruct``), from the
+    user's model cache (the suite's own cache is empty by design)."""
+    model = cache_root({}) / "smollm2-135m-instruct"
+    if not is_complete(model):
+        pytest.skip(f"SmolLM2 is not in the model cache {model.parent} (sinkserve model fetch smollm2-135m-instruct)")
+    if not (model / INDEXER_WEIGHTS).is_file():
+        pytest.skip(f"SmolLM2 has no trained indexer at {model / INDEXER_WEIGHTS} "
+                    "(sinkserve model train-indexer smollm2-135m-instruct)")
+    engine = LLMEngine(EngineConfig(model=str(model.resolve()), block_size=16, num_kv_blocks=48,
+                                    max_num_batched_tokens=256,
+                                    sparse=SparseAttention(enabled=True, indexer="trained", top_k=64, min_context=64,
+                                                           local_window=64)))
+    weights = engine.executor.runner.indexer_weights
+    assert weights is not None and weights.num_layers == 30 and weights.heads * weights.dim == weights.wq[0].shape[0]
+    prompt = torch.randint(100, 20000, (200,), generator=torch.Generator().manual_seed(0)).tolist()
+    engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    assert engine.stats().sparse_sequence_steps_total > 0
+
+
+def test_report_writes_curve_card_and_recall_per_layer(no_bos_model: Path, tmp_path: Path) -> None:
+    from training import indexer_report
+    from training.train_indexer import TrainSettings, train
+
+    result = train(TrainSettings(model=str(no_bos_model), out=str(tmp_path / "w" / INDEXER_WEIGHTS), steps=2,
+                                 seq_len=96, batch=1, queries=16, reuse=2, heads=2, dim=8), progress=False)
+    paths = indexer_report.write_reports(str(no_bos_model), result, tmp_path / "report", 1, "model train-indexer X")
+    names = {p.name for p in paths}
+    assert {"indexer_card.md", "indexer_training.png", "indexer_recall.md", "indexer_recall.json"} <= names
+    recall = json.loads((tmp_path / "report" / "indexer_recall.json").read_text())
+    rows = recall["rows"]
+    assert {r["layer"] for r in rows} == {0, 1} and all({"trained", "block_bounds", "random"} <= set(r) for r in rows)
+    assert recall["meta"]["local_window"] == 32 and recall["meta"]["indexer"].endswith(INDEXER_WEIGHTS)
