@@ -44,7 +44,7 @@ class Sequence:
     num_evicted_blocks: int = 0
     # Logical blocks below this index were already considered for eviction.
     eviction_cursor: int = 0
-    # ``importance`` eviction: accumulated attention mass per logical block, and this request's block
+    # ``importance`` eviction: running attention score per logical block (decayed sum), and this request's block
     # budget (None: the policy's ``block_budget``).
     block_importance: list[float] = field(default_factory=list)
     block_budget: int | None = None
