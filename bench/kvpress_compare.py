@@ -325,7 +325,11 @@ def main(argv: list[str] | None = None) -> int:
     shape = read_model_shape(plan.model)
     # K and V, every layer and KV head, float32 (both stacks run the model in float32 on CPU)
     kv_bytes = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 4
-    rows, notes = combine(json.loads(ans_path.read_text()), dset, ours, budgets, kv_bytes)
+    answers = json.loads(ans_path.read_text())
+    rows, notes = combine(answers, dset, ours, budgets, kv_bytes)
+    # kvpress's greedy answers per document, so a rate can be read back to what the model said
+    per_doc = [{"doc": d.index, "answer": d.doc.answer, "prompt_tokens": d.n_tokens,
+                **{k: a["texts"][i][:40] for k, a in answers.items()}} for i, d in enumerate(dset)]
     methods = sorted({r["method"] for r in rows if r["budget %"] != 100})
     rate = {(r["method"], r["budget %"]): r["rate"] for r in rows}
     panel = Panel(f"needle retrieval at a fixed KV budget ({plan.doc_tokens}-token documents, "
@@ -338,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     result = EvalResult(
         name=plan.name, title="Needle at a fixed KV budget: kvpress presses and sinkserve's arms (same documents and budget)",
         columns=["method", "budget %", "kept tokens", "KV MiB", "correct", "rate", "x dense", "errors", "wall s"],
-        rows=rows, panels=[panel],
+        rows=rows, panels=[panel], extra={"per_doc_kvpress": per_doc},
         notes=[*notes,
                "budget: B% of the whole prompt's tokens kept, chosen from the prompt but its last token (question "
                "in view); kvpress selects per token and KV head, sinkserve whole 16-token blocks for all heads",
