@@ -311,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
         from evals import eviction
 
         result = eviction.run_budget_needle(args.model, tuple(int(x) for x in args.kv_budget.split(",")),
-                                            args.docs or (4 if args.quick else 50), args.chunk)
+                                            args.docs or (4 if args.quick else 50), args.chunk, filler=args.filler)
     elif getattr(args, "selected_memory", None):
         result = _selected_memory(args)
     elif getattr(args, "sparse", None):

@@ -22,10 +22,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from evals import arms as A
 from evals import longmem
 from evals.report import EvalResult, Panel, Series
+
+if TYPE_CHECKING:
+    from evals.needle import Doc, NeedleConfig
 
 logger = logging.getLogger(__name__)
 
@@ -46,18 +50,31 @@ def budget_arms(doc_tokens: int, budgets: tuple[int, ...]) -> list[A.Arm]:
     return out
 
 
+def budget_docs(model: str, docs: int, doc_tokens: int | None = None, chunk: int | None = None,
+                filler: str | None = None) -> tuple["NeedleConfig", list["Doc"], int]:
+    """The fixed-budget needle's config, documents and document length: ``docs`` documents of at most
+    ``doc_tokens`` tokens (default ``DOC_FRACTION`` of the trained context), ``filler`` for every one (None:
+    the held-out fillers in turn). One place, so another stack (bench/kvpress_compare.py) answers exactly
+    the documents the engine's arms answer."""
+    from evals.needle import NeedleConfig, _tokenizer, build_docs
+
+    ctx = A.trained_context(model)
+    doc_tokens = doc_tokens or round(ctx * DOC_FRACTION)
+    cfg = NeedleConfig(model=model, lengths=(1.0,), docs=docs, window=ctx, chunk=chunk or ctx, filler=filler)
+    return cfg, build_docs(_tokenizer(model), cfg, doc_tokens), doc_tokens
+
+
 def run_budget_needle(model: str, budgets: tuple[int, ...], docs: int, chunk: int | None = None,
-                      doc_tokens: int | None = None) -> EvalResult:
+                      doc_tokens: int | None = None, filler: str | None = None) -> EvalResult:
     """Answer the same ``docs`` documents of ``doc_tokens`` tokens (default ``DOC_FRACTION`` of the trained
-    context: 900 of the reference model's 1,024) under every arm; rates vs dense."""
-    from evals.needle import NeedleConfig, _tokenizer, build_docs, run_arm
+    context: 900 of the reference model's 1,024; ``filler`` as :func:`budget_docs`) under every arm; rates
+    vs dense."""
+    from evals.needle import run_arm
 
     t0 = time.perf_counter()
     ctx = A.trained_context(model)
-    doc_tokens = doc_tokens or round(ctx * DOC_FRACTION)
+    cfg, dset, doc_tokens = budget_docs(model, docs, doc_tokens, chunk, filler)
     one_chunk = chunk is None or chunk >= doc_tokens
-    cfg = NeedleConfig(model=model, lengths=(1.0,), docs=docs, window=ctx, chunk=chunk or ctx)
-    dset = build_docs(_tokenizer(model), cfg, doc_tokens)
     if one_chunk:
         # The prompt but its last few tokens in one step, then the rest: the first answer token must come
         # from the evicted cache (a whole-prompt step would sample it densely). One document at a time: with
@@ -97,7 +114,7 @@ def run_budget_needle(model: str, budgets: tuple[int, ...], docs: int, chunk: in
         notes=notes,
         meta={"model": model, "trained_context": ctx, "doc_tokens": doc_tokens, "docs": docs, "prefill_chunk": chunk, "max_num_seqs": cfg.max_num_seqs,
               "local_window": LOCAL_WINDOW, "sinks": list(A.SINK_POSITIONS), "block_size": A.BLOCK_SIZE,
-              "anchor": "none", "scores": "attention mass of the last 32 queries of each step (engine/importance.py)",
+              "anchor": "none", "filler": filler or "held-out fillers in turn", "scores": "attention mass of the last 32 queries of each step (engine/importance.py)",
               "wall_s": round(time.perf_counter() - t0, 1)})
 
 
