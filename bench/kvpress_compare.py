@@ -83,33 +83,6 @@ def make_press(name: str, ratio: float):  # type: ignore[no-untyped-def]
     raise ValueError(name)
 
 
-def answer(lm, ids, press, max_new_tokens: int) -> list[int]:  # type: ignore[no-untyped-def]
-    """Greedy answer: the prompt but its last token prefilled under ``press`` (compressed as it is written),
-    then the last token and the answer decoded over the compressed cache (so no answer token sees the
-    dense cache; sinkserve's arm runs the same order)."""
-    import torch
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    with torch.inference_mode():
-        if press is None:
-            lm(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True)
-        else:
-            with press(lm):
-                lm(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True)
-        nxt, out = ids[:, -1:], []
-        pos = ids.shape[1] - 1
-        for _ in range(max_new_tokens):
-            logits = lm(input_ids=nxt, past_key_values=cache, use_cache=True,
-                        position_ids=torch.tensor([[pos]])).logits[0, -1]
-            tok = int(logits.argmax())
-            if tok == lm.config.eos_token_id:  # the engine stops there too
-                break
-            out.append(tok)
-            nxt, pos = torch.tensor([[tok]]), pos + 1
-    return out
-
-
 def answer(lm, ids, press, max_new_tokens: int) -> tuple[list[int], int]:  # type: ignore[no-untyped-def]
     """Greedy answer: the prompt but its last token prefilled under ``press`` (compressed as it is written),
     then the last token and the answer decoded over the compressed cache (so no answer token sees the
