@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -86,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rules", default="sum,mean,decay:0.5,decay:0.8,max")
     ap.add_argument("--tokens", type=int, default=None, help="stream length (default 8x the context)")
     ap.add_argument("--docs", type=int, default=50)
+    ap.add_argument("--no-needle", action="store_true", help="perplexity only (a real model's 7K-token needle "
+                    "documents cost minutes each on a CPU)")
     ap.add_argument("--out", default="docs/importance_score")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -101,25 +104,25 @@ def main(argv: list[str] | None = None) -> int:
         retention.accumulate_importance = make_rule(name)
         try:
             ppl = eviction.run_budget_long_ppl(model, (25, 50), args.tokens or 8 * ctx, ctx // 8)
-            inview = eviction.run_budget_needle(model, (25,), args.docs)
-            stream = eviction.run_budget_needle(model, (25,), args.docs, chunk=128)
+            inview = None if args.no_needle else eviction.run_budget_needle(model, (25,), args.docs)
+            stream = None if args.no_needle else eviction.run_budget_needle(model, (25,), args.docs, chunk=128)
         finally:
             retention.accumulate_importance = real
         by = {r["arm"]: r for r in ppl.rows}
-        rin = {r["arm"]: r for r in inview.rows}
-        rst = {r["arm"]: r for r in stream.rows}
+        rin = {r["arm"]: r for r in inview.rows} if inview else None
+        rst = {r["arm"]: r for r in stream.rows} if stream else None
         rows.append({"rule": name, "ppl dense": by["dense"]["ppl"],
                      "ppl 25%": f'{by["importance_25"]["ppl"]} ({by["importance_25"]["vs dense"]})',
                      "ppl 50%": f'{by["importance_50"]["ppl"]} ({by["importance_50"]["vs dense"]})',
                      "ppl window 25%": f'{by["sinks_window_25"]["ppl"]} ({by["sinks_window_25"]["vs dense"]})',
-                     "needle 25% in view": f'{rin["importance_25"]["correct"]} (dense {rin["dense"]["correct"]})',
-                     "needle 25% streamed": f'{rst["importance_25"]["correct"]} (dense {rst["dense"]["correct"]})'})
+                     "needle 25% in view": f'{rin["importance_25"]["correct"]} (dense {rin["dense"]["correct"]})' if rin else "not run",
+                     "needle 25% streamed": f'{rst["importance_25"]["correct"]} (dense {rst["dense"]["correct"]})' if rst else "not run"})
         print(markdown_table(list(rows[-1]), rows[-1:]), flush=True)
     result = EvalResult(name="importance_score", title="Importance eviction: which running score per block",
                         columns=list(rows[0]), rows=rows, panels=[],
                         meta={"model": args.model or "reference", "trained_context": ctx,
                               "tokens": args.tokens or 8 * ctx, "chunk": ctx // 8, "docs": args.docs,
-                              "command": "python -m bench.importance_score --rules " + args.rules,
+                              "command": "python -m bench.importance_score " + " ".join(argv if argv is not None else sys.argv[1:]),
                               "wall_s": round(time.perf_counter() - t0, 1)},
                         notes=["ppl: held-out corpus stream, chunked prefill, eviction between chunks (question not in "
                                "view); needle in view: one prefill then eviction (kvpress's order); streamed: 128-token chunks"])

@@ -341,12 +341,14 @@ def test_tp2_packed_cache_matches_tp1(tiny_llama: Path) -> None:
         assert max(diffs) < 1e-4, max(diffs)
 
 
-def test_outlier_report_names_the_planted_channels(tmp_path: Path) -> None:
+def test_outlier_report_names_the_planted_channels(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``sinkserve eval long-ppl --kv-outliers``: channel 5 of each KV head planted 30x shows up per
     layer as the largest channels (5 and its RoPE pair 13), counted as outliers; nothing else is."""
+    import json
+
     from transformers import AutoModelForCausalLM
 
-    from evals.kv_quant import outlier_report
+    from tests.test_evals_real_text import run_cli
     from tests.tiny_models import build_model
 
     path = build_model(tmp_path / "outliers", "llama", seed=3)
@@ -355,9 +357,11 @@ def test_outlier_report_names_the_planted_channels(tmp_path: Path) -> None:
         for layer in model.model.layers:
             layer.self_attn.k_proj.weight.view(2, 16, -1)[:, 5] *= 30
     model.save_pretrained(path)
-    report = outlier_report(str(path), channels=2)
-    assert len(report.rows) == len(model.model.layers)
-    for row in report.rows:
+    run_cli(["eval", "long-ppl", "--kv-outliers", "--kv-outlier-channels", "2", "--model", str(path),
+             "--out", str(tmp_path / "report")], capsys)
+    rows = json.loads((tmp_path / "report" / "kv_outlier_channels.json").read_text())["rows"]
+    assert len(rows) == len(model.model.layers)
+    for row in rows:
         largest = {c.split("=")[0].split(":")[1] for c in row["largest (head:channel = x median)"].split(", ")}
         assert largest == {"5", "13"}, row
         assert 2 <= row["channels >= 4x median"] <= 4, row  # channel 5 and 13 of 2 KV heads, at most
