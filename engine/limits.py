@@ -59,8 +59,8 @@ MAX_DERIVED_CHUNK = 2048
 # When config.json names no context at all (read_model_shape's fallback too).
 DEFAULT_CONTEXT = 2048
 
-__all__ = ["EngineLimits", "derive_limits", "limits_for_policy", "read_model_config", "trained_context",
-           "MAX_DERIVED_CHUNK"]
+__all__ = ["EngineLimits", "derive_limits", "derived_local_window", "derived_sparse_top_k", "limits_for_policy",
+           "read_model_config", "trained_context", "MAX_DERIVED_CHUNK"]
 
 
 def read_model_config(model_dir: str) -> dict[str, Any]:
@@ -83,6 +83,18 @@ def _rope_original(cfg: Mapping[str, Any]) -> int | None:
             if isinstance(orig, int) and orig > 0:
                 return orig
     return None
+
+
+def derived_sparse_top_k(ctx: int, block_size: int) -> int:
+    """``sparse.top_k`` left unset: ctx / 8 tokens (at least one block). Evals that size a sparse budget for
+    a model call this, so a budget measured is the budget served."""
+    return max(block_size, ctx // 8)
+
+
+def derived_local_window(ctx: int) -> int:
+    """``sparse.local_window`` left unset: the newest ctx / 16 tokens (64 for a 1,024-token model, 512 for
+    8,192) are always attended."""
+    return max(1, ctx // 16)
 
 
 def trained_context(cfg: Mapping[str, Any]) -> int:
@@ -220,12 +232,12 @@ def derive_limits(config: EngineConfig, model_cfg: Mapping[str, Any], *,
     else:
         min_context = s.min_context
     if s.top_k is None:
-        top_k = max(bs, ctx // 8)
+        top_k = derived_sparse_top_k(ctx, bs)
         derived.append("sparse.top_k")
     else:
         top_k = s.top_k
     if s.local_window is None:
-        local = max(1, ctx // 16)
+        local = derived_local_window(ctx)
         derived.append("sparse.local_window")
     else:
         local = s.local_window

@@ -63,7 +63,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                            "at L, M x ctx (writes needle_selected_memory.*; evals.selected_memory)")
             p.add_argument("--top-k", type=int, help="selected memory's top_k (default ctx/2: evals.selected_memory.default_top_k)")
         p.add_argument("--sparse", metavar="N,M", help="run the sparse-attention A/B instead: dense vs the block_bounds "
-                       "indexer vs a random control with top_k = ctx/N (comma-separated N, e.g. 8,16), inside the "
+                       "indexer vs a random control with top_k = L/N (comma-separated N, e.g. 8,16; L = ctx, or the needle "
+                       "document of --lengths F x ctx), inside the "
                        "trained context (writes <name>_sparse.*; long-ppl adds sparse_recall.*; evals.sparse)")
         p.add_argument("--kv-outlier-channels", type=int,
                        help="key channels per layer and KV head kept 16-bit in the packed arms (default: the "
@@ -256,7 +257,12 @@ def _sparse_ab(args: argparse.Namespace, ctx: int) -> EvalResult:
     denoms = tuple(int(x) for x in args.sparse.split(","))
     chunk = args.chunk or ctx // 8
     if args.eval_name == "needle":
-        return sparse.run_sparse_needle(args.model, denoms, args.docs or (4 if args.quick else 50), chunk)
+        lengths = [float(x) for x in (args.lengths or "1").split(",")]
+        if len(lengths) != 1:
+            raise SystemExit("needle --sparse: --lengths takes one fraction of the context (e.g. 0.5), "
+                             f"got {args.lengths!r}")
+        return sparse.run_sparse_needle(args.model, denoms, args.docs or (4 if args.quick else 50), chunk,
+                                        length=lengths[0], filler=args.filler)
     recall = sparse.run_recall(args.model, denoms, docs=2 if args.quick else 8)
     recall.meta["command"] = "sinkserve eval long-ppl" + _flags(args)
     write_report(recall, Path(args.out))

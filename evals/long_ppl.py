@@ -21,7 +21,6 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np

@@ -4,12 +4,17 @@ Arms, inside the trained context (no eviction; sinks 0..3 protected, as the dens
 
     dense               full attention
     trained 1/N         the trained lightning indexer (when the model ships indexer.safetensors): forced set
-                        (sink block + newest LOCAL_WINDOW tokens) + the top_k = ctx/N best-scoring tokens
-    block_bounds 1/N    the engine's sparse attention: forced set (sink block + newest LOCAL_WINDOW tokens)
-                        + top_k = ctx/N tokens of blocks ranked by the block-bounds indexer
+                        (sink block + newest local_window tokens) + the top_k = L/N best-scoring tokens
+    block_bounds 1/N    the engine's sparse attention: forced set (sink block + newest local_window tokens)
+                        + top_k = L/N tokens of blocks ranked by the block-bounds indexer
     random 1/N          the control: the same forced set and budget, the blocks drawn at random
 
-needle answers ~1,000-token documents (fact ~48 tokens in, question at the end; no anchor: the indexer
+L is the attended length: the trained context ctx (long-ppl; needle by default) or the needle document's
+length (``--lengths 0.5``: a model that cannot retrieve at its own full context). local_window is what the
+engine derives for the model (``engine.limits.derived_local_window``: ctx/16, 64 tokens for the reference
+model, 512 for SmolLM2), so the forced set measured is the one served and the one the indexer trained with.
+
+needle answers documents of L tokens (fact ~48 tokens in, question at the end; no anchor: the indexer
 must find the fact). long-ppl scores held-out text in trained-context windows with the prompts' own
 log-probabilities (every prompt token is a query of a sparse prefill chunk). ``recall`` measures, per
 layer, the share of the model's dense attention mass (summed over heads) that falls in the attended set,
@@ -29,6 +34,7 @@ import numpy as np
 import torch
 
 from engine import lightning
+from engine.limits import derived_local_window
 from engine.sparse_config import INDEXER_WEIGHTS, SparseAttention
 from evals import arms as A
 from evals import longmem
@@ -37,7 +43,6 @@ from kernels import block_sparse as bs
 
 logger = logging.getLogger(__name__)
 
-LOCAL_WINDOW = 64
 SELECTORS = ("trained", "block_bounds", "random")
 
 
@@ -47,20 +52,23 @@ def selectors(model: str) -> tuple[str, ...]:
     return tuple(s for s in SELECTORS if s != "trained" or has)
 
 
-def sparse_settings(ctx: int, denom: int, indexer: str = "block_bounds") -> SparseAttention:
-    """Budget ``ctx / denom`` tokens beyond the forced set, sparse from the first full block on."""
-    return SparseAttention(enabled=True, indexer=indexer, top_k=ctx // denom, min_context=A.BLOCK_SIZE,
-                           local_window=LOCAL_WINDOW)
+def sparse_settings(ctx: int, denom: int, indexer: str = "block_bounds", attended: int | None = None
+                    ) -> SparseAttention:
+    """Budget ``attended / denom`` tokens beyond the forced set (``attended`` defaults to ``ctx``), sparse
+    from the first full block on; the engine's local window for a model of context ``ctx``."""
+    return SparseAttention(enabled=True, indexer=indexer, top_k=(attended or ctx) // denom, min_context=A.BLOCK_SIZE,
+                           local_window=derived_local_window(ctx))
 
 
-def sparse_arms(ctx: int, denoms: tuple[int, ...], sels: tuple[str, ...] = SELECTORS[1:]) -> list[A.Arm]:
+def sparse_arms(ctx: int, denoms: tuple[int, ...], sels: tuple[str, ...] = SELECTORS[1:], attended: int | None = None
+                ) -> list[A.Arm]:
     """Dense, then per budget each indexer and the random control."""
     out = [A.DENSE]
     for d in denoms:
         for sel in sels:
             indexer = "trained" if sel == "trained" else "block_bounds"
-            out.append(dataclasses.replace(A.DENSE, name=f"{sel}_1/{d}", label=f"{sel}, top_k ctx/{d}",
-                                           sparse=sparse_settings(ctx, d, indexer), selector=sel))
+            out.append(dataclasses.replace(A.DENSE, name=f"{sel}_1/{d}", label=f"{sel}, top_k L/{d}",
+                                           sparse=sparse_settings(ctx, d, indexer, attended), selector=sel))
     return out
 
 
@@ -80,22 +88,27 @@ def use_selector(engine: Any, selector: str, seed: int = 0) -> None:
 
 
 # ------------------------------------------------------------------------------------------- needle
-def run_sparse_needle(model: str, denoms: tuple[int, ...], docs: int, chunk: int) -> EvalResult:
+def run_sparse_needle(model: str, denoms: tuple[int, ...], docs: int, chunk: int, length: float = 1.0,
+                      filler: str | None = None) -> EvalResult:
+    """Needle retrieval inside the context: documents of ``length`` x ctx tokens, budgets of L/N."""
     from evals.needle import NeedleConfig, _tokenizer, build_docs, run_arm
 
+    if not 0 < length <= 1:
+        raise ValueError(f"--lengths for the sparse needle is one fraction of the context in (0, 1], got {length}")
     t0 = time.perf_counter()
     ctx = A.trained_context(model)
-    cfg = NeedleConfig(model=model, lengths=(1.0,), docs=docs, window=ctx, chunk=chunk)
-    dset = build_docs(_tokenizer(model), cfg, ctx - cfg.max_new_tokens - 1)
+    attended = int(ctx * length)
+    cfg = NeedleConfig(model=model, lengths=(length,), docs=docs, window=ctx, chunk=chunk, filler=filler)
+    dset = build_docs(_tokenizer(model), cfg, attended - cfg.max_new_tokens - 1)
     rows, rates = [], {}
     sels = selectors(model)
-    for arm in sparse_arms(ctx, denoms, sels):
-        texts, wall = run_arm(cfg, arm, dset, "1x", progress=False)
+    for arm in sparse_arms(ctx, denoms, sels, attended):
+        texts, wall = run_arm(cfg, arm, dset, f"{length:g}x", progress=False)
         ok = [longmem.check_answer(t, d.doc.answer) for t, d in zip(texts, dset)]
         rates[arm.name] = sum(ok) / len(ok)
         logger.info("sparse needle %s: %d/%d (%.0fs)", arm.name, sum(ok), len(ok), wall)
         rows.append({"arm": arm.name, "top_k": arm.sparse.top_k if arm.sparse else "-",
-                     "attended (approx.)": _attended_label(arm, ctx), "correct": f"{sum(ok)}/{len(ok)}",
+                     "attended (approx.)": _attended_label(arm, ctx, attended), "correct": f"{sum(ok)}/{len(ok)}",
                      "rate": round(rates[arm.name], 3), "wall s": round(wall, 1)})
     dense = rates[A.DENSE.name]
     notes = []
@@ -114,24 +127,26 @@ def run_sparse_needle(model: str, denoms: tuple[int, ...], docs: int, chunk: int
         notes.append(line)
     panel = Panel("needle retrieval inside the trained context", "selected budget (tokens, beyond the forced set)",
                   "retrieval rate", [
-                      Series(sel, [ctx / d for d in denoms], [rates[f"{sel}_1/{d}"] for d in denoms], "-o")
+                      Series(sel, [attended / d for d in denoms], [rates[f"{sel}_1/{d}"] for d in denoms], "-o")
                       for sel in sels], logx=True, hlines=[(dense, "dense")], ylim=(-0.03, 1.03))
     return EvalResult(
         name="needle_sparse", title="Needle retrieval with sparse attention (inside the trained context)",
         columns=["arm", "top_k", "attended (approx.)", "correct", "rate", "x dense", "wall s"], rows=rows,
         panels=[panel], notes=notes,
-        meta={"model": model, "trained_context": ctx, "doc_tokens": ctx - cfg.max_new_tokens - 1, "docs": docs,
-              "prefill_chunk": chunk, "local_window": LOCAL_WINDOW, "sinks": list(A.SINK_POSITIONS),
+        meta={"model": model, "trained_context": ctx, "doc_tokens": attended - cfg.max_new_tokens - 1, "docs": docs,
+              "length": length, "filler": filler or "licenses and haystack in turn",
+              "prefill_chunk": chunk, "local_window": derived_local_window(ctx), "sinks": list(A.SINK_POSITIONS),
               "block_size": A.BLOCK_SIZE, "anchor": "none (the indexer must find the fact)",
               "wall_s": round(time.perf_counter() - t0, 1)})
 
 
-def _attended_label(arm: A.Arm, ctx: int) -> str:
+def _attended_label(arm: A.Arm, ctx: int, attended: int | None = None) -> str:
+    length = attended or ctx
     if arm.sparse is None:
-        return str(ctx)
+        return str(length)
     # sink block + window blocks (+ the query's partial block) + selected budget; trained: token granular
-    forced = A.BLOCK_SIZE + LOCAL_WINDOW + (0 if arm.selector == "trained" else A.BLOCK_SIZE)
-    return f"~{arm.sparse.top_k + forced} ({(arm.sparse.top_k + forced) / ctx:.0%})"
+    forced = A.BLOCK_SIZE + derived_local_window(ctx) + (0 if arm.selector == "trained" else A.BLOCK_SIZE)
+    return f"~{arm.sparse.top_k + forced} ({(arm.sparse.top_k + forced) / length:.0%})"
 
 
 # ------------------------------------------------------------------------------------------- long-ppl
@@ -162,7 +177,7 @@ def run_sparse_long_ppl(model: str, denoms: tuple[int, ...], n_tokens: int, chun
         notes=notes + [f"held-out {text} text, {n_tokens} tokens, windows of {ctx} tokens (stride {ctx // 2}); prompt "
                f"log-probabilities, so every scored token is a query of a sparse prefill chunk ({chunk} tokens; "
                f"block_bounds: groups of {bs.PREFILL_GROUP} queries share a selection; trained: every query selects)"],
-        meta={"model": model, "trained_context": ctx, "tokens": n_tokens, "local_window": LOCAL_WINDOW,
+        meta={"model": model, "trained_context": ctx, "tokens": n_tokens, "local_window": derived_local_window(ctx),
               "wall_s": round(time.perf_counter() - t0, 1)})
 
 
@@ -255,13 +270,14 @@ def attention_recall(q: torch.Tensor, k: torch.Tensor, scale: float, queries: to
 
 
 def run_recall(model: str, denoms: tuple[int, ...], docs: int, stride: int = 8, *, ids: list[int] | None = None,
-               start: list[int] | None = None, local_window: int = LOCAL_WINDOW,
+               start: list[int] | None = None, local_window: int | None = None,
                indexer_path: Path | None = None) -> EvalResult:
     """Per layer and budget: recall of dense attention mass, averaged over queries ``ctx/4 .. ctx`` (every
     ``stride``-th position) of ``docs`` held-out windows of the trained context.
 
     ``ids``: the held-out token stream (default: the reference corpus' held-out split), each window led by
-    ``start`` (default: the tokenizer's own, BOS or nothing). ``local_window``: the forced window.
+    ``start`` (default: the tokenizer's own, BOS or nothing). ``local_window``: the forced window (default:
+    the engine's for this model, ``derived_local_window``).
     ``indexer_path``: the trained indexer to rank too (default: the model's, when it ships one)."""
     from transformers import AutoTokenizer
 
@@ -269,6 +285,8 @@ def run_recall(model: str, denoms: tuple[int, ...], docs: int, stride: int = 8, 
 
     t0 = time.perf_counter()
     ctx = A.trained_context(model)
+    if local_window is None:
+        local_window = derived_local_window(ctx)
     tok = AutoTokenizer.from_pretrained(model)
     lead = start_ids(tok) if start is None else start
     body = ctx - len(lead)

@@ -106,6 +106,26 @@ def test_sparse_ab_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.Captur
     assert "| block_bounds_1/8 |" in printed and "| trained_1/8 |" in printed
 
 
+def test_sparse_needle_at_a_fraction_of_the_context(tiny_llama: Path, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """``needle --sparse 8 --lengths 0.5``: documents of half the context, a budget of L/8 of that length,
+    and the engine's own local window for the model (ctx/16), not the reference model's 64 tokens."""
+    from engine.limits import derived_local_window
+    from evals.arms import trained_context
+
+    ctx = trained_context(tiny_llama)
+    run_cli(["eval", "needle", "--quick", "--sparse", "8", "--lengths", "0.5", "--model", str(tiny_llama),
+             "--out", str(tmp_path), "--docs", "1", "--chunk", "64"], capsys)
+    blob = load(tmp_path, "needle_sparse")
+    meta = blob["meta"]
+    assert meta["length"] == 0.5 and meta["local_window"] == derived_local_window(ctx) == ctx // 16
+    assert meta["doc_tokens"] < ctx // 2
+    assert {r["top_k"] for r in blob["rows"] if r["arm"] != "dense"} == {ctx // 2 // 8}
+    with pytest.raises(SystemExit):
+        run_cli(["eval", "needle", "--quick", "--sparse", "8", "--lengths", "0.5,1", "--model", str(tiny_llama),
+                 "--out", str(tmp_path)], capsys)
+
+
 def test_kv_budget_needle_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``--kv-budget``: dense, then per budget the sliding-window control and importance eviction, with the
     kept tokens matched (block granular) and a met/missed line per budget."""
