@@ -60,7 +60,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                            "evals.eviction; --chunk defaults to the whole document)")
             p.add_argument("--selected-memory", metavar="L,M", help="hint-free needle past the trained context "
                            "instead: dense at 1x vs sinks + window vs selected memory (sparse.position_mode compact) "
-                           "at L, M x ctx (writes needle_selected_memory.*; evals.selected_memory)")
+                           "at L, M x ctx; a length <= 1 sets where dense is measured in context (default 1x; e.g. 0.5,2) (writes "
+                           "needle_selected_memory.*; evals.selected_memory)")
             p.add_argument("--top-k", type=int, help="selected memory's top_k (default ctx/2: evals.selected_memory.default_top_k)")
         p.add_argument("--sparse", metavar="N,M", help="run the sparse-attention A/B instead: dense vs the block_bounds "
                        "indexer vs a random control with top_k = L/N (comma-separated N, e.g. 8,16; L = ctx, or the needle "
@@ -287,7 +288,7 @@ def _selected_memory(args: argparse.Namespace) -> EvalResult:
     ctx = A.trained_context(args.model)
     lengths = tuple(float(x) for x in args.selected_memory.split(","))
     return sm.run_selected_needle(args.model, lengths, args.docs or (4 if args.quick else 50), args.chunk or ctx // 8,
-                                  args.top_k or sm.default_top_k(ctx), on_point=write_partial)
+                                  args.top_k or sm.default_top_k(ctx), on_point=write_partial, filler=args.filler)
 
 
 def run(args: argparse.Namespace) -> int:

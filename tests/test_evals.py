@@ -149,6 +149,20 @@ def test_selected_memory_needle_quick(tiny_llama: Path, tmp_path: Path, capsys: 
     assert "2x: selected memory" in printed and ("MET" in printed or "MISSED" in printed)
 
 
+def test_selected_memory_needle_dense_reference_inside_the_context(tiny_llama: Path, tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """``--selected-memory 0.5,2``: dense (and selected memory) measured at half the context, on documents
+    of that length, for a model that cannot retrieve at its full context; the 2x point compares with it."""
+    printed = run_cli(["eval", "needle", "--quick", "--selected-memory", "0.5,2", "--top-k", "128", "--model",
+                       str(tiny_llama), "--out", str(tmp_path), "--docs", "1", "--filler", "prose"], capsys)
+    blob = load(tmp_path, "needle_selected_memory")
+    assert [(r["arm"], r["x_context"]) for r in blob["rows"]] == [
+        ("dense", 0.5), ("selected_memory", 0.5), ("sinks_window", 2.0), ("selected_memory", 2.0)]
+    assert blob["rows"][0]["L"] <= 256 and blob["meta"]["dense_reference_length"] == 0.5
+    assert blob["meta"]["filler"] == "prose"
+    assert "in context (0.5x)" in printed or "target not measurable" in printed
+
+
 def test_selected_memory_long_ppl_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run_cli(["eval", "long-ppl", "--quick", "--selected-memory", "--top-k", "128", "--model", str(tiny_llama), "--out",
              str(tmp_path)], capsys)
