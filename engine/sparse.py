@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 
 from engine.sparse_config import SparseAttention
+from kernels.sparse_geometry import forced_tokens
 
 
 def applies(sparse: SparseAttention, seq_len: int, num_new_tokens: int) -> bool:
@@ -63,13 +64,3 @@ def attended_tokens(block_table: Seq[int], seq_len: int, forced: Seq[int] | None
     return selected * block_size - tail, visible_tokens
 
 
-def forced_tokens(forced: Seq[int], seq_len: int, block_size: int, window: int) -> int:
-    """Forced tokens of the query at ``seq_len - 1`` under token-granular selection (the trained indexer):
-    the newest ``window`` tokens plus the protected blocks' tokens before them.
-
-    >>> forced_tokens([0], 100, 16, 32)   # tokens 0..15 + 68..99
-    48
-    """
-    first_window = max(0, seq_len - window)
-    extra = sum(max(0, min((b + 1) * block_size, first_window) - b * block_size) for b in forced)
-    return min(seq_len, window) + extra

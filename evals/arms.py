@@ -16,16 +16,20 @@ and ``window + chunk + block_size`` recent tokens (plus the protected blocks).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from engine import CachePolicy, EngineConfig, LLMEngine
 from engine.config import DEFAULT_MODEL
 from engine.sparse_config import SparseAttention
+from kernels import block_sparse as bs
 
 logger = logging.getLogger(__name__)
 
@@ -156,10 +160,23 @@ def make_engine(model: str | Path, policy: CachePolicy, chunk: int, num_kv_block
     )
     engine = LLMEngine(config)
     if selector == "random":  # block_bounds and trained are the engine's own (sparse.indexer)
-        from evals.sparse import use_selector
-
         use_selector(engine, selector)
     return engine
+
+
+def use_selector(engine: Any, selector: str, seed: int = 0) -> None:
+    """Swap the engine's block ranking for a control (``random``): same forced set, same budget. The
+    backend instance of this engine's runner is replaced; nothing global changes."""
+    if selector != "random":
+        raise ValueError(f"unknown selector {selector!r}")
+    gen = torch.Generator().manual_seed(seed)
+
+    def random_scores(q: torch.Tensor, bounds: torch.Tensor, scale: float) -> torch.Tensor:
+        return torch.rand(q.shape[0], 1, bounds.shape[1], generator=gen).expand(-1, q.shape[1], -1).to(q.device)
+
+    runner = engine.executor.runner
+    runner.backend = dataclasses.replace(runner.backend, block_sparse_attention=functools.partial(
+        bs.block_sparse_attention, attend=bs.attend_gather, score=random_scores))
 
 
 def blocks_for_stream(window: int, chunk: int, protected_blocks: int = 2) -> int:

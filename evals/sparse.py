@@ -24,11 +24,9 @@ for the indexer, the random control and an oracle that picks the heaviest blocks
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -70,21 +68,6 @@ def sparse_arms(ctx: int, denoms: tuple[int, ...], sels: tuple[str, ...] = SELEC
             out.append(dataclasses.replace(A.DENSE, name=f"{sel}_1/{d}", label=f"{sel}, top_k L/{d}",
                                            sparse=sparse_settings(ctx, d, indexer, attended), selector=sel))
     return out
-
-
-def use_selector(engine: Any, selector: str, seed: int = 0) -> None:
-    """Swap the engine's block ranking for a control (``random``): same forced set, same budget. The
-    backend instance of this engine's runner is replaced; nothing global changes."""
-    if selector != "random":
-        raise ValueError(f"unknown selector {selector!r}")
-    gen = torch.Generator().manual_seed(seed)
-
-    def random_scores(q: torch.Tensor, bounds: torch.Tensor, scale: float) -> torch.Tensor:
-        return torch.rand(q.shape[0], 1, bounds.shape[1], generator=gen).expand(-1, q.shape[1], -1).to(q.device)
-
-    runner = engine.executor.runner
-    runner.backend = dataclasses.replace(runner.backend, block_sparse_attention=functools.partial(
-        bs.block_sparse_attention, attend=bs.attend_gather, score=random_scores))
 
 
 # ------------------------------------------------------------------------------------------- needle

@@ -37,10 +37,10 @@ from typing import Callable
 
 import torch
 
-from engine.sparse_config import PREFILL_GROUP
+from kernels.sparse_geometry import PREFILL_GROUP
 from kernels.layout import NULL_BLOCK
 
-__all__ = ["PREFILL_GROUP"]  # re-exported: the kernels' default group (engine/sparse_config.py says why 128)
+__all__ = ["PREFILL_GROUP"]  # re-exported: the kernels' default group (kernels/sparse_geometry.py says why 128)
 # Gathered K/V per chunk of query groups (bytes): bounds the memory of a long prefill's attention.
 MEMORY_BUDGET = 64 << 20
 

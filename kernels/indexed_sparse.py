@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from engine.sparse import forced_tokens
+from kernels.sparse_geometry import forced_tokens
 from kernels.layout import NULL_BLOCK
 from kernels.workspace import workspace
 
