@@ -134,12 +134,12 @@ def gather_blocks(kv, block_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torc
     if isinstance(kv, tuple):
         k_cache, v_cache = kv
         return k_cache.index_select(0, block_ids).to(dtype), v_cache.index_select(0, block_ids).to(dtype)
-    from kernels import reference
+    from kernels import packed_decode
 
     shape = (block_ids.numel(), kv.block_size, kv.num_kv_heads, kv.head_dim)
     keys = torch.empty(shape, dtype=dtype, device=block_ids.device)
     values = torch.empty(shape, dtype=dtype, device=block_ids.device)
-    reference._dequantize_packed_into(kv, block_ids, keys, values)
+    packed_decode.dequantize_packed_into(kv, block_ids, keys, values)
     slot = kv.fp_index.index_select(0, block_ids).long()
     rows = (slot >= 0).nonzero().flatten()
     if rows.numel():

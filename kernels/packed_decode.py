@@ -24,7 +24,7 @@ layer writes lands in reused workspace buffers (``kernels/workspace.py``): on CP
 page-faults in on first touch, which cost more than the decoding.
 
 Equal to ``paged_attention`` on the dequantized cache within float rounding (the same dequantization,
-``reference._dequantize_packed_into``, and the same SDPA; ``tests/kernels/test_packed_decode.py``).
+``dequantize_packed_into``, and the same SDPA; ``tests/kernels/test_packed_decode.py``).
 ``bench/kv_decode_variants.py`` keeps the alternative that was measured against this one (scales folded
 into the query and the softmax weights, no dequantized K/V: fewer bytes, ~4x the torch ops per layer,
 slower here).
@@ -134,18 +134,48 @@ def split_gather(plan: object, g: "Gather", mask: torch.Tensor, cache: "QuantKVC
     return sg
 
 
+def dequantize_packed_into(cache: "QuantKVCache", ids: torch.Tensor, out_k: torch.Tensor, out_v: torch.Tensor) -> None:
+    """Dequantize packed blocks ``ids`` into ``out_k, out_v [..., B, H, D]`` (any float dtype; the leading
+    dims, which may be strided, cover ``len(ids)``): the codes are unpacked straight into the output
+    (``unpack_codes_into``, one conversion pass), then ``code * scale + zero`` is applied in
+    place against scales broadcast over the block's tokens (keys) or the group's channels (values). (A
+    mixed-dtype ``addcmul(zero, uint8 codes, scale)`` over the same broadcast was measured ~40x slower on
+    CPU.) A non-float32 output is computed in float32 and rounded once."""
+    n = int(ids.numel())
+    if n == 0:
+        return
+    if out_k.dtype is not torch.float32:
+        k32 = torch.empty(out_k.shape, dtype=torch.float32, device=out_k.device)
+        v32 = torch.empty(out_v.shape, dtype=torch.float32, device=out_v.device)
+        dequantize_packed_into(cache, ids, k32, v32)
+        out_k.copy_(k32)
+        out_v.copy_(v32)
+        return
+    b, h, d, g = cache.block_size, cache.num_kv_heads, cache.head_dim, cache.group_size
+    lead = tuple(out_k.shape[:-3])
+    unpack_codes_into(cache.k_codes, ids, cache.bits, out_k, "deq_k")
+    out_k.mul_(cache.k_scale.index_select(0, ids).float().view(*lead, 1, h, d))
+    out_k.add_(cache.k_zero.index_select(0, ids).float().view(*lead, 1, h, d))
+    unpack_codes_into(cache.v_codes, ids, cache.bits, out_v, "deq_v")
+    v6 = out_v.unflatten(-1, (d // g, g))
+    v6.mul_(cache.v_scale.index_select(0, ids).float().view(*lead, b, h, d // g, 1))
+    v6.add_(cache.v_zero.index_select(0, ids).float().view(*lead, b, h, d // g, 1))
+    if cache.outlier_idx is not None:
+        o = cache.outlier_idx.shape[-1]
+        idx = cache.outlier_idx.view(*(1,) * len(lead), 1, h, o).expand(*lead, b, h, o)
+        out_k.scatter_(-1, idx, cache.k_outlier.index_select(0, ids).view(*lead, b, h, o).to(out_k.dtype))
+
+
 def decode_keys_values(cache: "QuantKVCache", sg: SplitGather, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values ``[S, (Wp + Wf) * B, Hkv, D]`` of a ``SplitGather`` in ``dtype``: the packed part
     dequantized, the 16-bit part copied from the side pool (workspace buffers: valid until the next call)."""
-    from kernels.reference import _dequantize_packed_into
-
     ws = workspace()
     s_rows, b, h, d = sg.rows, cache.block_size, cache.num_kv_heads, cache.head_dim
     dev = cache.k_codes.device
     keys = ws.get("pd_k", (s_rows, sg.wp + sg.wf, b, h, d), dtype, dev)
     values = ws.get("pd_v", (s_rows, sg.wp + sg.wf, b, h, d), dtype, dev)
     if sg.wp:
-        _dequantize_packed_into(cache, sg.packed, keys[:, : sg.wp], values[:, : sg.wp])
+        dequantize_packed_into(cache, sg.packed, keys[:, : sg.wp], values[:, : sg.wp])
     if sg.wf:
         shape = (s_rows, sg.wf, b, h, d)
         keys[:, sg.wp :] = cache.fp_k.flatten(1).index_select(0, sg.slots).view(shape)

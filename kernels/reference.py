@@ -38,6 +38,8 @@ from dataclasses import dataclass
 import torch
 
 from kernels.layout import NULL_BLOCK
+from kernels import packed_decode
+from kernels.packed_decode import dequantize_packed_into
 
 
 def write_kv(
@@ -428,47 +430,13 @@ def write_kv_quant(key: torch.Tensor, value: torch.Tensor, cache, slot_mapping: 
     write_kv(key, value, cache.fp_k, cache.fp_v, fp_slots)
 
 
-def _dequantize_packed_into(cache, ids: torch.Tensor, out_k: torch.Tensor, out_v: torch.Tensor) -> None:
-    """Dequantize packed blocks ``ids`` into ``out_k, out_v [..., B, H, D]`` (any float dtype; the leading
-    dims, which may be strided, cover ``len(ids)``): the codes are unpacked straight into the output
-    (``packed_decode.unpack_codes_into``, one conversion pass), then ``code * scale + zero`` is applied in
-    place against scales broadcast over the block's tokens (keys) or the group's channels (values). (A
-    mixed-dtype ``addcmul(zero, uint8 codes, scale)`` over the same broadcast was measured ~40x slower on
-    CPU.) A non-float32 output is computed in float32 and rounded once."""
-    from kernels.packed_decode import unpack_codes_into
-
-    n = int(ids.numel())
-    if n == 0:
-        return
-    if out_k.dtype is not torch.float32:
-        k32 = torch.empty(out_k.shape, dtype=torch.float32, device=out_k.device)
-        v32 = torch.empty(out_v.shape, dtype=torch.float32, device=out_v.device)
-        _dequantize_packed_into(cache, ids, k32, v32)
-        out_k.copy_(k32)
-        out_v.copy_(v32)
-        return
-    b, h, d, g = cache.block_size, cache.num_kv_heads, cache.head_dim, cache.group_size
-    lead = tuple(out_k.shape[:-3])
-    unpack_codes_into(cache.k_codes, ids, cache.bits, out_k, "deq_k")
-    out_k.mul_(cache.k_scale.index_select(0, ids).float().view(*lead, 1, h, d))
-    out_k.add_(cache.k_zero.index_select(0, ids).float().view(*lead, 1, h, d))
-    unpack_codes_into(cache.v_codes, ids, cache.bits, out_v, "deq_v")
-    v6 = out_v.unflatten(-1, (d // g, g))
-    v6.mul_(cache.v_scale.index_select(0, ids).float().view(*lead, b, h, d // g, 1))
-    v6.add_(cache.v_zero.index_select(0, ids).float().view(*lead, b, h, d // g, 1))
-    if cache.outlier_idx is not None:
-        o = cache.outlier_idx.shape[-1]
-        idx = cache.outlier_idx.view(*(1,) * len(lead), 1, h, o).expand(*lead, b, h, o)
-        out_k.scatter_(-1, idx, cache.k_outlier.index_select(0, ids).view(*lead, b, h, o).to(out_k.dtype))
-
-
 def _gather_quant(cache, g: Gather, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     b = cache.block_size
     flat = g.blocks
     shape = (flat.numel(), b, cache.num_kv_heads, cache.head_dim)
     keys = torch.empty(shape, dtype=dtype, device=flat.device)
     values = torch.empty(shape, dtype=dtype, device=flat.device)
-    _dequantize_packed_into(cache, flat, keys, values)
+    dequantize_packed_into(cache, flat, keys, values)
     slot = cache.fp_index.index_select(0, flat).long()
     rows = (slot >= 0).nonzero().flatten()
     if rows.numel():
@@ -502,8 +470,6 @@ def paged_attention_quant(
     (``packed_decode``): a layer dequantizes only the packed blocks and copies the 16-bit ones, then runs
     SDPA. Multi-token segments (prefill chunks) dequantize on gather (``gather_kv_quant``). Equal to
     ``paged_attention`` on ``dequantize_cache(cache)`` within float rounding."""
-    from kernels import packed_decode
-
     plan = plan or plan_attention(block_tables, seq_lens, query_start_loc, cache.block_size, window)
 
     def decode(q: torch.Tensor, g: Gather, mask: torch.Tensor) -> torch.Tensor:

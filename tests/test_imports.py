@@ -22,7 +22,6 @@ FORBIDDEN = {"kernels": {"engine", "app", "evals", "training"}, "engine": {"app"
 KNOWN_LAZY_CIRCLES = {
     frozenset({"engine.model_fetch", "engine.model_store"}),
     frozenset({"kernels.kv_quant", "kernels.paged_attention"}),
-    frozenset({"kernels.packed_decode", "kernels.reference"}),
     frozenset({"engine.decode_path", "engine.model_runner"}),
 }
 
