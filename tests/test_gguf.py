@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine import gguf_import, model_store, weights
+from engine import gguf_import, model_cache, model_store, weights
 from engine.errors import GGUFReadError, ModelLoadError
 from tests.tiny_gguf import CHAT_TEMPLATE, write_gguf
 
@@ -84,7 +84,7 @@ def test_a_second_load_reuses_the_conversion(ggufs, cache, monkeypatch):
         raise AssertionError("converted again")
 
     monkeypatch.setattr(gguf_import, "convert_gguf", no_second_conversion)
-    model_store._SHA_MEMO.clear()  # as a new process: hash the file again, find its directory
+    model_cache._SHA_MEMO.clear()  # as a new process: hash the file again, find its directory
     assert Path(model_store.resolve_model(str(ggufs["F32"]))) == first
     assert Path(model_store.resolve_model(str(ggufs["F32"].parent))) == first
     assert (first / "model.safetensors").stat().st_mtime_ns == stamp
