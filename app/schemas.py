@@ -453,8 +453,9 @@ class ModelCard(BaseModel):
     kv_cache: dict[str, str] | None = None
     # On the served name's card: each pool's token limits, resolved from the model (engine/limits.py).
     limits: dict[str, dict[str, Any]] | None = None
-    # On the served name's card: per pool, the max_tokens a chat request without one gets at most
-    # (the pool's default_max_tokens; less when the prompt leaves less of the pool's limit).
+    # On the served name's card: per pool, the max_tokens a chat request without one gets at most: the
+    # smaller of the pool's default_max_tokens and its limit less a one-token prompt (a longer prompt
+    # leaves less).
     default_max_tokens: dict[str, int] | None = None
 
 
