@@ -46,6 +46,20 @@ def test_tool_mode_defaults_and_refusals():
         assert e.value.status == 400 and e.value.param == param, kw
 
 
+def test_deprecated_function_calling_is_refused_naming_the_field():
+    """``functions`` / ``function_call`` (OpenAI's older form of tools): a 400 naming the field, not ignored."""
+    from pydantic import ValidationError
+
+    from app.errors import from_validation_error
+
+    for field, value in [("functions", [WEATHER["function"]]), ("function_call", "auto"),
+                         ("function_call", {"name": "get_weather"})]:
+        with pytest.raises(ValidationError) as e:
+            req(**{field: value})
+        err = from_validation_error(e.value)
+        assert err.status == 400 and err.param == field and "tools" in err.message
+
+
 def test_grammar_named_is_the_parameters_and_required_an_array_of_calls():
     named = tool_mode(req(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_weather"}}))
     assert json.loads(tool_grammar(named, False).schema) == WEATHER["function"]["parameters"]

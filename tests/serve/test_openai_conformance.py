@@ -267,6 +267,15 @@ def check_parallel_tool_calls(oc, client):
     assert len(one.choices[0].message.tool_calls) == 1
 
 
+def check_functions(oc, client):
+    fn = {"name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
+    assert bad_request(lambda: greedy_chat(oc, functions=[fn]))["param"] == "functions"
+
+
+def check_function_call(oc, client):
+    assert bad_request(lambda: greedy_chat(oc, function_call={"name": "get_weather"}))["param"] == "function_call"
+
+
 def check_suffix(oc, client):
     assert bad_request(lambda: oc.completions.create(model="tiny", prompt="a", suffix="b", max_tokens=1))["param"] == "suffix"
 
