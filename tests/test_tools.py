@@ -210,6 +210,36 @@ def test_choices_turn_text_into_tool_calls():
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+@pytest.mark.parametrize("pieces, content, called", [
+    (["Let me check. <tool", '_call>{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}</tool_call>'],
+     "Let me check.", True),
+    (["It is sunny ", "in Oslo."], "It is sunny in Oslo.", False),
+])
+def test_auto_choices_unary_and_streamed_agree(pieces, content, called):
+    """``auto`` through Choices: the unary message and the streamed chunks (as a client accumulates
+    them) carry the same content, calls and finish reason (tool_calls only when a call was parsed)."""
+    body = req(tools=[WEATHER, TIME], tool_choice="auto")
+    info = RouteInfo("chatcmpl-1", "short", "v1", "pool-short-v1", 10)
+    unary, stream = Choices(body, info, "m"), Choices(body, info, "m")
+    chunks = []
+    for i, p in enumerate(pieces):
+        last = i == len(pieces) - 1
+        d = TokenDelta(p, (i,), None, last, "stop" if last else None, 10, i + 1)
+        unary.add(d)
+        stream.add(d)
+        chunks.append(stream.chunk(d))
+    choice = unary.response().choices[0]
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or ()]
+    assert calls == ([("get_weather", {"city": "Oslo"})] if called else [])
+    assert choice.finish_reason == ("tool_calls" if called else "stop")
+    assert (choice.message.content or "").strip() == content
+    streamed_text = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+    deltas = [t for ch in chunks for t in (ch.choices[0].delta.tool_calls or [])]
+    assert streamed_text.strip() == content
+    assert [(c["name"], json.loads(c["arguments"])) for c in _reassemble(deltas)] == calls
+    assert chunks[-1].choices[0].finish_reason == choice.finish_reason
+
+
 @pytest.mark.parametrize("choice", ["named", "required"])
 def test_reference_model_calls_are_valid_by_construction(choice):
     """Planner -> engine (the reference model, sampling at temperature 1) -> Choices: every call's

@@ -165,11 +165,20 @@ def check_logprobs(oc, client):
     # Tokens are text (no byte-level BPE pieces), and their bytes join to the message's bytes.
     assert not any("Ġ" in t.token for t in content)
     assert strip_specials(b"".join(bytes(t.bytes) for t in content).decode()) == chat.choices[0].message.content
+    # Streamed: the same tokens, texts and bytes, chunk by chunk.
+    chunks = oc.chat.completions.create(model="tiny", messages=MSGS, temperature=0, max_tokens=8, logprobs=True,
+                                        stream=True, extra_body=NO_EOS)
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, t.bytes, t.logprob) for t in streamed] == [(t.token, t.bytes, t.logprob) for t in content]
     comp = oc.completions.create(model="tiny", prompt="hello world", max_tokens=5, temperature=0, logprobs=2, extra_body=NO_EOS)
     lp = comp.choices[0].logprobs
     assert len(lp.tokens) == 5 and all(len(t) == 2 for t in lp.top_logprobs)
+    assert not any("Ġ" in t for t in lp.tokens)
     if not any(t.startswith("bytes:") for t in lp.tokens):
         assert strip_specials("".join(lp.tokens)) == comp.choices[0].text
+    chunks = oc.completions.create(model="tiny", prompt="hello world", max_tokens=5, temperature=0, logprobs=2,
+                                   stream=True, extra_body=NO_EOS)
+    assert [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == lp.tokens
 
 
 def check_top_logprobs(oc, client):
