@@ -264,6 +264,11 @@ def check_tool_choice(oc, client):
     by_name = {"get_weather": WEATHER, "get_time": TIME}
     for call in calls:
         jsonschema.validate(json.loads(call.function.arguments), by_name[call.function.name]["function"]["parameters"])
+    # auto on a template with a tool format: the tools are rendered into the prompt (not dropped); a
+    # random model writes no <tool_call>, so the answer is text (parsing: tests/test_tools.py).
+    auto = greedy_chat(oc, tools=[WEATHER], tool_choice="auto")
+    assert auto.usage.prompt_tokens > greedy_chat(oc).usage.prompt_tokens + 20
+    assert auto.choices[0].message.tool_calls is None and auto.choices[0].finish_reason == "length"
     none = greedy_chat(oc, tools=[WEATHER], tool_choice="none")
     assert none.choices[0].message.tool_calls is None and none.choices[0].finish_reason == "length"
     body = bad_request(lambda: greedy_chat(oc, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "x"}}))
