@@ -35,7 +35,7 @@ from app.store import StoreError, open_store
 from app.store.base import call as store_call
 from app.store.base import purge_forever
 from app.plan_pool import PlanPool
-from app.planner import Planner
+from app.planner import Planner, largest_default_max_tokens
 from app.request_body import read_body
 from app.replica import data_path_handle, node_address, push_forever, replica_tag
 from app.responses import Choices, Echo
@@ -249,7 +249,7 @@ class Ingress:
         self._authorize(request)
         name = self.spec.served_model_name
         limits = {pool: lim.as_dict() for pool, lim in self.spec.limits} or None
-        caps = {b.name: b.default_max_tokens for b in self.planner.spec.buckets if b.default_max_tokens is not None}
+        caps = {b.name: cap for b in self.planner.spec.buckets if (cap := largest_default_max_tokens(b)) is not None}
         cards = [ModelCard(id=name, kv_cache=dict(self.spec.kv_cache) or None, limits=limits, default_max_tokens=caps or None)] + [ModelCard(id=f"{name}@{v.name}", fingerprint=v.fingerprint, weight=v.weight,
                                                                   architecture=v.architecture)
                                         for v in self.planner.spec.versions]

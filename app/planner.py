@@ -270,9 +270,23 @@ def default_max_tokens(request: Request, bucket: BucketSpec, num_prompt_tokens: 
     """
     if not isinstance(request, ChatCompletionRequest) or request.requested_max_tokens() is not None:
         return None
+    return _default_cap(bucket, num_prompt_tokens)
+
+
+def _default_cap(bucket: BucketSpec, num_prompt_tokens: int) -> int | None:
     room = max(1, bucket.max_model_len - num_prompt_tokens) if bucket.max_model_len is not None else None
     caps = [c for c in (room, bucket.default_max_tokens) if c is not None]
     return min(caps) if caps else None
+
+
+def largest_default_max_tokens(bucket: BucketSpec) -> int | None:
+    """The most a chat without ``max_tokens`` gets on ``bucket`` (its shortest prompt: one token), for
+    ``/v1/models``: the configured cap is not what a pool whose limit is below it gives.
+
+    >>> largest_default_max_tokens(BucketSpec("short", 500, 60.0, max_model_len=512, default_max_tokens=1024))
+    511
+    """
+    return _default_cap(bucket, 1)
 
 
 def anchor_spans(request: Request, tokenizer: Any, text: str | None, num_tokens: int) -> tuple[tuple[int, int], ...]:

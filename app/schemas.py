@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, ValidationInfo, field_validator, model_serializer, model_validator
 from pydantic.json_schema import WithJsonSchema
 
 from engine.sampling_params import MAX_LOGIT_BIAS, MAX_N, MAX_TOP_LOGPROBS
@@ -255,6 +255,18 @@ class ChatCompletionRequest(_RequestBase):
     tools: list[dict[str, Any]] | None = Field(None, max_length=128)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI's deprecated function calling: refused naming the field. Ignored, like any unknown field,
+    # a client that sent functions would get text where it waits for a function_call.
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+
+    @field_validator("functions", "function_call", mode="before")
+    @classmethod
+    def _deprecated_functions(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is not None:
+            raise ValueError(f"{info.field_name} (OpenAI's deprecated function calling) is not supported; "
+                             "send tools and tool_choice instead")
+        return v
 
     def wants_logprobs(self) -> bool:
         return self.logprobs
@@ -453,8 +465,9 @@ class ModelCard(BaseModel):
     kv_cache: dict[str, str] | None = None
     # On the served name's card: each pool's token limits, resolved from the model (engine/limits.py).
     limits: dict[str, dict[str, Any]] | None = None
-    # On the served name's card: per pool, the max_tokens a chat request without one gets at most
-    # (the pool's default_max_tokens; less when the prompt leaves less of the pool's limit).
+    # On the served name's card: per pool, the max_tokens a chat request without one gets at most: the
+    # smaller of the pool's default_max_tokens and its limit less a one-token prompt (a longer prompt
+    # leaves less).
     default_max_tokens: dict[str, int] | None = None
 
 

@@ -19,13 +19,21 @@ end), then, with the client:
   questions ``auto`` answers with a call, greedy and at temperature 1 -- what a model that never learnt
   the format does with it.
 
-    flock /tmp/sinkserve-heavy.lock python -m bench.tools_roundtrip --model /tmp/smollm2-hf --out docs/tools_roundtrip.md
+``--model`` takes any of the project's model specs (``engine/model_store.py``: a cache name such as
+``smollm2-135m-instruct``, the default; a Hugging Face directory; a GGUF). It is resolved here, without the
+app's fallback to the reference model, so a model missing from the cache stops the run instead of
+benchmarking the wrong weights.
+
+    flock /tmp/sinkserve-heavy.lock python -m bench.tools_roundtrip --model smollm2-135m-instruct --out docs/tools_roundtrip.md
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import logging
+import shutil
 import sys
 import tempfile
 import time
@@ -54,6 +62,10 @@ PROMPTS = [("What is the weather like in Paris right now?", "paris"),
            ("Should I take an umbrella in Berlin this afternoon?", "berlin"),
            ("Tell me the temperature in Madrid in fahrenheit.", "madrid")]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
+DEFAULT_MODEL = "smollm2-135m-instruct"
+# The files grafted_model rewrites; every other file of the model is a symlink to the original.
+GRAFTED_FILES = ("chat_template.jinja", "tokenizer_config.json")
+logger = logging.getLogger(__name__)
 
 
 def _valid(call, schemas: dict) -> bool:
@@ -105,24 +117,42 @@ def run(client, runs: int, max_tokens: int) -> dict:
     return out
 
 
+def resolve(spec: str) -> Path:
+    """The model directory ``spec`` names (``engine.model_store.resolve_model``, no reference fallback)."""
+    from engine.model_store import resolve_model
+
+    return Path(resolve_model(spec, fallback=False))
+
+
 def grafted_model(model: Path, tmp: Path) -> Path:
     """``model`` with the serve tests' Hermes tool template (its BOS dropped: SmolLM's BOS is
-    ``<|im_start|>``), weights and tokenizer symlinked."""
+    ``<|im_start|>``), weights and tokenizer symlinked.
+
+    The original's ``SHA256SUMS`` is copied (never linked: refreshing it would write into the model
+    cache) with the rewritten files' entries refreshed, because the engine verifies a directory
+    against its manifest before loading and the original's lists the original template."""
     from transformers import AutoTokenizer
 
+    from engine.weights import MANIFEST_NAME, add_to_manifest
     from tests.serve.tiny_model import TOOLS_TEMPLATE
 
     out = tmp / "grafted"
     out.mkdir()
     for f in model.iterdir():
-        if f.name not in ("chat_template.jinja", "tokenizer_config.json"):
-            (out / f.name).symlink_to(f)
+        if f.name not in GRAFTED_FILES + (MANIFEST_NAME,) and f.is_file():
+            (out / f.name).symlink_to(f.resolve())
     tok = AutoTokenizer.from_pretrained(model)
     tok.chat_template = TOOLS_TEMPLATE.replace("{{ bos_token }}", "", 1)
     tok.save_pretrained(out / "tok")
     for f in (out / "tok").iterdir():
-        if f.name in ("chat_template.jinja", "tokenizer_config.json"):
+        if f.name in GRAFTED_FILES:
             f.rename(out / f.name)
+    shutil.rmtree(out / "tok")
+    if (model / MANIFEST_NAME).is_file():
+        shutil.copyfile(model / MANIFEST_NAME, out / MANIFEST_NAME)
+        add_to_manifest(out, tuple(n for n in GRAFTED_FILES if (out / n).is_file()))
+    else:
+        logger.warning("%s has no %s; the grafted copy is not verified either", model, MANIFEST_NAME)
     return out
 
 
@@ -143,12 +173,16 @@ def run_auto(client, max_tokens: int) -> list[dict]:
     return out
 
 
-def report(res: dict, model: str, runs: int, seconds: float) -> str:
+def report(res: dict, model: str, runs: int, seconds: float, model_dir: Path | None = None,
+           day: datetime.date | None = None) -> str:
+    """The Markdown report; ``model`` is the spec as given (a cache name), ``model_dir`` what it resolved to."""
     n, s, q, a = res["named"], res["stream"], res["required"], res["auto"]
+    where = f" (`{model_dir}`)" if model_dir is not None and str(model_dir) != model else ""
     lines = [
         "# Tool calling through the official `openai` client",
         "",
-        f"Model `{model}`, `python -m bench.tools_roundtrip` (server: `python -m app.cli serve "
+        f"Model `{model}`{where}, run {(day or datetime.date.today()).isoformat()}: "
+        f"`python -m bench.tools_roundtrip --model {model}` (server: `python -m app.cli serve "
         f"serve_configs/local.yaml --model {model}`), {runs} seeded runs (temperature 1, seeds 0..{runs - 1}) "
         f"over {len(PROMPTS)} weather questions; {seconds:.0f} s in all.",
         "",
@@ -193,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     import openai
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", type=Path, default=Path("/tmp/smollm2-hf"))
+    ap.add_argument("--model", default=DEFAULT_MODEL,
+                    help="a model cache name, Hugging Face directory or GGUF (engine/model_store.py)")
     ap.add_argument("--config", type=Path, default=REPO / "serve_configs" / "local.yaml")
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=96)
@@ -201,24 +236,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-grafted", dest="grafted", action="store_false",
                     help="skip the second server with a Hermes tool template grafted on")
     args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    model_dir = resolve(args.model)
     tmp = Path(tempfile.mkdtemp(prefix="tools_roundtrip-"))
     t0 = time.time()
-    proc, port = start_sinkserve(args.config, args.model, tmp)
+    proc, port = start_sinkserve(args.config, model_dir, tmp)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=300)
         res = run(client, args.runs, args.max_tokens)
     finally:
         stop(proc)
     if args.grafted:  # the first part's table is written already, in case the second server fails
-        emit(report(res, str(args.model), args.runs, time.time() - t0), args.out)
-        proc, port = start_sinkserve(args.config, grafted_model(args.model, tmp), tmp)
+        emit(report(res, args.model, args.runs, time.time() - t0, model_dir), args.out)
+        proc, port = start_sinkserve(args.config, grafted_model(model_dir, tmp), tmp)
         try:
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=300)
             res["grafted"] = run_auto(client, args.max_tokens)
         finally:
             stop(proc)
     (tmp / "results.json").write_text(json.dumps(res, indent=1))
-    return emit(report(res, str(args.model), args.runs, time.time() - t0), args.out)
+    return emit(report(res, args.model, args.runs, time.time() - t0, model_dir), args.out)
 
 
 if __name__ == "__main__":

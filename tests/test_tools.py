@@ -46,6 +46,20 @@ def test_tool_mode_defaults_and_refusals():
         assert e.value.status == 400 and e.value.param == param, kw
 
 
+def test_deprecated_function_calling_is_refused_naming_the_field():
+    """``functions`` / ``function_call`` (OpenAI's older form of tools): a 400 naming the field, not ignored."""
+    from pydantic import ValidationError
+
+    from app.errors import from_validation_error
+
+    for field, value in [("functions", [WEATHER["function"]]), ("function_call", "auto"),
+                         ("function_call", {"name": "get_weather"})]:
+        with pytest.raises(ValidationError) as e:
+            req(**{field: value})
+        err = from_validation_error(e.value)
+        assert err.status == 400 and err.param == field and "tools" in err.message
+
+
 def test_grammar_named_is_the_parameters_and_required_an_array_of_calls():
     named = tool_mode(req(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_weather"}}))
     assert json.loads(tool_grammar(named, False).schema) == WEATHER["function"]["parameters"]
@@ -194,6 +208,36 @@ def test_choices_turn_text_into_tool_calls():
     deltas = [t for ch in chunks for t in (ch.choices[0].delta.tool_calls or [])]
     assert _reassemble(deltas)[0]["arguments"] == '{"city":"Paris"}'
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("pieces, content, called", [
+    (["Let me check. <tool", '_call>{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}</tool_call>'],
+     "Let me check.", True),
+    (["It is sunny ", "in Oslo."], "It is sunny in Oslo.", False),
+])
+def test_auto_choices_unary_and_streamed_agree(pieces, content, called):
+    """``auto`` through Choices: the unary message and the streamed chunks (as a client accumulates
+    them) carry the same content, calls and finish reason (tool_calls only when a call was parsed)."""
+    body = req(tools=[WEATHER, TIME], tool_choice="auto")
+    info = RouteInfo("chatcmpl-1", "short", "v1", "pool-short-v1", 10)
+    unary, stream = Choices(body, info, "m"), Choices(body, info, "m")
+    chunks = []
+    for i, p in enumerate(pieces):
+        last = i == len(pieces) - 1
+        d = TokenDelta(p, (i,), None, last, "stop" if last else None, 10, i + 1)
+        unary.add(d)
+        stream.add(d)
+        chunks.append(stream.chunk(d))
+    choice = unary.response().choices[0]
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or ()]
+    assert calls == ([("get_weather", {"city": "Oslo"})] if called else [])
+    assert choice.finish_reason == ("tool_calls" if called else "stop")
+    assert (choice.message.content or "").strip() == content
+    streamed_text = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+    deltas = [t for ch in chunks for t in (ch.choices[0].delta.tool_calls or [])]
+    assert streamed_text.strip() == content
+    assert [(c["name"], json.loads(c["arguments"])) for c in _reassemble(deltas)] == calls
+    assert chunks[-1].choices[0].finish_reason == choice.finish_reason
 
 
 @pytest.mark.parametrize("choice", ["named", "required"])

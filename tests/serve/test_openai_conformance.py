@@ -19,7 +19,7 @@ from typing import Any, Callable
 import jsonschema
 import pytest
 
-from tests.serve.conftest import API_KEY, LONG_DEFAULT_MAX_TOKENS
+from tests.serve.conftest import API_KEY, ENGINE, LONG_DEFAULT_MAX_TOKENS
 
 pytestmark = pytest.mark.serve
 
@@ -144,7 +144,9 @@ def check_max_tokens(oc, client):
                                                   "sinkserve": {"pool": "long", "ignore_eos": True}})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == LONG_DEFAULT_MAX_TOKENS
     card = client.get("/v1/models").json()["data"][0]
-    assert card["default_max_tokens"]["long"] == LONG_DEFAULT_MAX_TOKENS and card["default_max_tokens"]["short"] > 0
+    assert card["default_max_tokens"]["long"] == LONG_DEFAULT_MAX_TOKENS
+    # The short pool's cap (1024 by default) is above its limit (512): the card says what the pool gives.
+    assert card["default_max_tokens"]["short"] == ENGINE["max_model_len"] - 1
 
 
 def check_max_completion_tokens(oc, client):
@@ -163,11 +165,20 @@ def check_logprobs(oc, client):
     # Tokens are text (no byte-level BPE pieces), and their bytes join to the message's bytes.
     assert not any("Ġ" in t.token for t in content)
     assert strip_specials(b"".join(bytes(t.bytes) for t in content).decode()) == chat.choices[0].message.content
+    # Streamed: the same tokens, texts and bytes, chunk by chunk.
+    chunks = oc.chat.completions.create(model="tiny", messages=MSGS, temperature=0, max_tokens=8, logprobs=True,
+                                        stream=True, extra_body=NO_EOS)
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, t.bytes, t.logprob) for t in streamed] == [(t.token, t.bytes, t.logprob) for t in content]
     comp = oc.completions.create(model="tiny", prompt="hello world", max_tokens=5, temperature=0, logprobs=2, extra_body=NO_EOS)
     lp = comp.choices[0].logprobs
     assert len(lp.tokens) == 5 and all(len(t) == 2 for t in lp.top_logprobs)
+    assert not any("Ġ" in t for t in lp.tokens)
     if not any(t.startswith("bytes:") for t in lp.tokens):
         assert strip_specials("".join(lp.tokens)) == comp.choices[0].text
+    chunks = oc.completions.create(model="tiny", prompt="hello world", max_tokens=5, temperature=0, logprobs=2,
+                                   stream=True, extra_body=NO_EOS)
+    assert [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == lp.tokens
 
 
 def check_top_logprobs(oc, client):
@@ -253,6 +264,11 @@ def check_tool_choice(oc, client):
     by_name = {"get_weather": WEATHER, "get_time": TIME}
     for call in calls:
         jsonschema.validate(json.loads(call.function.arguments), by_name[call.function.name]["function"]["parameters"])
+    # auto on a template with a tool format: the tools are rendered into the prompt (not dropped); a
+    # random model writes no <tool_call>, so the answer is text (parsing: tests/test_tools.py).
+    auto = greedy_chat(oc, tools=[WEATHER], tool_choice="auto")
+    assert auto.usage.prompt_tokens > greedy_chat(oc).usage.prompt_tokens + 20
+    assert auto.choices[0].message.tool_calls is None and auto.choices[0].finish_reason == "length"
     none = greedy_chat(oc, tools=[WEATHER], tool_choice="none")
     assert none.choices[0].message.tool_calls is None and none.choices[0].finish_reason == "length"
     body = bad_request(lambda: greedy_chat(oc, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "x"}}))
@@ -263,6 +279,15 @@ def check_parallel_tool_calls(oc, client):
     one = oc.chat.completions.create(model="tiny", messages=MSGS, tools=[WEATHER, TIME], tool_choice="required",
                                      parallel_tool_calls=False, max_tokens=120, temperature=1.0, seed=4)
     assert len(one.choices[0].message.tool_calls) == 1
+
+
+def check_functions(oc, client):
+    fn = {"name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
+    assert bad_request(lambda: greedy_chat(oc, functions=[fn]))["param"] == "functions"
+
+
+def check_function_call(oc, client):
+    assert bad_request(lambda: greedy_chat(oc, function_call={"name": "get_weather"}))["param"] == "function_call"
 
 
 def check_suffix(oc, client):

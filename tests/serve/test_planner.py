@@ -256,6 +256,16 @@ def test_chat_default_max_tokens_is_capped_by_the_pool():
     assert default_max_tokens(CompletionRequest(prompt="x"), evicting, 30) is None  # OpenAI's 16 stays
 
 
+def test_models_card_default_is_what_the_pool_gives():
+    """/v1/models lists per pool the largest default a chat gets: the cap, or the pool's limit less a
+    one-token prompt where that is smaller (a 512-token pool does not give a 1024-token default)."""
+    from app.planner import largest_default_max_tokens
+
+    assert largest_default_max_tokens(BucketSpec("long", 8192, 300.0, max_model_len=1 << 20, default_max_tokens=1024)) == 1024
+    assert largest_default_max_tokens(BucketSpec("s", 500, 60.0, max_model_len=512, default_max_tokens=1024)) == 511
+    assert largest_default_max_tokens(BucketSpec("s", 500, 60.0)) is None
+
+
 def test_a_null_message_content_is_accepted_and_the_schema_says_so():
     """Found by schemathesis: ``content: null`` was accepted (as ""), but the schema said string only,
     so the fuzzer's negative data expected a 400. The schema and the validation now agree."""
