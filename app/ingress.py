@@ -16,7 +16,7 @@ import time
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from ray import serve
 
@@ -54,7 +54,7 @@ from app.schemas import (
     new_request_id,
 )
 from app.settings import IngressSpec
-from app.sse import DONE, sse_event
+from app.sse import DONE, SettledStreamingResponse, sse_event
 from app.failover import fallback_plans, stream_with_failover
 from app.token_bus import TokenInbox
 from engine.detokenizer import token_text
@@ -101,6 +101,7 @@ class _Turn:
         self.finish_reason: str | None = None
         self.finished = False
         self.settled = False
+        self.body_started = False  # a streamed response's body began (its finally settles the turn)
 
     def add(self, d: TokenDelta) -> None:
         self.completion_ids.setdefault(d.index, []).extend(d.token_ids)
@@ -444,11 +445,7 @@ class Ingress:
                 # keepalive_s the headers go out and keep-alive comments follow until the first token.
                 done, _ = await asyncio.wait({first_task}, timeout=self.spec.keepalive_s)
                 if not done:
-                    return StreamingResponse(
-                        self._sse(gen, plan.info, body, chat, t0, turn, plan.request.prompt_token_ids, first_task),
-                        media_type="text/event-stream",
-                        headers={**_route_headers(plan.info), "Cache-Control": "no-cache"},
-                    )
+                    return self._stream_response(gen, plan.info, body, chat, t0, turn, first_task)
             first = await first_task
         except StopAsyncIteration:
             await self._settle(turn, 500, _Timing(t0))
@@ -463,12 +460,35 @@ class Ingress:
         assert isinstance(first, RouteInfo)
         turn.plan = replace(turn.plan, info=first)  # the pool that serves it (another one after a failover)
         if body.stream:
-            return StreamingResponse(
-                self._sse(gen, first, body, chat, t0, turn, plan.request.prompt_token_ids),
-                media_type="text/event-stream",
-                headers={**_route_headers(first), "Cache-Control": "no-cache"},
-            )
+            return self._stream_response(gen, first, body, chat, t0, turn)
         return await self._unary(gen, first, body, chat, t0, turn, plan.request.prompt_token_ids)
+
+    def _stream_response(self, gen: Any, info: RouteInfo, body: Any, chat: bool, t0: float, turn: _Turn,
+                         pending: "asyncio.Future[Any] | None" = None) -> Response:
+        """The SSE response of ``turn``. Should the client leave before its body starts, the body never
+        runs (nor its ``finally``): the pool call is then cancelled and the turn settled here."""
+
+        async def cleanup() -> None:
+            if pending is not None and not pending.done():
+                pending.cancel()
+                try:
+                    await pending
+                except BaseException:  # noqa: BLE001 - the cancelled first read
+                    pass
+            try:
+                await gen.aclose()  # cancels the pool call: abort in the engine now
+            finally:
+                await self._settle(turn, 499, _Timing(t0))
+
+        async def on_exit() -> None:
+            if turn.body_started or turn.settled:
+                return  # the body's own finally settles it
+            logger.info("request %s: the client left before the stream started", info.request_id)
+            await asyncio.shield(self._spawn(cleanup()))  # runs on even if this task is cancelled again
+
+        return SettledStreamingResponse(
+            self._sse(gen, info, body, chat, t0, turn, turn.plan.request.prompt_token_ids, pending), on_exit,
+            media_type="text/event-stream", headers={**_route_headers(info), "Cache-Control": "no-cache"})
 
     # ---- conversations, quotas, audit -----------------------------------------------------------
 
@@ -732,6 +752,7 @@ class Ingress:
         Until the first token (prefill, a wait for a slot) a keep-alive comment goes out every
         ``keepalive_s`` of silence; after it the events are read directly (a task per read costs
         ~16 us a delta, too much for every token of every stream)."""
+        turn.body_started = True
         acc = _Timing(t0)
         choices: Choices | None = None  # built inside the try: a failure there still settles the turn
         status = 200
