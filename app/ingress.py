@@ -78,6 +78,23 @@ def _route_headers(info: RouteInfo) -> dict[str, str]:
     return h
 
 
+def _parse_job(raw: bytes) -> "CompletionRequest | ChatCompletionRequest":
+    """A ``/v1/jobs`` body -> the request it wraps; a 400 naming the field otherwise."""
+    try:
+        job = json.loads(raw)
+    except ValueError:
+        raise APIError(400, "body must be a JSON object", "body") from None
+    endpoint = job.get("endpoint") if isinstance(job, dict) else None
+    cls = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}.get(endpoint)
+    if cls is None:
+        raise APIError(400, "endpoint must be '/v1/completions' or '/v1/chat/completions'", "endpoint")
+    try:
+        return cls.model_validate(job.get("body"))
+    except ValidationError as e:
+        err = from_validation_error(e)
+        raise APIError(400, err.message, f"body.{err.param}") from None
+
+
 KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: clients ignore it, gateways see bytes
 
 
@@ -649,19 +666,8 @@ class Ingress:
         The body is planned now (a 4xx names its field) and runs later on the jobs pool."""
         key = self._authorize(request)
         tenant = self.auth.tenant_of(key)
-        try:
-            raw = json.loads(await read_body(request, self.spec.max_body_bytes))
-        except ValueError:
-            raise APIError(400, "body must be a JSON object", "body")
-        endpoint = raw.get("endpoint") if isinstance(raw, dict) else None
-        cls = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}.get(endpoint)
-        if cls is None:
-            raise APIError(400, "endpoint must be '/v1/completions' or '/v1/chat/completions'", "endpoint")
-        try:
-            body = cls.model_validate(raw.get("body"))
-        except ValidationError as e:
-            err = from_validation_error(e)
-            raise APIError(400, err.message, f"body.{err.param}")
+        # Parsed on the planning threads like any request body (up to max_body_bytes of JSON).
+        body = await self.plan_pool.run(_parse_job, await read_body(request, self.spec.max_body_bytes))
         if body.stream or body.n != 1 or (body.sinkserve and body.sinkserve.conversation_id):
             raise APIError(400, "a job is one choice, not streamed, outside conversations (stream, n, conversation_id)", "body")
         pool = self.spec.jobs_pool
