@@ -728,14 +728,22 @@ class Ingress:
             echo = Echo(text, toks)
         return Choices(body, info, body.model or self.spec.served_model_name, echo)
 
+    async def _choices_off_loop(self, body: Any, info: RouteInfo, prompt_ids: tuple[int, ...]) -> Choices:
+        """:meth:`_choices`; with ``echo`` on the planning threads: echoing decodes the whole prompt (and
+        with logprobs names each of its tokens), up to the pool's max_model_len, which would hold the
+        event loop like tokenizing it did."""
+        if isinstance(body, CompletionRequest) and body.echo:
+            return await self.plan_pool.run(self._choices, body, info, prompt_ids)
+        return self._choices(body, info, prompt_ids)
+
     def _model_of(self, version: str) -> str:
         return next(v.model for v in self.spec.plan.versions if v.name == version)
 
     async def _unary(self, gen: Any, info: RouteInfo, body: Any, chat: bool, t0: float, turn: _Turn,
                      prompt_ids: tuple[int, ...] = ()) -> Response:
         acc = _Timing(t0)
-        choices = self._choices(body, info, prompt_ids)
         try:
+            choices = await self._choices_off_loop(body, info, prompt_ids)
             async for ev in gen:
                 if isinstance(ev, APIError):
                     await self._settle(turn, ev.status, acc)
@@ -746,6 +754,10 @@ class Ingress:
         except asyncio.CancelledError:
             # client went away; stream_plan cancels the pool call
             self._spawn(self._settle(turn, 499, acc))
+            raise
+        except APIError as e:  # the pool's (settled above), or the planning threads saturated (echo)
+            await gen.aclose()  # a pool call still running is cancelled
+            await self._settle(turn, e.status, acc)
             raise
         error = await self._settle(turn, 200, acc)
         if error is not None:
@@ -791,7 +803,7 @@ class Ingress:
             return out, ev.finished
 
         try:
-            choices = self._choices(body, info, prompt_ids)
+            choices = await self._choices_off_loop(body, info, prompt_ids)
             for first in choices.first_chunks():
                 yield sse_event(first)
             stop = False
@@ -824,6 +836,9 @@ class Ingress:
         except (asyncio.CancelledError, GeneratorExit):
             status = 499  # client disconnected mid-stream
             raise
+        except APIError as e:  # the planning threads saturated while building the echo
+            status, unsaved = e.status, True
+            yield sse_event(e.body())
         except Exception as e:  # a bug on this path: the stream ends with an error event, the turn is settled below
             logger.exception("request %s: stream failed in the ingress", info.request_id)
             status, unsaved = 500, True

@@ -41,3 +41,29 @@ async def test_request_and_job_bodies_are_validated_on_the_planning_threads(tmp_
         bad = await client.post("/v1/jobs", json={"endpoint": "/v1/completions", "body": {"prompt": "hi", "n": 0}})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "body.n", bad.text
     assert threads and all(t.startswith("ingress-plan") for t in threads), threads
+
+
+async def test_an_echoed_prompt_is_decoded_on_the_planning_threads(tmp_path, monkeypatch):
+    """``echo`` decodes the whole prompt (and with logprobs names each prompt token) for the response:
+    that is tokenizer work as long as the prompt, done on the planning threads, unary and streamed."""
+    keys_env(monkeypatch)
+    spec = ingress_spec(StoreSpec(kind="sqlite", data_dir=str(tmp_path)))
+    threads: list[str] = []
+    async with running_ingress(spec, FakePool()) as (client, [ingress]):
+        real = ingress._choices
+
+        def choices(*a, **k):
+            threads.append(threading.current_thread().name)
+            return real(*a, **k)
+
+        monkeypatch.setattr(ingress, "_choices", choices)
+        ids = list(range(100, 164))
+        for stream in (False, True):
+            r = await client.post("/v1/completions", json={"prompt": ids, "max_tokens": 2, "echo": True, "logprobs": 1,
+                                                           "stream": stream})
+            assert r.status_code == 200, r.text
+        r = await client.post("/v1/completions", json={"prompt": ids, "max_tokens": 2})  # no echo: nothing to decode
+        assert r.status_code == 200, r.text
+        unary = r.json()
+    assert len(threads) == 3 and all(t.startswith("ingress-plan") for t in threads[:2]), threads
+    assert unary["choices"][0]["text"] == " t0 t1"
