@@ -16,7 +16,7 @@ import time
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from ray import serve
 
@@ -54,7 +54,7 @@ from app.schemas import (
     new_request_id,
 )
 from app.settings import IngressSpec
-from app.sse import DONE, sse_event
+from app.sse import DONE, SettledStreamingResponse, sse_event
 from app.failover import fallback_plans, stream_with_failover
 from app.token_bus import TokenInbox
 from engine.detokenizer import token_text
@@ -76,6 +76,23 @@ def _route_headers(info: RouteInfo) -> dict[str, str]:
     if info.conversation is not None:
         h[CONVERSATION_HEADER] = info.conversation
     return h
+
+
+def _parse_job(raw: bytes) -> "CompletionRequest | ChatCompletionRequest":
+    """A ``/v1/jobs`` body -> the request it wraps; a 400 naming the field otherwise."""
+    try:
+        job = json.loads(raw)
+    except ValueError:
+        raise APIError(400, "body must be a JSON object", "body") from None
+    endpoint = job.get("endpoint") if isinstance(job, dict) else None
+    cls = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}.get(endpoint)
+    if cls is None:
+        raise APIError(400, "endpoint must be '/v1/completions' or '/v1/chat/completions'", "endpoint")
+    try:
+        return cls.model_validate(job.get("body"))
+    except ValidationError as e:
+        err = from_validation_error(e)
+        raise APIError(400, err.message, f"body.{err.param}") from None
 
 
 KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: clients ignore it, gateways see bytes
@@ -101,6 +118,7 @@ class _Turn:
         self.finish_reason: str | None = None
         self.finished = False
         self.settled = False
+        self.body_started = False  # a streamed response's body began (its finally settles the turn)
 
     def add(self, d: TokenDelta) -> None:
         self.completion_ids.setdefault(d.index, []).extend(d.token_ids)
@@ -444,11 +462,7 @@ class Ingress:
                 # keepalive_s the headers go out and keep-alive comments follow until the first token.
                 done, _ = await asyncio.wait({first_task}, timeout=self.spec.keepalive_s)
                 if not done:
-                    return StreamingResponse(
-                        self._sse(gen, plan.info, body, chat, t0, turn, plan.request.prompt_token_ids, first_task),
-                        media_type="text/event-stream",
-                        headers={**_route_headers(plan.info), "Cache-Control": "no-cache"},
-                    )
+                    return self._stream_response(gen, plan.info, body, chat, t0, turn, first_task)
             first = await first_task
         except StopAsyncIteration:
             await self._settle(turn, 500, _Timing(t0))
@@ -463,12 +477,35 @@ class Ingress:
         assert isinstance(first, RouteInfo)
         turn.plan = replace(turn.plan, info=first)  # the pool that serves it (another one after a failover)
         if body.stream:
-            return StreamingResponse(
-                self._sse(gen, first, body, chat, t0, turn, plan.request.prompt_token_ids),
-                media_type="text/event-stream",
-                headers={**_route_headers(first), "Cache-Control": "no-cache"},
-            )
+            return self._stream_response(gen, first, body, chat, t0, turn)
         return await self._unary(gen, first, body, chat, t0, turn, plan.request.prompt_token_ids)
+
+    def _stream_response(self, gen: Any, info: RouteInfo, body: Any, chat: bool, t0: float, turn: _Turn,
+                         pending: "asyncio.Future[Any] | None" = None) -> Response:
+        """The SSE response of ``turn``. Should the client leave before its body starts, the body never
+        runs (nor its ``finally``): the pool call is then cancelled and the turn settled here."""
+
+        async def cleanup() -> None:
+            if pending is not None and not pending.done():
+                pending.cancel()
+                try:
+                    await pending
+                except BaseException:  # noqa: BLE001 - the cancelled first read
+                    pass
+            try:
+                await gen.aclose()  # cancels the pool call: abort in the engine now
+            finally:
+                await self._settle(turn, 499, _Timing(t0))
+
+        async def on_exit() -> None:
+            if turn.body_started or turn.settled:
+                return  # the body's own finally settles it
+            logger.info("request %s: the client left before the stream started", info.request_id)
+            await asyncio.shield(self._spawn(cleanup()))  # runs on even if this task is cancelled again
+
+        return SettledStreamingResponse(
+            self._sse(gen, info, body, chat, t0, turn, turn.plan.request.prompt_token_ids, pending), on_exit,
+            media_type="text/event-stream", headers={**_route_headers(info), "Cache-Control": "no-cache"})
 
     # ---- conversations, quotas, audit -----------------------------------------------------------
 
@@ -629,19 +666,8 @@ class Ingress:
         The body is planned now (a 4xx names its field) and runs later on the jobs pool."""
         key = self._authorize(request)
         tenant = self.auth.tenant_of(key)
-        try:
-            raw = json.loads(await read_body(request, self.spec.max_body_bytes))
-        except ValueError:
-            raise APIError(400, "body must be a JSON object", "body")
-        endpoint = raw.get("endpoint") if isinstance(raw, dict) else None
-        cls = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}.get(endpoint)
-        if cls is None:
-            raise APIError(400, "endpoint must be '/v1/completions' or '/v1/chat/completions'", "endpoint")
-        try:
-            body = cls.model_validate(raw.get("body"))
-        except ValidationError as e:
-            err = from_validation_error(e)
-            raise APIError(400, err.message, f"body.{err.param}")
+        # Parsed on the planning threads like any request body (up to max_body_bytes of JSON).
+        body = await self.plan_pool.run(_parse_job, await read_body(request, self.spec.max_body_bytes))
         if body.stream or body.n != 1 or (body.sinkserve and body.sinkserve.conversation_id):
             raise APIError(400, "a job is one choice, not streamed, outside conversations (stream, n, conversation_id)", "body")
         pool = self.spec.jobs_pool
@@ -702,14 +728,22 @@ class Ingress:
             echo = Echo(text, toks)
         return Choices(body, info, body.model or self.spec.served_model_name, echo)
 
+    async def _choices_off_loop(self, body: Any, info: RouteInfo, prompt_ids: tuple[int, ...]) -> Choices:
+        """:meth:`_choices`; with ``echo`` on the planning threads: echoing decodes the whole prompt (and
+        with logprobs names each of its tokens), up to the pool's max_model_len, which would hold the
+        event loop like tokenizing it did."""
+        if isinstance(body, CompletionRequest) and body.echo:
+            return await self.plan_pool.run(self._choices, body, info, prompt_ids)
+        return self._choices(body, info, prompt_ids)
+
     def _model_of(self, version: str) -> str:
         return next(v.model for v in self.spec.plan.versions if v.name == version)
 
     async def _unary(self, gen: Any, info: RouteInfo, body: Any, chat: bool, t0: float, turn: _Turn,
                      prompt_ids: tuple[int, ...] = ()) -> Response:
         acc = _Timing(t0)
-        choices = self._choices(body, info, prompt_ids)
         try:
+            choices = await self._choices_off_loop(body, info, prompt_ids)
             async for ev in gen:
                 if isinstance(ev, APIError):
                     await self._settle(turn, ev.status, acc)
@@ -720,6 +754,10 @@ class Ingress:
         except asyncio.CancelledError:
             # client went away; stream_plan cancels the pool call
             self._spawn(self._settle(turn, 499, acc))
+            raise
+        except APIError as e:  # the pool's (settled above), or the planning threads saturated (echo)
+            await gen.aclose()  # a pool call still running is cancelled
+            await self._settle(turn, e.status, acc)
             raise
         error = await self._settle(turn, 200, acc)
         if error is not None:
@@ -732,6 +770,7 @@ class Ingress:
         Until the first token (prefill, a wait for a slot) a keep-alive comment goes out every
         ``keepalive_s`` of silence; after it the events are read directly (a task per read costs
         ~16 us a delta, too much for every token of every stream)."""
+        turn.body_started = True
         acc = _Timing(t0)
         choices: Choices | None = None  # built inside the try: a failure there still settles the turn
         status = 200
@@ -764,7 +803,7 @@ class Ingress:
             return out, ev.finished
 
         try:
-            choices = self._choices(body, info, prompt_ids)
+            choices = await self._choices_off_loop(body, info, prompt_ids)
             for first in choices.first_chunks():
                 yield sse_event(first)
             stop = False
@@ -797,6 +836,9 @@ class Ingress:
         except (asyncio.CancelledError, GeneratorExit):
             status = 499  # client disconnected mid-stream
             raise
+        except APIError as e:  # the planning threads saturated while building the echo
+            status, unsaved = e.status, True
+            yield sse_event(e.body())
         except Exception as e:  # a bug on this path: the stream ends with an error event, the turn is settled below
             logger.exception("request %s: stream failed in the ingress", info.request_id)
             status, unsaved = 500, True

@@ -10,14 +10,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Iterable, Sequence as Seq
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from engine.cache_policy import CachePolicy
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.errors import EngineDeadError, EngineUnavailableError, InvalidRequestError, RequestAbortedError, RequestFailedError
-from engine.grammar_admission import COMPILE_TIMEOUT_S
+from engine.grammar_admission import COMPILE_TIMEOUT_S, MAX_ABANDONED
 from engine.executor import ExecutorFactory
 from engine.input_processor import Anchor
 from engine.outputs import RequestOutput, next_delta
@@ -48,6 +48,7 @@ class AsyncLLMEngine:
         self._step_started: float | None = None  # monotonic start of the step in flight
         self._watch_task: asyncio.Task[None] | None = None
         self._grammar_pool: ThreadPoolExecutor | None = None
+        self._abandoned: list[Future[Any]] = []  # compiles past their limit, still running on their thread
         self.engine = LLMEngine(config, executor_factory)
         self.tokenizer = self.engine.tokenizer
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
@@ -142,14 +143,21 @@ class AsyncLLMEngine:
         """Compile the grammar before admission, on one thread beside the step (xgrammar releases the GIL),
         within ``COMPILE_TIMEOUT_S`` or a 400 naming ``response_format``. At TP > 1 the sampling rank
         compiles it once more in its step; this bounds how long that can take."""
+        # Each abandoned compile holds a core until it ends: as at TP = 1 (engine/grammar_admission.py),
+        # a few at most, or a flood of grammar bombs would start a thread (and take a core) for each.
+        self._abandoned = [f for f in self._abandoned if not f.done()]
+        if len(self._abandoned) >= MAX_ABANDONED:
+            raise InvalidRequestError("response_format", f"the grammar compiler is saturated ({len(self._abandoned)} "
+                                                         "compiles over their time limit still running); retry shortly")
         if self._grammar_pool is None:
             self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
-        fut = asyncio.get_running_loop().run_in_executor(self._grammar_pool, self.engine.grammar.compile, so,
-                                                         self.engine.shape.vocab_size)
+        running = self._grammar_pool.submit(self.engine.grammar.compile, so, self.engine.shape.vocab_size)
         try:
-            await asyncio.wait_for(fut, COMPILE_TIMEOUT_S)
+            await asyncio.wait_for(asyncio.wrap_future(running), COMPILE_TIMEOUT_S)
         except asyncio.TimeoutError:
             # Abandoned (xgrammar cannot stop it): it finishes on its thread, the next grammar gets a fresh one.
+            if not running.cancel():  # queued behind another compile: never runs; else it runs on
+                self._abandoned.append(running)
             old, self._grammar_pool = self._grammar_pool, None
             old.shutdown(wait=False)
             raise InvalidRequestError("response_format", f"the grammar did not compile within {COMPILE_TIMEOUT_S:g}s; "

@@ -9,11 +9,52 @@ Searching the whole output on every token made a long generation quadratic. Exam
 
     text before: "...the E"   (searched, no "END")      new text: "ND of"
     searched now:       "E" + "ND of"  -> found at the "E"; the text is cut there
+
+Nothing else on the per-token path grows with the output either: text already released that no stop
+string can still start in is dropped (``self.text += new`` on an attribute copies the whole string,
+so keeping the output made every token cost its length), and the ids are read through :class:`Tail`,
+not a copy of the output (``Sequence.output_token_ids`` copies it).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Sequence
+from typing import Any, Callable, overload
+
+
+class Tail(Sequence[int]):
+    """``ids[start:]`` without copying it: the detokenizer reads only its last few ids per token.
+
+    >>> t = Tail([1, 2, 3, 4, 5], 2)
+    >>> len(t), t[0], t[-1], t[1:], t[:0]
+    (3, 3, 5, [4, 5], [])
+    """
+
+    __slots__ = ("ids", "start")
+
+    def __init__(self, ids: list[int], start: int) -> None:
+        self.ids = ids
+        self.start = start
+
+    def __len__(self) -> int:
+        return len(self.ids) - self.start
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        n = len(self)
+        if isinstance(i, slice):
+            a, b, step = i.indices(n)
+            return self.ids[self.start + a : self.start + max(a, b) : step]
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(i)
+        return self.ids[self.start + i]
 
 
 def backend_decode(tokenizer: Any) -> Callable[..., str] | None:
@@ -38,7 +79,7 @@ class IncrementalDetokenizer:
         self._backend_decode = backend_decode(tokenizer)
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
-        self.text = ""  # decoded output so far
+        self.text = ""  # the decoded output not yet dropped (its released, unreachable start is: see update)
         self.emitted = 0  # characters of self.text already released
         self.prefix_offset = 0
         self.read_offset = 0
@@ -50,8 +91,9 @@ class IncrementalDetokenizer:
             return self._backend_decode(ids, skip_special_tokens=True)
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
-    def update(self, output_ids: list[int], finished: bool = False) -> str:
-        """Account for the newest tokens; returns the text that may be released now."""
+    def update(self, output_ids: Sequence[int], finished: bool = False) -> str:
+        """Account for the newest tokens (``output_ids``: every output id so far, a list or a :class:`Tail`);
+        returns the text that may be released now."""
         prefix = self._decode(output_ids[self.prefix_offset : self.read_offset])
         full = self._decode(output_ids[self.prefix_offset :])
         searched = len(self.text)  # no stop string starts before searched - (longest - 1)
@@ -67,6 +109,12 @@ class IncrementalDetokenizer:
         end = len(self.text) if (finished or self.stopped) else max(self.emitted, len(self.text) - self.hold)
         delta = self.text[self.emitted : end]
         self.emitted = end
+        # Released text no stop string can start in any more is never read again: drop it, so the next
+        # token's append copies at most the longest stop's length, not the whole output.
+        drop = min(self.emitted, len(self.text) - self._longest_stop + 1) if self.stop else self.emitted
+        if drop > 0:
+            self.text = self.text[drop:]
+            self.emitted -= drop
         return delta
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from engine.limits import EngineLimits
 from engine.cache_policy import CachePolicy
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer, Tail
 from engine.outputs import RequestOutput
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -68,7 +68,7 @@ class OutputProcessor:
             self._protect_generated(seq, seq.num_tokens - 1, policy)
         reason = self._finish_reason(seq, tok, policy)
         detok = self._detoks[seq.request_id]
-        text = detok.update(seq.output_token_ids, finished=reason is not None)
+        text = detok.update(Tail(seq.token_ids, seq.num_prompt_tokens), finished=reason is not None)
         if detok.stopped and reason is None:
             reason = "stop"
         if reason is not None:

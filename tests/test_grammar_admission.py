@@ -102,3 +102,64 @@ def test_the_real_compiler_caches_what_admission_compiled() -> None:
     assert be._compiler.get_cache_size_bytes() == cached  # a hit: nothing new compiled
     be.matcher(StructuredOutput("json_object"), 256)
     assert be._compiler.get_cache_size_bytes() > cached  # a miss adds to the (bounded) cache
+
+
+def test_tp_front_bounds_abandoned_compiles_too(tiny_llama, monkeypatch) -> None:
+    """AsyncLLMEngine (the TP > 1 front) compiles before admission as well: a compile past its limit is
+    refused and left to finish on its thread, and once MAX_ABANDONED such compiles still run, further
+    grammars are refused at once (400 naming response_format) instead of each starting another thread
+    that holds a core; when they end, grammars compile again."""
+    import asyncio
+
+    from engine import EngineConfig, SamplingParams
+    from engine import async_engine
+    from engine.async_engine import AsyncLLMEngine
+    from engine.grammar_admission import MAX_ABANDONED
+
+    monkeypatch.setattr(async_engine, "COMPILE_TIMEOUT_S", 0.2)
+    eng = AsyncLLMEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=64, block_size=16))
+    gate = threading.Event()
+    started: list[str] = []
+    ended: list[str] = []
+    real = eng.engine.grammar.compile
+
+    def compile_(so, vocab):
+        bomb = "bomb" in (so.schema or "")
+        if bomb:
+            started.append(threading.current_thread().name)
+            gate.wait(10)
+        out = real(so, vocab)
+        if bomb:
+            ended.append(threading.current_thread().name)
+        return out
+
+    monkeypatch.setattr(eng.engine.grammar, "compile", compile_)
+    bomb = SamplingParams(max_tokens=4, structured_output=StructuredOutput("json_schema", '{"title": "bomb"}'))
+    ok = SamplingParams(max_tokens=4, structured_output=StructuredOutput("json_object"))
+
+    async def run(params: SamplingParams) -> str:
+        try:
+            async for _ in eng.generate("hello", params):
+                pass
+        except InvalidRequestError as e:
+            assert e.field == "response_format"
+            return e.message
+        return "ok"
+
+    async def main() -> list[str]:
+        got = [await run(bomb) for _ in range(MAX_ABANDONED + 2)]
+        gate.set()
+        for _ in range(100):  # the abandoned compiles end once released
+            if len(ended) == len(started):
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.05)  # their futures are done a moment after the compile returned
+        got.append(await run(ok))
+        await eng.shutdown(drain_timeout=1)
+        return got
+
+    got = asyncio.run(main())
+    assert all("did not compile within 0.2s" in m for m in got[:MAX_ABANDONED]), got
+    assert all("saturated" in m for m in got[MAX_ABANDONED:-1]), got
+    assert len(started) == MAX_ABANDONED  # the refused ones never reached a compiler thread
+    assert got[-1] == "ok"

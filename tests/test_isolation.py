@@ -68,8 +68,16 @@ def poison_detokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(detokenizer.IncrementalDetokenizer, "update", update)
 
 
+class PoisonBias(float):
+    """A bias that passes validation (a float in [-100, 100]) and raises when the step reads it."""
+
+    def __float__(self) -> float:
+        raise ValueError("logit bias poisoned for the test")
+
+
 POISONS = {
     "grammar (response_format)": (poison_grammar, replace(GREEDY, structured_output=StructuredOutput("json_schema", POISON_SCHEMA))),
+    "logits processing (logit_bias)": (lambda _: None, replace(GREEDY, logit_bias=((5, PoisonBias(2.0)),))),
     "sampling": (poison_sampling, replace(GREEDY, temperature=1.0, seed=666)),
     "detokenization": (poison_detokenizer, replace(GREEDY, stop=("POISON",))),
 }

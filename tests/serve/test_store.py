@@ -176,6 +176,42 @@ def test_sqlite_purges_expired_rows_in_batches(tmp_path):
     assert rows == 1 and s.get("keep") == b"v"
 
 
+async def test_the_background_purge_drains_expired_rows_and_outlives_a_failing_store(tmp_path, caplog):
+    """purge_forever (started by every ingress replica): batch after batch while a pass finds a full
+    batch, then a pause; a store that fails is logged and tried again at the next pass."""
+    import asyncio
+    import logging
+
+    from app.store.base import purge_forever
+    from app.store.sqlite import SQLiteStore
+
+    now = [1000.0]
+    s = SQLiteStore(tmp_path, clock=lambda: now[0])
+    for i in range(25):
+        s.put(f"k{i}", b"v", ttl_s=10)
+    s.put("keep", b"v")
+    now[0] += 11
+    real, fails = s.purge_expired, [1]
+
+    def purge(limit: int = 1000) -> int:
+        if fails[0]:
+            fails[0] -= 1
+            raise StoreError("chaos: disk full", "chaos")
+        return real(limit)
+
+    s.purge_expired = purge  # type: ignore[method-assign]
+    caplog.set_level(logging.WARNING, "sinkserve.store")
+    task = asyncio.ensure_future(purge_forever(s, interval_s=0.01, batch=10))
+    for _ in range(200):
+        await asyncio.sleep(0.01)
+        if s._connect().execute("SELECT count(*) FROM kv").fetchone()[0] == 1:
+            break
+    task.cancel()
+    assert s._connect().execute("SELECT count(*) FROM kv").fetchone()[0] == 1 and s.get("keep") == b"v"
+    assert any("purging expired rows failed: chaos: disk full" in r.getMessage() for r in caplog.records)
+    s.close()
+
+
 def test_redis_errors_mask_the_password():
     s = open_store(StoreSpec(kind="redis", url="redis://:hunter2@127.0.0.1:1/0"))
     with pytest.raises(StoreError) as e:
