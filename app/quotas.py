@@ -19,6 +19,15 @@ tenant overshoots a limit by at most the completions of the requests in flight w
 A store that fails: with ``quotas: {fail_closed: true}`` a limited tenant's request is refused (503,
 Retry-After) while the store is down; with the default (``false``) it is let through and the log
 says so (readiness reports the store's state). Tenants without limits never touch the store.
+
+A reconciliation the store refuses is not dropped: it waits in this replica's *outbox* and is written
+before the next quota operation that reaches the store, into the windows it was incurred in (a window
+that has ended by then no longer counts against anyone, so its part is dropped, logged). The outbox holds
+at most ``MAX_PENDING`` charges; past that the oldest is dropped, logged. A replica that stops with
+charges pending loses them (they live in memory)::
+
+    12:00:10  request ends, +40 tokens    store down -> outbox [(acme:minute:720, +40, ends 12:01)]
+    12:00:30  next request of any tenant  store back -> outbox written first, then its reservation
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Callable, Mapping
@@ -35,6 +45,9 @@ from app.settings import TenantLimits
 from app.store.base import Store, StoreError
 
 logger = logging.getLogger("sinkserve.quotas")
+
+# Reconciliations kept while the store is down (each a handful of counter increments).
+MAX_PENDING = 10_000
 
 
 @dataclass(frozen=True)
@@ -82,6 +95,54 @@ class Quotas:
         self.limits = dict(limits)
         self.clock = clock
         self.fail_closed = fail_closed
+        # Charges / refunds the store refused: (tenant, [(key, tokens, window end)]), oldest first.
+        self._pending: deque[tuple[str, list[tuple[str, int, float]]]] = deque()
+
+    @property
+    def pending(self) -> int:
+        """Reconciliations waiting for the store (the outbox's length)."""
+        return len(self._pending)
+
+    def _commit(self, tenant: str, incrs: list[tuple[str, int, float]]) -> None:
+        """Write ``incrs`` (key, tokens, window end) after any pending ones; on a store error keep them
+        in the outbox (raises nothing)."""
+        if self._pending and not self._flush():
+            self._keep(tenant, incrs)
+            return
+        now = self.clock()
+        live = [(k, n, end - now + 60) for k, n, end in incrs if now < end]
+        if not live:
+            return
+        try:
+            self.store.commit(incrs=live)  # every window or none
+        except StoreError as e:
+            logger.warning("quota change of tenant %s not written yet (kept, retried with the next quota "
+                           "operation): %s", tenant, e)
+            self._keep(tenant, incrs)
+
+    def _keep(self, tenant: str, incrs: list[tuple[str, int, float]]) -> None:
+        self._pending.append((tenant, incrs))
+        while len(self._pending) > MAX_PENDING:
+            old_tenant, old = self._pending.popleft()
+            logger.warning("quota outbox full (%d): change of %s tokens for tenant %s lost", MAX_PENDING,
+                           "/".join(str(n) for _, n, _ in old), old_tenant)
+
+    def _flush(self) -> bool:
+        """Write the outbox, oldest first; False when the store still fails (what is left stays)."""
+        while self._pending:
+            tenant, incrs = self._pending[0]
+            now = self.clock()
+            live = [(k, n, end - now + 60) for k, n, end in incrs if now < end]
+            if len(live) < len(incrs):
+                logger.warning("quota change of tenant %s dropped for %d ended window(s)", tenant,
+                               len(incrs) - len(live))
+            if live:
+                try:
+                    self.store.commit(incrs=live)
+                except StoreError:
+                    return False
+            self._pending.popleft()
+        return True
 
     def limited(self, tenant: str) -> bool:
         """Whether ``tenant`` has any quota (callers skip the store entirely when not)."""
@@ -110,6 +171,8 @@ class Quotas:
         now = self.clock()
         windows = self._windows(tenant)
         keys = [window_key(tenant, w, now) for w, _ in windows]
+        if self._pending:
+            self._flush()  # earlier charges first: they count against this reservation
         try:
             ok, values = self.store.reserve([(k, n, end - now + 60) for (k, end), (_, n) in zip(keys, windows)],
                                             prompt_tokens)
@@ -134,18 +197,14 @@ class Quotas:
     def reconcile(self, res: Reservation, tokens: int) -> None:
         """The request ended having used ``tokens`` (prompt + completion): add what admission did
         not reserve to the current windows, or give back what it reserved too much to the windows
-        it was reserved in while they last. A failing store loses the difference (logged)."""
+        it was reserved in while they last. A failing store keeps the difference in the outbox."""
         diff = tokens - res.tokens
         if diff > 0:
             self.charge(res.tenant, diff)
             return
         if diff == 0:
             return
-        now = self.clock()
-        try:
-            self.store.commit(incrs=[(key, diff, end - now + 60) for key, end in res.windows if now < end])
-        except StoreError as e:
-            logger.warning("quota refund of %d tokens for tenant %s lost: %s", -diff, res.tenant, e)
+        self._commit(res.tenant, [(key, diff, end) for key, end in res.windows])
 
     def charges(self, tenant: str, tokens: int) -> list[tuple[str, int, float]]:
         """The counter increments that add ``tokens`` to ``tenant``'s current windows (for a
@@ -160,11 +219,14 @@ class Quotas:
         return out
 
     def charge(self, tenant: str, tokens: int) -> None:
-        """Add ``tokens`` to each of the tenant's current windows (a failing store: logged, lost)."""
-        incrs = self.charges(tenant, tokens)
-        if not incrs:
+        """Add ``tokens`` to each of the tenant's current windows (a failing store: kept in the outbox,
+        written with the next quota operation that reaches the store)."""
+        if tokens <= 0:
             return
-        try:
-            self.store.commit(incrs=incrs)  # every window or none
-        except StoreError as e:
-            logger.warning("quota charge of %d tokens for tenant %s lost: %s", tokens, tenant, e)
+        now = self.clock()
+        incrs = []
+        for w, _ in self._windows(tenant):
+            key, end = window_key(tenant, w, now)
+            incrs.append((key, tokens, end))
+        if incrs:
+            self._commit(tenant, incrs)

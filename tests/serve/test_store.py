@@ -141,6 +141,49 @@ def test_quota_fails_closed_when_configured():
     assert Quotas(_DownStore(), limits).reserve("acme", 1).tokens == 0  # the default lets it through
 
 
+class _Flaky:
+    """``store`` whose writes fail while ``down`` is set (reads still answer, as a replica's cached view
+    would not: only what is written matters here)."""
+
+    def __init__(self, store) -> None:
+        self.store, self.down = store, False
+
+    def __getattr__(self, name):
+        attr = getattr(self.store, name)
+        if name in ("commit", "reserve") and callable(attr):
+            def maybe_fail(*a, **k):
+                if self.down:
+                    raise StoreError("store down", "store down")
+                return attr(*a, **k)
+
+            return maybe_fail
+        return attr
+
+
+def test_a_quota_charge_the_store_refused_is_written_once_it_is_back(store):
+    """A request that ended while the store was down (its 200 already sent) still counts: the charge
+    waits in the outbox and lands in its own window before the next reservation is judged."""
+    now = [120.0 + 10]
+    flaky = _Flaky(store)
+    q = Quotas(flaky, {"acme": TenantLimits(tokens_per_minute=1000)}, clock=lambda: now[0])
+    res = q.reserve("acme", 100)
+    flaky.down = True
+    q.reconcile(res, 700)  # +600 for the completion: refused by the store
+    q.charge("acme", 200)
+    assert q.pending == 2 and [u.used for u in q.usage("acme")] == [100]
+    flaky.down = False
+    now[0] = 150.0
+    with pytest.raises(APIError) as e:  # 100 + 600 + 200 = 900 written first: 150 more is over 1,000
+        q.reserve("acme", 150)
+    assert "900 of 1000" in e.value.message and q.pending == 0
+    flaky.down = True
+    q.charge("acme", 50)  # pending, then its window ends before the store is back: dropped, not moved
+    now[0] = 185.0
+    flaky.down = False
+    q.reserve("acme", 10)
+    assert q.pending == 0 and [u.used for u in q.usage("acme")] == [10]
+
+
 def test_owner_checked_delete_guarded_commit_move_and_purge(store):
     store.put("lock", b"me", 60)
     assert not store.delete_if("lock", b"you") and store.get("lock") == b"me"
