@@ -103,6 +103,17 @@ def engine_variants(every: bool) -> list[tuple[str, object, dict, dict, dict]]:
                 out.append((f"engine {shape} {dt}{f' int{quant}' if quant else ''} {cfg.name}"
                             + launch.replace("num_warps", "warps").replace("num_stages", "stages"), fn, types,
                             dict(cfg.constexprs), opts))
+            # Sparse decode over the selected blocks (16-bit and packed KV), launched with the paged tiles'
+            # options (kernels.sparse_attention.sparse_constexprs).
+            for quant in (0, PACKED_BITS):
+                bs_s, gs = (PACKED_BLOCK_SIZE, min(64, d // 2)) if quant else (bs, 1)
+                consts = sa.sparse_constexprs(hq, hkv, d, bs_s, PACKED_SPLITS, dtype, False, quant, gs)
+                opts = pa.paged_options(consts)
+                types = dict(q_ptr=f"*{dt}", o_ptr=f"*{dt}", part_o_ptr="*fp32", part_ml_ptr="*fp32", slots_ptr="*i32",
+                             qk_scale="fp32", **quant_ptrs(dt, quant))
+                out.append((f"engine {shape} {dt}{f' int{quant}' if quant else ''} sparse splits={PACKED_SPLITS} "
+                            f"warps={opts['num_warps']} stages={opts['num_stages']}", sa._sparse_attn_kernel, types,
+                            consts, opts))
     return out
 
 
