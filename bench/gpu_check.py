@@ -510,6 +510,19 @@ def long_prompt(engine: Any, variant: str, long_len: int, trained: int, n_new: i
 
 
 # ------------------------------------------------------------------------------------------ kernel tests
+KERNEL_TEST_WORKERS = 8  # pytest-xdist processes: the GPU image has xdist and 16 cores
+
+
+def kernel_test_command(xdist: bool, cpus: int) -> list[str]:
+    """``pytest tests/kernels`` without the sm_90 compile check (it runs on CPU in the suite). On a device
+    the time goes to Triton compiling each test's kernel variants, one after another on one core; with
+    pytest-xdist the tests run in ``KERNEL_TEST_WORKERS`` processes (Triton's on-disk cache is shared and
+    safe across them), so the compiles of one budget run in parallel on the host's cores."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels", "-k", "not sm90"]
+    workers = min(KERNEL_TEST_WORKERS, max(1, cpus - 1))
+    return cmd + (["-n", str(workers)] if xdist and workers > 1 else [])
+
+
 def kernel_tests(plan: Plan, budget_s: float) -> dict:
     """``pytest tests/kernels`` compiled on the device, stopped at ``budget_s`` (its own budget)."""
     if plan.smoke:
@@ -518,7 +531,7 @@ def kernel_tests(plan: Plan, budget_s: float) -> dict:
 
     if importlib.util.find_spec("pytest") is None:
         return dict(status="skipped", summary="pytest is not installed (pip install pytest)", **{"pass": False})
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels", "-k", "not sm90"]
+    cmd = kernel_test_command(importlib.util.find_spec("xdist") is not None, os.cpu_count() or 1)
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=budget_s)
