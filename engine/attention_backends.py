@@ -4,7 +4,7 @@ reference on CPU). The engine depends on the kernels package, never the other wa
 
 from __future__ import annotations
 
-from engine.config import resolve_attention_backend
+from engine.config import is_cuda, resolve_attention_backend
 from engine.errors import ConfigError
 from kernels.backend import BACKENDS, AttentionBackend
 
@@ -21,4 +21,15 @@ def get_backend(name: str, device: str = "cpu") -> AttentionBackend:
     name = resolve_attention_backend(name, device)
     if name not in BACKENDS:
         raise ConfigError("attention_backend", f"unknown attention backend {name!r}; choose one of {available_backends()}")
-    return BACKENDS[name]()
+    backend = BACKENDS[name]()
+    if name == "triton" and not is_cuda(device):
+        # On a CUDA host Triton compiles for the GPU and its launchers refuse CPU tensors, so an engine left at
+        # device="cpu" would load its weights and fail at the first step; say so before anything loads.
+        # (Imported after the backend: importing kernels._triton is what sets the interpreter on a CPU host.)
+        from kernels import _triton
+
+        if not _triton.interpreting():
+            raise ConfigError("attention_backend", f"'triton' on device {device!r} runs only in Triton's CPU "
+                              "interpreter (TRITON_INTERPRET=1); this host compiles Triton for CUDA: use "
+                              "device='cuda' with attention_backend 'triton', or 'cpu' / 'torch' on device 'cpu'")
+    return backend

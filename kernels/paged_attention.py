@@ -385,6 +385,13 @@ def paged_constexprs(num_q_heads: int, num_kv_heads: int, head_dim: int, block_s
 ACC_PER_THREAD = 64
 # Software-pipelining stages: Triton's sm_90 default, stated so the sm_90 check compiles what launches.
 NUM_STAGES = 3
+# A packed (int8/int4) cache read in float32 pipelines each stage's fp32 K/V tiles through shared memory,
+# about 2 x BLOCK_N x head_dim x 4 bytes a stage (sm_90 compiles, Triton 3.x): at 3 stages Llama-3-8B's
+# mixed tile took 230,912 B, 1.5 KB under the limit, and Gemma-3's (head_dim 256) 411-460 KB, over it --
+# a launch that fails on the device only. So float32 packed tiles get 2 stages up to head_dim 128 and 1
+# beyond (Gemma-3: 147 KB decode, 197 KB mixed). 16-bit tiles stay at NUM_STAGES (51 KB for Gemma-3's).
+PACKED_FP32_STAGES = 2
+PACKED_FP32_WIDE_HEAD = 128  # head sizes above this get one stage
 # Shared memory one program may use on sm_90 (H100/H200: 227 KiB opt-in per block).
 SM90_MAX_SHARED = 232448
 
@@ -400,10 +407,20 @@ def paged_options(consts: dict) -> dict:
     {'num_warps': 8, 'num_stages': 3}
     >>> paged_options(paged_constexprs(8, 4, 256, 16, True, 1, torch.bfloat16, False))    # Gemma-3, decode
     {'num_warps': 4, 'num_stages': 3}
+    >>> paged_options(paged_constexprs(8, 4, 256, 64, False, 1, torch.float32, False, quant=4, group_size=64))
+    {'num_warps': 8, 'num_stages': 1}
+    >>> paged_options(paged_constexprs(32, 8, 128, 64, False, 1, torch.float32, False, quant=4, group_size=64))
+    {'num_warps': 4, 'num_stages': 2}
+
+    Stages: ``NUM_STAGES``, fewer for float32 tiles over a packed cache (``PACKED_FP32_STAGES``, 1 past
+    ``PACKED_FP32_WIDE_HEAD``); the sm_90 check compiles these and holds them to ``SM90_MAX_SHARED``.
     """
     acc = consts["BLOCK_M"] * 2 * consts["HALF"]
     warps = min(8, max(4, next_pow2(-(-acc // (32 * ACC_PER_THREAD)))))
-    return dict(num_warps=warps, num_stages=NUM_STAGES)
+    stages = NUM_STAGES
+    if consts["QUANT"] and consts["DOT_PREC"] == "ieee":  # float32 tiles (dot_precision) over packed KV
+        stages = PACKED_FP32_STAGES if 2 * consts["HALF"] <= PACKED_FP32_WIDE_HEAD else 1
+    return dict(num_warps=warps, num_stages=stages)
 
 
 def reduce_constexprs(num_q_heads: int, head_dim: int, num_splits: int, interp: bool, sinks: bool = False) -> dict:

@@ -19,7 +19,7 @@ import torch
 
 from kernels._triton import PER_STEP_INTS, cast_out, check_device, dot_precision, interpreting, load_kv, mma, next_pow2, tl, triton
 from kernels.kv_quant import QuantKVCache
-from kernels.paged_attention import LOG2E, KVSource, _num_sms, plain_source, reduce_splits, split_buffers
+from kernels.paged_attention import LOG2E, KVSource, _num_sms, paged_options, plain_source, reduce_splits, split_buffers
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +117,20 @@ def _sparse_attn_kernel(
         tl.store(part_ml_ptr + pr * 2 + 1, l_i, mask=row_ok)
 
 
+def sparse_constexprs(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int, num_splits: int,
+                      dtype: torch.dtype, interp: bool, quant: int = 0, group_size: int = 1) -> dict:
+    """The compile-time arguments of ``_sparse_attn_kernel`` for one launch. Its launch options are the paged
+    kernel's (``paged_options``: the same tiles, so the same warps, and fewer pipelining stages for float32
+    over packed KV, whose three stages took 411 KB of sm_90 shared memory at head_dim 256)."""
+    group = num_q_heads // num_kv_heads
+    return dict(
+        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_M=max(16, next_pow2(group)),
+        HEAD_DIM=head_dim, HALF=max(16, next_pow2(head_dim // 2)), BLOCK_SIZE=block_size,
+        BLOCK_N=32 if interp else 64, NUM_SPLITS=num_splits, QUANT=quant, GROUP_SIZE=group_size,
+        DOT_PREC=dot_precision(dtype), INTERP=interp,
+    )  # fmt: skip
+
+
 def _launch(
     query: torch.Tensor,
     kv: KVSource,
@@ -129,7 +143,6 @@ def _launch(
     num_tokens, hq, d = query.shape
     if d != kv.head_dim or hq % kv.num_kv_heads:
         raise ValueError(f"query [{num_tokens}, {hq}, {d}] does not match cache heads {kv.num_kv_heads} x {kv.head_dim}")
-    group = hq // kv.num_kv_heads
     out = torch.empty_like(query) if out is None else out
     if num_tokens == 0:
         return out
@@ -146,13 +159,11 @@ def _launch(
             if programs < sms:
                 num_splits = max(1, min(-(-2 * sms // programs), num_selected // 256, 32))
     part_o, part_ml = split_buffers(out, num_splits)
+    consts = sparse_constexprs(hq, kv.num_kv_heads, d, kv.block_size, num_splits, query.dtype, interpreting(),
+                               kv.quant, kv.group_size)
     _sparse_attn_kernel[(num_tokens, kv.num_kv_heads, num_splits)](
         query, out, part_o, part_ml, slots, *kv.pointers(), num_selected, scale * LOG2E, slots.stride(0),
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        NUM_Q_HEADS=hq, NUM_KV_HEADS=kv.num_kv_heads, GROUP=group, BLOCK_M=max(16, next_pow2(group)), HEAD_DIM=d,
-        HALF=max(16, next_pow2(d // 2)), BLOCK_SIZE=kv.block_size, BLOCK_N=64 if not interpreting() else 32,
-        NUM_SPLITS=num_splits, QUANT=kv.quant, GROUP_SIZE=kv.group_size, DOT_PREC=dot_precision(query.dtype),
-        INTERP=interpreting(),
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), **consts, **paged_options(consts),
     )  # fmt: skip
     reduce_splits(part_o, part_ml, out, num_splits)
     return out

@@ -32,6 +32,23 @@ def test_auto_backend_and_dtype_follow_the_device(cuda_everywhere: None) -> None
     assert get_backend("auto", "cpu").name in ("cpu", "torch")
 
 
+def test_triton_on_a_cpu_device_is_refused_where_triton_compiles_for_cuda(tiny_llama: Path, cuda_everywhere: None,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA host compiles Triton (no interpreter): an engine left at the default ``device="cpu"`` with
+    ``attention_backend="triton"`` (what tests/kernels/test_engine_triton.py once built) is refused by name
+    before its weights load, not at the first kernel launch; the same backend on ``cuda`` is accepted."""
+    from kernels import _triton
+
+    monkeypatch.setattr(_triton, "interpreting", lambda: False)
+    with pytest.raises(ConfigError, match="device='cuda'") as err:
+        LLMEngine(EngineConfig(model=str(tiny_llama), attention_backend="triton", num_kv_blocks=8))
+    assert err.value.field == "attention_backend"
+    assert get_backend("triton", "cuda").name == "triton"
+    assert get_backend("triton", "cuda:1").name == "triton"
+    monkeypatch.setattr(_triton, "interpreting", lambda: True)  # a CPU host: the interpreter runs it
+    assert get_backend("triton", "cpu").name == "triton"
+
+
 def test_device_and_memory_fields_are_validated_by_name() -> None:
     for kwargs, field in (({"device": "gpu"}, "device"), ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
                           ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization"), ({"dtype": "fp8"}, "dtype"),
@@ -80,6 +97,10 @@ def test_driver_of_a_cuda_engine_never_touches_cuda(monkeypatch: pytest.MonkeyPa
 
 def test_cpu_runner_sizes_kv_after_loading_and_warm_up_is_a_no_op(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from engine.executor import LocalExecutor
+    from kernels import _triton
+
+    # Triton on a CPU device needs the interpreter (refused on a CUDA host, test above): set here as on a CPU host.
+    monkeypatch.setattr(_triton, "interpreting", lambda: True)
 
     calls: list[tuple] = []
     monkeypatch.setattr("kernels.paged_attention.warm_up", lambda *a: calls.append(a), raising=False)

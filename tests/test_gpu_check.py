@@ -103,3 +103,28 @@ def test_engine_imports_without_ray_or_deepspeed() -> None:
     code = ("import sys, engine.engine, engine.executor, engine.model_runner, engine.sampler, kernels.backend; "
             "bad = sorted(m for m in ('ray', 'deepspeed') if m in sys.modules); assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_a_pass_with_a_skipped_section_says_so() -> None:
+    """The real model absent on the device machine skips its section without failing the run; the report's
+    overall line names it, so that pass is not read as one on the real checkpoint."""
+    from bench.gpu_check import overall, skipped_sections
+
+    results = {"sections": ["env", "real_model", "long_context"], "pass": True, "env": {"pass": True},
+               "real_model": {"status": "skipped", "reason": "not in the model cache", "pass": True},
+               "long_context": {"rows": [], "pass": True}}
+    assert skipped_sections(results) == ["real_model"]
+    assert overall(results) == "PASS (skipped: real_model)"
+    assert overall({**results, "pass": False, "real_model": {"pass": True}}) == "FAIL"
+
+
+def test_kernel_tests_compile_in_parallel_where_xdist_is_there() -> None:
+    """The kernel-test section's time on a device is Triton compiling: with pytest-xdist (in the GPU image)
+    the tests run in several processes, without it in one; the sm_90 check is left to the CPU suite."""
+    from bench.gpu_check import KERNEL_TEST_WORKERS, kernel_test_command
+
+    serial = kernel_test_command(False, 16)
+    assert serial[-3:] == ["tests/kernels", "-k", "not sm90"] and "-n" not in serial
+    assert kernel_test_command(True, 16) == serial + ["-n", str(KERNEL_TEST_WORKERS)]
+    assert kernel_test_command(True, 4) == serial + ["-n", "3"]
+    assert kernel_test_command(True, 1) == serial

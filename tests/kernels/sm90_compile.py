@@ -12,7 +12,8 @@ configuration their launchers can pick, as enumerated by ``kernels.paged_attenti
 decode and prefill/mixed tiles x every split count, with the launch options (``num_warps``, ``num_stages``)
 the launcher passes, for Llama-3-8B's attention shape (32 query heads, 8 KV heads of 128, 16-token blocks)
 and Gemma-3-4B's (8 query heads, 4 KV heads of 256: the largest head size, whose mixed tile gets 8 warps)
-in bfloat16 (the CUDA default) and float32 (exact IEEE dots, another code path). Every engine kernel's
+in bfloat16 (the CUDA default) and float32 (exact IEEE dots, another code path), over 16-bit and packed
+int4 KV (prod.yaml's long pool; float32 over packed KV runs fewer pipelining stages). Every engine kernel's
 shared memory must fit one sm_90 program (``SM90_MAX_SHARED``, 227 KiB) -- a launch over it fails on the
 device, not here, unless this checks it. ``--all`` adds float16 and the shapes of the reference and test
 models (head size 32 and 16).
@@ -70,26 +71,49 @@ ENGINE_SHAPES = [("llama3-8b", 32, 8, 128, 16), ("gemma3-4b", 8, 4, 256, 16)]
 ENGINE_SHAPES_ALL = ENGINE_SHAPES + [("reference", 4, 2, 32, 16), ("tiny", 4, 2, 16, 16)]
 
 
+# Packed KV (prod.yaml's long pool: int4, 64-token blocks), its attention over codes + the 16-bit side pool.
+# int8 compiles to the same tiles and shared memory as int4, and NUM_SPLITS changes only the epilogue (the
+# 16-bit variants above compile every split), so one split count per tile keeps the CPU compile short.
+PACKED_BLOCK_SIZE, PACKED_BITS, PACKED_SPLITS = 64, 4, 1
+
+
 def engine_variants(every: bool) -> list[tuple[str, object, dict, dict, dict]]:
-    """``(name, kernel, types, constexprs, launch options)`` for every configuration the engine can launch."""
+    """``(name, kernel, types, constexprs, launch options)`` for every configuration the engine can launch
+    (packed KV: the paged tiles at one split count, see ``PACKED_SPLITS``)."""
     out = []
     for shape, hq, hkv, d, bs in ENGINE_SHAPES_ALL if every else ENGINE_SHAPES:
         for dtype in (torch.bfloat16, torch.float32, torch.float16) if every else (torch.bfloat16, torch.float32):
             dt = TRITON_TYPES[dtype]
-            for cfg in pa.engine_launch_configs(hq, hkv, d, bs, dtype):
+            packed = [(cfg, PACKED_BITS) for cfg in pa.engine_launch_configs(
+                hq, hkv, d, PACKED_BLOCK_SIZE, dtype, quant=PACKED_BITS, group_size=min(64, d // 2))
+                if cfg.kernel == "paged_attention" and cfg.num_splits == PACKED_SPLITS]
+            for cfg, quant in [(c, 0) for c in pa.engine_launch_configs(hq, hkv, d, bs, dtype)] + packed:
                 if cfg.kernel == "paged_attention":
                     fn, types = pa._paged_attn_kernel, dict(
                         q_ptr=f"*{dt}", o_ptr=f"*{dt}", part_o_ptr="*fp32", part_ml_ptr="*fp32", block_tables_ptr="*i32",
-                        seq_lens_ptr="*i32", qsl_ptr="*i32", sinks_ptr="*fp32", qk_scale="fp32", **quant_ptrs(dt, 0))
+                        seq_lens_ptr="*i32", qsl_ptr="*i32", sinks_ptr="*fp32", qk_scale="fp32", **quant_ptrs(dt, quant))
                 elif cfg.kernel == "reduce":
                     fn, types = pa._reduce_kernel, dict(part_o_ptr="*fp32", part_ml_ptr="*fp32", o_ptr=f"*{dt}",
                                                         sinks_ptr="*fp32")
                 else:
                     fn, types = pa._write_kv_kernel, dict(key_ptr=f"*{dt}", value_ptr=f"*{dt}", k_cache_ptr=f"*{dt}",
                                                           v_cache_ptr=f"*{dt}", slot_ptr="*i64")
-                warps = dict(cfg.options).get("num_warps")
-                out.append((f"engine {shape} {dt} {cfg.name}" + (f" warps={warps}" if warps else ""), fn, types,
-                            dict(cfg.constexprs), dict(cfg.options)))
+                opts = dict(cfg.options)
+                launch = "".join(f" {k}={opts[k]}" for k in ("num_warps", "num_stages") if k in opts)
+                out.append((f"engine {shape} {dt}{f' int{quant}' if quant else ''} {cfg.name}"
+                            + launch.replace("num_warps", "warps").replace("num_stages", "stages"), fn, types,
+                            dict(cfg.constexprs), opts))
+            # Sparse decode over the selected blocks (16-bit and packed KV), launched with the paged tiles'
+            # options (kernels.sparse_attention.sparse_constexprs).
+            for quant in (0, PACKED_BITS):
+                bs_s, gs = (PACKED_BLOCK_SIZE, min(64, d // 2)) if quant else (bs, 1)
+                consts = sa.sparse_constexprs(hq, hkv, d, bs_s, PACKED_SPLITS, dtype, False, quant, gs)
+                opts = pa.paged_options(consts)
+                types = dict(q_ptr=f"*{dt}", o_ptr=f"*{dt}", part_o_ptr="*fp32", part_ml_ptr="*fp32", slots_ptr="*i32",
+                             qk_scale="fp32", **quant_ptrs(dt, quant))
+                out.append((f"engine {shape} {dt}{f' int{quant}' if quant else ''} sparse splits={PACKED_SPLITS} "
+                            f"warps={opts['num_warps']} stages={opts['num_stages']}", sa._sparse_attn_kernel, types,
+                            consts, opts))
     return out
 
 

@@ -90,3 +90,43 @@ def test_triton_backend_serves_gpt_oss_sinks_and_window_exactly(tmp_path: Path, 
             got[out.request_id].extend(out.token_ids)
     assert [got[f"r{i}"] for i in range(len(batch))] == want
     assert {(16, True), (None, True)} <= set(seen)
+
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def triton_engine_configs_without_a_device(paths: list[Path], root: Path = ROOT) -> list[str]:
+    """``file:line`` (relative to ``root``) of every ``EngineConfig(...)`` call in ``paths`` that asks for
+    ``attention_backend="triton"`` and passes no ``device`` (neither ``device=`` nor ``**kwargs`` that could
+    carry it)."""
+    import ast
+
+    found = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not isinstance(node, ast.Call):
+                continue
+            name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+            if name != "EngineConfig":
+                continue
+            kw = {k.arg: k.value for k in node.keywords}
+            backend = kw.get("attention_backend")
+            if isinstance(backend, ast.Constant) and backend.value == "triton" and "device" not in kw and None not in kw:
+                found.append(f"{path.relative_to(root)}:{node.lineno}")
+    return found
+
+
+def test_every_triton_engine_the_device_check_runs_names_its_device(tmp_path: Path) -> None:
+    """The kernel tests and ``bench/gpu_check.py`` run compiled on a CUDA host, where a Triton engine left at
+    the default ``device="cpu"`` is refused (``engine.attention_backends.get_backend``): each such
+    ``EngineConfig`` must pass ``device`` (the ``device`` fixture, or the check's plan). Checked on the source,
+    so it holds on a CPU host too, where the interpreter would run the engine either way."""
+    paths = sorted((ROOT / "tests" / "kernels").glob("*.py")) + sorted((ROOT / "bench").glob("*.py"))
+    assert len(paths) > 10 and triton_engine_configs_without_a_device(paths) == []
+    # The check finds the pattern the Triton engine test once had, and accepts the fixed one.
+    bad = tmp_path / "bad.py"
+    bad.write_text('EngineConfig(model="m", attention_backend="triton")\n'
+                   'EngineConfig(model="m", device=str(device), attention_backend="triton")\n'
+                   'EngineConfig(model="m", attention_backend="triton", **kw)\n')
+    assert triton_engine_configs_without_a_device([bad], tmp_path) == ["bad.py:1"]

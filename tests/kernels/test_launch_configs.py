@@ -36,6 +36,19 @@ def test_head_size_256_mixed_tile_gets_more_warps() -> None:
     assert warps == {(128, True): 4, (128, False): 4, (256, True): 4, (256, False): 8}
 
 
+def test_float32_over_packed_kv_pipelines_fewer_stages() -> None:
+    """A packed cache read in float32 stages its fp32 K/V tiles in shared memory: at Triton's 3 stages
+    Gemma-3's tiles needed 411-460 KB on sm_90 (limit 227 KiB), so head sizes past 128 get 1 stage, 128 and
+    below 2; 16-bit tiles and unpacked float32 keep 3. The sm_90 check compiles these and bounds them."""
+    stages = {(dtype, d, quant): {dict(c.options)["num_stages"] for c in pa.engine_launch_configs(
+        hq, hkv, d, 64, dtype, quant=quant, group_size=min(64, d // 2) if quant else 1) if c.kernel == "paged_attention"}
+        for dtype in (torch.bfloat16, torch.float32) for hq, hkv, d in ((32, 8, 128), (8, 4, 256), (9, 3, 64))
+        for quant in (0, 4, 8)}
+    for (dtype, d, quant), got in stages.items():
+        want = {pa.NUM_STAGES} if dtype == torch.bfloat16 or not quant else {2 if d <= 128 else 1}
+        assert got == want, (dtype, d, quant, got)
+
+
 def test_split_choice_is_always_an_enumerated_value(monkeypatch) -> None:
     monkeypatch.setattr(pa, "interpreting", lambda: False)
     monkeypatch.setattr(pa, "_num_sms", lambda device: 132)  # H100/H200
