@@ -13,7 +13,10 @@
  *     (Qwen3) q, k = rms_norm per head (qk_norm [Hq + Hkv, D])
  *     q, k = rope(q, k; positions[t])   cos/sin = cos/sin(pos * inv_freq) * scaling, rotate-half form
  *     k_cache[slot[t]], v_cache[slot[t]] = k, v                (slot < 0: not written)
+ *       packed cache: into the 16-bit side pool, where the block has a slot (write_packed, below)
+ *     (sparse pool) bounds[block of slot[t]] = min/max with k      (update_bounds, below)
  *     a = sinkserve_decode_attention(q; the paged cache, window[l])      (decode_attention.c)
+ *       packed cache: sinkserve_decode_attention_quant(q; QuantCache, window[l])  (decode_attention_quant.c)
  *     h += a W_o^T (+ b);  x = rms_norm(h, post_norm)
  *     gu = x W_gate_up^T (+ b);  m = silu(gate) * up;  h += m W_down^T (+ b)
  *   logits[r] = rms_norm(h[logit_rows[r]], final_norm) lm_head^T
@@ -27,10 +30,12 @@
  *
  * Every query segment must be one token (query_start_loc = 0, 1, .., T). The linear weights and lm_head
  * come packed by sinkserve_pack_linear (below); embedding and norm weights as they are, contiguous;
- * caches contiguous [num_blocks, B, Hkv, D]. The per-layer pointers come as one int64 table
+ * caches contiguous [num_blocks, B, Hkv, D], or per layer one packed cache (F_KV_QUANT: a QuantCache,
+ * quant_cache.h; then F_K_CACHE and F_V_CACHE are 0). The per-layer pointers come as one int64 table
  * [L, LAYER_FIELDS] (field order below; 0 = absent). Returns 0, or < 0 before writing anything when an
  * argument is out of range (-1 a slot past the cache, -3 a token id past the vocabulary, -4 no memory),
- * or the attention kernel's error code minus 10 (-11 scratch too small, -12 head_dim over 256). */
+ * or the attention kernel's error code minus 10 (-11 scratch too small, -12 head_dim out of range; packed:
+ * -13 bits, -14 value group). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -38,7 +43,7 @@
 #include <string.h>
 
 enum { F_IN_NORM, F_POST_NORM, F_QKV_W, F_QKV_B, F_O_W, F_O_B, F_QK_NORM, F_GU_W, F_GU_B, F_DOWN_W, F_DOWN_B,
-       F_K_CACHE, F_V_CACHE, F_WINDOW, LAYER_FIELDS };
+       F_K_CACHE, F_V_CACHE, F_WINDOW, F_KV_QUANT, F_BOUNDS, LAYER_FIELDS };
 
 int sinkserve_decode_attention(const float *q, int64_t q_st, int64_t q_sh, const float *k_cache, const float *v_cache,
                                const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
@@ -46,6 +51,7 @@ int sinkserve_decode_attention(const float *q, int64_t q_st, int64_t q_sh, const
                                float scale, int window, const float *sinks, float *out, float *scratch,
                                int64_t scratch_len);
 
+#include "quant_cache.h"
 #include "rms_row.h"
 #include "team.h"
 
@@ -165,6 +171,42 @@ static void rope_heads(float *x, int n_heads, int d, const float *cos, const flo
 
 #define PTR(layer, f) ((const float *)(intptr_t)(layer)[f])
 
+/* A new token's k, v [Hkv, D] into a packed cache, where the eager path writes it (reference.write_kv_quant):
+ * the 16-bit side-pool slot of its block, at the same offset; a packed block (fp_index -1) is immutable
+ * and is not written (the engine only schedules new tokens into side-pool blocks; packing a full block
+ * happens before a step, in the model runner's KV ops, whichever path runs the step).
+ *
+ *   e.g. block 16, slot 53 -> block 3, offset 5; fp_index[3] = 2 -> fp_k[2][5] = k, fp_v[2][5] = v
+ */
+static void write_packed(QuantCache *kv, int64_t slot, int block, const float *k, const float *v, int hkv, int d) {
+    const int32_t fp = kv->fp_index[slot / block];
+    if (fp < 0) return;
+    const int64_t off = ((int64_t)fp * block + slot % block) * hkv * d;
+    memcpy(kv->fp_k + off, k, sizeof(float) * hkv * d);
+    memcpy(kv->fp_v + off, v, sizeof(float) * hkv * d);
+}
+
+/* The sparse indexer's per-block key bounds (kernels/block_sparse.py BlockBounds: [Hkv, NB, 2, D], kmax
+ * then kmin per block), kept current on every write as the eager path's update_bounds keeps them -- a
+ * dense step too, so the blocks are ready when a sequence starts selecting. A write at offset 0 starts
+ * the block afresh (a reused block forgets its previous owner's keys).
+ *
+ *   e.g. block 16, slot 48 (block 3, offset 0): kmax[h][3] = kmin[h][3] = k[h]; slot 49: widened by k[h]
+ */
+static void update_bounds(float *bounds, int64_t num_blocks, int64_t slot, int block, const float *k, int hkv,
+                          int d) {
+    const int64_t blk = slot / block;
+    const int fresh = slot % block == 0;
+    for (int h = 0; h < hkv; h++) {
+        float *kmax = bounds + (h * num_blocks + blk) * 2 * d, *kmin = kmax + d;
+        const float *kh = k + (int64_t)h * d;
+        for (int i = 0; i < d; i++) {
+            kmax[i] = fresh || kh[i] > kmax[i] ? kh[i] : kmax[i];
+            kmin[i] = fresh || kh[i] < kmin[i] ? kh[i] : kmin[i];
+        }
+    }
+}
+
 /* The sequences [*s0, *s1) whose attention thread `tid` of `nt` computes: contiguous runs of about equal
  * key counts (a decode query reads every visible key of its sequence once).
  *
@@ -191,7 +233,7 @@ typedef struct {
     float rope_scaling, eps, scale;
     const int64_t *input_ids, *positions, *slots, *logit_rows;
     const int32_t *block_tables, *seq_lens, *starts;
-    int64_t bt_stride, scratch_len;
+    int64_t bt_stride, scratch_len, num_blocks;
     float *logits, *h, *x, *qkv, *att, *o, *gu, *act, *cs, *scratch;
     atomic_int rc;
 } Step;
@@ -227,6 +269,8 @@ static void step_job(void *arg, int tid, int nt) {
         linear(x, rows, hidden, PTR(L, F_QKV_W), PTR(L, F_QKV_B), qkv_n, qkv, tid, nt);
         team_barrier(nt);
         float *k_cache = (float *)(intptr_t)L[F_K_CACHE], *v_cache = (float *)(intptr_t)L[F_V_CACHE];
+        QuantCache *kv = (QuantCache *)(intptr_t)L[F_KV_QUANT];
+        float *bounds = (float *)(intptr_t)L[F_BOUNDS];
         const float *qk_norm = PTR(L, F_QK_NORM);
         for (int t = a0; t < a1; t++) { /* the rows of this thread's attention sequences (one token each) */
             float *row = qkv + (int64_t)t * qkv_n; /* q heads, then k heads: adjacent, as qk_norm's rows */
@@ -234,18 +278,28 @@ static void step_job(void *arg, int tid, int nt) {
                 for (int hd = 0; hd < hq + hkv; hd++) norm_row(row + (int64_t)hd * d, qk_norm + (int64_t)hd * d, row + (int64_t)hd * d, d, eps);
             const float *c = cs + (int64_t)t * 2 * d;
             rope_heads(row, hq + hkv, d, c, c + d);
-            if (S->slots[t] >= 0) {
-                const int64_t off = S->slots[t] * (int64_t)hkv * d;
-                memcpy(k_cache + off, row + (int64_t)hq * d, sizeof(float) * hkv * d);
-                memcpy(v_cache + off, row + (int64_t)(hq + hkv) * d, sizeof(float) * hkv * d);
+            const int64_t slot = S->slots[t];
+            if (slot >= 0) {
+                const float *k = row + (int64_t)hq * d, *v = row + (int64_t)(hq + hkv) * d;
+                if (kv) {
+                    write_packed(kv, slot, S->block, k, v, hkv, d);
+                } else {
+                    memcpy(k_cache + slot * (int64_t)hkv * d, k, sizeof(float) * hkv * d);
+                    memcpy(v_cache + slot * (int64_t)hkv * d, v, sizeof(float) * hkv * d);
+                }
+                if (bounds) update_bounds(bounds, S->num_blocks, slot, S->block, k, hkv, d);
             }
         }
         if (a1 > a0) { /* starts[] holds absolute rows: q and att stay the whole step's arrays */
-            const int arc = sinkserve_decode_attention(qkv, qkv_n, d, k_cache, v_cache,
-                                                       S->block_tables + (int64_t)a0 * S->bt_stride, S->bt_stride,
-                                                       S->seq_lens + a0, S->starts + a0, a1 - a0, hq, hkv, d,
-                                                       S->block, S->scale, (int)L[F_WINDOW], NULL, att,
-                                                       S->scratch + S->scratch_len * tid, S->scratch_len);
+            const int32_t *tables = S->block_tables + (int64_t)a0 * S->bt_stride;
+            const int arc = kv ? sinkserve_decode_attention_quant(qkv, qkv_n, d, kv, tables, S->bt_stride,
+                                                                  S->seq_lens + a0, S->starts + a0, a1 - a0, hq,
+                                                                  hkv, d, S->block, S->scale, (int)L[F_WINDOW],
+                                                                  NULL, att)
+                               : sinkserve_decode_attention(qkv, qkv_n, d, k_cache, v_cache, tables, S->bt_stride,
+                                                            S->seq_lens + a0, S->starts + a0, a1 - a0, hq, hkv, d,
+                                                            S->block, S->scale, (int)L[F_WINDOW], NULL, att,
+                                                            S->scratch + S->scratch_len * tid, S->scratch_len);
             if (arc != 0) atomic_store(&S->rc, arc - 10); /* the attention kernel's code, out of this file's range */
         }
         team_barrier(nt);
@@ -308,7 +362,8 @@ int sinkserve_llama_decode(const int64_t *layers, int num_layers, const float *e
               .final_norm = final_norm, .lm_head = lm_head, .inv_freq = inv_freq, .rope_scaling = rope_scaling,
               .eps = eps, .scale = scale, .input_ids = input_ids, .positions = positions, .slots = slots,
               .logit_rows = logit_rows, .block_tables = block_tables, .seq_lens = seq_lens, .starts = starts,
-              .bt_stride = bt_stride, .scratch_len = scratch_len, .logits = logits};
+              .bt_stride = bt_stride, .scratch_len = scratch_len, .num_blocks = num_slots / block,
+              .logits = logits};
     S.h = work, S.x = S.h + (int64_t)rows * hidden, S.qkv = S.x + (int64_t)rows * hidden;
     S.att = S.qkv + (int64_t)rows * qkv_n, S.o = S.att + (int64_t)rows * hq * d;
     S.gu = S.o + (int64_t)rows * hidden, S.act = S.gu + (int64_t)rows * 2 * inter;
