@@ -16,8 +16,7 @@ dtype, sparse attention, eviction policy, tensor parallelism, the model's forwar
 The model runner applies it (``LlamaForward.c_step``), the engine logs it once at start-up and exports it
 (``EngineStats.decode_path``: the ``sinkserve_decode_path`` gauge, labelled by pool). A step may still fall
 back for its own reasons -- a C-step pool's decode step with more than ``DECODE_KERNEL_MAX_ROWS``
-sequences, or a sparse pool's step in which some sequence is past ``sparse.min_context`` and selects
-blocks (the C step attends densely; it keeps the block bounds current) -- so what *ran* is counted per step (``EngineStats.decode_steps``: the
+sequences -- so what *ran* is counted per step (``EngineStats.decode_steps``: the
 ``sinkserve_decode_steps_total{path}`` counter).
 
 >>> from engine.config import EngineConfig
@@ -85,9 +84,9 @@ def c_step_blockers(config: EngineConfig, facts: DecodeFacts) -> list[str]:
         out.append(f"attention backend {facts.backend}")
     if facts.head_dim > C_STEP_MAX_HEAD_DIM:
         out.append(f"head_dim {facts.head_dim} > {C_STEP_MAX_HEAD_DIM}")
-    # Packed KV (int8 / int4 / int2, outlier channels) is carried: csrc/decode_attention_quant.c. A
-    # block_bounds sparse pool is carried on its dense steps (inside sparse.min_context; a step that selects
-    # falls back per step); the trained indexer writes its own index keys beside K/V, which the C step does not.
+    # Packed KV (int8 / int4 / int2, outlier channels) is carried: csrc/decode_attention_quant.c. So is a
+    # block_bounds sparse pool: the C step keeps the bounds and selects from them (dense inside
+    # sparse.min_context); the trained indexer writes its own index keys beside K/V, which the C step does not.
     if config.sparse.enabled and config.sparse.indexer != "block_bounds":
         out.append(f"sparse attention ({config.sparse.indexer})")
     if config.sparse.compact:
@@ -117,7 +116,7 @@ def choose_decode_path(config: EngineConfig, facts: DecodeFacts | None) -> Decod
     if config.kv_quantized:
         reason += f", {config.kv_cache_dtype} KV"
     if config.sparse.enabled:
-        reason += f"; sparse ({config.sparse.indexer}) steps that select run eager"
+        reason += f", {config.sparse.indexer} sparse selection"
     return DecodePath("c_step", reason)
 
 

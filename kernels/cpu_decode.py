@@ -22,8 +22,15 @@ What the step carries besides float32 caches:
 
 * **Sparse pools' block bounds** (``sparse.indexer`` block_bounds): every written key widens its block's
   min/max (``kernels.block_sparse.update_bounds``), dense steps too, so a sequence that starts selecting
-  finds its bounds current. A step in which some sequence selects runs eagerly
-  (``LlamaForward.decode_kernel_applies``). The eager forward is the reference: the
+  finds its bounds current.
+* **Sparse decode** (``block_bounds``): a step whose ``SparsePlan`` selects for some sequence passes the
+  plan (forced blocks, ``top_blocks``, local window); on each full-attention layer the C step scores the
+  sequence's candidate blocks from their bounds, keeps the forced set and the top blocks
+  (``block_sparse.select_blocks``) and attends the sequence's table with every other block nulled, which
+  the attention kernels skip::
+
+      table      [ 5 | 9 | 2 | 7 | 4 ]      forced {0} + window {3, 4}; top 1 of candidates {1, 2}: 2
+      attended   [ 5 | 0 | 2 | 7 | 4 ]      the eager path's compacted table [5, 2, 7, 4]: the same tokens The eager forward is the reference: the
 engine calls this only where it computes the same thing (``LlamaForward.decode_kernel_applies``), and
 ``tests/kernels/test_cpu_decode.py`` holds the two together.
 
@@ -144,19 +151,31 @@ class DecodeStep:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                 logits_indices: torch.Tensor, kv_caches: list, block_bounds: list | None = None) -> torch.Tensor:
+                 logits_indices: torch.Tensor, kv_caches: list, block_bounds: list | None = None,
+                 sparse_plan=None) -> torch.Tensor:
         """Logits ``[len(logits_indices), vocab]`` of a step whose every query segment is one token. Integer
         inputs: int64 ids / positions / slots / logits rows, int32 tables / lengths / starts, all contiguous.
         ``kv_caches``: per layer ``(k, v)`` or a packed ``QuantKVCache``; ``block_bounds``: the sparse
-        indexer's per-layer ``BlockBounds`` (kept current on every write), or None."""
+        indexer's per-layer ``BlockBounds`` (kept current on every write), or None; ``sparse_plan``: the
+        step's ``kernels.block_sparse.SparsePlan`` when some sequence selects (needs ``block_bounds``)."""
         self._bind(kv_caches, block_bounds)
+        forced, forced_stride, top, sparse_window = None, 0, None, 0
+        if sparse_plan is not None:
+            if block_bounds is None:
+                raise ValueError("a sparse step needs the block bounds")
+            f = sparse_plan.forced.contiguous()
+            forced, forced_stride = f.view(torch.uint8), f.stride(0)
+            top = torch.tensor(sparse_plan.top_blocks, dtype=torch.int32)
+            sparse_window = sparse_plan.window
         block_size, slots = self._cache_args
         rows, n = input_ids.shape[0], logits_indices.shape[0]
         logits = torch.empty(n, self._vocab, dtype=torch.float32)
         rc = load().sinkserve_llama_decode(  # signature: kernels/cpu_lib.py
             *self._head, block_size, input_ids.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(),
             block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), query_start_loc.data_ptr(), rows,
-            slots, logits_indices.data_ptr(), n, logits.data_ptr(), torch.get_num_threads())
+            slots, logits_indices.data_ptr(), n, logits.data_ptr(), torch.get_num_threads(),
+            None if forced is None else forced.data_ptr(), forced_stride, None if top is None else top.data_ptr(),
+            sparse_window)
         if rc != 0:
             raise RuntimeError(f"C decode step refused its arguments: {ERRORS.get(rc, f'code {rc}')}")
         return logits

@@ -25,8 +25,7 @@ CONFIGS = ROOT / "serve_configs"
 # must be added here (the test below checks the table covers them all).
 EXPECTED = {
     ("prod.yaml", "short", "v1", "cpu"): "c_step",
-    # int4 KV + block_bounds sparse + sliding window: the C step inside sparse.min_context (issue 38); a step
-    # in which some sequence selects blocks runs eager (counted per step, test below).
+    # int4 KV + block_bounds sparse + sliding window: the C step, selection included (issue 38).
     ("prod.yaml", "long", "v1", "cpu"): "c_step",
     ("prod.yaml", "short", "v1", "cuda"): "triton",
     ("prod.yaml", "long", "v1", "cuda"): "triton",
@@ -77,7 +76,7 @@ def test_every_pool_of_every_serve_config_has_its_decode_path() -> None:
     got = {key: decode_path_for(cfg) for key, cfg in configs.items()}
     assert {key: d.path for key, d in got.items()} == EXPECTED
     long = got[("prod.yaml", "long", "v1", "cpu")].reason
-    assert "int4 KV" in long and "sparse (block_bounds) steps that select run eager" in long
+    assert "int4 KV" in long and "block_bounds sparse selection" in long
 
 
 def test_the_engine_logs_its_decision_once_and_counts_what_ran(caplog: pytest.LogCaptureFixture,

@@ -1,7 +1,7 @@
 """The C decode step on the pool users are sold (prod.yaml's long pool: packed int4 KV, block_bounds sparse
-attention dense inside ``sparse.min_context``, sliding-window eviction with protected positions), through
-the engine: greedy tokens and logits equal the eager path's, and the decode steps counter says which path
-ran each step (the C step inside ``min_context``, eager once a sequence selects blocks)."""
+attention dense inside ``sparse.min_context`` and selecting past it, sliding-window eviction with protected
+positions), through the engine: greedy tokens, logits and the block bounds equal the eager path's, and the
+decode steps counter says the C step ran every decode step, inside ``min_context`` and past it."""
 
 from __future__ import annotations
 
@@ -124,25 +124,30 @@ def _paths_by_context(steps: list[tuple[str, int]], min_context: int) -> tuple[s
     return {p for p, n in steps if n < min_context}, {p for p, n in steps if n >= min_context}
 
 
+@pytest.mark.parametrize("kv", ["int4", "auto"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_long_pool_on_a_tiny_model_with_odd_heads(odd_heads: Path, threads: int,
+def test_long_pool_on_a_tiny_model_with_odd_heads(odd_heads: Path, threads: int, kv: str,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """prod's long pool (int4, block_bounds sparse from min_context = the 128-token context, sliding window,
-    protected 0..3): the C step inside min_context (keeping the block bounds current), eager once a sequence
-    selects; tokens equal the all-eager run's, which selects from bounds the eager path kept."""
-    config = long_pool(odd_heads)
-    steps = against_eager(config, [[7, 8, 9] * 30, [11, 12] * 20], 60, monkeypatch, threads)
+    protected 0..3): the C step inside min_context (keeping the block bounds current) and past it (selecting
+    from them); tokens equal the all-eager run's. Random prompts, so the bounds rank blocks apart; the
+    shorter one stays inside min_context, so steps mix a dense sequence with a selecting one. ``auto``: the
+    same over float32 KV."""
+    config = long_pool(odd_heads, kv)
+    rng = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 250, (n,), generator=rng).tolist() for n in (90, 40)]
+    steps = against_eager(config, prompts, 80, monkeypatch, threads)
     inside, past = _paths_by_context(steps, 128)
-    assert inside == {"c_step"} and past == {"eager"}
+    assert inside == {"c_step"} and past == {"c_step"}
 
 
 def test_long_pool_on_the_reference_model(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same on the reference model (context 1,024): a 1,000-token prompt decodes inside the context on
-    the C step, then past it eagerly (sparse selection)."""
+    """The same on the reference model (context 1,024): a 1,000-token prompt decodes inside the context and
+    past it (window eviction, sparse selection) on the C step."""
     rng = torch.Generator().manual_seed(3)
     prompt = torch.randint(5, 4000, (1000,), generator=rng).tolist()
     config = long_pool(REFERENCE_MODEL, num_kv_blocks=64, block_size=64, cache_policy=CachePolicy(
         eviction_policy="sliding_window", protected_positions=PROTECTED))  # prod's residual window (128)
     steps = against_eager(config, [prompt], 40, monkeypatch)
     inside, past = _paths_by_context(steps, 1024)
-    assert inside == {"c_step"} and past == {"eager"}
+    assert inside == {"c_step"} and past == {"c_step"}
