@@ -5,7 +5,8 @@ attention dense inside ``sparse.min_context`` = the model's trained context, sli
 with protected positions 0..3) against the short pool (float32 KV, no eviction), both as the engine
 builds them from the model's context. Per (model, pool, context): one sequence is prefilled to the context,
 then decode steps alternate between the C step and the eager forward (``LlamaForward.c_step`` toggled per
-step: the same sequence, the same cache, interleaved), and the time of ``ModelRunner.execute`` (the
+step: the same sequence, the same cache, interleaved); the configurations of a model are all prefilled
+first and then step round-robin, so a load change on a shared host reaches every row alike. The time of ``ModelRunner.execute`` (the
 runner's KV ops -- packing, eviction rotations -- plus the forward) and of the whole ``LLMEngine.step``
 (scheduling, sampling, detokenization on top) is taken per step. A row whose C-step side ran eagerly says
 so (a step in which a sequence selects blocks, past ``min_context``, runs eager: engine/decode_path.py).
@@ -57,67 +58,75 @@ class Row:
 
 
 def pool_config(model_dir: str, pool: str, tokens: int):  # type: ignore[no-untyped-def]
-    """The pool's EngineConfig as prod.yaml states it (budgets left to the model), with one sequence slot
-    and a cache sized for ``tokens``."""
+    """The pool's EngineConfig as prod.yaml states it (budgets left to the model; its ``max_num_seqs``,
+    which sizes the long pool's 16-bit side pool), with a cache sized for ``tokens``."""
     from engine import EngineConfig
     from engine.cache_policy import CachePolicy
     from engine.sparse_config import SparseAttention
 
     blocks = -(-tokens // EngineConfig().block_size) + 16
     if pool == "short":
-        return EngineConfig(model=model_dir, max_num_seqs=1, num_kv_blocks=blocks,
+        return EngineConfig(model=model_dir, max_num_seqs=64, num_kv_blocks=blocks,
                             cache_policy=CachePolicy(eviction_policy="none"))
-    return EngineConfig(model=model_dir, max_num_seqs=1, num_kv_blocks=blocks, kv_cache_dtype="int4",
+    return EngineConfig(model=model_dir, max_num_seqs=16, num_kv_blocks=blocks, kv_cache_dtype="int4",
                         cache_policy=CachePolicy(eviction_policy="sliding_window", protected_positions=(0, 1, 2, 3)),
                         sparse=SparseAttention(enabled=True, indexer="block_bounds"))
 
 
-def measure(name: str, model_dir: str, pool: str, context: int, steps: int, warm: int) -> Row:
-    """Prefill a random prompt so the first measured decode step sees ``context`` tokens, then ``warm``
-    steps per side unmeasured and ``steps`` measured, the sides alternating."""
-    import torch
+class Probe:
+    """One (model, pool, context) engine with one sequence: ``prefill`` runs it to its first decode step,
+    then each ``step`` is one engine step whose decode runs on the C-step side or the eager side in turn
+    (``LlamaForward.c_step`` toggled: the same sequence and cache), timed into ``row``."""
 
-    from engine import LLMEngine, SamplingParams
+    def __init__(self, name: str, model_dir: str, pool: str, context: int, steps: int, warm: int) -> None:
+        import torch
 
-    total = 2 * (warm + steps)
-    engine = LLMEngine(pool_config(model_dir, pool, context + total + 1))
-    runner = engine.executor.runner
-    model = runner.model
-    vocab = int(model.spec.vocab_size) if hasattr(model, "spec") else 1000
-    prompt = torch.randint(5, min(vocab, 30000) - 5, (context - 2 * warm,),
-                           generator=torch.Generator().manual_seed(context)).tolist()
-    row = Row(name, pool, context)
-    execute = runner.execute
-    chosen = model.c_step  # the pool's decision (engine/decode_path.py)
-    state: dict = {"n": 0, "side": None}  # decode steps so far; the side of this engine step's decode (None: none)
+        from engine import LLMEngine, SamplingParams
 
-    def spy(inp):  # type: ignore[no-untyped-def]
-        if len(inp.input_ids) != len(inp.seq_lens):  # a prefill chunk
-            return execute(inp)
-        side = "c_step" if state["n"] % 2 == 0 else "eager"
-        model.c_step = chosen and side == "c_step"
+        self.warm, total = warm, 2 * (warm + steps)
+        self.engine = LLMEngine(pool_config(model_dir, pool, context + total + 1))
+        runner = self.engine.executor.runner
+        model = runner.model
+        vocab = int(model.spec.vocab_size) if hasattr(model, "spec") else 1000
+        prompt = torch.randint(5, min(vocab, 30000) - 5, (context,),
+                               generator=torch.Generator().manual_seed(context)).tolist()
+        self.row = Row(name, pool, context)
+        execute = runner.execute
+        chosen = model.c_step  # the pool's decision (engine/decode_path.py)
+        self.n, self.side = 0, None  # decode steps so far; the side of this engine step's decode (None: none)
+
+        def spy(inp):  # type: ignore[no-untyped-def]
+            if len(inp.input_ids) != len(inp.seq_lens):  # a prefill chunk
+                return execute(inp)
+            side = "c_step" if self.n % 2 == 0 else "eager"
+            model.c_step = chosen and side == "c_step"
+            t = time.perf_counter()
+            out = execute(inp)
+            if self.n >= 2 * warm:
+                self.row.execute[side].append(time.perf_counter() - t)
+                self.row.ran[side].add(runner.last_decode_path or "?")
+                self.side = side
+            self.n += 1
+            model.c_step = chosen
+            return out
+
+        runner.execute = spy
+        self.engine.add_request("r", prompt, SamplingParams(max_tokens=total + 1, temperature=0.0, ignore_eos=True))
+
+    def prefill(self) -> None:
+        start = time.perf_counter()
+        while self.n == 0 and self.engine.has_unfinished():
+            self.engine.step()
+        self.row.prefill_s = time.perf_counter() - start
+
+    def step(self) -> None:
+        if not self.engine.has_unfinished():
+            return
+        self.side = None
         t = time.perf_counter()
-        out = execute(inp)
-        if state["n"] >= 2 * warm:
-            row.execute[side].append(time.perf_counter() - t)
-            row.ran[side].add(runner.last_decode_path or "?")
-            state["side"] = side
-        state["n"] += 1
-        return out
-
-    runner.execute = spy
-    engine.add_request("r", prompt, SamplingParams(max_tokens=total + 1, temperature=0.0, ignore_eos=True))
-    start = time.perf_counter()
-    while engine.has_unfinished():
-        state["side"] = None
-        t = time.perf_counter()
-        engine.step()
-        if state["n"] == 0:
-            row.prefill_s = time.perf_counter() - start
-        if state["side"] is not None:
-            row.step[state["side"]].append(time.perf_counter() - t)
-    model.c_step = chosen
-    return row
+        self.engine.step()
+        if self.side is not None:
+            self.row.step[self.side].append(time.perf_counter() - t)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,12 +158,21 @@ def main(argv: list[str] | None = None) -> int:
         plan = [("short", k1), ("long", k1)] + ([("long", largest)] if largest > k1 + 64 else [])
         if args.past:
             plan.append(("long", args.past))
-        for pool, context in plan:
-            rows.append(measure(name, model_dir, pool, context, args.steps, args.warm))
-            loads.append(os.getloadavg()[0])
-            r = rows[-1]
-            print(f"{name} {pool} {context}: C {r.ms('c_step'):.2f} ms ({sorted(r.ran['c_step'])}), eager "
+        # Every configuration of the model prefilled first, then their decode steps round-robin: a load
+        # change on this shared host reaches every row alike.
+        probes = [Probe(name, model_dir, pool, context, args.steps, args.warm) for pool, context in plan]
+        for p in probes:
+            p.prefill()
+        for _ in range(2 * (args.warm + args.steps)):
+            for p in probes:
+                p.step()
+        loads.append(os.getloadavg()[0])
+        for p in probes:
+            r = p.row
+            rows.append(r)
+            print(f"{name} {r.pool} {r.context}: C {r.ms('c_step'):.2f} ms ({sorted(r.ran['c_step'])}), eager "
                   f"{r.ms('eager'):.2f} ms; prefill {r.prefill_s:.1f} s", flush=True)
+        del probes
     cmd = " ".join(sys.argv[1:] if argv is None else argv)
     lines = [
         "| model | pool | context (tokens) | execute, C-step side (ran) | execute, eager | engine step, C-step side "
@@ -169,8 +187,9 @@ def main(argv: list[str] | None = None) -> int:
                      f"| {r.ms('c_step') / base.ms('c_step'):.2f}x |")
     head = (f"`python -m bench.long_pool_step {cmd}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))}, "
             f"{args.threads} torch thread(s): {describe(steal)}; 1-minute load average {min(loads):.1f}-{max(loads):.1f} "
-            f"during the run. Medians of {args.steps} steps per side after {args.warm} unmeasured, the sides "
-            "alternating step by step on one sequence.")
+            f"during the run. Medians of {args.steps} steps per side after {args.warm} unmeasured; per model every "
+            "configuration is prefilled, then their decode steps run round-robin, each sequence alternating "
+            "C-step and eager steps.")
     return emit(head + "\n\n" + "\n".join(lines) + "\n", args.out)
 
 
