@@ -113,10 +113,11 @@ def test_packed_kv_with_window_eviction_and_protected_positions(odd_heads: Path,
     assert {p for p, _ in steps} == {"c_step"} and max(n for _, n in steps) > 128
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("kv", ["int8", "int4", "int2"])
-def test_packed_kv_without_eviction(odd_heads: Path, kv: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_packed_kv_without_eviction(odd_heads: Path, kv: str, threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
     config = long_pool(odd_heads, kv, sparse=False, kv_outlier_channels=2, cache_policy=CachePolicy(residual_window=16))
-    steps = against_eager(config, [[7, 8, 9] * 20, [11, 12] * 10], 30, monkeypatch)
+    steps = against_eager(config, [[7, 8, 9] * 20, [11, 12] * 10], 30, monkeypatch, threads)
     assert {p for p, _ in steps} == {"c_step"}
 
 
