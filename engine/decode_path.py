@@ -23,9 +23,11 @@ sequences -- so what *ran* is counted per step (``EngineStats.decode_steps``: th
 >>> choose_decode_path(EngineConfig(), DecodeFacts(native_llama=True, head_dim=32, sinks=False,
 ...                                                backend="cpu", c_kernel=True)).path
 'c_step'
->>> d = choose_decode_path(EngineConfig(kv_cache_dtype="int4"), DecodeFacts(True, 32, False, "cpu", True))
+>>> choose_decode_path(EngineConfig(kv_cache_dtype="int4"), DecodeFacts(True, 32, False, "cpu", True)).path
+'c_step'
+>>> d = choose_decode_path(EngineConfig(dtype="bfloat16"), DecodeFacts(True, 32, False, "cpu", True))
 >>> d.path, d.reason
-('eager', 'the C step does not carry: kv_cache_dtype int4')
+('eager', 'the C step does not carry: dtype bfloat16')
 """
 
 from __future__ import annotations
@@ -82,9 +84,10 @@ def c_step_blockers(config: EngineConfig, facts: DecodeFacts) -> list[str]:
         out.append(f"attention backend {facts.backend}")
     if facts.head_dim > C_STEP_MAX_HEAD_DIM:
         out.append(f"head_dim {facts.head_dim} > {C_STEP_MAX_HEAD_DIM}")
-    if config.kv_quantized:
-        out.append(f"kv_cache_dtype {config.kv_cache_dtype}")
-    if config.sparse.enabled:
+    # Packed KV (int8 / int4 / int2, outlier channels) is carried: csrc/decode_attention_quant.c. So is a
+    # block_bounds sparse pool: the C step keeps the bounds and selects from them (dense inside
+    # sparse.min_context); the trained indexer writes its own index keys beside K/V, which the C step does not.
+    if config.sparse.enabled and config.sparse.indexer != "block_bounds":
         out.append(f"sparse attention ({config.sparse.indexer})")
     if config.sparse.compact:
         out.append("selected memory (sparse.position_mode compact)")
@@ -109,7 +112,12 @@ def choose_decode_path(config: EngineConfig, facts: DecodeFacts | None) -> Decod
     blockers = c_step_blockers(config, facts)
     if blockers:
         return DecodePath("eager", "the C step does not carry: " + ", ".join(blockers))
-    return DecodePath("c_step", "float32 CPU decode, one C call per step")
+    reason = "float32 CPU decode, one C call per step"
+    if config.kv_quantized:
+        reason += f", {config.kv_cache_dtype} KV"
+    if config.sparse.enabled:
+        reason += f", {config.sparse.indexer} sparse selection"
+    return DecodePath("c_step", reason)
 
 
 def native_llama_forward(config: EngineConfig) -> bool:

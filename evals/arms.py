@@ -177,6 +177,10 @@ def use_selector(engine: Any, selector: str, seed: int = 0) -> None:
     runner = engine.executor.runner
     runner.backend = dataclasses.replace(runner.backend, block_sparse_attention=functools.partial(
         bs.block_sparse_attention, attend=bs.attend_gather, score=random_scores))
+    # The C decode step selects with its own (block_bounds) scores: the control's decode steps run the eager
+    # forward, which calls the backend swapped in above (counted as eager in decode_steps).
+    if hasattr(runner.model, "c_step"):
+        runner.model.c_step = False
 
 
 def blocks_for_stream(window: int, chunk: int, protected_blocks: int = 2) -> int:

@@ -37,7 +37,7 @@ import torch
 from kernels import reference
 from kernels.cpu_lib import load
 
-__all__ = ["CpuPlan", "load", "paged_attention", "paged_attention_quant", "plan"]
+__all__ = ["CpuPlan", "load", "paged_attention", "paged_attention_quant", "plan", "quant_cache_args", "quant_kernel_ok"]
 
 @dataclass
 class CpuPlan:
@@ -132,9 +132,26 @@ class QuantCacheArgs(ctypes.Structure):
     _fields_ += [("bits", ctypes.c_int32), ("group", ctypes.c_int32), ("n_outlier", ctypes.c_int32)]
 
 
+def quant_cache_args(cache) -> QuantCacheArgs:
+    """One layer's ``kernels.kv_quant.QuantKVCache`` as ``csrc/quant_cache.h``'s ``QuantCache``: the addresses
+    of its tensors (which the caller keeps alive and in place) and its bits, value group and outlier count."""
+    o = 0 if cache.outlier_idx is None else int(cache.outlier_idx.shape[-1])
+    return QuantCacheArgs(cache.k_codes.data_ptr(), cache.v_codes.data_ptr(), cache.k_scale.data_ptr(),
+                          cache.k_zero.data_ptr(), cache.v_scale.data_ptr(), cache.v_zero.data_ptr(),
+                          cache.fp_k.data_ptr(), cache.fp_v.data_ptr(), cache.fp_index.data_ptr(),
+                          cache.outlier_idx.data_ptr() if o else None, cache.k_outlier.data_ptr() if o else None,
+                          cache.bits, cache.group_size, o)
+
+
+def quant_kernel_ok(query_dtype: torch.dtype, cache) -> bool:
+    """``_quant_kernel_ok`` for a query of ``query_dtype`` (contiguous on the CPU): what the C decode step
+    checks of a packed cache before binding it."""
+    return _quant_kernel_ok(torch.empty(1, 1, cache.head_dim, dtype=query_dtype), cache)
+
+
 def _quant_kernel_ok(query: torch.Tensor, cache) -> bool:
     """What the packed-decode kernel reads: float32 query and 16-bit side pool (and outlier copies), every
-    cache tensor contiguous on the CPU, a head dim that is a multiple of 16 up to 256."""
+    cache tensor contiguous on the CPU, a head dim that the packings admit (a multiple of 4) up to 256."""
     d = query.shape[-1]
     tensors = [cache.k_codes, cache.v_codes, cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero, cache.fp_k,
                cache.fp_v, cache.fp_index]
@@ -143,7 +160,7 @@ def _quant_kernel_ok(query: torch.Tensor, cache) -> bool:
             return False
         tensors += [cache.outlier_idx, cache.k_outlier]
     return (query.dtype == cache.fp_k.dtype == cache.fp_v.dtype == torch.float32 and query.device.type == "cpu"
-            and query.stride(-1) == 1 and d % 16 == 0 and 16 <= d <= 256 and cache.k_scale.dtype == torch.float16
+            and query.stride(-1) == 1 and d % 4 == 0 and 4 <= d <= 256 and cache.k_scale.dtype == torch.float16
             and cache.v_scale.dtype == torch.float16 and cache.fp_index.dtype == torch.int32
             and all(t.is_contiguous() and t.device.type == "cpu" for t in tensors))
 
@@ -155,11 +172,7 @@ def decode_rows_quant(query: torch.Tensor, cache, plan: CpuPlan, scale: float, w
     lib = load()
     assert lib is not None and out.is_contiguous()
     _, hq, d = query.shape
-    o = 0 if cache.outlier_idx is None else int(cache.outlier_idx.shape[-1])
-    kv = QuantCacheArgs(cache.k_codes.data_ptr(), cache.v_codes.data_ptr(), cache.k_scale.data_ptr(),
-                        cache.k_zero.data_ptr(), cache.v_scale.data_ptr(), cache.v_zero.data_ptr(), cache.fp_k.data_ptr(),
-                        cache.fp_v.data_ptr(), cache.fp_index.data_ptr(), cache.outlier_idx.data_ptr() if o else None,
-                        cache.k_outlier.data_ptr() if o else None, cache.bits, cache.group_size, o)
+    kv = quant_cache_args(cache)
     sink_ptr = None
     if sinks is not None:
         sinks = sinks.to(torch.float32).contiguous()

@@ -4,7 +4,33 @@ At one token per sequence and a small batch the eager step (``engine/models/llam
 its time dispatching ~20 ATen ops and their Python per layer around matrix-vector products of a few
 microseconds each. ``DecodeStep`` hands the whole forward -- embedding, every layer (norms, fused QKV,
 Qwen3 q/k norms, RoPE, the paged KV write, decode attention through ``decode_attention.c``, o, gate/up,
-SiLU, down, biases), the final norm and ``lm_head`` -- to C. The eager forward is the reference: the
+SiLU, down, biases), the final norm and ``lm_head`` -- to C.
+
+What the step carries besides float32 caches:
+
+* **Packed KV** (``kv_cache_dtype`` int8 / int4 / int2, outlier key channels included): a layer's
+  ``kernels.kv_quant.QuantKVCache`` goes to C as ``csrc/quant_cache.h``'s ``QuantCache`` (the CPU
+  backend's struct, ``kernels.cpu_attention.quant_cache_args``). The new token's K/V land where the eager
+  path writes them (``reference.write_kv_quant``: its block's 16-bit side-pool slot) and attention runs
+  through the backend's packed kernel (``csrc/decode_attention_quant.c``), the same routine the eager
+  step's attention calls. Packing full blocks stays in the model runner's KV ops, before the forward, so
+  it happens identically whichever path runs the step::
+
+      step n:  runner KV ops (assign / quantize / copy)  ->  forward (eager or this C call)
+               block 7 leaves the residual window:          token written to fp_k[fp_index[blk]]
+               packed from fp slot 2, fp_index[7] = -1      attention reads 16-bit and packed blocks
+
+* **Sparse pools' block bounds** (``sparse.indexer`` block_bounds): every written key widens its block's
+  min/max (``kernels.block_sparse.update_bounds``), dense steps too, so a sequence that starts selecting
+  finds its bounds current.
+* **Sparse decode** (``block_bounds``): a step whose ``SparsePlan`` selects for some sequence passes the
+  plan (forced blocks, ``top_blocks``, local window); on each full-attention layer the C step scores the
+  sequence's candidate blocks from their bounds, keeps the forced set and the top blocks
+  (``block_sparse.select_blocks``) and attends the sequence's table with every other block nulled, which
+  the attention kernels skip::
+
+      table      [ 5 | 9 | 2 | 7 | 4 ]      forced {0} + window {3, 4}; top 1 of candidates {1, 2}: 2
+      attended   [ 5 | 0 | 2 | 7 | 4 ]      the eager path's compacted table [5, 2, 7, 4]: the same tokens The eager forward is the reference: the
 engine calls this only where it computes the same thing (``LlamaForward.decode_kernel_applies``), and
 ``tests/kernels/test_cpu_decode.py`` holds the two together.
 
@@ -22,6 +48,7 @@ one OpenMP pool); the result is the same bits on any thread count.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import torch
@@ -32,11 +59,12 @@ logger = logging.getLogger(__name__)
 
 # Column order of the per-layer pointer table (decode_step.c's LAYER_FIELDS enum).
 FIELDS = ("input_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "qk_norm", "gate_up_w", "gate_up_b", "down_w",
-          "down_b", "k_cache", "v_cache", "window")
+          "down_b", "k_cache", "v_cache", "window", "kv_quant", "bounds")
 PACKED = frozenset({"qkv_w", "o_w", "gate_up_w", "down_w"})  # the C step reads these (and lm_head) packed
-_K, _V = FIELDS.index("k_cache"), FIELDS.index("v_cache")
+_K, _V, _Q, _B = (FIELDS.index(f) for f in ("k_cache", "v_cache", "kv_quant", "bounds"))
 ERRORS = {-1: "a slot past the KV cache", -3: "a token id past the vocabulary", -4: "out of memory",
-          -11: "attention scratch too small", -12: "head_dim over 256"}
+          -11: "attention scratch too small", -12: "head_dim out of the kernel's range",
+          -13: "packed KV bits not 8, 4 or 2", -14: "a value group that does not divide head_dim"}
 
 
 def available() -> bool:
@@ -70,13 +98,14 @@ class DecodeStep:
                     t = pack_linear(t.detach())
                     self._packed.append(t)
                 row.append(0 if t is None else t.data_ptr())
-            rows.append(row + [0, 0, layer.sliding_window or 0])
+            rows.append(row + [0, 0, layer.sliding_window or 0, 0, 0])
         self.table = torch.tensor(rows, dtype=torch.int64)
         lm_head = pack_linear(model.lm_head.detach())
         self._packed.append(lm_head)
         logger.info("C decode step: linear weights packed (%.1f MB more host memory)",
                     sum(t.numel() * 4 for t in self._packed) / 1e6)
-        self._caches: list | None = None
+        self._bound: tuple = ()  # what _bind last bound (the runner's cache and bounds objects)
+        self._quant_args: list = []  # kept alive: the table holds their addresses
         self._cache_args: tuple[int, int] = (0, 0)  # block size, slots: set by _bind
         s, first = model.spec, model.layers[0]
         # The call's model arguments, read once (module attribute reads cost ~2 us each per step).
@@ -86,29 +115,67 @@ class DecodeStep:
                       s.vocab_size, s.rms_norm_eps, first.scaling)
         self._vocab = s.vocab_size
 
-    def _bind(self, kv_caches: list) -> None:
-        if self._caches is not kv_caches:  # the runner's list object changes when it re-allocates
-            for i, (k, v) in enumerate(kv_caches):
+    def _bind(self, kv_caches: list, bounds: list | None) -> None:
+        """Point the table at the runner's caches (float32 pairs or packed ``QuantKVCache``) and the sparse
+        block bounds. The runner's list objects change when it re-allocates; a packed cache's outlier
+        channels are set once after calibration: either re-binds."""
+        first = kv_caches[0]
+        key = (kv_caches, bounds, getattr(first, "outlier_idx", None))
+        if len(key) == len(self._bound) and all(a is b for a, b in zip(key, self._bound)):
+            return
+        from kernels import cpu_attention
+
+        self._quant_args = []
+        for i, layer in enumerate(kv_caches):
+            if isinstance(layer, tuple):
+                k, v = layer
                 if not (k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype == torch.float32):
                     raise ValueError("the C decode step needs contiguous float32 KV caches")
-                self.table[i, _K], self.table[i, _V] = k.data_ptr(), v.data_ptr()
-            k0 = kv_caches[0][0]
-            self._cache_args = (k0.shape[1], k0.shape[0] * k0.shape[1])
-            self._caches = kv_caches
+                self.table[i, _K], self.table[i, _V], self.table[i, _Q] = k.data_ptr(), v.data_ptr(), 0
+            else:
+                if not cpu_attention.quant_kernel_ok(torch.float32, layer):
+                    raise ValueError("the C decode step needs a packed cache the packed kernel reads (float32 "
+                                     "side pool, contiguous, head_dim a multiple of 4 up to 256)")
+                args = cpu_attention.quant_cache_args(layer)
+                self._quant_args.append(args)
+                self.table[i, _K], self.table[i, _V] = 0, 0
+                self.table[i, _Q] = ctypes.addressof(args)
+            b = None if bounds is None else bounds[i].packed
+            if b is not None and not (b.is_contiguous() and b.dtype == torch.float32):
+                raise ValueError("the C decode step needs contiguous float32 block bounds")
+            self.table[i, _B] = 0 if b is None else b.data_ptr()
+        block, blocks = ((first[0].shape[1], first[0].shape[0]) if isinstance(first, tuple)
+                         else (first.block_size, first.num_blocks))
+        self._cache_args = (block, blocks * block)
+        self._bound = key
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                 logits_indices: torch.Tensor, kv_caches: list) -> torch.Tensor:
+                 logits_indices: torch.Tensor, kv_caches: list, block_bounds: list | None = None,
+                 sparse_plan=None) -> torch.Tensor:
         """Logits ``[len(logits_indices), vocab]`` of a step whose every query segment is one token. Integer
-        inputs: int64 ids / positions / slots / logits rows, int32 tables / lengths / starts, all contiguous."""
-        self._bind(kv_caches)
+        inputs: int64 ids / positions / slots / logits rows, int32 tables / lengths / starts, all contiguous.
+        ``kv_caches``: per layer ``(k, v)`` or a packed ``QuantKVCache``; ``block_bounds``: the sparse
+        indexer's per-layer ``BlockBounds`` (kept current on every write), or None; ``sparse_plan``: the
+        step's ``kernels.block_sparse.SparsePlan`` when some sequence selects (needs ``block_bounds``)."""
+        self._bind(kv_caches, block_bounds)
+        forced, forced_stride, top, sparse_window = None, 0, None, 0
+        if sparse_plan is not None:
+            if block_bounds is None:
+                raise ValueError("a sparse step needs the block bounds")
+            f = sparse_plan.forced.contiguous()
+            forced, forced_stride = f.view(torch.uint8), f.stride(0)
+            top = torch.tensor(sparse_plan.top_blocks, dtype=torch.int32)
+            sparse_window = sparse_plan.window
         block_size, slots = self._cache_args
         rows, n = input_ids.shape[0], logits_indices.shape[0]
         logits = torch.empty(n, self._vocab, dtype=torch.float32)
         rc = load().sinkserve_llama_decode(  # signature: kernels/cpu_lib.py
             *self._head, block_size, input_ids.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(),
             block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), query_start_loc.data_ptr(), rows,
-            slots, logits_indices.data_ptr(), n, logits.data_ptr(), torch.get_num_threads())
+            slots, logits_indices.data_ptr(), n, logits.data_ptr(), torch.get_num_threads(),
+            None if forced is None else forced.data_ptr(), forced_stride, None if top is None else top.data_ptr(),
+            sparse_window)
         if rc != 0:
             raise RuntimeError(f"C decode step refused its arguments: {ERRORS.get(rc, f'code {rc}')}")
         return logits

@@ -25,7 +25,8 @@ CONFIGS = ROOT / "serve_configs"
 # must be added here (the test below checks the table covers them all).
 EXPECTED = {
     ("prod.yaml", "short", "v1", "cpu"): "c_step",
-    ("prod.yaml", "long", "v1", "cpu"): "eager",  # int4 KV + block_bounds sparse: not in the C step (issue 38)
+    # int4 KV + block_bounds sparse + sliding window: the C step, selection included (issue 38).
+    ("prod.yaml", "long", "v1", "cpu"): "c_step",
     ("prod.yaml", "short", "v1", "cuda"): "triton",
     ("prod.yaml", "long", "v1", "cuda"): "triton",
     ("local.yaml", "default", "v1", "cpu"): "c_step",
@@ -75,7 +76,7 @@ def test_every_pool_of_every_serve_config_has_its_decode_path() -> None:
     got = {key: decode_path_for(cfg) for key, cfg in configs.items()}
     assert {key: d.path for key, d in got.items()} == EXPECTED
     long = got[("prod.yaml", "long", "v1", "cpu")].reason
-    assert "kv_cache_dtype int4" in long and "sparse attention (block_bounds)" in long
+    assert "int4 KV" in long and "block_bounds sparse selection" in long
 
 
 def test_the_engine_logs_its_decision_once_and_counts_what_ran(caplog: pytest.LogCaptureFixture,
@@ -99,9 +100,9 @@ def test_the_engine_logs_its_decision_once_and_counts_what_ran(caplog: pytest.Lo
 
 
 def test_a_pool_the_c_step_does_not_carry_runs_eager_with_the_reason() -> None:
-    engine = LLMEngine(EngineConfig(num_kv_blocks=64, kv_cache_dtype="int8"))
-    assert engine.decode_path.path == "eager" and "kv_cache_dtype int8" in engine.decode_path.reason
-    assert engine.executor.runner.model.c_step is False
+    engine = LLMEngine(EngineConfig(num_kv_blocks=64, model_impl="transformers"))
+    assert engine.decode_path.path == "eager" and "not the native Llama-family forward" in engine.decode_path.reason
+    assert getattr(engine.executor.runner.model, "c_step", False) is False
     engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert dict(engine.stats().decode_steps) == {"eager": 2}
 

@@ -31,19 +31,11 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "quant_cache.h"
+
 #define MAX_GROUP 16      /* query heads per KV head handled in registers; larger groups loop over chunks */
 #define TILE_FLOATS 2048  /* one decoded key (or value) tile: chunk = TILE_FLOATS / D tokens */
-
-/* One layer's packed cache (field order: kernels/cpu_attention.py's QuantCacheArgs). */
-typedef struct {
-    const uint8_t *k_codes, *v_codes;
-    const uint16_t *k_scale, *k_zero, *v_scale, *v_zero; /* fp16 bits */
-    const float *fp_k, *fp_v;
-    const int32_t *fp_index;
-    const int64_t *outlier_idx; /* [H, O] or NULL */
-    const float *k_outlier;     /* [NB, B, H, O] or NULL */
-    int32_t bits, group, n_outlier;
-} QuantCache;
+#define MAX_CHUNK 128     /* tokens per chunk at most (the score rows s[]): D = 4, 8 fill half a tile or less */
 
 static inline float half_to_float(uint16_t h) {
 #if defined(__F16C__) && defined(__FLT16_MAX__)
@@ -113,13 +105,13 @@ static void NAME(const float *q, int64_t q_sh, const QuantCache *kv, const int32
                  const float *sinks, float *out) {                                                         \
     enum { DM = DCONST > 0 ? DCONST : 256 };                                                               \
     const int D = DCONST > 0 ? DCONST : d_rt;                                                              \
-    const int chunk_max = TILE_FLOATS / D;                                                                 \
+    const int chunk_max = TILE_FLOATS / D < MAX_CHUNK ? TILE_FLOATS / D : MAX_CHUNK;                       \
     const int64_t cb = (int64_t)D * kv->bits / 8;   /* code bytes of one token-head row */                \
     const int ng = D / kv->group, G = kv->group;                                                           \
     const int64_t f_stride = (int64_t)hkv * D;      /* floats between two tokens of a 16-bit block */     \
     const int64_t c_stride = (int64_t)hkv * cb;     /* bytes between two tokens of a packed block */      \
     float qs[MAX_GROUP][DM], acc[MAX_GROUP][DM], m[MAX_GROUP], l[MAX_GROUP];                               \
-    float s[MAX_GROUP][TILE_FLOATS / 16];                                                                  \
+    float s[MAX_GROUP][MAX_CHUNK];                                                                         \
     float kt[TILE_FLOATS], vt[TILE_FLOATS], ksc[DM], kze[DM], vsc[DM], vze[DM];                            \
     for (int g = 0; g < g_n; g++) {                                                                        \
         for (int i = 0; i < D; i++) { qs[g][i] = q[g * q_sh + i] * scale; acc[g][i] = 0.0f; }              \
@@ -219,7 +211,7 @@ int sinkserve_decode_attention_quant(const float *q, int64_t q_st, int64_t q_sh,
                                      const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                                      const int32_t *query_start_loc, int num_seqs, int hq, int hkv, int d,
                                      int block, float scale, int window, const float *sinks, float *out) {
-    if (d > 256 || d < 16 || d % 16) return -2; /* chunks of TILE_FLOATS / D >= 8 tokens; s[] sized for D >= 16 */
+    if (d > 256 || d < 4 || d % 4) return -2; /* the packings need D % 4 == 0 (int2: quarters); chunks >= 8 tokens */
     if (kv->bits != 8 && kv->bits != 4 && kv->bits != 2) return -3;
     if (kv->group <= 0 || d % kv->group) return -4;
     const int g_per = hq / hkv;

@@ -13,7 +13,10 @@
  *     (Qwen3) q, k = rms_norm per head (qk_norm [Hq + Hkv, D])
  *     q, k = rope(q, k; positions[t])   cos/sin = cos/sin(pos * inv_freq) * scaling, rotate-half form
  *     k_cache[slot[t]], v_cache[slot[t]] = k, v                (slot < 0: not written)
+ *       packed cache: into the 16-bit side pool, where the block has a slot (write_packed, below)
+ *     (sparse pool) bounds[block of slot[t]] = min/max with k      (update_bounds, below)
  *     a = sinkserve_decode_attention(q; the paged cache, window[l])      (decode_attention.c)
+ *       packed cache: sinkserve_decode_attention_quant(q; QuantCache, window[l])  (decode_attention_quant.c)
  *     h += a W_o^T (+ b);  x = rms_norm(h, post_norm)
  *     gu = x W_gate_up^T (+ b);  m = silu(gate) * up;  h += m W_down^T (+ b)
  *   logits[r] = rms_norm(h[logit_rows[r]], final_norm) lm_head^T
@@ -27,10 +30,12 @@
  *
  * Every query segment must be one token (query_start_loc = 0, 1, .., T). The linear weights and lm_head
  * come packed by sinkserve_pack_linear (below); embedding and norm weights as they are, contiguous;
- * caches contiguous [num_blocks, B, Hkv, D]. The per-layer pointers come as one int64 table
+ * caches contiguous [num_blocks, B, Hkv, D], or per layer one packed cache (F_KV_QUANT: a QuantCache,
+ * quant_cache.h; then F_K_CACHE and F_V_CACHE are 0). The per-layer pointers come as one int64 table
  * [L, LAYER_FIELDS] (field order below; 0 = absent). Returns 0, or < 0 before writing anything when an
  * argument is out of range (-1 a slot past the cache, -3 a token id past the vocabulary, -4 no memory),
- * or the attention kernel's error code minus 10 (-11 scratch too small, -12 head_dim over 256). */
+ * or the attention kernel's error code minus 10 (-11 scratch too small, -12 head_dim out of range; packed:
+ * -13 bits, -14 value group). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -38,7 +43,7 @@
 #include <string.h>
 
 enum { F_IN_NORM, F_POST_NORM, F_QKV_W, F_QKV_B, F_O_W, F_O_B, F_QK_NORM, F_GU_W, F_GU_B, F_DOWN_W, F_DOWN_B,
-       F_K_CACHE, F_V_CACHE, F_WINDOW, LAYER_FIELDS };
+       F_K_CACHE, F_V_CACHE, F_WINDOW, F_KV_QUANT, F_BOUNDS, LAYER_FIELDS };
 
 int sinkserve_decode_attention(const float *q, int64_t q_st, int64_t q_sh, const float *k_cache, const float *v_cache,
                                const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
@@ -46,6 +51,7 @@ int sinkserve_decode_attention(const float *q, int64_t q_st, int64_t q_sh, const
                                float scale, int window, const float *sinks, float *out, float *scratch,
                                int64_t scratch_len);
 
+#include "quant_cache.h"
 #include "rms_row.h"
 #include "team.h"
 
@@ -165,6 +171,42 @@ static void rope_heads(float *x, int n_heads, int d, const float *cos, const flo
 
 #define PTR(layer, f) ((const float *)(intptr_t)(layer)[f])
 
+/* A new token's k, v [Hkv, D] into a packed cache, where the eager path writes it (reference.write_kv_quant):
+ * the 16-bit side-pool slot of its block, at the same offset; a packed block (fp_index -1) is immutable
+ * and is not written (the engine only schedules new tokens into side-pool blocks; packing a full block
+ * happens before a step, in the model runner's KV ops, whichever path runs the step).
+ *
+ *   e.g. block 16, slot 53 -> block 3, offset 5; fp_index[3] = 2 -> fp_k[2][5] = k, fp_v[2][5] = v
+ */
+static void write_packed(QuantCache *kv, int64_t slot, int block, const float *k, const float *v, int hkv, int d) {
+    const int32_t fp = kv->fp_index[slot / block];
+    if (fp < 0) return;
+    const int64_t off = ((int64_t)fp * block + slot % block) * hkv * d;
+    memcpy(kv->fp_k + off, k, sizeof(float) * hkv * d);
+    memcpy(kv->fp_v + off, v, sizeof(float) * hkv * d);
+}
+
+/* The sparse indexer's per-block key bounds (kernels/block_sparse.py BlockBounds: [Hkv, NB, 2, D], kmax
+ * then kmin per block), kept current on every write as the eager path's update_bounds keeps them -- a
+ * dense step too, so the blocks are ready when a sequence starts selecting. A write at offset 0 starts
+ * the block afresh (a reused block forgets its previous owner's keys).
+ *
+ *   e.g. block 16, slot 48 (block 3, offset 0): kmax[h][3] = kmin[h][3] = k[h]; slot 49: widened by k[h]
+ */
+static void update_bounds(float *bounds, int64_t num_blocks, int64_t slot, int block, const float *k, int hkv,
+                          int d) {
+    const int64_t blk = slot / block;
+    const int fresh = slot % block == 0;
+    for (int h = 0; h < hkv; h++) {
+        float *kmax = bounds + (h * num_blocks + blk) * 2 * d, *kmin = kmax + d;
+        const float *kh = k + (int64_t)h * d;
+        for (int i = 0; i < d; i++) {
+            kmax[i] = fresh || kh[i] > kmax[i] ? kh[i] : kmax[i];
+            kmin[i] = fresh || kh[i] < kmin[i] ? kh[i] : kmin[i];
+        }
+    }
+}
+
 /* The sequences [*s0, *s1) whose attention thread `tid` of `nt` computes: contiguous runs of about equal
  * key counts (a decode query reads every visible key of its sequence once).
  *
@@ -183,6 +225,62 @@ static void seq_share(const int32_t *seq_lens, int num_seqs, int tid, int nt, in
     }
 }
 
+/* block_sparse.select_blocks for one decode query: the sequence's table with every block it does not attend
+ * set to the null block (0), which the attention kernels skip -- the same tokens as the eager path's
+ * compacted table (block_sparse.PagedDecode), in the same logical order.
+ *
+ *   visible   block j holds a position <= the query's (seq_len - 1) and is not null
+ *   forced    visible and (protected, forced[j], or in the local window: j >= (pos - window + 1) / block)
+ *   scores    per query head h, over the candidates (visible, not forced): softmax_j(scale * ub(q_h, j)),
+ *             ub = relu(q_h) . kmax[j] + min(q_h, 0) . kmin[j] (Quest's bound, block_scores); summed over heads
+ *   attended  forced + the top_blocks candidates of largest summed score
+ *
+ *   e.g. block 16, window 16, top 1, forced {0}, query at 70 (seq_len 71): blocks 0..4 visible, window
+ *   (70 - 16 + 1) / 16 = 3 -> forced {0, 3, 4}; candidates {1, 2} score 0.3 / 0.7 -> table [t0, 0, t2, t3, t4].
+ *
+ * prob, logit: bt_stride floats each (scratch); out: the masked table (bt_stride entries). */
+static void select_blocks(const float *q, int hq, int hkv, int d, const float *bounds, int64_t num_blocks,
+                          const int32_t *table, int32_t seq_len, int block, const uint8_t *forced, int top,
+                          int window, float scale, float *prob, float *logit, int32_t *out) {
+    const int32_t last = seq_len - 1, nb = (seq_len + block - 1) / block;
+    const int32_t first_window = (last - window + 1 > 0 ? last - window + 1 : 0) / block;
+    int n_cand = 0;
+    for (int j = 0; j < nb; j++) {
+        const int visible = table[j] != 0; /* j * block <= last for every j < nb */
+        const int forced_j = visible && (forced[j] || j >= first_window);
+        out[j] = forced_j ? table[j] : 0;
+        prob[j] = visible && !forced_j ? 0.0f : -1.0f; /* -1: not a candidate */
+        n_cand += visible && !forced_j;
+    }
+    if (top <= 0 || n_cand == 0) return;
+    const int g_per = hq / hkv;
+    for (int h = 0; h < hq; h++) {
+        const float *qh = q + (int64_t)h * d;
+        const float *bh = bounds + (int64_t)(h / g_per) * num_blocks * 2 * d;
+        float m = -INFINITY, sum = 0.0f;
+        for (int j = 0; j < nb; j++) {
+            if (prob[j] < 0.0f) continue;
+            const float *kmax = bh + (int64_t)table[j] * 2 * d, *kmin = kmax + d;
+            float ub = 0.0f;
+            for (int c = 0; c < d; c++) ub += qh[c] > 0.0f ? qh[c] * kmax[c] : qh[c] * kmin[c];
+            logit[j] = ub * scale;
+            m = logit[j] > m ? logit[j] : m;
+        }
+        for (int j = 0; j < nb; j++)
+            if (prob[j] >= 0.0f) { logit[j] = expf(logit[j] - m); sum += logit[j]; }
+        for (int j = 0; j < nb; j++)
+            if (prob[j] >= 0.0f) prob[j] += logit[j] / sum;
+    }
+    /* The top candidates, largest first (ties: the lower block index, as a stable sort would). */
+    for (int k = 0; k < top && k < n_cand; k++) {
+        int best = -1;
+        for (int j = 0; j < nb; j++)
+            if (prob[j] >= 0.0f && (best < 0 || prob[j] > prob[best])) best = j;
+        out[best] = table[best];
+        prob[best] = -1.0f;
+    }
+}
+
 /* Everything one decode step reads and writes; the team's threads share it (step_job). */
 typedef struct {
     const int64_t *layers;
@@ -191,10 +289,35 @@ typedef struct {
     float rope_scaling, eps, scale;
     const int64_t *input_ids, *positions, *slots, *logit_rows;
     const int32_t *block_tables, *seq_lens, *starts;
-    int64_t bt_stride, scratch_len;
+    int64_t bt_stride, scratch_len, num_blocks;
+    /* A step in which some sequence selects blocks (kernels/block_sparse.py SparsePlan), else forced NULL:
+     * forced [S, forced_stride] uint8 protected logical blocks, top_blocks [S] (-1: dense), the local window
+     * in tokens; per-thread scratch for the selection (a table and two score rows of bt_stride each). */
+    const uint8_t *forced;
+    int64_t forced_stride;
+    const int32_t *top_blocks;
+    int sparse_window;
+    int32_t *sel_tables;
+    float *sel_scratch;
     float *logits, *h, *x, *qkv, *att, *o, *gu, *act, *cs, *scratch;
     atomic_int rc;
 } Step;
+
+/* Decode attention of sequences s0 .. s0 + n - 1 (tables: theirs, stride bt_stride) through the cache's
+ * kernel: decode_attention_quant.c for a packed cache, decode_attention.c for float32. starts[] holds
+ * absolute rows, so q and att stay the whole step's arrays. An error is the kernel's code minus 10. */
+static void attend(Step *S, const QuantCache *kv, const float *k_cache, const float *v_cache, int qkv_n,
+                   const int32_t *tables, int s0, int n, int window, int tid) {
+    const int hq = S->hq, hkv = S->hkv, d = S->d;
+    const int arc = kv ? sinkserve_decode_attention_quant(S->qkv, qkv_n, d, kv, tables, S->bt_stride, S->seq_lens + s0,
+                                                          S->starts + s0, n, hq, hkv, d, S->block, S->scale, window,
+                                                          NULL, S->att)
+                       : sinkserve_decode_attention(S->qkv, qkv_n, d, k_cache, v_cache, tables, S->bt_stride,
+                                                    S->seq_lens + s0, S->starts + s0, n, hq, hkv, d, S->block,
+                                                    S->scale, window, NULL, S->att,
+                                                    S->scratch + S->scratch_len * tid, S->scratch_len);
+    if (arc != 0) atomic_store(&S->rc, arc - 10);
+}
 
 /* Rows [lo, hi) of n for thread tid of nt. */
 #define SHARE(n, lo, hi) const int lo = (int)((int64_t)(n) * tid / nt), hi = (int)((int64_t)(n) * (tid + 1) / nt)
@@ -227,6 +350,8 @@ static void step_job(void *arg, int tid, int nt) {
         linear(x, rows, hidden, PTR(L, F_QKV_W), PTR(L, F_QKV_B), qkv_n, qkv, tid, nt);
         team_barrier(nt);
         float *k_cache = (float *)(intptr_t)L[F_K_CACHE], *v_cache = (float *)(intptr_t)L[F_V_CACHE];
+        QuantCache *kv = (QuantCache *)(intptr_t)L[F_KV_QUANT];
+        float *bounds = (float *)(intptr_t)L[F_BOUNDS];
         const float *qk_norm = PTR(L, F_QK_NORM);
         for (int t = a0; t < a1; t++) { /* the rows of this thread's attention sequences (one token each) */
             float *row = qkv + (int64_t)t * qkv_n; /* q heads, then k heads: adjacent, as qk_norm's rows */
@@ -234,19 +359,37 @@ static void step_job(void *arg, int tid, int nt) {
                 for (int hd = 0; hd < hq + hkv; hd++) norm_row(row + (int64_t)hd * d, qk_norm + (int64_t)hd * d, row + (int64_t)hd * d, d, eps);
             const float *c = cs + (int64_t)t * 2 * d;
             rope_heads(row, hq + hkv, d, c, c + d);
-            if (S->slots[t] >= 0) {
-                const int64_t off = S->slots[t] * (int64_t)hkv * d;
-                memcpy(k_cache + off, row + (int64_t)hq * d, sizeof(float) * hkv * d);
-                memcpy(v_cache + off, row + (int64_t)(hq + hkv) * d, sizeof(float) * hkv * d);
+            const int64_t slot = S->slots[t];
+            if (slot >= 0) {
+                const float *k = row + (int64_t)hq * d, *v = row + (int64_t)(hq + hkv) * d;
+                if (kv) {
+                    write_packed(kv, slot, S->block, k, v, hkv, d);
+                } else {
+                    memcpy(k_cache + slot * (int64_t)hkv * d, k, sizeof(float) * hkv * d);
+                    memcpy(v_cache + slot * (int64_t)hkv * d, v, sizeof(float) * hkv * d);
+                }
+                if (bounds) update_bounds(bounds, S->num_blocks, slot, S->block, k, hkv, d);
             }
         }
-        if (a1 > a0) { /* starts[] holds absolute rows: q and att stay the whole step's arrays */
-            const int arc = sinkserve_decode_attention(qkv, qkv_n, d, k_cache, v_cache,
-                                                       S->block_tables + (int64_t)a0 * S->bt_stride, S->bt_stride,
-                                                       S->seq_lens + a0, S->starts + a0, a1 - a0, hq, hkv, d,
-                                                       S->block, S->scale, (int)L[F_WINDOW], NULL, att,
-                                                       S->scratch + S->scratch_len * tid, S->scratch_len);
-            if (arc != 0) atomic_store(&S->rc, arc - 10); /* the attention kernel's code, out of this file's range */
+        /* Sparse selection on full-attention layers only (a sliding-window layer is bounded by its window),
+         * as engine/attention.py decides; a sequence whose top_blocks is < 0 attends densely. */
+        const int window = (int)L[F_WINDOW];
+        if (S->forced && bounds && window == 0) {
+            int32_t *sel = S->sel_tables + (int64_t)tid * S->bt_stride;
+            float *prob = S->sel_scratch + (int64_t)tid * 2 * S->bt_stride;
+            for (int s = a0; s < a1; s++) {
+                const int32_t *table = S->block_tables + (int64_t)s * S->bt_stride;
+                if (S->top_blocks[s] >= 0) {
+                    select_blocks(qkv + (int64_t)S->starts[s] * qkv_n, hq, hkv, d, bounds, S->num_blocks, table,
+                                  S->seq_lens[s], S->block, S->forced + (int64_t)s * S->forced_stride,
+                                  S->top_blocks[s], S->sparse_window, S->scale, prob, prob + S->bt_stride, sel);
+                    table = sel;
+                }
+                attend(S, kv, k_cache, v_cache, qkv_n, table, s, 1, 0, tid);
+            }
+        } else if (a1 > a0) {
+            attend(S, kv, k_cache, v_cache, qkv_n, S->block_tables + (int64_t)a0 * S->bt_stride, a0, a1 - a0, window,
+                   tid);
         }
         team_barrier(nt);
         if (atomic_load(&S->rc) != 0) return; /* read after the barrier: every thread leaves here */
@@ -290,7 +433,8 @@ int sinkserve_llama_decode(const int64_t *layers, int num_layers, const float *e
                            const int64_t *input_ids, const int64_t *positions, const int64_t *slots,
                            const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                            const int32_t *starts, int rows, int64_t num_slots, const int64_t *logit_rows,
-                           int n_logits, float *logits, int threads) {
+                           int n_logits, float *logits, int threads, const uint8_t *forced, int64_t forced_stride,
+                           const int32_t *top_blocks, int sparse_window) {
     for (int t = 0; t < rows; t++) {
         if (slots[t] >= num_slots) return -1;
         if (input_ids[t] < 0 || input_ids[t] >= vocab) return -3;
@@ -302,19 +446,26 @@ int sinkserve_llama_decode(const int64_t *layers, int num_layers, const float *e
     const int64_t scratch_len = (int64_t)longest * (g_per < 16 ? g_per : 16); /* per thread */
     const int64_t per_row = 2 * (int64_t)hidden + qkv_n + (int64_t)hq * d + hidden + 3 * (int64_t)inter + 2 * d;
     float *work = malloc(sizeof(float) * ((size_t)rows * per_row + (size_t)scratch_len * threads));
-    if (!work) return -4;
+    int32_t *sel = forced ? malloc(sizeof(int32_t) * (size_t)bt_stride * threads) : NULL;
+    float *sel_scratch = forced ? malloc(sizeof(float) * 2 * (size_t)bt_stride * threads) : NULL;
+    if (!work || (forced && (!sel || !sel_scratch))) {
+        free(work), free(sel), free(sel_scratch);
+        return -4;
+    }
     Step S = {.layers = layers, .num_layers = num_layers, .hidden = hidden, .inter = inter, .hq = hq, .hkv = hkv,
               .d = d, .vocab = vocab, .block = block, .rows = rows, .n_logits = n_logits, .embed = embed,
               .final_norm = final_norm, .lm_head = lm_head, .inv_freq = inv_freq, .rope_scaling = rope_scaling,
               .eps = eps, .scale = scale, .input_ids = input_ids, .positions = positions, .slots = slots,
               .logit_rows = logit_rows, .block_tables = block_tables, .seq_lens = seq_lens, .starts = starts,
-              .bt_stride = bt_stride, .scratch_len = scratch_len, .logits = logits};
+              .bt_stride = bt_stride, .scratch_len = scratch_len, .num_blocks = num_slots / block,
+              .forced = forced, .forced_stride = forced_stride, .top_blocks = top_blocks,
+              .sparse_window = sparse_window, .sel_tables = sel, .sel_scratch = sel_scratch, .logits = logits};
     S.h = work, S.x = S.h + (int64_t)rows * hidden, S.qkv = S.x + (int64_t)rows * hidden;
     S.att = S.qkv + (int64_t)rows * qkv_n, S.o = S.att + (int64_t)rows * hq * d;
     S.gu = S.o + (int64_t)rows * hidden, S.act = S.gu + (int64_t)rows * 2 * inter;
     S.cs = S.act + (int64_t)rows * inter, S.scratch = S.cs + (int64_t)rows * 2 * d;
     atomic_init(&S.rc, 0);
     team_run(step_job, &S, threads);
-    free(work);
+    free(work), free(sel), free(sel_scratch);
     return atomic_load(&S.rc);
 }

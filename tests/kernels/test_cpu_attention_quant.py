@@ -65,12 +65,17 @@ def test_decode_matches_reference(bits, outliers, heads, window_sinks):
     check(f"cpu decode_attention_quant int{bits}", out, ref, torch.float32)
 
 
-@pytest.mark.parametrize("head_dim,block_size", [(16, 8), (64, 16), (128, 64), (256, 32)])
+@pytest.mark.parametrize("head_dim,block_size", [(4, 256), (8, 16), (16, 8), (64, 16), (128, 64), (256, 32)])
 def test_head_dims_and_chunks_within_a_block(head_dim, block_size):
-    """Every specialised copy (D 32 above, 64, 128) and the generic one (16, 256); at D=128 a 64-token block is
-    decoded in 16-token chunks, so the online softmax rescales within one block."""
+    """Every specialised copy (D 32 above, 64, 128) and the generic one (4, 8, 16, 256); at D=128 a 64-token
+    block is decoded in 16-token chunks, so the online softmax rescales within one block; at D=4 a 256-token
+    block in chunks of MAX_CHUNK (128) tokens, not the tile's 512. D 4 and 8 are the smallest heads the
+    packings admit (int4 pairs channel c with c + D/2) and ran on the torch reference before."""
+    assert cpu_attention.quant_kernel_ok(torch.float32, QuantKVCache.allocate(2, 1, block_size, 2, head_dim, bits=4,
+                                                                               group_size=min(8, head_dim // 2),
+                                                                               dtype=torch.float32))
     b = make_batch([1] * 4, [5, 3 * block_size + 1, 200, 97], 8, 2, head_dim, block_size=block_size, seed=head_dim)
-    cache = _mixed(b, 4, 2, group=min(8, head_dim // 2))
+    cache = _mixed(b, 4, min(2, head_dim // 4), group=min(8, head_dim // 2))
     out, ref = _both(b, cache, sinks=torch.randn(8))
     check("cpu decode_attention_quant dims", out, ref, torch.float32)
 

@@ -44,7 +44,13 @@ CASES = {
     "odd_widths_13_rows": ("llama", dict(hidden_size=60, num_attention_heads=5, num_key_value_heads=1,
                                          intermediate_size=100)),
 }
-LENS = {"odd_widths_13_rows": [5, 21, 40, 3, 9, 17, 33, 2, 12, 30, 7, 16, 25]}
+LENS = {"odd_widths_13_rows": [5, 21, 40, 3, 9, 17, 33, 2, 12, 30, 7, 16, 25],
+        "odd_heads_hd8": [5, 21, 40, 3, 9, 17, 33, 2, 12, 30, 7, 16, 25]}
+# Packed KV needs head_dim / 2 a power of two; the odd shape it admits: five query heads of 8 on one KV
+# head, hidden 40, intermediate 100 (no width a multiple of the packed panel).
+PACKED_CASES = {**{k: CASES[k] for k in ("llama", "qwen3_yarn", "mistral_window_8")},
+                "odd_heads_hd8": ("llama", dict(hidden_size=40, num_attention_heads=5, num_key_value_heads=1,
+                                                intermediate_size=100))}
 
 
 def _step(lens: list[int], start: list[int], bs: int, rng: torch.Generator, vocab: int) -> ModelInput:
@@ -119,7 +125,7 @@ def test_steps_the_c_step_does_not_carry_run_eagerly(tiny_llama: Path, monkeypat
     real = cpu_decode.DecodeStep.__call__
     monkeypatch.setattr(cpu_decode.DecodeStep, "__call__", lambda self, ids, *a: rows.append(len(ids)) or real(self, ids, *a))
     batch = prompts(seed=4)[:2]
-    run_engine(tiny_llama, batch, staggered=False, kv_cache_dtype="int8")  # quantized KV
+    run_engine(tiny_llama, batch, staggered=False, model_impl="transformers")  # not the native forward
     run_engine(tiny_llama, batch, staggered=False, attention_backend="torch")  # the pure reference backend
     assert rows == []
     run_engine(tiny_llama, batch, staggered=False)
@@ -236,3 +242,60 @@ def test_out_of_range_inputs_are_refused_before_any_write(tiny_llama: Path) -> N
     for (k, v), (k0, v0) in zip(runner.kv_caches, kv):
         assert torch.equal(k, k0) and torch.equal(v, v0)
     assert step(torch.tensor([5], dtype=i64), slot_mapping=torch.tensor([19], dtype=i64), **args).shape == (1, 256)
+
+
+def _packed_runner(case: str, path: Path, kv_cache_dtype: str) -> tuple[ModelRunner, ModelInput]:
+    """A runner with a packed cache (outlier key channels on every dtype), ``case``'s sequences prefilled
+    into the 16-bit side pool, then every full block but each sequence's first packed (the block manager's
+    ``quantize`` ops: the first stays 16-bit like a sink, the last -- where the next token goes -- too);
+    returns it and the next decode step."""
+    family, overrides = PACKED_CASES[case]
+    model_dir = build_model(path / case, family, seed=3, **overrides)
+    lens = LENS.get(case, [5, 21, 40])
+    nb = 8 * len(lens) + 8
+    runner = ModelRunner(EngineConfig(model=str(model_dir), block_size=16, max_num_seqs=len(lens),
+                                      kv_cache_dtype=kv_cache_dtype, kv_outlier_channels=2, kv_fp_pool_blocks=nb),
+                         num_kv_blocks=nb)
+    assert runner.kv_caches[0].outlier_idx is not None
+    rng = torch.Generator().manual_seed(7)
+    pre = _step(lens, [0] * len(lens), 16, rng, 250)
+    used = sorted({b for t in pre.block_tables for b in t if b})
+    pre.kv_ops = [("assign", b, i) for i, b in enumerate(used)]
+    runner.execute(pre)
+    fp_index = runner.kv_caches[0].fp_index
+    runner._apply_kv_ops([("quantize", b, int(fp_index[b])) for t, n in zip(pre.block_tables, lens)
+                          for j, b in enumerate(t) if b and 0 < j and (j + 1) * 16 <= n])
+    assert bool((fp_index[torch.tensor(used)] < 0).any()) and bool((fp_index[torch.tensor(used)] >= 0).any())
+    return runner, _step([n + 1 for n in lens], lens, 16, rng, 250)
+
+
+def _packed_decode(runner: ModelRunner, dec: ModelInput, threads: int, c_step: bool) -> tuple[torch.Tensor, list]:
+    """The decode step from the prefilled packed caches (restored first): logits and every layer's side pool."""
+    if not hasattr(runner, "_pools"):
+        runner._pools = [(c.fp_k.clone(), c.fp_v.clone()) for c in runner.kv_caches]
+    for c, (k, v) in zip(runner.kv_caches, runner._pools):
+        c.fp_k.copy_(k), c.fp_v.copy_(v)
+    torch.set_num_threads(threads)
+    runner.model.c_step = c_step
+    logits = runner.execute(dec)
+    assert runner.model.ran_c_step is c_step
+    return logits, [(c.fp_k.clone(), c.fp_v.clone()) for c in runner.kv_caches]
+
+
+@pytest.mark.parametrize("kv", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("case", sorted(PACKED_CASES))
+def test_c_step_over_packed_kv_matches_the_eager_forward(case: str, kv: str, tmp_path: Path) -> None:
+    """Packed KV (16-bit side pool, packed blocks with outlier key channels, a null block, the Mistral case's
+    window 8): the C step writes the new token into its block's side-pool slot and attends through the
+    packed kernel; logits and side pools equal the eager forward's, and 1 and 2 threads give the same bits."""
+    runner, dec = _packed_runner(case, tmp_path, kv)
+    assert runner.model.c_step  # the pool's decision: packed KV is carried
+    eager = _packed_decode(runner, dec, 1, c_step=False)
+    one = _packed_decode(runner, dec, 1, c_step=True)
+    two = _packed_decode(runner, dec, 2, c_step=True)
+    assert _same(one, two)
+    torch.testing.assert_close(one[0], eager[0], rtol=1e-4, atol=1e-4)
+    assert torch.equal(one[0].argmax(-1), eager[0].argmax(-1))
+    for (k, v), (ke, ve) in zip(one[1], eager[1]):
+        torch.testing.assert_close(k, ke, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v, ve, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,27 @@
+/* One layer's packed (quantized) paged KV cache as the C kernels read it, and the packed decode attention
+ * that reads it: shared by decode_attention_quant.c (which defines the attention; the CPU backend's decode
+ * rows) and decode_step.c (the C decode step, which writes a step's new keys and values into the 16-bit
+ * side pool and attends through the same routine). Layout: kernels/kv_quant.py; field order:
+ * kernels/cpu_attention.py's QuantCacheArgs. */
+#ifndef SINKSERVE_QUANT_CACHE_H
+#define SINKSERVE_QUANT_CACHE_H
+#include <stdint.h>
+
+typedef struct {
+    const uint8_t *k_codes, *v_codes;
+    const uint16_t *k_scale, *k_zero, *v_scale, *v_zero; /* fp16 bits */
+    float *fp_k, *fp_v;         /* the 16-bit side pool [NF, B, H, D] (float32 in the kernels' engines) */
+    const int32_t *fp_index;    /* [NB]: the block's side-pool slot, or -1 when it is packed */
+    const int64_t *outlier_idx; /* [H, O] or NULL */
+    const float *k_outlier;     /* [NB, B, H, O] or NULL */
+    int32_t bits, group, n_outlier;
+} QuantCache;
+
+/* Decode attention of every one-token query segment over `kv` (decode_attention_quant.c's header has the
+ * semantics). Returns 0, -2 (head_dim out of range), -3 (bits), -4 (value group). */
+int sinkserve_decode_attention_quant(const float *q, int64_t q_st, int64_t q_sh, const QuantCache *kv,
+                                     const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                                     const int32_t *query_start_loc, int num_seqs, int hq, int hkv, int d,
+                                     int block, float scale, int window, const float *sinks, float *out);
+
+#endif
