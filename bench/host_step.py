@@ -25,7 +25,9 @@ measured steps):
     schedule     Scheduler.schedule()
     inputs       LLMEngine._model_input()   (the step's ModelInput from the sequences' lists)
     tables       the block-table part of the runner's step-input build
-    runner       ModelRunner.execute() minus the forward
+    runner       ModelRunner.execute() minus the forward (tables included)
+    sample       the sampler (greedy over the stub's logits)
+    process      LLMEngine._process(): sampled tokens -> sequences, stops, detokenization, deltas
     forward      the model's forward (stub: ~0)
     host         step wall time minus forward
 
@@ -58,7 +60,7 @@ from bench.report import emit  # noqa: E402
 logger = logging.getLogger(__name__)
 
 MODEL = REPO_ROOT / "assets" / "reference-model"
-PIECES = ("schedule", "inputs", "tables", "runner", "forward", "host", "old tables")
+PIECES = ("schedule", "inputs", "tables", "runner", "sample", "process", "forward", "host", "old tables")
 
 
 class Timers:
@@ -81,9 +83,26 @@ class Timers:
         return out
 
 
+class TimedSampler:
+    """The runner's sampler with its calls timed (``release`` and the rest pass through)."""
+
+    def __init__(self, sampler: Any, timed: Callable[..., Any]) -> None:
+        self._sampler = sampler
+        self._timed = timed
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._timed(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sampler, name)
+
+
 class StubForward:
-    """Stands in for the model: zero float32 logits ``[len(logits_indices), vocab]`` (greedy picks token 0,
-    which is not the reference model's EOS), so a step's time is host time."""
+    """Stands in for the model: float32 logits ``[len(logits_indices), vocab]`` whose greedy token is an
+    ordinary text token (``TOKEN``; a special token such as BOS would decode to no text, and the incremental
+    detokenizer would then re-decode the whole output every step), so a step's time is host time."""
+
+    TOKEN = 300
 
     def __init__(self, model: Any, vocab: int) -> None:
         self.model = model
@@ -94,7 +113,9 @@ class StubForward:
     def __call__(self, input_ids: Any, positions: Any, logits_indices: Any) -> Any:
         import torch
 
-        return torch.zeros(len(logits_indices), self.vocab, dtype=torch.float32)
+        logits = torch.zeros(len(logits_indices), self.vocab, dtype=torch.float32)
+        logits[:, self.TOKEN] = 1.0
+        return logits
 
 
 def old_table_build(tables: list[list[int]]) -> Any:
@@ -153,6 +174,8 @@ def measure(pool: str, batch: int, context: int, warm: int, steps: int, forward:
     sched.schedule = timers.wrap("schedule", sched.schedule)
     engine._model_input = timers.wrap("inputs", engine._model_input)
     runner.execute = timers.wrap("runner", runner.execute)
+    runner.sampler = TimedSampler(runner.sampler, timers.wrap("sample", runner.sampler))
+    engine._process = timers.wrap("process", engine._process)
     table_hook = getattr(runner, "step_tables", None)  # the runner's block-table build, where it has one
     if table_hook is not None:
         runner.step_tables = timers.wrap("tables", table_hook)

@@ -188,3 +188,25 @@ def test_engine_steps_see_the_tables_of_the_lists(tiny_llama: Path, kind: str) -
     runner = engine.executor.runner
     runner.block_tables.apply(engine.block_manager.take_table_ops())  # the last frees: every row zero again
     assert not runner.block_tables.table.any()
+
+
+GROWING_OPS = [("write", 0, 0, [5, 6]), ("write", 3, 0, [1, 2, 3]), ("write", 0, 1, [0]), ("clear", 3, 3, []),
+               ("write", 3, 0, [9]), ("write", 1, 40, [7])]  # row 3 and column 40 past the capacity: it grows
+
+
+def test_the_mirror_grows_and_gathers_exact_ids() -> None:
+    m = BlockTables(2, 4, torch.device("cpu"))
+    m.apply(GROWING_OPS)
+    assert m.table.shape == (4, 41)
+    assert m.gather([0, 3], 2).tolist() == [[5, 0], [9, 0]]
+    assert m.gather([3, 1, 0], 41)[:, 38:].tolist() == [[0, 0, 0], [0, 0, 7], [0, 0, 0]]
+    assert m.gather([2], 0).tolist() == [[0]]  # width at least 1, as the lists' tables
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_mirror_on_a_cuda_device_matches_the_cpu_one() -> None:
+    cpu, gpu = BlockTables(2, 4, torch.device("cpu")), BlockTables(2, 4, torch.device("cuda"))
+    cpu.apply(GROWING_OPS)
+    gpu.apply(GROWING_OPS)
+    for rows, width in (([0, 3], 2), ([3, 1, 0], 41)):
+        assert torch.equal(gpu.gather(rows, width).cpu(), cpu.gather(rows, width))
