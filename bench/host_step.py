@@ -13,7 +13,7 @@ sequences holding 1K, 8K and 32K tokens, at batch 1 and batch 8, in two pool con
   bounded, but the block table stays positional (evicted entries point at the null block): a 32K-token
   sequence has a 512-entry table, and everything that walks the table walks all of it.
 
-The model forward is replaced by a stub that returns zero logits (``--forward stub``, the default): what
+The model forward is replaced by a stub that returns fixed logits (``--forward stub``, the default): what
 is left of a step is host work -- scheduling, step-input building, the runner's per-step block upkeep
 (quantize/rotate/bounds ops, which on a device are launches), sampling and output processing. Prefilling
 8 x 32K tokens through the real forward on a 2-core host would take far longer than the measurement and
@@ -24,7 +24,8 @@ measured steps):
 
     schedule     Scheduler.schedule()
     inputs       LLMEngine._model_input()   (the step's ModelInput from the sequences' lists)
-    tables       the block-table part of the runner's step-input build
+    tables       ModelRunner.step_tables (the step's table ops applied, its rows gathered); on code that
+                 has no step_tables (main before persistent tables), the whole StepBuffers.load
     runner       ModelRunner.execute() minus the forward (tables included)
     sample       the sampler (greedy over the stub's logits)
     process      LLMEngine._process(): sampled tokens -> sequences, stops, detokenization, deltas
@@ -35,7 +36,7 @@ measured steps):
 scheduled sequence's Python list copied and packed into one [S, W] int32 tensor (what ``StepBuffers.load``
 did before block tables were kept by the runner).
 
-    python -m bench.host_step --out docs/host_step.md
+    python -m bench.host_step --label "after: <commit>" --out /tmp/host_step.md   # figures: docs/host_step.md
 """
 
 from __future__ import annotations
