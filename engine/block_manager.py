@@ -39,16 +39,64 @@ the block reads the packed pool), ``("quantize", block, slot)`` (pack the 16-bit
 
     allocate 2 blocks            -> kv_ops [("assign", 1, 0), ("assign", 2, 1)], fp free []
     quantize(1)                  -> kv_ops += [("quantize", 1, 0)], fp free [0]
+
+Block tables are mirrored by the model runner in one persistent ``[rows, width]`` int32 tensor (one row per
+sequence holding blocks; ``engine/step_inputs.py``), so a step ships only what changed, never whole tables.
+Every change to a ``block_table`` is logged in ``table_ops``, in order, for the row the sequence holds
+(``Sequence.table_row``, the lowest free row, taken with its first block and given back by ``free``):
+``("write", row, start, ids)`` sets ``row[start : start + len(ids)]`` (a new block, a prefix-cache hit, an
+eviction's null entries, a copy-on-write copy) and ``("clear", row, length, [])`` zeroes ``row[:length]`` and
+frees the row. Entries past a table's length are always 0, so a row read at any width equals the list padded
+with zeros, as the step's tables always were. Example (``block_size=4``)::
+
+    seq A: take_prefix [5, 6]        -> ("write", 0, 0, [5, 6])          row 0: 5 6 0 0 ...
+    seq B: append_slots 2 blocks     -> ("write", 1, 0, [1, 2])          row 1: 1 2 0 0 ...
+    seq A: append_slots 1 block      -> ("write", 0, 2, [3])             row 0: 5 6 3 0 ...
+    seq A: evict_blocks [1]          -> ("write", 0, 1, [0])             row 0: 5 0 3 0 ...
+    seq A: make_private(0) (5 -> 4)  -> ("write", 0, 0, [4])             row 0: 4 0 3 0 ...
+    free seq A                       -> ("clear", 0, 3, [])              row 0: 0 0 0 0 ...  (row 0 free again)
+
+A decode step that starts no new block logs nothing: the host work of a step no longer grows with the
+context a sequence holds (``bench/host_step.py``, docs/host_step.md).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 
 from engine.sequence import Sequence
 
 from kernels.layout import NULL_BLOCK
+
+
+# ("write", row, start, block ids) | ("clear", row, length, []): see the module docstring.
+TableOp = tuple[str, int, int, list[int]]
+
+
+def apply_table_ops(rows: list[list[int]], ops: Seq[TableOp]) -> None:
+    """Apply ``ops`` to ``rows`` (lists, grown on demand): the pure-Python reference of the runner's tensor
+    mirror (``engine.step_inputs.BlockTables``), for tests.
+
+    >>> rows: list[list[int]] = []
+    >>> apply_table_ops(rows, [("write", 1, 0, [7, 8]), ("write", 1, 1, [0]), ("clear", 0, 0, [])])
+    >>> rows
+    [[], [7, 0]]
+    """
+    for op, row, start, ids in ops:
+        while len(rows) <= row:
+            rows.append([])
+        r = rows[row]
+        if op == "clear":
+            del r[:start]
+            if any(r):
+                raise AssertionError(f"row {row} held entries past its cleared length {start}")
+            r.clear()
+            continue
+        if len(r) < start + len(ids):
+            r.extend([0] * (start + len(ids) - len(r)))
+        r[start : start + len(ids)] = ids
 
 
 def hash_block(parent_hash: int | None, token_ids: Seq[int]) -> int:
@@ -81,6 +129,10 @@ class BlockManager:
         self.fp_cached_free: OrderedDict[int, None] = OrderedDict()  # freed, hashed, 16-bit: slot kept
         self.kv_ops: list[tuple[str, int, int]] = []
         self.blocks_quantized_total = 0
+        # The runner's persistent block tables (module docstring): the change log and the rows not in use.
+        self.table_ops: list[TableOp] = []
+        self._free_rows: list[int] = []  # a heap: the lowest free row first, so rows stay dense
+        self._num_rows = 0
 
     @property
     def quantized(self) -> bool:
@@ -112,6 +164,21 @@ class BlockManager:
         """The runner's work since the last call (and forget it)."""
         ops, self.kv_ops = self.kv_ops, []
         return ops
+
+    def take_table_ops(self) -> list[TableOp]:
+        """The block-table changes since the last call, in order (and forget them)."""
+        ops, self.table_ops = self.table_ops, []
+        return ops
+
+    def _write_table(self, seq: Sequence, start: int, ids: list[int]) -> None:
+        """Log ``seq.block_table[start : start + len(ids)] == ids`` for the runner (a row on first use)."""
+        if seq.table_row < 0:
+            if self._free_rows:
+                seq.table_row = heapq.heappop(self._free_rows)
+            else:
+                seq.table_row = self._num_rows
+                self._num_rows += 1
+        self.table_ops.append(("write", seq.table_row, start, ids))
 
     def quantize(self, block: int) -> bool:
         """Pack 16-bit ``block`` and give its slot back; False if it already was packed (shared blocks
@@ -213,6 +280,8 @@ class BlockManager:
             self.ref_counts[b] += 1
             parent = self.block_hashes[b]
         seq.block_table = list(hits)
+        if hits:
+            self._write_table(seq, 0, list(hits))
         seq.num_computed_tokens = len(hits) * self.block_size
         seq.num_cached_tokens = seq.num_computed_tokens
         seq.num_hashed_blocks = len(hits)
@@ -243,6 +312,8 @@ class BlockManager:
         if need > self.num_allocatable:
             raise RuntimeError(f"need {need} blocks, only {self.num_allocatable} free")
         new = [self._allocate_block() for _ in range(need)]
+        if new:
+            self._write_table(seq, len(seq.block_table), list(new))
         seq.block_table.extend(new)
         return new
 
@@ -251,6 +322,10 @@ class BlockManager:
         for b in reversed(seq.block_table):
             if b != NULL_BLOCK:
                 self._release_block(b)
+        if seq.table_row >= 0:
+            self.table_ops.append(("clear", seq.table_row, len(seq.block_table), []))
+            heapq.heappush(self._free_rows, seq.table_row)
+            seq.table_row = -1
         seq.block_table = []
         seq.num_hashed_blocks = 0
         seq.last_block_hash = None
@@ -264,6 +339,7 @@ class BlockManager:
                 continue
             self._release_block(b)
             seq.block_table[i] = NULL_BLOCK
+            self._write_table(seq, i, [NULL_BLOCK])
             freed.append(b)
         seq.num_evicted_blocks += len(freed)
         return freed
@@ -290,6 +366,7 @@ class BlockManager:
             self.kv_ops.append(("copy", block, new))
         self._release_block(block)
         seq.block_table[logical_index] = new
+        self._write_table(seq, logical_index, [new])
         return block, new
 
     def _forget_hash(self, block: int) -> None:
@@ -347,6 +424,11 @@ class BlockManager:
                     raise AssertionError(f"block {b} is listed as a freed cached 16-bit block but is not one")
         if live is None:
             return
+        rows = [s.table_row for s in live if s.table_row >= 0]
+        if len(set(rows)) != len(rows) or set(rows) & set(self._free_rows):
+            raise AssertionError("a block-table row is held twice, or held and free")
+        if any(s.block_table and s.table_row < 0 for s in live):
+            raise AssertionError("a sequence holds blocks but no block-table row")
         expected = [0] * self.num_blocks
         for seq in live:
             for b in seq.block_table:

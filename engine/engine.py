@@ -262,6 +262,9 @@ class LLMEngine:
         bs = self.config.block_size
         inp = ModelInput([], [], [], [], [], [0], [], list(sched.copies), list(sched.rotations), list(sched.kv_ops))
         inp.finished_request_ids, self._finished_ids = self._finished_ids, []
+        # Only what changed in the block tables since the last step (aborts in between included): the runner
+        # keeps every live sequence's table (engine/step_inputs.py), so no table is copied whole.
+        inp.table_ops = self.block_manager.take_table_ops()
         inp.score_importance = self.policy.eviction_policy == "importance"
         for item in sched.scheduled:
             seq, n = item.seq, item.num_tokens
@@ -270,7 +273,8 @@ class LLMEngine:
             inp.positions.extend(range(start, start + n))
             table = seq.block_table
             inp.slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            inp.block_tables.append(list(table))
+            inp.table_rows.append(seq.table_row)
+            inp.table_width = max(inp.table_width, len(table))
             inp.seq_lens.append(start + n)
             inp.query_start_loc.append(inp.query_start_loc[-1] + n)
             first_row = inp.query_start_loc[-2]
@@ -294,7 +298,8 @@ class LLMEngine:
         bs = self.config.block_size
         forced = sparse.forced_blocks(seq.protected_blocks, seq_len, bs) if sparse.applies(self.config.sparse, seq_len, n) else None
         inp.sparse_forced.append(forced)
-        attended, visible = sparse.attended_tokens(seq.block_table, seq_len, forced, self.config.sparse, bs)
+        attended, visible = sparse.attended_tokens(seq.block_table, seq_len, forced, self.config.sparse, bs,
+                                                   num_null=seq.num_evicted_blocks)
         self.counters.observe_sparse(attended, visible, forced is not None)
 
     @staticmethod

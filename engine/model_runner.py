@@ -31,7 +31,7 @@ from engine.errors import ConfigError, ModelLoadError
 from engine.sparse_config import INDEXER_WEIGHTS
 from engine.kv_budget import KVBudget, MemoryProfile
 from engine.rope import rotate_keys
-from engine.step_inputs import StepBuffers
+from engine.step_inputs import BlockTables, StepBuffers, tables_from_lists
 from engine.sampler import Sampler, SamplerOutput, SeqSampling
 from engine.weights import verify_model_dir
 
@@ -75,6 +75,13 @@ class ModelInput:
     sparse_forced: list[list[int] | None] = field(default_factory=list)
     # ``importance`` eviction: score each scheduled sequence's blocks this step (engine/importance.py).
     score_importance: bool = False
+    # Persistent block tables (engine/step_inputs.py): the block manager's table changes since the last step,
+    # applied first; then each scheduled sequence's row of the runner's mirror and the step's table width
+    # (the longest of their tables). The engine sends these and leaves ``block_tables`` empty; an input
+    # without rows is self-contained (warm-up, calibration, tests) and brings its ``block_tables`` lists.
+    table_ops: list[tuple[str, int, int, list[int]]] = field(default_factory=list)
+    table_rows: list[int] = field(default_factory=list)
+    table_width: int = 0
 
 
 @dataclass(frozen=True)
@@ -219,6 +226,8 @@ class ModelRunner:
             raise ConfigError("sparse.position_mode", "'compact' re-positions keys by rotating them: it needs a model "
                               "with rotary position embeddings in every layer")
         self.buffers = StepBuffers(config.max_num_batched_tokens, config.max_num_seqs, self.device)
+        # One row per live sequence, kept up to date by the steps' table ops (grows past these if needed).
+        self.block_tables = BlockTables(config.max_num_seqs, -(-self.max_model_len // config.block_size), self.device)
         # Only the rank that holds the full logits samples (rank 0; logits are all-reduced to every rank).
         self.sampler = Sampler(self.device, config.seed, tokenizer_path=config.model) if rank == 0 else None
         self.num_kv_blocks = 0
@@ -503,8 +512,8 @@ class ModelRunner:
                                            position_free=self.config.sparse.compact)
         if self.indexer is not None:
             indexer_runtime.apply_block_ops(self.indexer, self.kv_caches, inp, self.device)
-        st = self.buffers.load(inp.input_ids, inp.positions, inp.slot_mapping, inp.logits_indices, inp.block_tables,
-                               inp.seq_lens, inp.query_start_loc)
+        st = self.buffers.load(inp.input_ids, inp.positions, inp.slot_mapping, inp.logits_indices,
+                               self.step_tables(inp), inp.seq_lens, inp.query_start_loc)
         ctx = attention.ForwardContext(
             backend=self.backend,
             kv_caches=self.kv_caches,
@@ -544,6 +553,14 @@ class ModelRunner:
             rows = ctx.block_importance.cpu().tolist()
             self.last_block_importance = [r[: -(-n // bs)] for r, n in zip(rows, inp.seq_lens)]
         return logits
+
+    def step_tables(self, inp: ModelInput) -> torch.Tensor:
+        """The step's ``[S, W]`` int32 block table on this device: the persistent mirror brought up to date
+        with ``inp.table_ops`` and gathered at ``inp.table_rows``, or, for a self-contained input, its lists."""
+        self.block_tables.apply(inp.table_ops)
+        if inp.table_rows:
+            return self.block_tables.gather(inp.table_rows, inp.table_width)
+        return tables_from_lists(inp.block_tables, self.device)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.device)

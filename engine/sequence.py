@@ -33,6 +33,9 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    # Row of the model runner's persistent block tables that mirrors ``block_table`` (-1: none; the block
+    # manager assigns one with the first block and takes it back when the table is freed).
+    table_row: int = -1
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     output_logprobs: list[float] = field(default_factory=list)

@@ -40,16 +40,35 @@ def forced_blocks(protected_blocks: set[int] | frozenset[int], seq_len: int, blo
 
 
 def attended_tokens(block_table: Seq[int], seq_len: int, forced: Seq[int] | None, sparse: SparseAttention,
-                    block_size: int) -> tuple[int, int]:
+                    block_size: int, num_null: int | None = None) -> tuple[int, int]:
     """``(attended, visible)`` tokens of the sequence's last query this step: ``forced`` None means dense
     (attended = visible). Exact for decode; a prefill chunk's earlier queries see a prefix of this.
 
+    ``num_null``: how many entries of ``block_table`` are the null block (``Sequence.num_evicted_blocks``),
+    if known; then a table no longer than the sequence's blocks is not scanned (only its forced and local
+    window entries are read), so the engine's per-step statistics do not grow with the context.
+
     >>> attended_tokens([5, 6, 7, 0, 8, 9, 10, 11], 30, [0], SparseAttention(top_k=8, local_window=6), 4)
+    (18, 26)
+    >>> attended_tokens([5, 6, 7, 0, 8, 9, 10, 11], 30, [0], SparseAttention(top_k=8, local_window=6), 4, 1)
     (18, 26)
     """
     num_blocks = -(-seq_len // block_size)
-    visible = [j for j in range(min(num_blocks, len(block_table))) if block_table[j]]
     tail = num_blocks * block_size - seq_len  # unused slots of the last block
+    if num_null is not None and num_blocks >= len(block_table):
+        num_visible = len(block_table) - num_null
+        visible_tokens = num_visible * block_size - tail
+        if forced is None:
+            return visible_tokens, visible_tokens
+        if sparse.indexer == "trained":
+            return min(visible_tokens, sparse.top_k + forced_tokens(forced, seq_len, block_size, sparse.local_window)), \
+                visible_tokens
+        first_window = max(0, seq_len - sparse.local_window) // block_size
+        forced_set = {j for j in forced if j < len(block_table) and block_table[j]}
+        forced_set |= {j for j in range(first_window, len(block_table)) if block_table[j]}
+        selected = len(forced_set) + min(sparse.top_blocks(block_size), num_visible - len(forced_set))
+        return selected * block_size - tail, visible_tokens
+    visible = [j for j in range(min(num_blocks, len(block_table))) if block_table[j]]
     visible_tokens = len(visible) * block_size - tail
     if forced is None:
         return visible_tokens, visible_tokens

@@ -46,15 +46,21 @@ def plan(sparse_forced: list[list[int] | None], config: EngineConfig, table_widt
     """The step's selection rules, or None when every sequence attends densely (the plain paged path)."""
     if not sparse_forced or all(f is None for f in sparse_forced):
         return None
-    forced = torch.zeros(len(sparse_forced), table_width, dtype=torch.bool)
+    # Built where it is read, from the (few) forced entries: a host-built [S, W] mask would be host work and a
+    # transfer that grow with the table width, i.e. with the context.
+    forced = torch.zeros(len(sparse_forced), table_width, dtype=torch.bool, device=device)
     top = []
+    rows: list[int] = []
+    cols: list[int] = []
     for i, blocks in enumerate(sparse_forced):
         if blocks is None:
             top.append(-1)
             continue
         top.append(config.sparse.top_blocks(config.block_size))
         ids = [b for b in blocks if b < table_width]
-        if ids:
-            forced[i, ids] = True
-    return block_sparse.SparsePlan(forced.to(device), top, config.sparse.local_window,
+        rows += [i] * len(ids)
+        cols += ids
+    if rows:
+        forced[torch.tensor(rows, dtype=torch.long).to(device), torch.tensor(cols, dtype=torch.long).to(device)] = True
+    return block_sparse.SparsePlan(forced, top, config.sparse.local_window,
                                    prefill_group=config.sparse.prefill_group, top_tokens=config.sparse.top_k)
