@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -97,6 +98,9 @@ class Quotas:
         self.fail_closed = fail_closed
         # Charges / refunds the store refused: (tenant, [(key, tokens, window end)]), oldest first.
         self._pending: deque[tuple[str, list[tuple[str, int, float]]]] = deque()
+        # Quota operations run on the ingress's planning threads: one writer of the outbox at a time (a
+        # flush holds it across its store calls, so two threads never write the same charge twice).
+        self._outbox_lock = threading.Lock()
 
     @property
     def pending(self) -> int:
@@ -121,7 +125,11 @@ class Quotas:
             self._keep(tenant, incrs)
 
     def _keep(self, tenant: str, incrs: list[tuple[str, int, float]]) -> None:
-        self._pending.append((tenant, incrs))
+        with self._outbox_lock:
+            self._pending.append((tenant, incrs))
+            self._trim()
+
+    def _trim(self) -> None:
         while len(self._pending) > MAX_PENDING:
             old_tenant, old = self._pending.popleft()
             logger.warning("quota outbox full (%d): change of %s tokens for tenant %s lost", MAX_PENDING,
@@ -129,6 +137,10 @@ class Quotas:
 
     def _flush(self) -> bool:
         """Write the outbox, oldest first; False when the store still fails (what is left stays)."""
+        with self._outbox_lock:
+            return self._flush_locked()
+
+    def _flush_locked(self) -> bool:
         while self._pending:
             tenant, incrs = self._pending[0]
             now = self.clock()

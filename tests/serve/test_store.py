@@ -184,6 +184,38 @@ def test_a_quota_charge_the_store_refused_is_written_once_it_is_back(store):
     assert q.pending == 0 and [u.used for u in q.usage("acme")] == [10]
 
 
+def test_the_quota_outbox_is_flushed_once_under_concurrent_requests(store):
+    """Quota operations run on several planning threads: while the store comes back, concurrent
+    reservations and charges flush the outbox together. Each pending charge is written exactly once and
+    no thread sees an error (an unguarded outbox raised IndexError here, a 500 in the Redis-restart
+    chaos case)."""
+    import threading
+
+    flaky = _Flaky(store)
+    q = Quotas(flaky, {"acme": TenantLimits(tokens_per_minute=10**9)})
+    flaky.down = True
+    for _ in range(200):
+        q.charge("acme", 1)
+    assert q.pending == 200
+    flaky.down = False
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            for _ in range(5):
+                q.reconcile(q.reserve("acme", 1), 2)  # +1 reserved, +1 reconciled
+        except BaseException as e:  # noqa: BLE001 -- any error is the failure under test
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and q.pending == 0
+    assert [u.used for u in q.usage("acme")] == [200 + 8 * 5 * 2]
+
+
 def test_owner_checked_delete_guarded_commit_move_and_purge(store):
     store.put("lock", b"me", 60)
     assert not store.delete_if("lock", b"you") and store.get("lock") == b"me"
