@@ -39,3 +39,14 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     import shutil
 
     shutil.rmtree(os.environ["SINKSERVE_MODEL_CACHE"], ignore_errors=True)
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread (what Ray gives an engine process) unless a test sets more; restored after."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

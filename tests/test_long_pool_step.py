@@ -17,18 +17,11 @@ from engine.sparse_config import SparseAttention
 from kernels.cpu_lib import load
 from tests.tiny_models import build_model
 
-pytestmark = pytest.mark.skipif(load() is None, reason="no C compiler: the eager forward runs")
+pytestmark = [pytest.mark.skipif(load() is None, reason="no C compiler: the eager forward runs"),
+              pytest.mark.usefixtures("one_thread")]  # tests/conftest.py
 
 REFERENCE_MODEL = Path(__file__).resolve().parents[1] / "assets" / "reference-model"
 PROTECTED = (0, 1, 2, 3)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def long_pool(model: Path, kv: str = "int4", sparse: bool = True, **over: object) -> EngineConfig:

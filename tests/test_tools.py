@@ -190,10 +190,9 @@ def test_planner_constrains_a_named_call(tokenizers):
     assert e.value.param == "tool_choice"
 
 
-def test_choices_turn_text_into_tool_calls():
-    body = req(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+def _feed(body, pieces: list[str]):
+    """The same deltas into a unary ``Choices`` and a streamed one: (unary, the streamed chunks)."""
     info = RouteInfo("chatcmpl-1", "short", "v1", "pool-short-v1", 10)
-    pieces = ['{"city":', '"Paris"}']
     unary, stream = Choices(body, info, "m"), Choices(body, info, "m")
     chunks = []
     for i, p in enumerate(pieces):
@@ -202,6 +201,13 @@ def test_choices_turn_text_into_tool_calls():
         unary.add(d)
         stream.add(d)
         chunks.append(stream.chunk(d))
+    return unary, chunks
+
+
+def test_choices_turn_text_into_tool_calls():
+    body = req(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    pieces = ['{"city":', '"Paris"}']
+    unary, chunks = _feed(body, pieces)
     choice = unary.response().choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     assert choice.message.tool_calls[0].function.arguments == '{"city":"Paris"}'
@@ -219,15 +225,7 @@ def test_auto_choices_unary_and_streamed_agree(pieces, content, called):
     """``auto`` through Choices: the unary message and the streamed chunks (as a client accumulates
     them) carry the same content, calls and finish reason (tool_calls only when a call was parsed)."""
     body = req(tools=[WEATHER, TIME], tool_choice="auto")
-    info = RouteInfo("chatcmpl-1", "short", "v1", "pool-short-v1", 10)
-    unary, stream = Choices(body, info, "m"), Choices(body, info, "m")
-    chunks = []
-    for i, p in enumerate(pieces):
-        last = i == len(pieces) - 1
-        d = TokenDelta(p, (i,), None, last, "stop" if last else None, 10, i + 1)
-        unary.add(d)
-        stream.add(d)
-        chunks.append(stream.chunk(d))
+    unary, chunks = _feed(body, pieces)
     choice = unary.response().choices[0]
     calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or ()]
     assert calls == ([("get_weather", {"city": "Oslo"})] if called else [])

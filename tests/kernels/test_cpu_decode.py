@@ -19,16 +19,8 @@ from kernels.cpu_lib import load
 from tests.test_engine_equivalence import prompts, reference, run_engine
 from tests.tiny_models import build_model
 
-pytestmark = pytest.mark.skipif(load() is None, reason="no C compiler: the eager forward runs")
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread (what Ray gives an engine process) unless a test sets more."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = [pytest.mark.skipif(load() is None, reason="no C compiler: the eager forward runs"),
+              pytest.mark.usefixtures("one_thread")]  # tests/conftest.py
 
 YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128}
 CASES = {
