@@ -221,24 +221,19 @@ class Quotas:
     def charges(self, tenant: str, tokens: int) -> list[tuple[str, int, float]]:
         """The counter increments that add ``tokens`` to ``tenant``'s current windows (for a
         :meth:`Store.commit` that charges in the same step as it records a result)."""
+        now = self.clock()
+        # Each counter outlives its window a little.
+        return [(key, n, end - now + 60) for key, n, end in self._window_incrs(tenant, tokens, now)]
+
+    def _window_incrs(self, tenant: str, tokens: int, now: float) -> list[tuple[str, int, float]]:
+        """``(key, tokens, window end)`` for each of the tenant's current windows (none for ``tokens <= 0``)."""
         if tokens <= 0:
             return []
-        now = self.clock()
-        out = []
-        for w, _ in self._windows(tenant):
-            key, end = window_key(tenant, w, now)
-            out.append((key, tokens, end - now + 60))  # outlives its window a little
-        return out
+        return [(key, tokens, end) for key, end in (window_key(tenant, w, now) for w, _ in self._windows(tenant))]
 
     def charge(self, tenant: str, tokens: int) -> None:
         """Add ``tokens`` to each of the tenant's current windows (a failing store: kept in the outbox,
         written with the next quota operation that reaches the store)."""
-        if tokens <= 0:
-            return
-        now = self.clock()
-        incrs = []
-        for w, _ in self._windows(tenant):
-            key, end = window_key(tenant, w, now)
-            incrs.append((key, tokens, end))
+        incrs = self._window_incrs(tenant, tokens, self.clock())
         if incrs:
             self._commit(tenant, incrs)
