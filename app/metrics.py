@@ -130,6 +130,7 @@ ENGINE_STATS: tuple[tuple[str, str, str, str], ...] = (
     ("blocks_needed_sliding", "kv_blocks_needed_sliding_layers", "gauge", "KV cache blocks in use that the model's sliding-window layers still read (the rest only full-attention layers read)"),
     ("prefix_cache_hit_tokens", "prefix_cache_hit_tokens_total", "counter", "Prompt tokens served from the prefix cache"),
     ("tokens_evicted", "tokens_evicted_total", "counter", "Tokens evicted from the KV cache"),
+    ("evictions_deferred", "kv_evictions_deferred_total", "counter", "Evictions put off a step: a shared kept block needed a copy before its rotation and no block was free"),
     ("tokens_protected", "tokens_protected_total", "counter", "Tokens protected from eviction (sinks, anchors)"),
     ("prompt_tokens_total", "prompt_tokens_total", "counter", "Prompt tokens processed"),
     ("generation_tokens_total", "generation_tokens_total", "counter", "Tokens generated"),

@@ -344,6 +344,27 @@ class BlockManager:
         seq.num_evicted_blocks += len(freed)
         return freed
 
+    def can_rotate_after_evicting(self, seq: Sequence, evicted: Seq[int], rotated: Seq[int], reserve: int = 0) -> bool:
+        """Whether evicting logical blocks ``evicted`` of ``seq`` leaves a free block for each copy that
+        rotating its logical blocks ``rotated`` will need (:meth:`make_private`), ``reserve`` blocks aside.
+
+        Only a block another sequence also holds needs a copy when nothing is free (a private block that
+        is merely hashed is un-hashed instead). Evicted blocks that only ``seq`` holds become free first
+        (a quantized cache also needs their 16-bit slot back). E.g. two requests share the sink block 2
+        and the next block 5; the pool is full: evicting 5 frees nothing (the other request still reads
+        it), and rotating 2 needs a copy, so the eviction must wait (or another request must go).
+        """
+        copies = sum(1 for i in rotated if self.ref_counts[seq.block_table[i]] > 1)
+        if not copies:
+            return True
+        copies += reserve
+        freed = [seq.block_table[i] for i in evicted
+                 if seq.block_table[i] != NULL_BLOCK and self.ref_counts[seq.block_table[i]] == 1]
+        if not self.quantized:
+            return copies <= len(self.free_queue) + len(freed)
+        freed_fp = sum(1 for b in freed if self.fp_slot[b] >= 0)
+        return copies <= min(len(self.free_queue) + len(freed), self.num_fp_available + freed_fp)
+
     def make_private(self, seq: Sequence, logical_index: int) -> tuple[int, int] | None:
         """Give ``seq`` its own copy of a block before modifying it in place (copy-on-write).
 

@@ -430,6 +430,7 @@ class LLMEngine:
             prefix_cache_hit_tokens=bm.prefix_hit_tokens,
             prefix_cache_query_tokens=bm.prefix_query_tokens,
             tokens_evicted=self.scheduler.tokens_evicted,
+            evictions_deferred=self.scheduler.evictions_deferred,
             tokens_protected=c.tokens_protected_total,
             preemptions=self.scheduler.num_preemptions,
             policy_version=self.policy_version,

@@ -30,6 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine import retention
+from kernels.layout import NULL_BLOCK
 from engine.block_manager import BlockManager, hash_block
 from engine.cache_policy import CachePolicy
 from engine.sequence import Sequence, SequenceStatus
@@ -90,6 +91,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.tokens_evicted = 0
+        # Evictions put off because a copy-on-write rotation found no free block (retried next step).
+        self.evictions_deferred = 0
         self.blocks_protected_quantized = 0
 
     # ------------------------------------------------------------------ queue
@@ -179,7 +182,8 @@ class Scheduler:
             self.bm.take_prefix(seq, hits)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            self._evict_out_of_window(seq, out)
+            # The blocks counted for its admission are not the eviction's to take for copies.
+            self._evict_out_of_window(seq, out, reserve=self.bm.num_new_blocks(seq, n))
             self.bm.append_slots(seq, n)
             out.scheduled.append(ScheduledSequence(seq, n))
             scheduled_ids.add(id(seq))
@@ -268,9 +272,12 @@ class Scheduler:
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
 
-    def _evict_out_of_window(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _evict_out_of_window(self, seq: Sequence, out: SchedulerOutput, reserve: int = 0) -> None:
         """Free the blocks of ``seq`` that left the window and protect nothing (``sliding_window``), or, over
-        its block budget, its least important such blocks (``importance``); queue key rotations."""
+        its block budget, its least important such blocks (``importance``); queue key rotations.
+
+        ``reserve`` free blocks are kept for the caller (an admission already counted them): when the
+        copy-on-write of a shared rotated block would need them, the eviction waits for a later step."""
         if not self.policy.evicts or seq.num_tokens <= self.exact_tokens:
             return
         bs = self.bm.block_size
@@ -287,6 +294,19 @@ class Scheduler:
             if stop <= seq.eviction_cursor:
                 return
             logical = retention.blocks_to_evict(seq.block_table, seq.eviction_cursor, stop, seq.protected_blocks)
+        if logical:
+            gone = set(logical)
+            after = [NULL_BLOCK if i in gone else b for i, b in enumerate(seq.block_table)]
+            rotated = [index for index, _ in retention.rotation_shifts(after, logical, bs)]
+            if not self.bm.can_rotate_after_evicting(seq, logical, rotated, reserve):
+                # A kept block shared with another request must be copied before its keys rotate, and the
+                # pool has no block for the copy. Wait (the cursor stays): the request attends a block
+                # more for now, and the next step retries, after this step's preemptions or finishes.
+                self.evictions_deferred += 1
+                logger.debug("request %s: eviction deferred, no free block for a copy-on-write rotation",
+                             seq.request_id)
+                return
+        if self.policy.eviction_policy != "importance":
             seq.eviction_cursor = stop
         if not logical:
             return

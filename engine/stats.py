@@ -62,6 +62,7 @@ class EngineStats:
     prefix_cache_hit_tokens: int = 0
     prefix_cache_query_tokens: int = 0
     tokens_evicted: int = 0
+    evictions_deferred: int = 0
     tokens_protected: int = 0
     preemptions: int = 0
     policy_version: str = ""
