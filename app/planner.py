@@ -331,7 +331,7 @@ class Planner:
                 self.tokenizers[v.model] = AutoTokenizer.from_pretrained(v.model)
         # Token ids a request may name (logit_bias, /detokenize): the tokenizer's full size.
         self.vocab_sizes = {m: len(t) for m, t in self.tokenizers.items()}
-        self.limiter = RateLimiter(spec.rate_limit_rps, spec.rate_limit_burst)
+        self.limiter = RateLimiter(spec.ingress.rate_limit_rps, spec.ingress.rate_limit_burst)
         self._rng = random.Random()
 
     def draw(self, request: Request) -> float:
@@ -350,7 +350,7 @@ class Planner:
     def trim(self, request: Request, version: VersionSpec) -> Trimmed | None:
         """The request with its passages scored, trimmed to the budget and placed (None without passages);
         token counts come from ``version``'s tokenizer."""
-        return trim_passages(request, self.tokenizers[version.model], self.spec.max_passages, encode)
+        return trim_passages(request, self.tokenizers[version.model], self.spec.ingress.max_passages, encode)
 
     def tokenize(self, request: Request, version: VersionSpec) -> tuple[list[int], str | None]:
         """Token ids of the prompt (and its text, when there is one, for anchors)."""
