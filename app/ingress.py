@@ -730,7 +730,7 @@ class Ingress:
 
     async def _choices_off_loop(self, body: Any, info: RouteInfo, prompt_ids: tuple[int, ...]) -> Choices:
         """:meth:`_choices`; with ``echo`` on the planning threads: echoing decodes the whole prompt (and
-        with logprobs names each of its tokens), up to the pool's max_model_len, which would hold the
+        with logprobs names each of its tokens), up to the pool's sequence limit, which would hold the
         event loop like tokenizing it did."""
         if isinstance(body, CompletionRequest) and body.echo:
             return await self.plan_pool.run(self._choices, body, info, prompt_ids)

@@ -334,9 +334,10 @@ class BucketSpec:
     max_prompt_tokens: int
     timeout_s: float
     versions: tuple[str, ...] | None = None  # None: every version has a deployment for this bucket
-    # The pool engine's token limit (prompt + output): max_model_len, or max_stream_tokens for a
-    # pool that evicts. Chat's default max_tokens is what a prompt leaves of it (None: unknown).
-    max_model_len: int | None = None
+    # The pool engine's sequence limit (prompt + output), EngineLimits.max_seq_len of its engines (the
+    # tightest): max_model_len, or max_stream_tokens for a pool that evicts or runs selected memory
+    # (position_mode compact). Chat's default max_tokens is what a prompt leaves of it (None: unknown).
+    max_seq_len: int | None = None
     evicts: bool = False  # the pool's cache policy evicts (a session may stream past its prompt bound)
     policy_version: str | None = None  # the pool's configured cache policy (content hash)
     soft_timeout_s: float | None = None

@@ -68,7 +68,7 @@ class FakePool:
 def ingress_spec(store: StoreArgs, tenants: dict[str, TenantArgs] | None = None, fail_closed: bool = False) -> IngressSpec:
     # Wide enough that a conversation of a chaos run (hundreds of short turns on a quiet host) never
     # outgrows it: the fake pools hold no KV.
-    plan = PlanSpec(buckets=(BucketSpec("chat", 16000, 30.0, max_model_len=16384),),
+    plan = PlanSpec(buckets=(BucketSpec("chat", 16000, 30.0, max_seq_len=16384),),
                     versions=(VersionSpec("v1", MODEL, 1.0), VersionSpec("v2", MODEL, 0.0)))
     return IngressSpec(auth="enabled", served_model_name="ref", plan=plan, pool_deployments=DEPLOYMENTS,
                        store=store, tenants=tuple((tenants or {}).items()), ingress=IngressArgs(keepalive_s=5.0),
