@@ -67,7 +67,8 @@ class PoolArgs(_Strict):
 
     name: str = Field(pattern=r"^[A-Za-z0-9_-]+$")
     # None: what the pool's engine accepts for the model, less one output token (engine/limits.py):
-    # the trained context for a pool that keeps its full cache, max_stream_tokens for one that evicts.
+    # the trained context for a pool that keeps its full cache, max_stream_tokens for one that evicts or
+    # runs selected memory (sparse.position_mode compact): EngineLimits.max_prompt_tokens.
     max_prompt_tokens: int | None = Field(None, gt=0)
     timeout_s: float = Field(120.0, gt=0)
     # Soft timeout: at this age a request's generation ends cleanly with what it has produced so far
