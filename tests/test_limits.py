@@ -124,7 +124,7 @@ def test_builder_planner_and_engine_share_one_limits_object():
         assert engine.inputs.limits is engine.limits and engine.outputs.limits is engine.limits
         assert engine.config.cache_policy.window == built.window and engine.config.max_num_batched_tokens == built.chunk_tokens
         bucket = bucket_spec(long, [built], engine.policy.version)
-        assert bucket.max_model_len == engine.limits.max_seq_len
+        assert bucket.max_seq_len == engine.limits.max_seq_len
     finally:
         engine.shutdown()
 
