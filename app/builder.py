@@ -48,7 +48,7 @@ def bucket_spec(p: PoolArgs, limits: Sequence[EngineLimits], policy_version: str
     max_seq = min(lim.max_seq_len for lim in limits)
     bound = p.max_prompt_tokens if p.max_prompt_tokens is not None else min(lim.max_prompt_tokens for lim in limits)
     return BucketSpec(p.name, bound, p.timeout_s, tuple(p.versions) if p.versions is not None else None,
-                      max_seq, evicts=limits[0].evicts, policy_version=policy_version, soft_timeout_s=p.soft_timeout_s,
+                      max_seq, streams=limits[0].streams, policy_version=policy_version, soft_timeout_s=p.soft_timeout_s,
                       default_max_tokens=p.default_max_tokens)
 
 

@@ -485,20 +485,20 @@ class Planner:
 
     def _turn_bucket(self, conv: Conversation, n: int, forced: str | None, version: VersionSpec) -> BucketSpec:
         """The bucket for a conversation of ``n`` tokens: the smallest whose prompt bound fits; past the
-        largest, a pool that evicts (it streams on with sinks + window + anchors, up to its
-        ``max_stream_tokens``); otherwise a 400 with the numbers."""
+        largest, a pool that streams (``EngineLimits.streams``: it evicts, going on with sinks + window +
+        anchors, or runs selected memory; up to its sequence limit); otherwise a 400 with the numbers."""
         served = [b for b in self.spec.buckets if b.versions is None or version.name in b.versions]
         try:
             return pick_bucket(n, served, forced=forced)
         except APIError:
             if forced is not None:
                 raise
-        evicting = [b for b in sorted(served, key=lambda b: b.max_prompt_tokens, reverse=True)
-                    if b.evicts and (b.max_seq_len is None or n < b.max_seq_len)]
-        if evicting:
-            return evicting[0]
+        streaming = [b for b in sorted(served, key=lambda b: b.max_prompt_tokens, reverse=True)
+                     if b.streams and (b.max_seq_len is None or n < b.max_seq_len)]
+        if streaming:
+            return streaming[0]
         largest = max(served, key=lambda b: b.max_prompt_tokens)
         raise APIError(400, f"conversation {conv.id!r} has {n} tokens with this turn, more than pool {largest.name!r} "
-                            f"accepts ({largest.max_prompt_tokens} tokens), and no pool evicts "
-                            "(cache_policy.eviction_policy is none); start a new conversation",
+                            f"accepts ({largest.max_prompt_tokens} tokens), and no pool streams past its bound (none evicts "
+                            "or runs selected memory, sparse.position_mode compact); start a new conversation",
                        "sinkserve.conversation_id")

@@ -339,7 +339,9 @@ class BucketSpec:
     # tightest): max_model_len, or max_stream_tokens for a pool that evicts or runs selected memory
     # (position_mode compact). Chat's default max_tokens is what a prompt leaves of it (None: unknown).
     max_seq_len: int | None = None
-    evicts: bool = False  # the pool's cache policy evicts (a session may stream past its prompt bound)
+    # EngineLimits.streams: the pool evicts or runs selected memory, so a conversation may go on past its
+    # prompt bound (up to max_seq_len).
+    streams: bool = False
     policy_version: str | None = None  # the pool's configured cache policy (content hash)
     soft_timeout_s: float | None = None
     default_max_tokens: int | None = None  # the pool's cap on a chat's default max_tokens (None: no cap)

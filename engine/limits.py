@@ -137,6 +137,11 @@ class EngineLimits:
     derived: tuple[str, ...] = ()
 
     @property
+    def streams(self) -> bool:
+        """Sequences may outgrow the trained context: the pool evicts, or runs selected memory (compact)."""
+        return self.evicts or self.compact
+
+    @property
     def max_prompt_tokens(self) -> int:
         """The longest prompt the engine accepts: its sequence limit less one output token."""
         return self.max_seq_len - 1
