@@ -21,7 +21,7 @@ from app.ingress import Ingress
 from app.placement import app_needs, check_placement, pool_device
 from app.server import LLMServer
 from app.affinity import ROUTER_PATH
-from app.settings import SINGLE_NODE_STORE, AppArgs, BucketSpec, IngressSpec, PlanSpec, PoolArgs, PoolSpec, StoreSpec, TenantLimits, VersionSpec, pool_limits
+from app.settings import SINGLE_NODE_STORE, AppArgs, BucketSpec, IngressSpec, PlanSpec, PoolArgs, PoolSpec, VersionSpec, pool_limits
 from engine.limits import EngineLimits, read_model_config
 from engine.model_store import describe, resolve_model
 
@@ -46,9 +46,9 @@ def bucket_spec(p: PoolArgs, limits: Sequence[EngineLimits], policy_version: str
     """What the planner knows about one pool: its bound (configured, else the tightest of its versions'
     engines) and its engines' sequence limit."""
     max_seq = min(lim.max_seq_len for lim in limits)
-    bound = p.max_prompt_tokens if p.max_prompt_tokens is not None else max_seq - 1
+    bound = p.max_prompt_tokens if p.max_prompt_tokens is not None else min(lim.max_prompt_tokens for lim in limits)
     return BucketSpec(p.name, bound, p.timeout_s, tuple(p.versions) if p.versions is not None else None,
-                      max_seq, evicts=limits[0].evicts, policy_version=policy_version, soft_timeout_s=p.soft_timeout_s,
+                      max_seq, streams=limits[0].streams, policy_version=policy_version, soft_timeout_s=p.soft_timeout_s,
                       default_max_tokens=p.default_max_tokens)
 
 
@@ -147,8 +147,8 @@ def build_app(args: AppArgs) -> Application:
                                  model_architecture(models[v.name])) for v in args.versions)
     hub = StatsHub.options(name="StatsHub").bind()
     pools: dict[str, Application] = {}
-    store = StoreSpec(**args.store.model_dump())
-    tenants = tuple((t, TenantLimits(**lim.model_dump())) for t, lim in args.tenants.items())
+    store = args.store
+    tenants = tuple(args.tenants.items())
     buckets: list[BucketSpec] = []
     limits_card: list[tuple[str, EngineLimits]] = []
     for pool in args.pools:
@@ -170,10 +170,9 @@ def build_app(args: AppArgs) -> Application:
                 continue
             engine = pool.engine_config(v.model, device)
             slots = max(1, int(engine.max_num_seqs * args.jobs.max_share)) if pool.name == jobs_pool else 0
-            spec = PoolSpec(bucket=pool.name, version=v.name, engine=engine, stats_push_interval_s=args.stats_push_interval_s,
-                            worker_num_cpus=pool.worker_num_cpus, job_slots=slots, job_timeout_s=args.jobs.timeout_s,
-                            store=store if slots else None,
-                            tenants=tenants if slots else (), engine_watchdog_s=pool.engine_watchdog_s)
+            spec = PoolSpec(pool=pool, version=v.name, engine=engine, stats_push_interval_s=args.stats_push_interval_s,
+                            job_slots=slots, jobs=args.jobs, store=store if slots else None,
+                            tenants=tenants if slots else ())
             dep = serve.deployment(LLMServer).options(name=spec.deployment_name, **pool_options(pool, device))
             pools[spec.deployment_name] = dep.bind(spec, hub)
             logger.info("pool %s: model %s, tp=%d on %s, weight %g", spec.deployment_name, v.model,
@@ -181,20 +180,13 @@ def build_app(args: AppArgs) -> Application:
     plan = PlanSpec(
         buckets=tuple(sorted(buckets, key=lambda b: b.max_prompt_tokens)),
         versions=versions,
-        rate_limit_rps=args.ingress.rate_limit_rps,
-        rate_limit_burst=args.ingress.rate_limit_burst,
-        max_passages=args.ingress.max_passages,
+        ingress=args.ingress,
     )
     ingress = IngressSpec(auth=args.auth, served_model_name=args.served_model_name, plan=plan,
                           pool_deployments=tuple(pools), stats_push_interval_s=args.stats_push_interval_s,
                           kv_cache=tuple((p.name, str(p.engine.get("kv_cache_dtype", "auto"))) for p in args.pools),
-                          limits=tuple(limits_card),
-                          store=store, tenants=tenants, jobs_pool=jobs_pool,
-                          session_ttl_s=args.sessions.ttl_s,
-                          keepalive_s=args.ingress.keepalive_s, audit_path=args.audit.path,
-                          audit_text=args.audit.include_text, quota_fail_closed=args.quotas.fail_closed,
-                          max_body_bytes=args.ingress.max_body_bytes,
-                          plan_threads=args.ingress.plan_threads, plan_max_waiting=args.ingress.plan_max_waiting)
+                          limits=tuple(limits_card), ingress=args.ingress, store=store, tenants=tenants,
+                          sessions=args.sessions, audit=args.audit, quotas=args.quotas, jobs_pool=jobs_pool)
     return serve.deployment(Ingress).options(
         name="Ingress",
         num_replicas=args.ingress.num_replicas,

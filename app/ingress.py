@@ -166,7 +166,7 @@ class Ingress:
         self.spec = spec
         self.auth = resolve_auth(spec.auth)  # raises (replica fails to start) when no keys are set
         self.planner = Planner(spec.plan)
-        self.plan_pool = PlanPool(spec.plan_threads, spec.plan_max_waiting)  # planning off the event loop
+        self.plan_pool = PlanPool(spec.ingress.plan_threads, spec.ingress.plan_max_waiting)  # planning off the event loop
         # deployment name -> handle; the pool's deltas come back on the token bus
         self.pools = {name: data_path_handle(h) for name, h in pools.items()}
         self.hub = hub
@@ -175,10 +175,10 @@ class Ingress:
         # Sessions, quotas (and jobs) live in the store; it connects on first use, and a store that
         # fails shows in /readyz while requests without a conversation keep working.
         self.store = open_store(spec.store)
-        self.conversations = ConversationStore(self.store, spec.session_ttl_s)
-        self.quotas = Quotas(self.store, dict(spec.tenants), fail_closed=spec.quota_fail_closed)
+        self.conversations = ConversationStore(self.store, spec.sessions.ttl_s)
+        self.quotas = Quotas(self.store, dict(spec.tenants), fail_closed=spec.quotas.fail_closed)
         self.jobs = JobQueue(self.store)
-        self.audit = AuditLog(spec.audit_path, spec.audit_text) if spec.audit_path else None
+        self.audit = AuditLog(spec.audit.path, spec.audit.include_text) if spec.audit.path else None
         # Deltas and errors come back on the token bus, one frame per engine message (app/token_bus.py).
         self.inbox = TokenInbox()
         await self.inbox.start(node_address())
@@ -287,7 +287,7 @@ class Ingress:
     async def tokenize(self, request: Request) -> Response:
         """vLLM's ``/tokenize``: ``{"prompt": ...}`` or ``{"messages": [...]}`` -> ids and count."""
         key = self._authorize(request)
-        raw = await read_body(request, self.spec.max_body_bytes)
+        raw = await read_body(request, self.spec.ingress.max_body_bytes)
 
         def parse() -> Any:
             try:
@@ -310,7 +310,7 @@ class Ingress:
     async def detokenize(self, request: Request) -> Response:
         """vLLM's ``/detokenize``: ``{"tokens": [...]}`` -> ``{"prompt": text}``."""
         key = self._authorize(request)
-        raw = await read_body(request, self.spec.max_body_bytes)
+        raw = await read_body(request, self.spec.ingress.max_body_bytes)
         try:
             body = await self.plan_pool.run(DetokenizeRequest.model_validate_json, raw)
         except ValidationError as e:
@@ -401,7 +401,7 @@ class Ingress:
         key = self._authorize(request)
         tenant = self.auth.tenant_of(key)
         try:
-            raw = await read_body(request, self.spec.max_body_bytes)
+            raw = await read_body(request, self.spec.ingress.max_body_bytes)
             body = await self.plan_pool.run(cls.model_validate_json, raw)
         except ValidationError as e:
             self.metrics.count("none", 400)
@@ -460,7 +460,7 @@ class Ingress:
             if body.stream:
                 # A slow start (long prefill, queueing) must not leave a gateway without bytes: after
                 # keepalive_s the headers go out and keep-alive comments follow until the first token.
-                done, _ = await asyncio.wait({first_task}, timeout=self.spec.keepalive_s)
+                done, _ = await asyncio.wait({first_task}, timeout=self.spec.ingress.keepalive_s)
                 if not done:
                     return self._stream_response(gen, plan.info, body, chat, t0, turn, first_task)
             first = await first_task
@@ -667,7 +667,7 @@ class Ingress:
         key = self._authorize(request)
         tenant = self.auth.tenant_of(key)
         # Parsed on the planning threads like any request body (up to max_body_bytes of JSON).
-        body = await self.plan_pool.run(_parse_job, await read_body(request, self.spec.max_body_bytes))
+        body = await self.plan_pool.run(_parse_job, await read_body(request, self.spec.ingress.max_body_bytes))
         if body.stream or body.n != 1 or (body.sinkserve and body.sinkserve.conversation_id):
             raise APIError(400, "a job is one choice, not streamed, outside conversations (stream, n, conversation_id)", "body")
         pool = self.spec.jobs_pool
@@ -730,7 +730,7 @@ class Ingress:
 
     async def _choices_off_loop(self, body: Any, info: RouteInfo, prompt_ids: tuple[int, ...]) -> Choices:
         """:meth:`_choices`; with ``echo`` on the planning threads: echoing decodes the whole prompt (and
-        with logprobs names each of its tokens), up to the pool's max_model_len, which would hold the
+        with logprobs names each of its tokens), up to the pool's sequence limit, which would hold the
         event loop like tokenizing it did."""
         if isinstance(body, CompletionRequest) and body.echo:
             return await self.plan_pool.run(self._choices, body, info, prompt_ids)
@@ -810,7 +810,7 @@ class Ingress:
             while not stop and acc.ttft is None:  # until the first token: reads with keep-alives
                 if nxt is None:
                     nxt = asyncio.ensure_future(gen.__anext__())
-                done, _ = await asyncio.wait({nxt}, timeout=self.spec.keepalive_s)
+                done, _ = await asyncio.wait({nxt}, timeout=self.spec.ingress.keepalive_s)
                 if not done:
                     yield KEEPALIVE
                     continue

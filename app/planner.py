@@ -264,7 +264,7 @@ def default_max_tokens(request: Request, bucket: BucketSpec, num_prompt_tokens: 
     what the prompt leaves of the pool's limit, whichever is smaller (None when the request set a
     limit, or for completions, whose default stays OpenAI's 16).
 
-    >>> b = BucketSpec("long", 8192, 300.0, max_model_len=1 << 20, default_max_tokens=1024)
+    >>> b = BucketSpec("long", 8192, 300.0, max_seq_len=1 << 20, default_max_tokens=1024)
     >>> default_max_tokens(ChatCompletionRequest(messages=[{"role": "user", "content": ""}]), b, 20)
     1024
     """
@@ -274,7 +274,7 @@ def default_max_tokens(request: Request, bucket: BucketSpec, num_prompt_tokens: 
 
 
 def _default_cap(bucket: BucketSpec, num_prompt_tokens: int) -> int | None:
-    room = max(1, bucket.max_model_len - num_prompt_tokens) if bucket.max_model_len is not None else None
+    room = max(1, bucket.max_seq_len - num_prompt_tokens) if bucket.max_seq_len is not None else None
     caps = [c for c in (room, bucket.default_max_tokens) if c is not None]
     return min(caps) if caps else None
 
@@ -283,7 +283,7 @@ def largest_default_max_tokens(bucket: BucketSpec) -> int | None:
     """The most a chat without ``max_tokens`` gets on ``bucket`` (its shortest prompt: one token), for
     ``/v1/models``: the configured cap is not what a pool whose limit is below it gives.
 
-    >>> largest_default_max_tokens(BucketSpec("short", 500, 60.0, max_model_len=512, default_max_tokens=1024))
+    >>> largest_default_max_tokens(BucketSpec("short", 500, 60.0, max_seq_len=512, default_max_tokens=1024))
     511
     """
     return _default_cap(bucket, 1)
@@ -331,7 +331,7 @@ class Planner:
                 self.tokenizers[v.model] = AutoTokenizer.from_pretrained(v.model)
         # Token ids a request may name (logit_bias, /detokenize): the tokenizer's full size.
         self.vocab_sizes = {m: len(t) for m, t in self.tokenizers.items()}
-        self.limiter = RateLimiter(spec.rate_limit_rps, spec.rate_limit_burst)
+        self.limiter = RateLimiter(spec.ingress.rate_limit_rps, spec.ingress.rate_limit_burst)
         self._rng = random.Random()
 
     def draw(self, request: Request) -> float:
@@ -350,7 +350,7 @@ class Planner:
     def trim(self, request: Request, version: VersionSpec) -> Trimmed | None:
         """The request with its passages scored, trimmed to the budget and placed (None without passages);
         token counts come from ``version``'s tokenizer."""
-        return trim_passages(request, self.tokenizers[version.model], self.spec.max_passages, encode)
+        return trim_passages(request, self.tokenizers[version.model], self.spec.ingress.max_passages, encode)
 
     def tokenize(self, request: Request, version: VersionSpec) -> tuple[list[int], str | None]:
         """Token ids of the prompt (and its text, when there is one, for anchors)."""
@@ -401,7 +401,7 @@ class Planner:
         else:
             text = body.prompt
         ids = encode(tok, text, add_special_tokens=body.add_special_tokens) if text else []
-        limits = [b.max_model_len for b in self.spec.buckets if b.max_model_len is not None]
+        limits = [b.max_seq_len for b in self.spec.buckets if b.max_seq_len is not None]
         max_len = max(limits) if limits else max(b.max_prompt_tokens for b in self.spec.buckets) + 1
         strs = list(tok.convert_ids_to_tokens(ids)) if body.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=max_len, tokens=ids, token_strs=strs)
@@ -485,20 +485,20 @@ class Planner:
 
     def _turn_bucket(self, conv: Conversation, n: int, forced: str | None, version: VersionSpec) -> BucketSpec:
         """The bucket for a conversation of ``n`` tokens: the smallest whose prompt bound fits; past the
-        largest, a pool that evicts (it streams on with sinks + window + anchors, up to its
-        ``max_stream_tokens``); otherwise a 400 with the numbers."""
+        largest, a pool that streams (``EngineLimits.streams``: it evicts, going on with sinks + window +
+        anchors, or runs selected memory; up to its sequence limit); otherwise a 400 with the numbers."""
         served = [b for b in self.spec.buckets if b.versions is None or version.name in b.versions]
         try:
             return pick_bucket(n, served, forced=forced)
         except APIError:
             if forced is not None:
                 raise
-        evicting = [b for b in sorted(served, key=lambda b: b.max_prompt_tokens, reverse=True)
-                    if b.evicts and (b.max_model_len is None or n < b.max_model_len)]
-        if evicting:
-            return evicting[0]
+        streaming = [b for b in sorted(served, key=lambda b: b.max_prompt_tokens, reverse=True)
+                     if b.streams and (b.max_seq_len is None or n < b.max_seq_len)]
+        if streaming:
+            return streaming[0]
         largest = max(served, key=lambda b: b.max_prompt_tokens)
         raise APIError(400, f"conversation {conv.id!r} has {n} tokens with this turn, more than pool {largest.name!r} "
-                            f"accepts ({largest.max_prompt_tokens} tokens), and no pool evicts "
-                            "(cache_policy.eviction_policy is none); start a new conversation",
+                            f"accepts ({largest.max_prompt_tokens} tokens), and no pool streams past its bound (none evicts "
+                            "or runs selected memory, sparse.position_mode compact); start a new conversation",
                        "sinkserve.conversation_id")

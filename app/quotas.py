@@ -42,7 +42,7 @@ from datetime import datetime, timezone
 from typing import Callable, Mapping
 
 from app.errors import APIError
-from app.settings import TenantLimits
+from app.settings import TenantArgs
 from app.store.base import Store, StoreError
 
 logger = logging.getLogger("sinkserve.quotas")
@@ -90,7 +90,7 @@ def window_key(tenant: str, window: Window, now: float) -> tuple[str, float]:
 class Quotas:
     """Checks and charges tenants' token quotas in ``store``."""
 
-    def __init__(self, store: Store, limits: Mapping[str, TenantLimits], clock: Callable[[], float] = time.time,
+    def __init__(self, store: Store, limits: Mapping[str, TenantArgs], clock: Callable[[], float] = time.time,
                  fail_closed: bool = False) -> None:
         self.store = store
         self.limits = dict(limits)

@@ -28,11 +28,11 @@ def build_engine(spec: PoolSpec) -> Any:
         from app.tp_executor import RayTPExecutor
         from engine.async_engine import AsyncLLMEngine
 
-        return AsyncLLMEngine(spec.engine, executor_factory=RayTPExecutor.factory(spec.worker_num_cpus),
-                              watchdog_s=spec.engine_watchdog_s)
+        return AsyncLLMEngine(spec.engine, executor_factory=RayTPExecutor.factory(spec.pool.worker_num_cpus),
+                              watchdog_s=spec.pool.engine_watchdog_s)
     from engine.engine_process import EngineProcess
 
-    return EngineProcess(spec.engine, watchdog_s=spec.engine_watchdog_s)
+    return EngineProcess(spec.engine, watchdog_s=spec.pool.engine_watchdog_s)
 
 
 SUPERVISE_PERIOD_S = 0.5  # how often a TP=1 replica looks at its engine process
@@ -90,7 +90,7 @@ class LLMServer:
         quotas = Quotas(store, dict(self.spec.tenants))
         logger.info("pool %s: runs jobs, %d at a time", self.spec.deployment_name, self.spec.job_slots)
         return JobRunner(JobQueue(store), self.spec.deployment_name, self.spec.job_slots, self._deltas,
-                         charges=quotas.charges, timeout_s=self.spec.job_timeout_s)
+                         charges=quotas.charges, timeout_s=self.spec.jobs.timeout_s)
 
     async def _supervise(self) -> None:
         """TP = 1: an engine process that died or hung is replaced inside this replica -- seconds, where

@@ -1,5 +1,7 @@
 """Application settings: pydantic at the edge (``AppArgs`` is the ``args:`` block of a Serve config),
-frozen dataclasses inside (:class:`PoolSpec`, :class:`PlanSpec`, :class:`IngressSpec`).
+frozen dataclasses inside (:class:`PoolSpec`, :class:`PlanSpec`, :class:`IngressSpec`). The args models are
+frozen too: a spec carries the configured block whole (``IngressArgs``, ``StoreArgs``, ...) and adds only
+what the builder resolved (engine configs, limits, buckets), so no setting is copied into a second class.
 
 A pool's ``engine:`` block *is* the engine's own configuration (``EngineConfig`` and its
 ``cache_policy``), validated by the engine's classes when the args are parsed -- so a misspelled key
@@ -65,7 +67,8 @@ class PoolArgs(_Strict):
 
     name: str = Field(pattern=r"^[A-Za-z0-9_-]+$")
     # None: what the pool's engine accepts for the model, less one output token (engine/limits.py):
-    # the trained context for a pool that keeps its full cache, max_stream_tokens for one that evicts.
+    # the trained context for a pool that keeps its full cache, max_stream_tokens for one that evicts or
+    # runs selected memory (sparse.position_mode compact): EngineLimits.max_prompt_tokens.
     max_prompt_tokens: int | None = Field(None, gt=0)
     timeout_s: float = Field(120.0, gt=0)
     # Soft timeout: at this age a request's generation ends cleanly with what it has produced so far
@@ -332,10 +335,13 @@ class BucketSpec:
     max_prompt_tokens: int
     timeout_s: float
     versions: tuple[str, ...] | None = None  # None: every version has a deployment for this bucket
-    # The pool engine's token limit (prompt + output): max_model_len, or max_stream_tokens for a
-    # pool that evicts. Chat's default max_tokens is what a prompt leaves of it (None: unknown).
-    max_model_len: int | None = None
-    evicts: bool = False  # the pool's cache policy evicts (a session may stream past its prompt bound)
+    # The pool engine's sequence limit (prompt + output), EngineLimits.max_seq_len of its engines (the
+    # tightest): max_model_len, or max_stream_tokens for a pool that evicts or runs selected memory
+    # (position_mode compact). Chat's default max_tokens is what a prompt leaves of it (None: unknown).
+    max_seq_len: int | None = None
+    # EngineLimits.streams: the pool evicts or runs selected memory, so a conversation may go on past its
+    # prompt bound (up to max_seq_len).
+    streams: bool = False
     policy_version: str | None = None  # the pool's configured cache policy (content hash)
     soft_timeout_s: float | None = None
     default_max_tokens: int | None = None  # the pool's cap on a chat's default max_tokens (None: no cap)
@@ -356,17 +362,19 @@ class VersionSpec:
 class PoolSpec:
     """What one LLMServer deployment needs: its bucket, its model version and its engine."""
 
-    bucket: str
+    pool: PoolArgs  # as configured (worker_num_cpus, engine_watchdog_s, ...); ``engine`` is its resolved engine
     version: str
     engine: EngineConfig
     stats_push_interval_s: float = 1.0
-    worker_num_cpus: float = 0.1
     # The job pool's replicas run queued jobs (app/jobs.py), at most job_slots at once; 0: none.
     job_slots: int = 0
-    job_timeout_s: float = 1800.0  # JobsArgs.timeout_s
-    store: StoreSpec | None = None
-    tenants: tuple[tuple[str, TenantLimits], ...] = ()  # to charge a finished job to its tenant
-    engine_watchdog_s: float = 60.0  # PoolArgs.engine_watchdog_s
+    jobs: JobsArgs = JobsArgs()
+    store: StoreArgs | None = None
+    tenants: tuple[tuple[str, TenantArgs], ...] = ()  # to charge a finished job to its tenant
+
+    @property
+    def bucket(self) -> str:
+        return self.pool.name
 
     @property
     def deployment_name(self) -> str:
@@ -379,23 +387,7 @@ class PlanSpec:
 
     buckets: tuple[BucketSpec, ...]
     versions: tuple[VersionSpec, ...]
-    rate_limit_rps: float | None = None
-    rate_limit_burst: int = 20
-    max_passages: int = 256
-
-
-@dataclass(frozen=True)
-class StoreSpec:
-    kind: str = "sqlite"
-    data_dir: str = "~/.sinkserve/data"
-    url: str | None = None
-    prefix: str = "sinkserve:"
-
-
-@dataclass(frozen=True)
-class TenantLimits:
-    tokens_per_minute: int | None = None
-    tokens_per_day: int | None = None
+    ingress: IngressArgs = IngressArgs()  # rate limits, max_passages
 
 
 def pool_deployment_name(bucket: str, version: str) -> str:
@@ -411,17 +403,14 @@ class IngressSpec:
     stats_push_interval_s: float = 1.0
     kv_cache: tuple[tuple[str, str], ...] = ()  # (pool, kv_cache_dtype), for /v1/models
     limits: tuple[tuple[str, EngineLimits], ...] = ()  # (pool, its engine's resolved limits), for /v1/models
-    store: StoreSpec = StoreSpec()
-    tenants: tuple[tuple[str, TenantLimits], ...] = ()
-    session_ttl_s: float = 7 * 86400.0
-    keepalive_s: float = 2.0
-    audit_path: str | None = None
-    audit_text: bool = False
-    max_body_bytes: int = 8 * 1024 * 1024  # IngressArgs.max_body_bytes
-    plan_threads: int = 2  # IngressArgs.plan_threads
-    plan_max_waiting: int = 64  # IngressArgs.plan_max_waiting
+    # The app's own blocks as configured (frozen pydantic models, passed whole rather than copied field by field).
+    ingress: IngressArgs = IngressArgs()  # keepalive_s, max_body_bytes, plan_threads, plan_max_waiting
+    store: StoreArgs = StoreArgs()
+    tenants: tuple[tuple[str, TenantArgs], ...] = ()
+    sessions: SessionArgs = SessionArgs()
+    audit: AuditArgs = AuditArgs()
+    quotas: QuotaArgs = QuotaArgs()
     jobs_pool: str | None = None
-    quota_fail_closed: bool = False
 
     @property
     def versions(self) -> tuple[str, ...]:

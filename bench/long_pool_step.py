@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     for name in args.models.split(","):
         model_dir = resolve_model(MODELS.get(name, name), fetch=False, fallback=False)
-        ctx = read_model_shape(model_dir).max_position_embeddings
+        ctx = read_model_shape(model_dir).trained_context
         k1 = min(1024, ctx) - 2 * (args.warm + args.steps) - 2  # 1K context, the decode steps still inside it
         largest = ctx - 2 * (args.warm + args.steps) - 2
         plan = [("short", k1), ("long", k1)] + ([("long", largest)] if largest > k1 + 64 else [])

@@ -155,7 +155,7 @@ class EngineConfig:
             raise ConfigError("tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
         self.cache_policy.validate(self.block_size)
         self._validate_kv_cache()
-        self.sparse.validate(self.block_size, self.model, self.max_model_len)
+        self.sparse.validate(self.block_size, self.model)
 
     def _validate_kv_cache(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

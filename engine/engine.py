@@ -62,7 +62,6 @@ class LLMEngine:
         self.max_model_len = self.limits.max_model_len
         self.layout = read_attention_layout(config.model)
         validate_for_engine(self.layout, self.max_model_len, config.tensor_parallel_size)  # before any load
-        config.sparse.validate(config.block_size, max_model_len=self.max_model_len)  # top_k within the context
         config.sparse.validate_compact(config.block_size, config.cache_policy.protected_positions,
                                        self.limits.trained_context)
         # Selected memory (sparse.position_mode compact) keeps every block and re-positions what a query

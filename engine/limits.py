@@ -34,7 +34,8 @@ sparse attention; the short pool: no eviction, B = 16)::
     long:  sequence limit                 max_stream_tokens (1,048,576): it streams past the context
 
 A configured absolute value wider than the trained context (``cache_policy.window``, ``sparse.top_k``,
-``sparse.local_window``) is refused with a ``ConfigError`` naming the field, the value and the context.
+``sparse.local_window``) is refused with a ``ConfigError`` naming the field, the value and the context
+(``sparse.top_k`` above a configured ``max_model_len`` too). This is the one place these bounds are checked.
 
 The sequence limit (prompt + output) is ``cache_policy.max_stream_tokens`` for a pool that evicts,
 ``max_model_len`` if set else ``max_stream_tokens`` for selected memory (``sparse.position_mode: compact``,
@@ -136,6 +137,11 @@ class EngineLimits:
     derived: tuple[str, ...] = ()
 
     @property
+    def streams(self) -> bool:
+        """Sequences may outgrow the trained context: the pool evicts, or runs selected memory (compact)."""
+        return self.evicts or self.compact
+
+    @property
     def max_prompt_tokens(self) -> int:
         """The longest prompt the engine accepts: its sequence limit less one output token."""
         return self.max_seq_len - 1
@@ -208,6 +214,9 @@ def derive_limits(config: EngineConfig, model_cfg: Mapping[str, Any], *,
     if s.enabled:
         _refuse_wider("sparse.top_k", s.top_k, ctx)
         _refuse_wider("sparse.local_window", s.local_window, ctx)
+        if s.top_k is not None and config.max_model_len is not None and s.top_k > config.max_model_len:
+            raise ConfigError("sparse.top_k", f"{s.top_k} is more than max_model_len ({config.max_model_len} tokens): "
+                                              "a selection wider than the sequence")
 
     chunk = config.max_num_batched_tokens
     if chunk is None:

@@ -24,7 +24,7 @@ from engine.architectures import (
     validate_for_engine,
 )
 from engine.attention_backends import get_backend
-from engine.limits import derive_limits, read_model_config
+from engine.limits import derive_limits, read_model_config, trained_context
 from engine.config import EngineConfig, kv_outlier_channels, kv_value_group_size, validate_kv_cache_for_model
 from engine.decode_path import DecodeFacts, DecodePath, choose_decode_path
 from engine.errors import ConfigError, ModelLoadError
@@ -92,7 +92,7 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     vocab_size: int
-    max_position_embeddings: int
+    trained_context: int  # engine.limits.trained_context: max_position_embeddings, else the rope's original
     architecture: str
 
 
@@ -120,7 +120,7 @@ def read_model_shape(model_dir: str) -> ModelShape:
         num_kv_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
         vocab_size=cfg["vocab_size"],
-        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        trained_context=trained_context(cfg),
         architecture=arch,
     )
 
@@ -197,7 +197,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, num_kv_blocks: int | None = None, rank: int = 0, world_size: int = 1) -> None:
         # Token counts left to the model are resolved as the engine resolves them (a no-op for the
         # engine's own, already resolved, config).
-        config = derive_limits(config, read_model_config(config.model)).resolve(config)
+        self.limits = derive_limits(config, read_model_config(config.model))
+        config = self.limits.resolve(config)
         self.config = config
         self.rank = rank
         self.world_size = world_size
@@ -208,7 +209,7 @@ class ModelRunner:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.shape = read_model_shape(config.model)
         validate_kv_cache_for_model(config, self.shape.head_dim, self.shape.num_kv_heads)
-        self.max_model_len = config.max_model_len or self.shape.max_position_embeddings
+        self.max_model_len = self.limits.max_model_len  # the engine's own (engine/limits.py), not a second derivation
         self.layout = read_attention_layout(config.model)
         validate_for_engine(self.layout, self.max_model_len, world_size)
         self.backend = get_backend(config.attention_backend, config.device)

@@ -67,14 +67,13 @@ class SparseAttention:
     prefill: bool = True
     position_mode: str = "absolute"
 
-    def validate(self, block_size: int, model_dir: str | None = None, max_model_len: int | None = None) -> None:
-        """Raise ``ConfigError`` naming the field (``sparse.<name>``) if these settings cannot work."""
+    def validate(self, block_size: int, model_dir: str | None = None) -> None:
+        """Raise ``ConfigError`` naming the field (``sparse.<name>``) if these settings cannot work. Bounds
+        that depend on the model's context (``top_k``, ``local_window``) are ``engine.limits.derive_limits``'."""
         if self.indexer not in INDEXERS:
             raise ConfigError("sparse.indexer", f"unknown indexer {self.indexer!r}; choose one of {list(INDEXERS)}")
         if self.top_k is not None and self.top_k < block_size:
             raise ConfigError("sparse.top_k", f"must be at least one block ({block_size} tokens), got {self.top_k}")
-        if self.enabled and max_model_len is not None and self.top_k is not None and self.top_k > max_model_len:
-            raise ConfigError("sparse.top_k", f"{self.top_k} exceeds the context ({max_model_len} tokens)")
         if self.min_context is not None and self.min_context < 1:
             raise ConfigError("sparse.min_context", f"must be >= 1, got {self.min_context}")
         if self.local_window is not None and self.local_window < 1:

@@ -112,10 +112,10 @@ def default_model() -> str:
 
 
 def trained_context(model: str | Path) -> int:
-    """``max_position_embeddings`` of the model: the context it was trained on."""
+    """The context the model was trained on (``engine.limits.trained_context`` of its config.json)."""
     from engine.model_runner import read_model_shape
 
-    return read_model_shape(str(model)).max_position_embeddings
+    return read_model_shape(str(model)).trained_context
 
 
 def model_fingerprint(model: str | Path) -> str:

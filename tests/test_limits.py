@@ -124,9 +124,25 @@ def test_builder_planner_and_engine_share_one_limits_object():
         assert engine.inputs.limits is engine.limits and engine.outputs.limits is engine.limits
         assert engine.config.cache_policy.window == built.window and engine.config.max_num_batched_tokens == built.chunk_tokens
         bucket = bucket_spec(long, [built], engine.policy.version)
-        assert bucket.max_model_len == engine.limits.max_seq_len
+        assert bucket.max_seq_len == engine.limits.max_seq_len
     finally:
         engine.shutdown()
+
+
+def test_pools_that_outgrow_the_context_stream_and_a_dense_one_does_not():
+    """``EngineLimits.streams`` (evicting or selected memory) is what lets the planner send a conversation past
+    a pool's bound; a pool that keeps its full cache inside the context does not stream."""
+    from app.builder import bucket_spec
+    from app.settings import PoolArgs, pool_limits
+
+    pools = {"dense": {}, "window": {"cache_policy": {"eviction_policy": "sliding_window"}},
+             "memory": {"sparse": {"enabled": True, "position_mode": "compact"}}}
+    buckets = {}
+    for name, engine in pools.items():
+        pool = PoolArgs(name=name, max_prompt_tokens=900, engine=engine)
+        buckets[name] = bucket_spec(pool, [pool_limits(pool, DEFAULT_MODEL)], "p")
+    assert {n: b.streams for n, b in buckets.items()} == {"dense": False, "window": True, "memory": True}
+    assert buckets["dense"].max_seq_len == 1024 and buckets["memory"].max_seq_len == buckets["window"].max_seq_len > 1024
 
 
 def test_a_prompt_inside_the_context_is_attended_exactly_on_the_long_pool():

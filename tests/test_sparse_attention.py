@@ -37,10 +37,12 @@ def test_bad_sparse_config_names_the_field(tiny_llama: Path, sparse: dict, field
 
 
 def test_top_k_larger_than_the_context_is_refused(tiny_llama: Path) -> None:
-    with pytest.raises(ConfigError) as err:
-        engine_config_from_dict({"model": str(tiny_llama), "max_model_len": 256, "sparse": {"enabled": True, "top_k": 512}})
+    # engine.limits holds the bound: max_model_len when it is set below the model's context ...
+    with pytest.raises(ConfigError, match="max_model_len") as err:
+        LLMEngine(engine_config_from_dict({"model": str(tiny_llama), "num_kv_blocks": 8, "max_model_len": 256,
+                                           "sparse": {"enabled": True, "top_k": 512}}))
     assert err.value.field == "sparse.top_k"
-    # Without max_model_len the model's own context (512 positions) decides, when the engine starts.
+    # ... else the model's own context (512 positions), when the engine starts.
     with pytest.raises(ConfigError) as err:
         LLMEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=8, sparse=SparseAttention(enabled=True, top_k=1024)))
     assert err.value.field == "sparse.top_k"

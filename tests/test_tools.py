@@ -176,7 +176,7 @@ def test_templates_with_and_without_a_tool_format(tokenizers):
 
 
 def test_planner_constrains_a_named_call(tokenizers):
-    spec = PlanSpec(buckets=(BucketSpec("short", 900, 60.0, max_model_len=1024),),
+    spec = PlanSpec(buckets=(BucketSpec("short", 900, 60.0, max_seq_len=1024),),
                     versions=(VersionSpec("v1", DEFAULT_MODEL, 1.0),))
     planner = Planner(spec)
     named = req(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=32)
@@ -246,7 +246,7 @@ def test_reference_model_calls_are_valid_by_construction(choice):
 
     from engine import EngineConfig, LLMEngine
 
-    spec = PlanSpec(buckets=(BucketSpec("short", 900, 60.0, max_model_len=1024),),
+    spec = PlanSpec(buckets=(BucketSpec("short", 900, 60.0, max_seq_len=1024),),
                     versions=(VersionSpec("v1", DEFAULT_MODEL, 1.0),))
     planner = Planner(spec)
     tool_choice = {"type": "function", "function": {"name": "get_weather"}} if choice == "named" else "required"

@@ -1,12 +1,12 @@
-"""Build the configured store (``StoreSpec`` from the app's ``store:`` block)."""
+"""Build the configured store (the app's ``store:`` block, ``StoreArgs``)."""
 
 from __future__ import annotations
 
-from app.settings import StoreSpec
+from app.settings import StoreArgs
 from app.store.base import Store
 
 
-def open_store(spec: StoreSpec) -> Store:
+def open_store(spec: StoreArgs) -> Store:
     """The backend ``spec`` names; nothing is connected yet (the first call connects, and any
     failure then is a ``StoreError`` that readiness reports)."""
     if spec.kind == "redis":

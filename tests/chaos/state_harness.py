@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Sequence
 import httpx
 
 from app.events import PoolRequest, TokenDelta
-from app.settings import REPO_ROOT, BucketSpec, IngressSpec, PlanSpec, StoreSpec, TenantLimits, VersionSpec
+from app.settings import REPO_ROOT, BucketSpec, IngressArgs, IngressSpec, PlanSpec, QuotaArgs, StoreArgs, TenantArgs, VersionSpec
 from app.token_bus import TokenOutbox
 
 MODEL = str(REPO_ROOT / "assets/reference-model")
@@ -65,14 +65,14 @@ class FakePool:
         await self.outbox.drain(req.reply_to)
 
 
-def ingress_spec(store: StoreSpec, tenants: dict[str, TenantLimits] | None = None, fail_closed: bool = False) -> IngressSpec:
+def ingress_spec(store: StoreArgs, tenants: dict[str, TenantArgs] | None = None, fail_closed: bool = False) -> IngressSpec:
     # Wide enough that a conversation of a chaos run (hundreds of short turns on a quiet host) never
     # outgrows it: the fake pools hold no KV.
-    plan = PlanSpec(buckets=(BucketSpec("chat", 16000, 30.0, max_model_len=16384),),
+    plan = PlanSpec(buckets=(BucketSpec("chat", 16000, 30.0, max_seq_len=16384),),
                     versions=(VersionSpec("v1", MODEL, 1.0), VersionSpec("v2", MODEL, 0.0)))
     return IngressSpec(auth="enabled", served_model_name="ref", plan=plan, pool_deployments=DEPLOYMENTS,
-                       store=store, tenants=tuple((tenants or {}).items()), keepalive_s=5.0,
-                       quota_fail_closed=fail_closed)
+                       store=store, tenants=tuple((tenants or {}).items()), ingress=IngressArgs(keepalive_s=5.0),
+                       quotas=QuotaArgs(fail_closed=fail_closed))
 
 
 def _local_class() -> type:

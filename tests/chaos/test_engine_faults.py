@@ -92,10 +92,10 @@ def test_a_pool_replica_replaces_a_hung_engine_and_counts_it(tiny_llama: Path, f
     replica starts a new one and counts the restart in its stats (``sinkserve_engine_watchdog_restarts_total``);
     while it restarts the pool reports not ready; afterwards requests succeed again."""
     from app.server import LLMServer
-    from app.settings import PoolSpec
+    from app.settings import PoolArgs, PoolSpec
     from app.events import PoolRequest
 
-    spec = PoolSpec(bucket="short", version="v1", engine=config(tiny_llama), engine_watchdog_s=1.5)
+    spec = PoolSpec(pool=PoolArgs(name="short", engine_watchdog_s=1.5), version="v1", engine=config(tiny_llama))
 
     async def run(server: LLMServer, rid: str, params: SamplingParams):
         req = PoolRequest(request_id=rid, prompt_token_ids=(1, 2, 3, 4), params=params)
@@ -147,9 +147,9 @@ def test_a_killed_engine_process_is_replaced_and_requests_meanwhile_may_fail_ove
 
     from app.events import PoolRequest
     from app.server import LLMServer
-    from app.settings import PoolSpec
+    from app.settings import PoolArgs, PoolSpec
 
-    spec = PoolSpec(bucket="short", version="v1", engine=config(tiny_llama))
+    spec = PoolSpec(pool=PoolArgs(name="short"), version="v1", engine=config(tiny_llama))
 
     async def run(server: LLMServer, rid: str):
         req = PoolRequest(request_id=rid, prompt_token_ids=(1, 2, 3, 4), params=HEALTHY)

@@ -20,7 +20,7 @@ from app import failover
 from app.errors import APIError
 from app.events import PoolRequest, RouteInfo, RoutePlan
 from app.failover import fallback_plans, stream_with_failover
-from app.settings import BucketSpec, PoolSpec
+from app.settings import BucketSpec, PoolArgs, PoolSpec
 from engine import EngineConfig, SamplingParams
 from tests.chaos.conftest import record
 
@@ -56,7 +56,7 @@ def test_killing_the_short_engine_under_load_fails_over_to_long(tiny_llama: Path
         servers = {}
         for b in BUCKETS:
             s = object.__new__(LLMServer)
-            await s.__init__(PoolSpec(bucket=b.name, version="v1", engine=engine))
+            await s.__init__(PoolSpec(pool=PoolArgs(name=b.name), version="v1", engine=engine))
             servers[f"pool-{b.name}-v1"] = s
         ready = lambda dep: servers[dep]._entry()["data"]["ready"]  # what the hub reports  # noqa: E731
         stop = asyncio.Event()

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from app.settings import StoreSpec
+from app.settings import StoreArgs
 from tests.chaos.state_harness import KEY, FakePool, ingress_spec, keys_env, running_ingress
 
 
@@ -74,9 +74,9 @@ async def _gone_client(body: dict[str, Any], spec_version: str) -> BaseException
 @pytest.mark.parametrize("first_token", ["ready", "pending"])
 async def test_a_client_gone_before_the_stream_body_starts_is_settled(tmp_path, monkeypatch, spec_version, first_token):
     keys_env(monkeypatch)
-    spec = ingress_spec(StoreSpec(kind="sqlite", data_dir=str(tmp_path / "data")))
+    spec = ingress_spec(StoreArgs(kind="sqlite", data_dir=str(tmp_path / "data")))
     if first_token == "pending":  # the headers go out before the first token (keep-alive comments follow)
-        spec = replace(spec, keepalive_s=0.05)
+        spec = replace(spec, ingress=spec.ingress.model_copy(update={"keepalive_s": 0.05}))
     # Three tokens: the pool call outlives the moment the client leaves, and the next turn is quick.
     pool = TrackingPool(tokens=3, delay_s=0.2 if first_token == "pending" else 0.1)
     async with running_ingress(spec, pool) as (client, [ingress]):

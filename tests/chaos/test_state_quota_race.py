@@ -13,7 +13,7 @@ import asyncio
 import pytest
 
 from app.quotas import DAY, window_key
-from app.settings import StoreSpec, TenantLimits
+from app.settings import StoreArgs, TenantArgs
 from tests.chaos.state_harness import ACME_KEY, FakePool, ingress_spec, keys_env, running_ingress, statuses
 from tests.serve.redis_server import redis_server
 
@@ -23,15 +23,15 @@ LIMIT = 10_000
 @pytest.fixture(params=["sqlite", "redis"])
 def store_spec(request, tmp_path):
     if request.param == "sqlite":
-        yield StoreSpec(kind="sqlite", data_dir=str(tmp_path / "data"))
+        yield StoreArgs(kind="sqlite", data_dir=str(tmp_path / "data"))
         return
     with redis_server(str(tmp_path)) as url:
-        yield StoreSpec(kind="redis", url=url, prefix="race:")
+        yield StoreArgs(kind="redis", url=url, prefix="race:")
 
 
 async def test_ten_concurrent_near_quota_requests_never_overshoot(store_spec, monkeypatch):
     keys_env(monkeypatch)
-    spec = ingress_spec(store_spec, {"acme": TenantLimits(tokens_per_day=LIMIT)})
+    spec = ingress_spec(store_spec, {"acme": TenantArgs(tokens_per_day=LIMIT)})
     auth = {"Authorization": f"Bearer {ACME_KEY}"}
     body = {"prompt": "The quick brown fox jumps over the lazy dog. " * 4, "max_tokens": 1}
     async with running_ingress(spec, FakePool(tokens=0, delay_s=0.3), replicas=2) as (client, replicas):
@@ -63,8 +63,8 @@ async def test_reconciled_at_the_end_aborted_before_first_token_charged_refused_
     keys_env(monkeypatch)
     auth = {"Authorization": f"Bearer {ACME_KEY}"}
     body = {"prompt": "The quick brown fox jumps over the lazy dog.", "max_tokens": 1}
-    store = StoreSpec(kind="sqlite", data_dir=str(tmp_path / "data"))
-    spec = ingress_spec(store, {"acme": TenantLimits(tokens_per_day=LIMIT)}, fail_closed=True)
+    store = StoreArgs(kind="sqlite", data_dir=str(tmp_path / "data"))
+    spec = ingress_spec(store, {"acme": TenantArgs(tokens_per_day=LIMIT)}, fail_closed=True)
 
     async def used(client) -> int:
         return (await client.get("/v1/tenant/usage", headers=auth)).json()["quotas"][0]["used"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from app.settings import StoreSpec, TenantLimits
+from app.settings import StoreArgs, TenantArgs
 from tests.chaos.state_harness import ACME_KEY, FakePool, ingress_spec, keys_env, running_ingress
 from tests.serve.redis_server import kill_redis, redis_server
 
@@ -30,7 +30,7 @@ async def test_redis_killed_and_restarted_mid_load(tmp_path, monkeypatch):
     keys_env(monkeypatch)
     with redis_server(str(tmp_path), persist=True) as url:
         port = int(url.rsplit(":", 1)[1].split("/")[0])
-        spec = ingress_spec(StoreSpec(kind="redis", url=url, prefix="chaos:"), {"acme": TenantLimits(tokens_per_day=10**9)})
+        spec = ingress_spec(StoreArgs(kind="redis", url=url, prefix="chaos:"), {"acme": TenantArgs(tokens_per_day=10**9)})
         auth = {"Authorization": f"Bearer {ACME_KEY}"}
         async with running_ingress(spec, FakePool(tokens=2, delay_s=0.005), replicas=2) as (client, _):
             convs = [(await client.post("/v1/conversations", headers=auth)).json()["id"] for _ in range(CLIENTS)]

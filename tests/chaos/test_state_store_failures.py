@@ -16,7 +16,7 @@ import json
 
 import pytest
 
-from app.settings import StoreSpec
+from app.settings import StoreArgs
 from app.store import StoreError
 from tests.chaos.state_harness import FakePool, ingress_spec, keys_env, running_ingress, sse_events
 
@@ -50,7 +50,7 @@ class FailingWrites:
 @pytest.fixture
 def spec(tmp_path, monkeypatch):
     keys_env(monkeypatch)
-    return ingress_spec(StoreSpec(kind="sqlite", data_dir=str(tmp_path / "data")))
+    return ingress_spec(StoreArgs(kind="sqlite", data_dir=str(tmp_path / "data")))
 
 
 def _wrap(ingress) -> FailingWrites:

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from app.settings import StoreSpec, TenantLimits
+from app.settings import StoreArgs, TenantArgs
 from tests.chaos.state_harness import ACME_KEY, OPERATOR_KEY, FakePool, ingress_spec, keys_env, running_ingress
 
 
@@ -17,7 +17,7 @@ def _auth(key: str) -> dict[str, str]:
 
 async def test_readyz_and_the_log_never_show_the_store_password(monkeypatch, caplog):
     keys_env(monkeypatch)
-    spec = ingress_spec(StoreSpec(kind="redis", url="redis://:hunter2@127.0.0.1:1/0"))
+    spec = ingress_spec(StoreArgs(kind="redis", url="redis://:hunter2@127.0.0.1:1/0"))
     caplog.set_level(logging.WARNING)
     async with running_ingress(spec, FakePool()) as (client, _):
         r = await client.get("/readyz")
@@ -31,7 +31,7 @@ async def test_readyz_and_the_log_never_show_the_store_password(monkeypatch, cap
 
 async def test_tenant_series_need_an_operator_key(tmp_path, monkeypatch):
     keys_env(monkeypatch)
-    spec = ingress_spec(StoreSpec(kind="sqlite", data_dir=str(tmp_path)), {"acme": TenantLimits(tokens_per_day=10**6)})
+    spec = ingress_spec(StoreArgs(kind="sqlite", data_dir=str(tmp_path)), {"acme": TenantArgs(tokens_per_day=10**6)})
     async with running_ingress(spec, FakePool()) as (client, _):
         assert (await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=_auth(ACME_KEY))).status_code == 200
         public = await client.get("/metrics", headers={"Authorization": ""})
@@ -49,7 +49,7 @@ async def test_tenant_series_need_an_operator_key(tmp_path, monkeypatch):
                                            ({"model": "ref@v2"}, "model")])
 async def test_operator_only_options(tmp_path, monkeypatch, option, param):
     keys_env(monkeypatch)
-    spec = ingress_spec(StoreSpec(kind="sqlite", data_dir=str(tmp_path)))
+    spec = ingress_spec(StoreArgs(kind="sqlite", data_dir=str(tmp_path)))
     body = {"prompt": "hi", "max_tokens": 2, **option}
     async with running_ingress(spec, FakePool()) as (client, _):
         r = await client.post("/v1/completions", json=body, headers=_auth(ACME_KEY))

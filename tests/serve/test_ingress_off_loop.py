@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 
 from app.schemas import CompletionRequest
-from app.settings import StoreSpec
+from app.settings import StoreArgs
 from tests.chaos.state_harness import FakePool, ingress_spec, keys_env, running_ingress
 
 
@@ -28,7 +28,7 @@ async def test_request_and_job_bodies_are_validated_on_the_planning_threads(tmp_
 
     monkeypatch.setattr(CompletionRequest, "model_validate", classmethod(validate))
     monkeypatch.setattr(CompletionRequest, "model_validate_json", classmethod(validate_json))
-    spec = ingress_spec(StoreSpec(kind="sqlite", data_dir=str(tmp_path)))
+    spec = ingress_spec(StoreArgs(kind="sqlite", data_dir=str(tmp_path)))
     body = {"prompt": "hi", "max_tokens": 2}
     async with running_ingress(spec, FakePool()) as (client, _):
         assert (await client.post("/v1/completions", json=body)).status_code == 200
@@ -47,7 +47,7 @@ async def test_an_echoed_prompt_is_decoded_on_the_planning_threads(tmp_path, mon
     """``echo`` decodes the whole prompt (and with logprobs names each prompt token) for the response:
     that is tokenizer work as long as the prompt, done on the planning threads, unary and streamed."""
     keys_env(monkeypatch)
-    spec = ingress_spec(StoreSpec(kind="sqlite", data_dir=str(tmp_path)))
+    spec = ingress_spec(StoreArgs(kind="sqlite", data_dir=str(tmp_path)))
     threads: list[str] = []
     async with running_ingress(spec, FakePool()) as (client, [ingress]):
         real = ingress._choices

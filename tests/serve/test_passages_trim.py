@@ -13,7 +13,7 @@ from app.metrics import RequestMetrics, render
 from app.passages import PLACEHOLDER, SEPARATOR, bm25_scores, select_within_budget
 from app.planner import Planner
 from app.schemas import ChatCompletionRequest, CompletionRequest, RouteInfoModel
-from app.settings import BucketSpec, PlanSpec, VersionSpec
+from app.settings import BucketSpec, IngressArgs, PlanSpec, VersionSpec
 from engine.config import DEFAULT_MODEL
 
 QUESTION = "\n\nQuestion: Which access code was given?\nAnswer: The access code is"
@@ -60,7 +60,7 @@ def test_select_within_budget_exact(scores, tokens, budget, kept):
 @pytest.fixture(scope="module")
 def planner() -> Planner:
     return Planner(PlanSpec(buckets=(BucketSpec("short", 64, 60.0), BucketSpec("long", 400, 120.0)),
-                            versions=(VersionSpec("v1", DEFAULT_MODEL, 1.0),), max_passages=8))
+                            versions=(VersionSpec("v1", DEFAULT_MODEL, 1.0),), ingress=IngressArgs(max_passages=8)))
 
 
 def n_tokens(planner: Planner, text: str) -> int:

@@ -198,8 +198,8 @@ from app.conversations import Conversation  # noqa: E402
 
 def turn_planner(long_evicts: bool) -> Planner:
     return Planner(PlanSpec(
-        buckets=(_B("short", 32, 60.0, max_model_len=64), _B("long", 100, 120.0, max_model_len=128 if not long_evicts else 4096,
-                                                              evicts=long_evicts, policy_version="p1")),
+        buckets=(_B("short", 32, 60.0, max_seq_len=64), _B("long", 100, 120.0, max_seq_len=128 if not long_evicts else 4096,
+                                                              streams=long_evicts, policy_version="p1")),
         versions=(_V("v1", DEFAULT_MODEL, 1.0), _V("v2", DEFAULT_MODEL, 1.0)),
     ))
 
@@ -249,9 +249,9 @@ def test_chat_default_max_tokens_is_capped_by_the_pool():
     from app.schemas import ChatCompletionRequest, CompletionRequest
 
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": ""}])
-    evicting = BucketSpec("long", 8192, 300.0, max_model_len=1 << 20, evicts=True, default_max_tokens=1024)
+    evicting = BucketSpec("long", 8192, 300.0, max_seq_len=1 << 20, streams=True, default_max_tokens=1024)
     assert default_max_tokens(chat, evicting, 30) == 1024
-    assert default_max_tokens(chat, BucketSpec("s", 500, 60.0, max_model_len=512, default_max_tokens=1024), 500) == 12
+    assert default_max_tokens(chat, BucketSpec("s", 500, 60.0, max_seq_len=512, default_max_tokens=1024), 500) == 12
     assert default_max_tokens(chat.model_copy(update={"max_tokens": 5000}), evicting, 30) is None
     assert default_max_tokens(CompletionRequest(prompt="x"), evicting, 30) is None  # OpenAI's 16 stays
 
@@ -261,8 +261,8 @@ def test_models_card_default_is_what_the_pool_gives():
     one-token prompt where that is smaller (a 512-token pool does not give a 1024-token default)."""
     from app.planner import largest_default_max_tokens
 
-    assert largest_default_max_tokens(BucketSpec("long", 8192, 300.0, max_model_len=1 << 20, default_max_tokens=1024)) == 1024
-    assert largest_default_max_tokens(BucketSpec("s", 500, 60.0, max_model_len=512, default_max_tokens=1024)) == 511
+    assert largest_default_max_tokens(BucketSpec("long", 8192, 300.0, max_seq_len=1 << 20, default_max_tokens=1024)) == 1024
+    assert largest_default_max_tokens(BucketSpec("s", 500, 60.0, max_seq_len=512, default_max_tokens=1024)) == 511
     assert largest_default_max_tokens(BucketSpec("s", 500, 60.0)) is None
 
 

@@ -9,7 +9,7 @@ import pytest
 from app.conversations import Conversation, ConversationStore, Turn, chat_continuation
 from app.errors import APIError
 from app.quotas import Quotas
-from app.settings import StoreSpec, TenantLimits
+from app.settings import StoreArgs, TenantArgs
 from app.store import StoreError, open_store
 from tests.serve.redis_server import redis_server
 
@@ -17,12 +17,12 @@ from tests.serve.redis_server import redis_server
 @pytest.fixture(params=["sqlite", "redis"])
 def store(request, tmp_path):
     if request.param == "sqlite":
-        s = open_store(StoreSpec(kind="sqlite", data_dir=str(tmp_path / "data")))
+        s = open_store(StoreArgs(kind="sqlite", data_dir=str(tmp_path / "data")))
         yield s
         s.close()
         return
     with redis_server(str(tmp_path)) as url:
-        s = open_store(StoreSpec(kind="redis", url=url, prefix="t:"))
+        s = open_store(StoreArgs(kind="redis", url=url, prefix="t:"))
         yield s
         s.close()
 
@@ -54,7 +54,7 @@ def test_counters_and_queue(store):
 
 
 def _incr_many(data_dir: str, n: int) -> None:
-    s = open_store(StoreSpec(kind="sqlite", data_dir=data_dir))
+    s = open_store(StoreArgs(kind="sqlite", data_dir=data_dir))
     for _ in range(n):
         s.incr("shared", 1, 60)
 
@@ -67,33 +67,33 @@ def test_sqlite_counter_is_atomic_across_processes(tmp_path):
         p.start()
     for p in procs:
         p.join(60)
-    s = open_store(StoreSpec(kind="sqlite", data_dir=d))
+    s = open_store(StoreArgs(kind="sqlite", data_dir=d))
     assert s.counter("shared") == 600
 
 
 def test_sqlite_wal_and_corrupt_file(tmp_path):
     d = tmp_path / "data"
-    s = open_store(StoreSpec(kind="sqlite", data_dir=str(d)))
+    s = open_store(StoreArgs(kind="sqlite", data_dir=str(d)))
     s.put("k", b"v")
     assert s._connect().execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     s.close()
     for f in d.iterdir():
         f.unlink()
     (d / "sinkserve.sqlite3").write_bytes(b"this is not a database" * 100)
-    s = open_store(StoreSpec(kind="sqlite", data_dir=str(d)))
+    s = open_store(StoreArgs(kind="sqlite", data_dir=str(d)))
     with pytest.raises(StoreError, match="sinkserve.sqlite3: file is not a database"):
         s.ping()
 
 
 def test_redis_unreachable_names_the_url():
-    s = open_store(StoreSpec(kind="redis", url="redis://127.0.0.1:1/0"))
+    s = open_store(StoreArgs(kind="redis", url="redis://127.0.0.1:1/0"))
     with pytest.raises(StoreError, match="redis://127.0.0.1:1/0"):
         s.ping()
 
 
 def test_quota_refusal_names_quota_used_and_reset(store):
     now = [120.0 + 30]  # 30 s into minute 2
-    q = Quotas(store, {"acme": TenantLimits(tokens_per_minute=1000)}, clock=lambda: now[0])
+    q = Quotas(store, {"acme": TenantArgs(tokens_per_minute=1000)}, clock=lambda: now[0])
     res = q.reserve("acme", 900)
     q.reconcile(res, 940)  # the completion's 40 added
     with pytest.raises(APIError) as e:
@@ -113,7 +113,7 @@ def test_quota_refusal_names_quota_used_and_reset(store):
 
 
 def test_quota_reserve_is_atomic_across_windows_and_processes(store):
-    q = Quotas(store, {"acme": TenantLimits(tokens_per_minute=100, tokens_per_day=150)})
+    q = Quotas(store, {"acme": TenantArgs(tokens_per_minute=100, tokens_per_day=150)})
     q.reserve("acme", 90)
     with pytest.raises(APIError) as e:
         q.reserve("acme", 20)
@@ -134,7 +134,7 @@ class _DownStore:
 
 
 def test_quota_fails_closed_when_configured():
-    limits = {"acme": TenantLimits(tokens_per_minute=100)}
+    limits = {"acme": TenantArgs(tokens_per_minute=100)}
     with pytest.raises(APIError) as e:
         Quotas(_DownStore(), limits, fail_closed=True).reserve("acme", 1)
     assert e.value.status == 503 and e.value.retry_after == 5 and "quota store is unavailable" in e.value.message
@@ -165,7 +165,7 @@ def test_a_quota_charge_the_store_refused_is_written_once_it_is_back(store):
     waits in the outbox and lands in its own window before the next reservation is judged."""
     now = [120.0 + 10]
     flaky = _Flaky(store)
-    q = Quotas(flaky, {"acme": TenantLimits(tokens_per_minute=1000)}, clock=lambda: now[0])
+    q = Quotas(flaky, {"acme": TenantArgs(tokens_per_minute=1000)}, clock=lambda: now[0])
     res = q.reserve("acme", 100)
     flaky.down = True
     q.reconcile(res, 700)  # +600 for the completion: refused by the store
@@ -192,7 +192,7 @@ def test_the_quota_outbox_is_flushed_once_under_concurrent_requests(store):
     import threading
 
     flaky = _Flaky(store)
-    q = Quotas(flaky, {"acme": TenantLimits(tokens_per_minute=10**9)})
+    q = Quotas(flaky, {"acme": TenantArgs(tokens_per_minute=10**9)})
     flaky.down = True
     for _ in range(200):
         q.charge("acme", 1)
@@ -288,7 +288,7 @@ async def test_the_background_purge_drains_expired_rows_and_outlives_a_failing_s
 
 
 def test_redis_errors_mask_the_password():
-    s = open_store(StoreSpec(kind="redis", url="redis://:hunter2@127.0.0.1:1/0"))
+    s = open_store(StoreArgs(kind="redis", url="redis://:hunter2@127.0.0.1:1/0"))
     with pytest.raises(StoreError) as e:
         s.ping()
     assert "hunter2" not in str(e.value) and "redis://***@127.0.0.1:1/0" in str(e.value)
@@ -403,7 +403,7 @@ async def test_job_runner_runs_within_its_slots_and_stores_the_result(store):
 
 
 def test_job_result_and_charge_land_together_and_never_twice(store):
-    quotas = Quotas(store, {"acme": TenantLimits(tokens_per_minute=10**6)})
+    quotas = Quotas(store, {"acme": TenantArgs(tokens_per_minute=10**6)})
     q = JobQueue(store)
     job = q.submit("acme", "d", "long", _preq())
     run1 = q.claim("d")
@@ -441,7 +441,7 @@ async def test_job_lease_renewal_errors_do_not_orphan_its_generation(store, monk
     import app.jobs as jobs
 
     monkeypatch.setattr(jobs, "RENEW_S", 0.02)
-    quotas = Quotas(store, {"acme": TenantLimits(tokens_per_minute=10**6)})
+    quotas = Quotas(store, {"acme": TenantArgs(tokens_per_minute=10**6)})
     q = JobQueue(store)
     job = q.submit("acme", "d", "long", _preq())
     fails = {"renew": 0, "finish": 0}
@@ -519,7 +519,7 @@ async def test_a_job_past_its_wall_clock_fails_with_its_partial_text_and_its_str
     closed (the engine aborts the request) -- not left running with no one to read it."""
     import asyncio
 
-    quotas = Quotas(store, {"acme": TenantLimits(tokens_per_minute=10**6)})
+    quotas = Quotas(store, {"acme": TenantArgs(tokens_per_minute=10**6)})
     q = JobQueue(store)
     job = q.submit("acme", "d", "long", _preq())
     closed = []

@@ -14,7 +14,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 # The reference model's template plus a Hermes/Qwen-style tool format: rendered without ``tools`` it is
-# the reference template exactly (tests/serve/test_tools.py checks), so every other test sees the same
+# the reference template exactly (tests/test_tools.py checks), so every other test sees the same
 # prompts; with ``tools`` the system turn lists them and history calls / results render as Hermes text.
 NL = "'\\n'"
 TOOLS_TEMPLATE = (
