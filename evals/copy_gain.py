@@ -76,6 +76,7 @@ class CopyConfig:
     # of the trained context (issue 41: 0.1 .. 0.9); when set they replace ``gaps`` (L = lead + reach + span).
     reach_x: tuple[float, ...] = ()
     kinds: tuple[str, ...] = KINDS
+    max_num_seqs: int = 4  # inputs scored together (decoys too); more is faster for small models on CPU
 
 
 @dataclass(frozen=True)
@@ -224,7 +225,7 @@ def run_copy_gain(models: list[str], cfg: CopyConfig) -> dict[str, Any]:
                                  "first": {}, "second": {}, "decoy": {}}
             for m in models:
                 t1 = time.perf_counter()
-                got = score(m, arm, inputs, window, cfg.chunk or ctx // 8)
+                got = score(m, arm, inputs, window, cfg.chunk or ctx // 8, cfg.max_num_seqs)
                 p["first"][m] = [round(a, 4) for a, _, _ in got]
                 p["second"][m] = [round(b, 4) for _, b, _ in got]
                 p["decoy"][m] = [round(c, 4) for _, _, c in got]
@@ -289,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
                     "(the first-last task, evals.first_last_task)")
     ap.add_argument("--lead", type=int, default=CopyConfig.lead)
     ap.add_argument("--span", type=int, default=CopyConfig.span)
+    ap.add_argument("--max-seqs", type=int, default=CopyConfig.max_num_seqs,
+                    help="sequences the engine scores at once (the numbers do not depend on it)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     A.setup_torch(args.threads)
@@ -300,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--kinds: unknown {unknown}; choose from {', '.join(KINDS + (TASK,))}")
     cfg = CopyConfig(samples=args.samples, lengths=lengths, arms=tuple(args.arms.split(",")), kinds=kinds,
                      reach_x=tuple(float(x) for x in args.reach.split(",")) if args.reach else (),
-                     lead=args.lead, span=args.span)
+                     lead=args.lead, span=args.span, max_num_seqs=args.max_seqs)
     res = run_copy_gain(models, cfg)
     res["meta"].update(models=models, model_sha256={m: A.model_fingerprint(m) for m in models},
                        loadavg=[round(x, 2) for x in os.getloadavg()],

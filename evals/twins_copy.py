@@ -30,9 +30,18 @@ def _label(p: dict[str, Any]) -> str:
     return f"dense, reach {point_x(p):g}x" if p["arm"] == "dense" else f"{p['arm']}, {point_x(p):g}x"
 
 
-def load_points(path: str | Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    data = json.loads(Path(path).read_text())
-    return data["points"], data.get("meta", {})
+def load_points(paths: str | Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The points of one result file, or of several (comma-separated: e.g. one run per span kind, run in
+    parallel), in order; the first file's meta, with every file's command and wall time."""
+    points: list[dict[str, Any]] = []
+    meta: dict[str, Any] = {}
+    for path in str(paths).split(","):
+        data = json.loads(Path(path).read_text())
+        points += data["points"]
+        m = data.get("meta", {})
+        meta = meta or dict(m)
+        meta.setdefault("runs", []).append({k: m.get(k) for k in ("command", "loadavg", "wall_s")})
+    return points, meta
 
 
 def build_report(twins_json: str | Path, baseline: str, model: str, reference_json: str | Path | None = None,
@@ -88,9 +97,9 @@ def build_report(twins_json: str | Path, baseline: str, model: str, reference_js
         rows=rows,
         meta={"twins": str(twins_json), "reference": str(reference_json), "baseline": baseline, "model": model,
               "reference_model": ref, "gate": gate, "verdict": verdict,
-              "twins_run": {k: meta.get(k) for k in ("command", "loadavg", "wall_s", "trained_context", "samples")},
-              "reference_run": {k: ref_meta.get(k) for k in ("command", "loadavg", "wall_s", "trained_context",
-                                                             "samples")}},
+              "twins_runs": meta.get("runs"), "twins_context": meta.get("trained_context"),
+              "twins_samples": meta.get("samples"), "reference_runs": ref_meta.get("runs"),
+              "reference_context": ref_meta.get("trained_context"), "reference_samples": ref_meta.get("samples")},
         notes=["copy = NLL(second occurrence | decoy first) - NLL(second occurrence), nats/token; intervals: 95 % "
                "Student t over samples (differences paired by sample: the same inputs for both twins)",
                "reach = start of the 2nd occurrence - start of the 1st, as a fraction of the trained context; "

@@ -55,3 +55,14 @@ def test_report_pairs_the_twins_and_adds_the_control(tmp_path: Path):
     assert res.rows[0]["AttnRes - standard (paired)"].startswith("+0.000")
     assert [r["judged"] for r in res.rows] == [""] + ["yes"] * 5
     assert res.meta["verdict"].startswith("met") and len(res.panels) == 3
+
+
+def test_results_of_parallel_runs_are_read_together(tmp_path: Path):
+    gate = [2.0, 2.2, 1.8, 2.1]
+    pts = _points(gate, gate, [0.5] * 5)
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"points": pts[:1], "meta": {"command": "run a", "wall_s": 1.0}}))
+    b.write_text(json.dumps({"points": pts[1:], "meta": {"command": "run b", "wall_s": 2.0}}))
+    res = build_report(f"{a},{b}", "s", "a")
+    assert len(res.rows) == 6 and res.meta["verdict"].startswith("met")
+    assert [r["command"] for r in res.meta["twins_runs"]] == ["run a", "run b"]
