@@ -135,7 +135,7 @@ def build_inputs(tokenizer: Any, stream: list[int], kind: str, length: int, cfg:
     if kind == TASK:
         from evals.first_last_task import build_task_inputs
 
-        return build_task_inputs(tokenizer, stream, length, cfg)
+        return [CopyInput(*x) for x in build_task_inputs(tokenizer, stream, length, cfg.samples, cfg.seed, cfg.lead)]
     out = []
     vocab = len(tokenizer)
     for i in range(cfg.samples):

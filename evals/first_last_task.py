@@ -22,8 +22,11 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from evals.copy_gain import CopyConfig, CopyInput
 from training.longrange_docs import random_code
+
+# (ids, first occurrence [start, end), second occurrence [start, end), decoy ids): evals.copy_gain wraps it
+# in its CopyInput (this module does not import copy_gain, which imports it)
+TaskInput = tuple[list[int], tuple[int, int], tuple[int, int], list[int]]
 
 # Held out: none of these wordings is in training.longrange_docs.INSTRUCTIONS.
 HELDOUT_RULES = (
@@ -41,7 +44,7 @@ def _parts(tokenizer: Any, rule: str, code: str) -> tuple[list[int], list[int], 
     return enc(" " + pre.strip()), enc(" " + code), enc(post)
 
 
-def build_task_input(tokenizer: Any, stream: list[int], rng: random.Random, length: int, lead: int) -> CopyInput:
+def build_task_input(tokenizer: Any, stream: list[int], rng: random.Random, length: int, lead: int) -> TaskInput:
     """One input of ``length`` tokens (layout in the module docstring) with its decoy."""
     rule = HELDOUT_RULES[rng.randrange(len(HELDOUT_RULES))]
     code = random_code(rng)
@@ -62,12 +65,12 @@ def build_task_input(tokenizer: Any, stream: list[int], rng: random.Random, leng
     c1 = len(ids)
     ids += code_ids
     assert len(ids) == length
-    x = CopyInput(ids, (c0 - 1, c0 + len(code_ids)), (c1 - 1, length))
     decoy = ids[:c0] + decoy_ids + ids[c0 + len(code_ids):]
-    return CopyInput(x.ids, x.first, x.second, decoy)
+    return ids, (c0 - 1, c0 + len(code_ids)), (c1 - 1, length), decoy
 
 
-def build_task_inputs(tokenizer: Any, stream: list[int], length: int, cfg: CopyConfig) -> list[CopyInput]:
-    """``cfg.samples`` inputs; sample ``i`` has the same rule, code and text start at every length."""
-    return [build_task_input(tokenizer, stream, random.Random(f"first-last-task:{cfg.seed + i}"), length, cfg.lead)
-            for i in range(cfg.samples)]
+def build_task_inputs(tokenizer: Any, stream: list[int], length: int, samples: int, seed: int, lead: int
+                      ) -> list[TaskInput]:
+    """``samples`` inputs; sample ``i`` has the same rule, code and text start at every length."""
+    return [build_task_input(tokenizer, stream, random.Random(f"first-last-task:{seed + i}"), length, lead)
+            for i in range(samples)]

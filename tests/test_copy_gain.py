@@ -108,14 +108,14 @@ def test_reach_points_and_the_first_last_task_through_the_cli(tiny_llama: Path, 
 def test_first_last_task_layout_with_the_reference_tokenizer() -> None:
     from transformers import AutoTokenizer
 
-    from evals.copy_gain import CopyConfig
-    from evals.first_last_task import HELDOUT_RULES, build_task_inputs
+    from evals.copy_gain import CopyConfig, build_inputs
+    from evals.first_last_task import HELDOUT_RULES
     from training.longrange_docs import INSTRUCTIONS
 
     tok = AutoTokenizer.from_pretrained("assets/reference-model")
     assert not set(HELDOUT_RULES) & set(INSTRUCTIONS)  # held-out wordings
     stream = tok("the quick brown fox jumps over the lazy dog " * 40, add_special_tokens=False)["input_ids"]
-    xs = build_task_inputs(tok, stream, 300, CopyConfig(samples=6, lead=16))
+    xs = build_inputs(tok, stream, "instruction", 300, CopyConfig(samples=6, lead=16))
     for x in xs:
         assert len(x.ids) == len(x.decoy) == 300 and x.ids[0] == tok.bos_token_id
         (a, b), (c, d) = x.first, x.second
@@ -127,4 +127,4 @@ def test_first_last_task_layout_with_the_reference_tokenizer() -> None:
         diff = [i for i, (u, v) in enumerate(zip(x.ids, x.decoy)) if u != v]
         assert diff and a < min(diff) and max(diff) < b  # the decoy names another code, nothing else differs
     with pytest.raises(ValueError, match="too short"):
-        build_task_inputs(tok, stream, 40, CopyConfig(samples=1, lead=16))
+        build_inputs(tok, stream, "instruction", 40, CopyConfig(samples=1, lead=16))
