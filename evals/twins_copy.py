@@ -44,6 +44,15 @@ def load_points(paths: str | Path) -> tuple[list[dict[str, Any]], dict[str, Any]
     return points, meta
 
 
+def _key(points: list[dict[str, Any]], model: str, where: Any) -> str:
+    """The name ``model`` has in the results (the CLI passes resolved paths, the results hold the typed ones)."""
+    names = list(points[0]["second"]) if points else []
+    for n in names:
+        if n == model or Path(n).resolve() == Path(model).resolve():
+            return n
+    raise ValueError(f"{where} has no results for {model} (it has {names})")
+
+
 def build_report(twins_json: str | Path, baseline: str, model: str, reference_json: str | Path | None = None,
                  ) -> EvalResult:
     """The table, the gate, the verdict and the plot (module docstring)."""
@@ -52,9 +61,7 @@ def build_report(twins_json: str | Path, baseline: str, model: str, reference_js
     ref = ref_meta.get("models", [None])[0] if ref_meta else None
     if ref is None and ref_points:
         ref = next(iter(ref_points[0]["second"]))
-    for m in (baseline, model):
-        if not points or m not in points[0]["second"]:
-            raise ValueError(f"{twins_json} has no results for {m}")
+    baseline, model = (_key(points, m, twins_json) for m in (baseline, model))
     judged = {(k, a, x) for k, a, x in JUDGED}
     rows = []
     for p in points:
