@@ -93,7 +93,7 @@ def mix_weights(model: torch.nn.Module, wins: list[list[int]]) -> list[list[floa
 
 
 def decode_latency(models: list[str], batches: tuple[int, ...], prompt_len: int, steps: int, rounds: int,
-                   load_format: str = "auto", model_impl: str = "auto") -> dict:
+                   load_format: str = "auto", model_impl: str = "auto", same_path: bool = False) -> dict:
     """Per-step wall time (ms) of decode steps, per model and batch, and the paired overhead of each model
     over the first. The models decode in lockstep (one step of each in turn, the order alternating), so
     every pair of steps ran under the same host load; the overhead is the median of the per-pair ratios.
@@ -106,6 +106,11 @@ def decode_latency(models: list[str], batches: tuple[int, ...], prompt_len: int,
         -(-(prompt_len + steps + 2) // A.BLOCK_SIZE)), max_num_batched_tokens=max(512, prompt_len),
         max_num_seqs=max(batches), enable_prefix_caching=False, load_format=load_format,
         model_impl=model_impl)) for m in models}
+    if same_path:  # the architecture alone: a Llama model off the C step (AttnRes has none), both eager
+        for e in engines.values():
+            model = getattr(getattr(e.executor, "runner", None), "model", None)
+            if getattr(model, "c_step", False):
+                model.c_step = False
     params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
     times: dict[tuple[str, int], list[float]] = {(m, b): [] for m in models for b in batches}
     cpu: dict[tuple[str, int], list[float]] = {(m, b): [] for m in models for b in batches}
@@ -132,7 +137,9 @@ def decode_latency(models: list[str], batches: tuple[int, ...], prompt_len: int,
                     engines[m].step()
     base = models[0]
     out: dict[str, Any] = {"batches": list(batches), "prompt_len": prompt_len, "steps_per_round": steps,
-                           "rounds": rounds, "model_impl": model_impl}
+                           "rounds": rounds, "model_impl": model_impl, "same_path": same_path,
+                           "decode_paths": {m: "eager (C step off)" if same_path and e.decode_path.path == "c_step"
+                                            else e.decode_path.path for m, e in engines.items()}}
     for key, samples in (("", times), ("cpu_", cpu)):
         out[f"{key}per_model"] = {m: {str(b): round(1000 * statistics.median(samples[(m, b)]), 3) for b in batches}
                                   for m in models}
