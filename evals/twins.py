@@ -114,6 +114,7 @@ def decode_latency(models: list[str], batches: tuple[int, ...], prompt_len: int,
     params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
     times: dict[tuple[str, int], list[float]] = {(m, b): [] for m in models for b in batches}
     cpu: dict[tuple[str, int], list[float]] = {(m, b): [] for m in models for b in batches}
+    ran: dict[str, str | None] = {}
     g = torch.Generator().manual_seed(0)
     vocab = min(4000, min(e.shape.vocab_size for e in engines.values()))
     for r in range(rounds):
@@ -131,6 +132,8 @@ def decode_latency(models: list[str], batches: tuple[int, ...], prompt_len: int,
                     c0, t0 = time.thread_time(), time.perf_counter()
                     engines[m].step()
                     times[(m, b)].append(time.perf_counter() - t0)
+                    runner = getattr(engines[m].executor, "runner", None)
+                    ran[m] = getattr(runner, "last_decode_path", None) or ran.get(m)  # what ran the step
                     cpu[(m, b)].append(time.thread_time() - c0)
             for m in models:
                 while engines[m].has_unfinished():
@@ -138,8 +141,7 @@ def decode_latency(models: list[str], batches: tuple[int, ...], prompt_len: int,
     base = models[0]
     out: dict[str, Any] = {"batches": list(batches), "prompt_len": prompt_len, "steps_per_round": steps,
                            "rounds": rounds, "model_impl": model_impl, "same_path": same_path,
-                           "decode_paths": {m: "eager (C step off)" if same_path and e.decode_path.path == "c_step"
-                                            else e.decode_path.path for m, e in engines.items()}}
+                           "decode_paths": {m: ran.get(m) for m in models}}
     for key, samples in (("", times), ("cpu_", cpu)):
         out[f"{key}per_model"] = {m: {str(b): round(1000 * statistics.median(samples[(m, b)]), 3) for b in batches}
                                   for m in models}
