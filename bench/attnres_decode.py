@@ -95,6 +95,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--out", default="docs/attnres")
+    ap.add_argument("--same-path", action="store_true", help="--twins: the standard twin off the C decode step "
+                    "(AttnRes has none), so both run the eager native forward and only the architecture differs")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
@@ -103,11 +105,11 @@ def main(argv: list[str] | None = None) -> None:
         std, ar = "assets/twin-standard", "assets/twin-attnres"
         for run in range(1, args.runs + 1):
             before = uptime()
-            lat = decode_latency([std, ar], (1, 8), 256, args.steps, args.rounds)
+            lat = decode_latency([std, ar], (1, 8), 256, args.steps, args.rounds, same_path=args.same_path)
             rows.append(overhead_row(lat, std, ar, run, f"{before.split('load average: ')[-1]} -> "
                                                         f"{uptime().split('load average: ')[-1]}"))
             logging.info("run %d: %s", run, rows[-1])
-        name, first = "decode_twins", "run"
+        name, first = "decode_twins_same_path" if args.same_path else "decode_twins", "run"
     else:
         with tempfile.TemporaryDirectory() as tmp:
             for h in (int(x) for x in args.hidden.split(",")):

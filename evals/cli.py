@@ -7,6 +7,7 @@
     sinkserve eval system-prompt [--quick] [--lengths 0.5,4] [--trials 8] [--out docs/evals]
     sinkserve eval twins     --model A --baseline B [--quick] [--windows 16] [--rounds 6] [--needle B_DIR,A_DIR]
                              [--copy-samples 12] [--copy-lengths 4,16] [--out docs/evals]
+    sinkserve eval twins-copy --model A --baseline B --twins COPY.json [--reference REF.json] [--out docs/attnres]
 
 Each writes ``<out>/<name>.{md,json,png}`` and prints the table. ``--with`` / ``--without`` run only the
 protected arm (sinks [+ anchor]) / the unprotected arm (window only) on the same inputs; both together
@@ -128,6 +129,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--copy-lengths", help="copy gain past the trained context at these multiples (default 4,16; "
                                           "quick 2)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: see evals.arms)")
+    p = sub.add_parser("twins-copy", help="the twins' first-last copy comparison from copy-gain results: paired "
+                                          "intervals, gate, verdict, positive control (evals/twins_copy.py)")
+    p.add_argument("--model", required=True, help="model directory under test (the AttnRes twin)")
+    p.add_argument("--baseline", required=True, help="the standard twin")
+    p.add_argument("--twins", required=True, help="`python -m evals.copy_gain --models BASELINE,MODEL` result JSON")
+    p.add_argument("--reference", help="the same points on the positive control (reference model) JSON")
+    p.add_argument("--out", default=DEFAULT_OUT, help="folder for twins_copy.{md,json,png}")
+    p.add_argument("--threads", type=int, default=1, help="unused (no model runs); kept for the common setup")
     parser.set_defaults(run=run)
     return parser
 
@@ -230,7 +239,13 @@ def _system_prompt(args: argparse.Namespace, ctx: int) -> EvalResult:
     return run_system_prompt(cfg)
 
 
-EVALS = {"long-ppl": _long_ppl, "needle": _needle, "retrieval": _retrieval, "twins": _twins,
+def _twins_copy(args: argparse.Namespace, ctx: int) -> EvalResult:
+    from evals.twins_copy import build_report
+
+    return build_report(args.twins, args.baseline, args.model, args.reference)
+
+
+EVALS = {"twins-copy": _twins_copy, "long-ppl": _long_ppl, "needle": _needle, "retrieval": _retrieval, "twins": _twins,
          "system-prompt": _system_prompt}
 
 

@@ -56,6 +56,7 @@ from evals import arms as A
 logger = logging.getLogger(__name__)
 
 KINDS = ("fact", "random")
+TASK = "instruction"  # the first-last task (evals.first_last_task): scored like a span kind
 JUDGED_ARM = A.SINKS_WINDOW_ANCHOR.name  # past the trained context: the arm that keeps the early span
 
 
@@ -71,6 +72,11 @@ class CopyConfig:
     lead: int = 48
     chunk: int | None = None  # prefill chunk; None: ctx / 8 (128 on the reference model)
     seed: int = 8_000_000
+    # In-context points as the distance from the first occurrence's start to the second's, in fractions
+    # of the trained context (issue 41: 0.1 .. 0.9); when set they replace ``gaps`` (L = lead + reach + span).
+    reach_x: tuple[float, ...] = ()
+    kinds: tuple[str, ...] = KINDS
+    max_num_seqs: int = 4  # inputs scored together (decoys too); more is faster for small models on CPU
 
 
 @dataclass(frozen=True)
@@ -126,6 +132,10 @@ def with_decoy(x: CopyInput, decoy_span: list[int]) -> CopyInput:
 def build_inputs(tokenizer: Any, stream: list[int], kind: str, length: int, cfg: CopyConfig) -> list[CopyInput]:
     """The ``cfg.samples`` inputs of one kind at one length (sample ``i``: the same span and text start at
     every length)."""
+    if kind == TASK:
+        from evals.first_last_task import build_task_inputs
+
+        return [CopyInput(*x) for x in build_task_inputs(tokenizer, stream, length, cfg.samples, cfg.seed, cfg.lead)]
     out = []
     vocab = len(tokenizer)
     for i in range(cfg.samples):
@@ -147,11 +157,12 @@ def occurrence_nll(lps: list[float], rng: tuple[int, int]) -> float:
     return sum(vals) / len(vals)
 
 
-def arm_by_name(name: str) -> A.Arm:
+def arm_by_name(name: str, ctx: int = 1024) -> A.Arm:
+    """An arm by name; selected memory's top_k, local window and minimum context follow ``ctx``."""
     if name == "selected_memory":
-        from evals.selected_memory import selected_arm
+        from evals.selected_memory import default_top_k, selected_arm
 
-        return selected_arm()
+        return selected_arm(default_top_k(ctx), ctx)
     return {a.name: a for a in (A.DENSE, A.WINDOW_ONLY, A.SINKS_WINDOW, A.SINKS_WINDOW_ANCHOR)}[name]
 
 
@@ -201,18 +212,20 @@ def run_copy_gain(models: list[str], cfg: CopyConfig) -> dict[str, Any]:
     tok = AutoTokenizer.from_pretrained(models[0])
     stream = card.heldout_stream(tok)
     base = cfg.lead + 2 * cfg.span
-    plan = [(A.DENSE.name, base + g) for g in cfg.gaps if base + g < ctx - 1] + [(A.DENSE.name, ctx - 1)]
-    plan += [(a, int(round(m * ctx))) for m in cfg.lengths for a in cfg.arms]
+    plan = in_context_plan(cfg, ctx) + [(a, int(round(m * ctx))) for m in cfg.lengths for a in cfg.arms]
     points = []
-    for kind in KINDS:
+    for kind in cfg.kinds:
         for arm_name, length in plan:
             inputs = build_inputs(tok, stream, kind, length, cfg)
-            arm = arm_by_name(arm_name)
+            arm = arm_by_name(arm_name, ctx)
+            reach = inputs[0].second[0] - inputs[0].first[0]
             p: dict[str, Any] = {"kind": kind, "arm": arm_name, "L": length, "gap": length - base,
-                                 "x_context": round(length / ctx, 3), "first": {}, "second": {}, "decoy": {}}
+                                 "x_context": round(length / ctx, 3), "reach": reach,
+                                 "x_reach": round((length - cfg.lead - cfg.span) / ctx, 3) if arm_name == A.DENSE.name else None,
+                                 "first": {}, "second": {}, "decoy": {}}
             for m in models:
                 t1 = time.perf_counter()
-                got = score(m, arm, inputs, window, cfg.chunk or ctx // 8)
+                got = score(m, arm, inputs, window, cfg.chunk or ctx // 8, cfg.max_num_seqs)
                 p["first"][m] = [round(a, 4) for a, _, _ in got]
                 p["second"][m] = [round(b, 4) for _, b, _ in got]
                 p["decoy"][m] = [round(c, 4) for _, _, c in got]
@@ -223,6 +236,23 @@ def run_copy_gain(models: list[str], cfg: CopyConfig) -> dict[str, Any]:
     return {"points": points, "meta": {"trained_context": ctx, "window": window, "prefill_chunk": cfg.chunk or ctx // 8,
                                        "samples": cfg.samples, "span": cfg.span, "lead": cfg.lead,
                                        "judged_arm": JUDGED_ARM, "wall_s": round(time.perf_counter() - t0, 1)}}
+
+
+def in_context_plan(cfg: CopyConfig, ctx: int) -> list[tuple[str, int]]:
+    """The dense points' (arm, L): at ``reach_x`` (start-to-start distance ``x * ctx``) when given, else at
+    ``gaps`` plus the longest input that fits.
+
+    >>> in_context_plan(CopyConfig(reach_x=(0.1, 0.9), lead=16, span=32), 512)
+    [('dense', 99), ('dense', 509)]
+    """
+    if cfg.reach_x:
+        out = [(A.DENSE.name, cfg.lead + int(round(x * ctx)) + cfg.span) for x in cfg.reach_x]
+        too_long = [L for _, L in out if L > ctx - 1]
+        if too_long:
+            raise ValueError(f"reach_x {cfg.reach_x}: inputs of {too_long} tokens exceed the trained context {ctx}")
+        return out
+    base = cfg.lead + 2 * cfg.span
+    return [(A.DENSE.name, base + g) for g in cfg.gaps if base + g < ctx - 1] + [(A.DENSE.name, ctx - 1)]
 
 
 def summary(points: list[dict[str, Any]], models: list[str]) -> list[dict[str, Any]]:
@@ -254,12 +284,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arms", default=",".join(CopyConfig.arms), help="retention arms past the trained context")
     ap.add_argument("--out", required=True, help="JSON file for the points and their summary")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reach", help="in-context points at these start-to-start distances, fractions of the "
+                    "context (e.g. 0.1,0.3,0.5,0.7,0.9), instead of the fixed gaps")
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"span kinds ({', '.join(KINDS)}) and/or {TASK} "
+                    "(the first-last task, evals.first_last_task)")
+    ap.add_argument("--lead", type=int, default=CopyConfig.lead)
+    ap.add_argument("--span", type=int, default=CopyConfig.span)
+    ap.add_argument("--max-seqs", type=int, default=CopyConfig.max_num_seqs,
+                    help="sequences the engine scores at once (the numbers do not depend on it)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     A.setup_torch(args.threads)
     models = args.models.split(",")
     lengths = () if args.lengths == "none" else tuple(float(x) for x in args.lengths.split(","))
-    cfg = CopyConfig(samples=args.samples, lengths=lengths, arms=tuple(args.arms.split(",")))
+    kinds = tuple(args.kinds.split(","))
+    unknown = [k for k in kinds if k not in KINDS + (TASK,)]
+    if unknown:
+        raise SystemExit(f"--kinds: unknown {unknown}; choose from {', '.join(KINDS + (TASK,))}")
+    cfg = CopyConfig(samples=args.samples, lengths=lengths, arms=tuple(args.arms.split(",")), kinds=kinds,
+                     reach_x=tuple(float(x) for x in args.reach.split(",")) if args.reach else (),
+                     lead=args.lead, span=args.span, max_num_seqs=args.max_seqs)
     res = run_copy_gain(models, cfg)
     res["meta"].update(models=models, model_sha256={m: A.model_fingerprint(m) for m in models},
                        loadavg=[round(x, 2) for x in os.getloadavg()],

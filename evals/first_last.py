@@ -173,3 +173,73 @@ def first_last(needle: tuple[NeedleSummary, NeedleSummary] | None, copy_points: 
     cv = copy_verdict(copy_points, baseline, model)
     why = f"; needle {nv}" if nv is not None else ""
     return "copy gain", cv + why
+
+
+# --- Issue 41: twins that copy, compared point by point (rule fixed before the run; docs/attnres.md) ---
+
+GATE_KIND, GATE_REACH, GATE_MIN = "random", 0.5, 1.0
+# (kind, arm, x): x is the reach (dense) or the input length (past the context), in fractions of the context
+JUDGED = (("fact", "dense", 0.9), ("fact", "sinks_window_anchor", 2.0), ("fact", "sinks_window_anchor", 4.0),
+          ("instruction", "dense", 0.9), ("instruction", "sinks_window_anchor", 4.0))
+
+
+def point_x(p: dict[str, Any]) -> float:
+    """A point's position: its reach (dense, fraction of the context) or its length (past the context)."""
+    return float(p["x_reach"]) if p.get("x_reach") is not None else float(p["x_context"])
+
+
+def find_point(points: list[dict[str, Any]], kind: str, arm: str, x: float) -> dict[str, Any] | None:
+    return next((p for p in points if p["kind"] == kind and p["arm"] == arm and abs(point_x(p) - x) < 0.02), None)
+
+
+def twins_gate(points: list[dict[str, Any]], models: list[str]) -> tuple[bool, str]:
+    """Both twins copy in context: mean ``GATE_KIND`` copy >= ``GATE_MIN`` nats/token at reach ``GATE_REACH``.
+
+    >>> pts = [{"kind": "random", "arm": "dense", "x_reach": 0.5, "x_context": 0.6,
+    ...         "decoy": {"a": [8.0, 8.0], "b": [8.0, 8.0]}, "second": {"a": [6.5, 7.5], "b": [1.0, 2.0]}}]
+    >>> twins_gate(pts, ["a", "b"])[0]
+    False
+    """
+    p = find_point(points, GATE_KIND, "dense", GATE_REACH)
+    if p is None:
+        return False, f"no {GATE_KIND} dense point at reach {GATE_REACH}x: the gate cannot be read"
+    cells, ok = [], True
+    for m in models:
+        c = mean_ci(gains(p, m))
+        ok &= c[0] >= GATE_MIN
+        cells.append(f"{Path(m).name} {_ci(c)}")
+    head = "passed" if ok else "failed"
+    return ok, (f"gate {head}: {GATE_KIND}-span copy at reach {GATE_REACH:g}x, nats/token, mean [95 % CI] "
+                f"(needs >= {GATE_MIN:+.1f} for both): {'; '.join(cells)}")
+
+
+def paired_diff(p: dict[str, Any], baseline: str, model: str) -> tuple[float, float, float]:
+    """Mean and 95 % t-interval of ``copy(model) - copy(baseline)`` paired by sample."""
+    return mean_ci([a - b for a, b in zip(gains(p, model), gains(p, baseline))])
+
+
+def twins_verdict(points: list[dict[str, Any]], baseline: str, model: str) -> str:
+    """``met`` (the AttnRes twin's paired copy difference has its interval above 0 at every judged point),
+    ``not met: baseline ahead at ...`` (an interval below 0), else ``not met: no difference resolved at ...``;
+    ``not compared`` when the gate fails."""
+    ok, gate = twins_gate(points, [baseline, model])
+    if not ok:
+        return f"not compared ({gate})"
+    cells, above, below = [], [], []
+    for kind, arm, x in JUDGED:
+        p = find_point(points, kind, arm, x)
+        where = f"{kind} {arm} {x:g}x"
+        if p is None:
+            cells.append(f"{where} missing")
+            continue
+        d = paired_diff(p, baseline, model)
+        cells.append(f"{where} {_ci(d)}")
+        (above if d[1] > 0 else below if d[2] < 0 else []).append(where)
+    if len(above) == len(JUDGED):
+        head = "met"
+    elif below:
+        head = "not met: baseline ahead at " + ", ".join(below)
+    else:
+        head = "not met: no difference resolved at " + ", ".join(w for w in (f"{k} {a} {x:g}x" for k, a, x in JUDGED)
+                                                                  if w not in above)
+    return f"{head} (model minus baseline copy, nats/token, mean [95 % CI]: {'; '.join(cells)}); {gate}"

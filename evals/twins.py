@@ -93,7 +93,7 @@ def mix_weights(model: torch.nn.Module, wins: list[list[int]]) -> list[list[floa
 
 
 def decode_latency(models: list[str], batches: tuple[int, ...], prompt_len: int, steps: int, rounds: int,
-                   load_format: str = "auto", model_impl: str = "auto") -> dict:
+                   load_format: str = "auto", model_impl: str = "auto", same_path: bool = False) -> dict:
     """Per-step wall time (ms) of decode steps, per model and batch, and the paired overhead of each model
     over the first. The models decode in lockstep (one step of each in turn, the order alternating), so
     every pair of steps ran under the same host load; the overhead is the median of the per-pair ratios.
@@ -106,9 +106,15 @@ def decode_latency(models: list[str], batches: tuple[int, ...], prompt_len: int,
         -(-(prompt_len + steps + 2) // A.BLOCK_SIZE)), max_num_batched_tokens=max(512, prompt_len),
         max_num_seqs=max(batches), enable_prefix_caching=False, load_format=load_format,
         model_impl=model_impl)) for m in models}
+    if same_path:  # the architecture alone: a Llama model off the C step (AttnRes has none), both eager
+        for e in engines.values():
+            model = getattr(getattr(e.executor, "runner", None), "model", None)
+            if getattr(model, "c_step", False):
+                model.c_step = False
     params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
     times: dict[tuple[str, int], list[float]] = {(m, b): [] for m in models for b in batches}
     cpu: dict[tuple[str, int], list[float]] = {(m, b): [] for m in models for b in batches}
+    ran: dict[str, str | None] = {}
     g = torch.Generator().manual_seed(0)
     vocab = min(4000, min(e.shape.vocab_size for e in engines.values()))
     for r in range(rounds):
@@ -126,13 +132,16 @@ def decode_latency(models: list[str], batches: tuple[int, ...], prompt_len: int,
                     c0, t0 = time.thread_time(), time.perf_counter()
                     engines[m].step()
                     times[(m, b)].append(time.perf_counter() - t0)
+                    runner = getattr(engines[m].executor, "runner", None)
+                    ran[m] = getattr(runner, "last_decode_path", None) or ran.get(m)  # what ran the step
                     cpu[(m, b)].append(time.thread_time() - c0)
             for m in models:
                 while engines[m].has_unfinished():
                     engines[m].step()
     base = models[0]
     out: dict[str, Any] = {"batches": list(batches), "prompt_len": prompt_len, "steps_per_round": steps,
-                           "rounds": rounds, "model_impl": model_impl}
+                           "rounds": rounds, "model_impl": model_impl, "same_path": same_path,
+                           "decode_paths": {m: ran.get(m) for m in models}}
     for key, samples in (("", times), ("cpu_", cpu)):
         out[f"{key}per_model"] = {m: {str(b): round(1000 * statistics.median(samples[(m, b)]), 3) for b in batches}
                                   for m in models}

@@ -333,3 +333,15 @@ def test_decode_latency_pairs_wall_and_cpu_time(attnres: Path, tiny_llama: Path)
             # one thread steps the engine: its CPU time cannot exceed the wall time it took, up to the
             # VM's CPU-clock accounting (a loaded CI host read 1.248 ms CPU against 1.224 ms wall)
             assert 0 < lat["cpu_per_model"][m][b] <= lat["per_model"][m][b] * 1.1 + 0.05
+
+
+def test_decode_latency_same_path_takes_the_llama_model_off_the_c_step(attnres: Path, tiny_llama: Path) -> None:
+    """``bench.attnres_decode --same-path``: the standard model leaves the C step (which AttnRes lacks), so
+    the two engines differ only in the architecture; without it the Llama model keeps its served path."""
+    from evals.twins import decode_latency
+
+    served = decode_latency([str(tiny_llama), str(attnres)], (1,), prompt_len=8, steps=2, rounds=1)
+    same = decode_latency([str(tiny_llama), str(attnres)], (1,), prompt_len=8, steps=2, rounds=1, same_path=True)
+    assert served["decode_paths"][str(attnres)] == same["decode_paths"][str(attnres)] == "eager"
+    assert served["decode_paths"][str(tiny_llama)] == "c_step"  # what ran the timed steps
+    assert same["decode_paths"][str(tiny_llama)] == "eager"

@@ -81,3 +81,50 @@ def test_cli_writes_the_points_and_their_summary(tiny_llama: Path, tmp_path: Pat
     for p, r in zip(res["points"], res["summary"]):
         copies = [d - s for d, s in zip(p["decoy"][str(tiny_llama)], p["second"][str(tiny_llama)])]
         assert r["copy"] == pytest.approx(sum(copies) / 2, abs=1e-3) and r["copy_ci95"][0] <= r["copy"]
+
+
+def test_reach_points_and_the_first_last_task_through_the_cli(tiny_llama: Path, tmp_path: Path, monkeypatch) -> None:
+    """Issue 41's plan: dense points at reach fractions of the context, the instruction task scored like a
+    span, and the judged past-context arm at 2x; ``reach`` is what the point says it is."""
+    import json
+
+    from evals import copy_gain
+
+    monkeypatch.setattr("training.model_card.heldout_stream", lambda tok: list(range(3, 203)))
+    out = tmp_path / "c.json"
+    assert copy_gain.main(["--models", str(tiny_llama), "--samples", "2", "--reach", "0.5,0.9", "--lengths", "2",
+                           "--arms", "sinks_window_anchor", "--kinds", "random,instruction", "--lead", "16",
+                           "--span", "32", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    got = [(p["kind"], p["arm"], p["L"], p["x_reach"]) for p in res["points"]]
+    assert got == [(k, a, L, x) for k in ("random", "instruction")
+                   for a, L, x in (("dense", 304, 0.5), ("dense", 509, 0.9), ("sinks_window_anchor", 1024, None))]
+    assert [p["reach"] for p in res["points"][:2]] == [256, 461]  # 0.5 x 512 and 0.9 x 512, start to start
+    assert res["points"][0]["decoy"] != res["points"][0]["second"]
+    with pytest.raises(SystemExit):
+        copy_gain.main(["--models", str(tiny_llama), "--kinds", "prose", "--out", str(out)])
+
+
+def test_first_last_task_layout_with_the_reference_tokenizer() -> None:
+    from transformers import AutoTokenizer
+
+    from evals.copy_gain import CopyConfig, build_inputs
+    from evals.first_last_task import HELDOUT_RULES
+    from training.longrange_docs import INSTRUCTIONS
+
+    tok = AutoTokenizer.from_pretrained("assets/reference-model")
+    assert not set(HELDOUT_RULES) & set(INSTRUCTIONS)  # held-out wordings
+    stream = tok("the quick brown fox jumps over the lazy dog " * 40, add_special_tokens=False)["input_ids"]
+    xs = build_inputs(tok, stream, "instruction", 300, CopyConfig(samples=6, lead=16))
+    for x in xs:
+        assert len(x.ids) == len(x.decoy) == 300 and x.ids[0] == tok.bos_token_id
+        (a, b), (c, d) = x.first, x.second
+        assert d == 300 and x.ids[a:b] == x.ids[c:d]  # the last answer is the code the start named
+        code = tok.decode(x.ids[c + 1:d]).strip()
+        assert len(code) == 4 and code.isalnum() and code.upper() == code
+        assert "Instruction:" in tok.decode(x.ids[:b]) and tok.decode(x.ids[:c + 1]).rstrip().endswith(
+            tok.decode(x.ids[a - 3:a + 1]).strip())  # restated up to the code
+        diff = [i for i, (u, v) in enumerate(zip(x.ids, x.decoy)) if u != v]
+        assert diff and a < min(diff) and max(diff) < b  # the decoy names another code, nothing else differs
+    with pytest.raises(ValueError, match="too short"):
+        build_inputs(tok, stream, "instruction", 40, CopyConfig(samples=1, lead=16))

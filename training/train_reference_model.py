@@ -45,6 +45,7 @@ import torch
 
 from evals import longmem
 from training.corpus import load_corpus
+from training.longrange_docs import LongRangeSampler, Repeat
 from training.model_card import rope_theta
 from training.tokenizer import DEFAULT_SYSTEM, render_chat, to_hf, train_tokenizer
 
@@ -81,7 +82,8 @@ class Sampler:
     def __init__(self, hf_tok, train_docs: list[str], mem_frac: float, chat_frac: float, seed: int,
                  copy_frac: float = 0.0, random_span_frac: float = 0.5, copy_max_gap_frac: float = 0.5,
                  mem_min_frac: float = 0.0, relation_frac: float = 0.0, code_frac: float = 0.0,
-                 prior_verb_frac: float = 0.0):
+                 prior_verb_frac: float = 0.0, longrange_frac: float = 0.0,
+                 longrange_mix: tuple[float, float, float] = (0.5, 0.25, 0.25)):
         self.tok = hf_tok
         self.bos, self.eos = hf_tok.bos_token_id, hf_tok.eos_token_id
         self.mem_frac, self.chat_frac, self.copy_frac = mem_frac, chat_frac, copy_frac
@@ -105,6 +107,13 @@ class Sampler:
         self.relation_frac = relation_frac
         self.code_frac = code_frac
         self.prior_verb_frac = prior_verb_frac
+        # Long-range repeat sequences (training.longrange_docs); drawn from this sampler's rng, so a
+        # resumed run (rng state restored) replays the same batches.
+        self.longrange_frac = longrange_frac
+        self.longrange = LongRangeSampler(self.rng, self.bos, self.vocab,
+                                          lambda t: hf_tok(t, add_special_tokens=False)["input_ids"],
+                                          self._window, longrange_mix)
+        self.last_repeats: list[tuple[Repeat, ...]] = []  # per row of the last batch (empty: no repeats)
 
     def _length(self, text: str) -> int:
         return len(self.tok(text)["input_ids"])
@@ -176,6 +185,12 @@ class Sampler:
 
     def sequence(self, seq_len: int) -> list[int]:
         ids = [self.bos]
+        self._repeats: tuple[Repeat, ...] = ()
+        if self.longrange_frac:  # drawn only when on, so runs without it replay the same stream
+            if self.rng.random() < self.longrange_frac:
+                s = self.longrange.sequence(seq_len)
+                self._repeats = s.repeats
+                return s.ids
         r = self.rng.random()
         if r < self.copy_frac:
             return (ids + self._copy_ids(seq_len))[:seq_len]
@@ -187,7 +202,100 @@ class Sampler:
         return ids[:seq_len]
 
     def batch(self, bsz: int, seq_len: int) -> torch.Tensor:
-        return torch.tensor([self.sequence(seq_len) for _ in range(bsz)], dtype=torch.long)
+        rows, self.last_repeats = [], []
+        for _ in range(bsz):
+            rows.append(self.sequence(seq_len))
+            self.last_repeats.append(self._repeats)
+        return torch.tensor(rows, dtype=torch.long)
+
+    def state(self) -> dict:
+        """What a resumed run needs to draw the same batches: the rng and the counters."""
+        return dict(rng=self.rng.getstate(), doc_seed=self.doc_seed, n_mem=self.n_mem, n_copy=self.n_copy,
+                    longrange_counts=dict(self.longrange.counts))
+
+    def load_state(self, st: dict) -> None:
+        self.rng.setstate(st["rng"])
+        self.doc_seed, self.n_mem, self.n_copy = st["doc_seed"], st["n_mem"], st["n_copy"]
+        self.longrange.counts.update(st["longrange_counts"])
+
+
+def repeat_nll(ce: torch.Tensor, repeats: list[tuple[Repeat, ...]]) -> tuple[float, float] | None:
+    """Mean NLL over the first and over the second occurrences of a batch's repeated spans (each
+    occurrence's first token excluded: nothing predicts it), or None when the batch has no repeats.
+    ``ce[b, j]`` is the loss of token ``j + 1``. Copying has formed when the second is far below the first.
+    """
+    first, second = [], []
+    for b, reps in enumerate(repeats):
+        for r in reps:
+            first.append(ce[b, r.src:r.src + r.n - 1])
+            second.append(ce[b, r.dst:r.dst + r.n - 1])
+    if not first:
+        return None
+    return torch.cat(first).mean().item(), torch.cat(second).mean().item()
+
+
+TRAINER_STATE = "trainer_state.pt"
+
+
+def save_checkpoint(model, hf_tok, ckpt: Path, meta: dict, opt, sampler: Sampler, step: int, tokens: int,
+                    ema: float | None, train_seconds: float) -> None:
+    """The model directory plus what ``--resume`` needs: optimizer, step, tokens, data order, RNG."""
+    save_model(model, hf_tok, ckpt, meta)
+    tmp = ckpt / (TRAINER_STATE + ".tmp")
+    torch.save(dict(optimizer=opt.state_dict(), sampler=sampler.state(), torch_rng=torch.get_rng_state(), step=step,
+                    tokens=tokens, ema=ema, train_seconds=train_seconds), tmp)
+    os.replace(tmp, ckpt / TRAINER_STATE)
+
+
+def _truncate_curve(path: Path, step: int) -> None:
+    """Drop curve rows past the checkpoint's step (written after it by the interrupted run)."""
+    if path.exists():
+        rows = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
+        path.write_text("".join(r + "\n" for r in rows))
+
+
+def _progress(args, tokens: int, t0: float):
+    """A tqdm bar over tokens (``--tokens``) or over nothing but the step count (wall-time runs)."""
+    from tqdm import tqdm
+
+    return tqdm(total=int(args.tokens) if args.tokens else None, initial=tokens, unit="tok", unit_scale=True,
+                mininterval=20, dynamic_ncols=False, ncols=110, file=sys.stderr)
+
+
+def plot_curve(path: Path) -> Path | None:
+    """``<curve>.png`` beside the jsonl: training loss (EMA) and, for repeated spans, the NLL of the first
+    and of the second occurrence against tokens seen (their distance is the copying learned)."""
+    rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln] if path.exists() else []
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    t = [r["tokens"] / 1e6 for r in rows]
+    ax.plot(t, [r["ema"] for r in rows], label="loss (EMA 0.95)")
+    rep = [r for r in rows if r["first"] is not None]
+    if rep:
+        def smooth(v):
+            out, e = [], None
+            for x in v:
+                e = x if e is None else 0.9 * e + 0.1 * x
+                out.append(e)
+            return out
+        ax.plot([r["tokens"] / 1e6 for r in rep], smooth([r["first"] for r in rep]), label="repeated span, 1st occurrence")
+        ax.plot([r["tokens"] / 1e6 for r in rep], smooth([r["second"] for r in rep]), label="repeated span, 2nd occurrence")
+    ax.set_xlabel("training tokens (M)")
+    ax.set_ylabel("nats / token")
+    ax.set_title(path.stem)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    png = path.with_suffix(".png")
+    fig.savefig(png, dpi=90)
+    plt.close(fig)
+    return png
 
 
 def lr_at(frac: float, peak: float, warmup_frac: float, min_ratio: float = 0.1) -> float:
@@ -309,6 +417,18 @@ def main(argv=None):
     ap.add_argument("--rope-theta", type=float, default=None,
                     help=f"RoPE base (default: {MODEL_SHAPE['rope_theta']:g} for a new model, the --init model's own "
                     "otherwise); a larger base keeps more frequency pairs slow enough to match content far back")
+    ap.add_argument("--longrange-frac", type=float, default=0.0,
+                    help="share of sequences from training.longrange_docs (random spans repeated across the "
+                    "sequence, instructions restated and obeyed at the end, key-value lookups); drawn first")
+    ap.add_argument("--longrange-mix", default="0.5,0.25,0.25",
+                    help="weights of the long-range kinds: random_spans,instruction,key_value")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue from --work/checkpoint (weights, optimizer, step, data order) if it holds one")
+    ap.add_argument("--curve", default=None,
+                    help="loss-curve file (jsonl; a PNG beside it); default: --work/loss_curve.jsonl")
+    ap.add_argument("--layers", type=int, default=MODEL_SHAPE["num_hidden_layers"])
+    ap.add_argument("--context", type=int, default=MODEL_SHAPE["max_position_embeddings"],
+                    help="max_position_embeddings (the trained context evals read)")
     ap.add_argument("--bf16", action="store_true",
                     help="bf16 autocast (measured ~25x SLOWER than fp32 here: slow CPU backward)")
     args = ap.parse_args(argv)
@@ -333,9 +453,11 @@ def main(argv=None):
     sampler = Sampler(hf_tok, train_docs, args.mem_frac, args.chat_frac, args.seed, copy_frac=args.copy_frac,
                       random_span_frac=args.random_span_frac, copy_max_gap_frac=args.copy_max_gap_frac,
                       mem_min_frac=args.mem_min_frac, relation_frac=args.relation_frac, code_frac=args.code_frac,
-                      prior_verb_frac=args.prior_verb_frac)
+                      prior_verb_frac=args.prior_verb_frac, longrange_frac=args.longrange_frac,
+                      longrange_mix=tuple(float(x) for x in args.longrange_mix.split(",")))
 
-    shape = dict(MODEL_SHAPE, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads)
+    shape = dict(MODEL_SHAPE, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                 num_hidden_layers=args.layers, max_position_embeddings=args.context)
     if args.rope_theta is not None:
         shape["rope_theta"] = args.rope_theta
     config_cls, model_cls = LlamaConfig, LlamaForCausalLM
@@ -379,6 +501,27 @@ def main(argv=None):
     last_ckpt = t0
     tokens = step = 0
     ema = None
+    curve_path = Path(args.curve) if args.curve else work / "loss_curve.jsonl"
+    ckpt = work / "checkpoint"
+    if args.resume and (ckpt / TRAINER_STATE).exists():
+        st = torch.load(ckpt / TRAINER_STATE, weights_only=False)
+        from safetensors.torch import load_file
+
+        sd = load_file(str(ckpt / "model.safetensors"))
+        missing, unexpected = model.load_state_dict(sd, strict=False)
+        if unexpected or [k for k in missing if "lm_head" not in k]:  # tied lm_head is not saved
+            raise RuntimeError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
+        opt.load_state_dict(st["optimizer"])
+        sampler.load_state(st["sampler"])
+        torch.set_rng_state(st["torch_rng"])
+        step, tokens, ema = st["step"], st["tokens"], st["ema"]
+        t0 -= st["train_seconds"]  # wall time already spent counts against --minutes
+        logger.info("resumed from %s: step %d, %.2fM tokens, %.1f min", ckpt, step, tokens / 1e6, st["train_seconds"] / 60)
+        _truncate_curve(curve_path, step)
+    elif curve_path.exists():
+        curve_path.unlink()
+    curve_path.parent.mkdir(parents=True, exist_ok=True)
+    bar = _progress(args, tokens, t0)
     sink_ema = None  # per layer, sampled mass on position 0 (only with --sink-weight)
     if args.sink_weight:
         from training import sink_loss
@@ -396,7 +539,9 @@ def main(argv=None):
                     sink_mass_ema=None if sink_ema is None else [round(v, 4) for v in sink_ema], copy_seqs=sampler.n_copy, threads=args.threads,
                     compile=args.compile, curriculum=args.curriculum, seed=args.seed, vocab=len(hf_tok),
                     bf16_autocast=args.bf16, init=args.init, previous_stage=previous, mem_docs=sampler.n_mem, shape=shape,
-                    arch=args.arch, token_budget=args.tokens, tokenizer=args.tokenizer)
+                    arch=args.arch, token_budget=args.tokens, tokenizer=args.tokenizer,
+                    longrange_frac=args.longrange_frac, longrange_mix=args.longrange_mix,
+                    longrange_seqs=dict(sampler.longrange.counts))
 
     model.train()
     forward = torch.compile(model) if args.compile else model
@@ -418,7 +563,10 @@ def main(argv=None):
             g["lr"] = lr
         x = sampler.batch(bsz, seq_len).to(args.device)
         with torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16, enabled=args.bf16):
-            loss = lm_loss = forward(input_ids=x, labels=x).loss
+            logits = forward(input_ids=x).logits
+            ce = torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+                                                   x[:, 1:].reshape(-1), reduction="none").view(x.shape[0], -1)
+            loss = lm_loss = ce.mean()
             if args.sink_weight:
                 masses = sink_loss.layer_masses(model)
                 loss = lm_loss + args.sink_weight * sink_loss.sink_penalty(masses, args.sink_target)
@@ -431,6 +579,15 @@ def main(argv=None):
         step += 1
         tokens += x.numel()
         ema = lm_loss.item() if ema is None else 0.95 * ema + 0.05 * lm_loss.item()
+        rn = repeat_nll(ce.detach(), sampler.last_repeats)
+        with curve_path.open("a") as f:
+            f.write(json.dumps(dict(step=step, tokens=tokens, seconds=round(time.time() - t0, 1), seq_len=seq_len,
+                                    lr=round(lr, 6), loss=round(lm_loss.item(), 4), ema=round(ema, 4),
+                                    first=None if rn is None else round(rn[0], 4),
+                                    second=None if rn is None else round(rn[1], 4))) + "\n")
+        bar.update(x.numel() if args.tokens else 0)
+        bar.set_postfix_str(f"loss {ema:.3f} L {seq_len}" + ("" if rn is None else f" rep {rn[0]:.2f}->{rn[1]:.2f}"),
+                            refresh=False)
         if step % 10 == 0:
             el = time.time() - t0
             logger.info("step %d  frac %.3f  L %d  lr %.2e  loss %.3f (ema %.3f)  tokens %.2fM  %.0f tok/s%s",
@@ -438,13 +595,16 @@ def main(argv=None):
                         "" if sink_ema is None else "  sink " + " ".join(f"{v:.3f}" for v in sink_ema))
         meta = run_meta()
         if time.time() - last_ckpt > args.ckpt_minutes * 60:
-            save_model(model, hf_tok, work / "checkpoint", meta)
+            save_checkpoint(model, hf_tok, ckpt, meta, opt, sampler, step, tokens, ema, time.time() - t0)
+            plot_curve(curve_path)
             last_ckpt = time.time()
-            logger.info("checkpoint written to %s", work / "checkpoint")
+            logger.info("checkpoint written to %s", ckpt)
+    bar.close()
     meta = run_meta()
     meta["total_seconds_including_data"] = round(time.time() - t_start, 1)
     save_model(model, hf_tok, out, meta)
-    save_model(model, hf_tok, work / "checkpoint", meta)
+    save_checkpoint(model, hf_tok, ckpt, meta, opt, sampler, step, tokens, ema, time.time() - t0)
+    plot_curve(curve_path)
     logger.info("done: %d steps, %.2fM tokens, %.0fs; model in %s", step, tokens / 1e6, time.time() - t0, out)
 
 
