@@ -302,6 +302,54 @@ class BlockManager:
             seq.last_block_hash = h
             seq.num_hashed_blocks = i + 1
 
+    # ------------------------------------------------------------------ restored KV (engine/session_cache.py)
+    def chain_hashes(self, token_ids: Seq[int], num_blocks: int) -> list[int]:
+        """Prefix-cache hashes of the first ``num_blocks`` full blocks of ``token_ids``."""
+        out: list[int] = []
+        parent: int | None = None
+        for i in range(num_blocks):
+            parent = hash_block(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
+            out.append(parent)
+        return out
+
+    def hold(self, blocks: Seq[int]) -> None:
+        """Take a reference on cached ``blocks`` (e.g. prefix hits) so no allocation reuses them meanwhile."""
+        for b in blocks:
+            if self.ref_counts[b] == 0:
+                del self.free_queue[b]
+                self.fp_cached_free.pop(b, None)
+            self.ref_counts[b] += 1
+
+    def release(self, blocks: Seq[int]) -> None:
+        """Drop references taken by ``hold`` or ``reserve_restore``, the last block first (it is reused first)."""
+        for b in reversed(blocks):
+            self._release_block(b)
+
+    def reserve_restore(self, fp: Seq[bool]) -> list[int]:
+        """Blocks to load saved KV into, one per entry of ``fp`` (True: 16-bit, the block keeps a side-pool
+        slot; False: packed). Each is held, unhashed, until ``commit_restore`` or ``release``. Fewer blocks
+        (the first ones) when the free blocks or 16-bit slots run out. Example (``num_blocks=5``, quantized)::
+
+            reserve_restore([True, False]) -> [1, 2]; kv_ops ("assign", 1, 0), ("assign", 2, 1), ("assign", 2, -1)
+        """
+        blocks: list[int] = []
+        for is_fp in fp:
+            if not self.num_allocatable:
+                break
+            b = self._allocate_block()
+            if self.quantized and not is_fp:
+                self._drop_fp_slot(b)  # its data is packed: the slot goes back at once
+            blocks.append(b)
+        return blocks
+
+    def commit_restore(self, blocks: Seq[int], hashes: Seq[int]) -> None:
+        """Give restored ``blocks`` their prefix-cache ``hashes`` and free them: they wait in the free queue
+        as cached blocks (16-bit ones keep their slots), for the request's admission to take as prefix hits."""
+        for b, h in zip(blocks, hashes):
+            self.block_hashes[b] = h
+            self.hash_to_block.setdefault(h, b)
+        self.release(blocks)
+
     # ------------------------------------------------------------------ allocation
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= self.num_allocatable
