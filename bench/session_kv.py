@@ -85,6 +85,7 @@ def main() -> None:
     t0 = time.perf_counter()
     turn(a, [1, 2, 3, 4, 5, 6, 7, 8], None, 2)
     a1, ttft_a, _ = turn(a, t1, "conv-bench", args.answer)
+    print("turn 1 done", round(time.perf_counter() - t0, 1), "s", flush=True)
     res["turn1"] = {"prompt_tokens": len(t1), "seconds": round(time.perf_counter() - t0, 2),
                     "ttft_s": round(ttft_a, 3), "load": load()}
     follow = tok("<|im_end|>\n<|im_start|>user\nNow list three key points.<|im_end|>\n<|im_start|>assistant\n",
@@ -124,7 +125,8 @@ def main() -> None:
         row["ttft_ratio"] = round(row["restore"]["ttft_s"] / row["refill"]["ttft_s"], 4)
         row["same_greedy"] = row["restore"]["tokens"] == row["refill"]["tokens"]
         rounds.append(row)
-        print(json.dumps({k: v for k, v in row.items()}, default=str)[:400], flush=True)
+        brief = {k: ({kk: vv for kk, vv in v.items() if kk != "tokens"} if isinstance(v, dict) else v) for k, v in row.items()}
+        print(json.dumps(brief), flush=True)
     res["turn2_prompt_tokens"] = len(t2)
     res["rounds"] = rounds
     res["load_end"] = load()

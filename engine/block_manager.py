@@ -268,6 +268,23 @@ class BlockManager:
         """How many of ``hits`` would leave the free queue when taken (they then count as used)."""
         return sum(1 for b in hits if self.ref_counts[b] == 0)
 
+    def can_admit(self, hits: Seq[int], num_new_blocks: int) -> bool:
+        """Whether a request can start on the cached ``hits`` plus ``num_new_blocks`` new blocks: hits in the
+        free queue leave it and new blocks come from it; in a quantized cache each new block needs a 16-bit
+        slot, and 16-bit hits in the free queue take theirs out of the reclaimable ones. Packed hits need
+        no slot: counting them against the side pool (a few blocks) refused a long cached prefix forever.
+        Example (quantized, 3 slots, 19 blocks free of which the 10 packed hits)::
+
+            can_admit(hits=10 packed blocks, num_new_blocks=1) -> True   (11 <= 19 blocks, 1 <= 3 slots)
+        """
+        in_free = [b for b in hits if self.ref_counts[b] == 0]
+        if len(in_free) + num_new_blocks > len(self.free_queue):
+            return False
+        if not self.quantized:
+            return True
+        fp_hits = sum(1 for b in in_free if b in self.fp_cached_free)
+        return num_new_blocks <= self.num_fp_available - fp_hits
+
     def take_prefix(self, seq: Sequence, hits: Seq[int]) -> None:
         """Start ``seq`` (which holds no blocks) on the cached blocks ``hits``."""
         assert not seq.block_table, "take_prefix on a sequence that already holds blocks"
