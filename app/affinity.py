@@ -11,6 +11,12 @@ use Serve's power-of-two-choices. Worked example (scores invented)::
     replicas   r1     r2     r3          session "c-42": r2 > r3 > r1  -> turns go to r2
     score      0.11   0.93   0.57        r2 dies: r3 > r1               -> r3 (re-prefill, then hits)
                                          sessions that ranked r1 / r3 first do not move
+
+Past a load threshold (the pool's ``affinity_max_load``) a turn does not queue behind the replica that
+holds its blocks: it goes to the least loaded replica instead, which restores the session's KV from the
+session KV store (``engine/session_cache.py``; without one it re-prefills)::
+
+    max_load 4, loads r2 5, r3 1, r1 0   -> r1 first (r1 restores c-42's KV), then r2, r3 in rank order
 """
 
 from __future__ import annotations
@@ -42,6 +48,27 @@ def ranked(key: str, replicas: Sequence[str]) -> list[str]:
     return sorted(replicas, key=lambda rid: score(key, rid), reverse=True)
 
 
+def affinity_order(ranking: Sequence[str], loads: dict[str, int | None], max_load: int | None) -> list[str]:
+    """``ranking`` (best first) with the least loaded replica moved to the front when the first choice holds
+    ``max_load`` requests or more and that one holds fewer (ties: the better ranked). Unknown loads (None)
+    count as 0. The rest keep their rank order, so a refusal still falls back along the ranking.
+
+    >>> affinity_order(["r2", "r3", "r1"], {"r2": 5, "r3": 1, "r1": 0}, 4)
+    ['r1', 'r2', 'r3']
+    >>> affinity_order(["r2", "r3", "r1"], {"r2": 3, "r3": 1, "r1": 0}, 4)   # below the threshold: stays
+    ['r2', 'r3', 'r1']
+    >>> affinity_order(["r2", "r3"], {"r2": 5, "r3": 6}, 4)   # everyone is busier: stays
+    ['r2', 'r3']
+    """
+    order = list(ranking)
+    if max_load is None or not order or (loads.get(order[0]) or 0) < max_load:
+        return order
+    best = min(order, key=lambda r: (loads.get(r) or 0, order.index(r)))
+    if (loads.get(best) or 0) >= (loads.get(order[0]) or 0):
+        return order
+    return [best] + [r for r in order if r != best]
+
+
 def affinity_key(pending: Any) -> str | None:
     """The session id a pending Serve request carries (its first argument is a ``PoolRequest``)."""
     args = getattr(pending, "args", None) or ()
@@ -51,10 +78,24 @@ def affinity_key(pending: Any) -> str | None:
 class SessionAffinityRouter(PowerOfTwoChoicesRequestRouter):
     """Rendezvous-hash routing for session turns, power of two choices for everything else."""
 
+    max_load: int | None = None
+
+    def initialize_state(self, max_load: int | None = None, **kwargs: Any) -> None:
+        """Serve passes the deployment's ``request_router_kwargs`` (app/builder.py: the pool's affinity_max_load)."""
+        super().initialize_state(**kwargs)
+        self.max_load = max_load
+
+    def _loads(self, replicas: Sequence[Any]) -> dict[str, int | None]:
+        """Requests each replica held when last probed (Serve's queue-length cache; None: not known)."""
+        cache = getattr(self, "_replica_queue_len_cache", None)
+        return {r.replica_id.unique_id: cache.get(r.replica_id) if cache is not None else None for r in replicas}
+
     async def choose_replicas(self, candidate_replicas: list[Any], pending_request: Any = None) -> list[list[Any]]:
         key = affinity_key(pending_request) if pending_request is not None else None
         if key is None or not candidate_replicas:
             return await super().choose_replicas(candidate_replicas, pending_request)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        order = affinity_order(ranked(key, list(by_id)), self._loads(candidate_replicas) if self.max_load else {},
+                               self.max_load)
         # One rank per replica: Serve tries the first; if it refuses (queue full) the next one.
-        return [[by_id[rid]] for rid in ranked(key, list(by_id))]
+        return [[by_id[rid]] for rid in order]

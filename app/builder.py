@@ -93,7 +93,8 @@ def pool_options(pool: PoolArgs, device: str) -> dict[str, Any]:
         "health_check_period_s": 5.0,
         "health_check_timeout_s": 30.0,
         # A conversation's turns go to the replica holding its blocks (app/affinity.py).
-        "request_router_config": RequestRouterConfig(request_router_class=ROUTER_PATH),
+        "request_router_config": RequestRouterConfig(
+            request_router_class=ROUTER_PATH, request_router_kwargs={"max_load": pool.affinity_max_load}),
     }
     gpu = device.startswith("cuda")
     worker = {"CPU": pool.worker_num_cpus, **({"GPU": 1.0} if gpu else {})}

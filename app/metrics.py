@@ -144,6 +144,18 @@ ENGINE_STATS: tuple[tuple[str, str, str, str], ...] = (
     ("sparse_context_tokens_total", "sparse_context_tokens_total", "counter", "Tokens those queries could see (the dense context)"),
     ("sparse_sequence_steps_total", "sparse_sequence_steps_total", "counter", "Sequence-steps that attended sparsely"),
     ("sparse_attended_fraction", "sparse_attended_fraction", "gauge", "Fraction of the context attended in the last step (all scheduled sequences)"),
+    # Session KV (engine/session_cache.py): the store directory as the replica's engine last saw it, and what
+    # session turns restored / saved; re-prefills by reason are sinkserve_session_kv_fallbacks_total{reason}.
+    ("session_kv_store_bytes", "session_kv_store_bytes", "gauge", "Bytes in the session KV store (blocks and manifests)"),
+    ("session_kv_store_entries", "session_kv_store_entries", "gauge", "Entries in the session KV store"),
+    ("session_kv_store_hits", "session_kv_store_hits_total", "counter", "Session KV store reads that found the entry"),
+    ("session_kv_store_misses", "session_kv_store_misses_total", "counter", "Session KV store reads that found nothing (never stored, or evicted)"),
+    ("session_kv_store_evictions", "session_kv_store_evictions_total", "counter", "Session KV store entries evicted (size bound or age)"),
+    ("session_kv_store_bytes_written", "session_kv_store_written_bytes_total", "counter", "Bytes written to the session KV store"),
+    ("session_kv_restores", "session_kv_restores_total", "counter", "Session turns whose KV was restored from the store"),
+    ("session_kv_restored_tokens", "session_kv_restored_tokens_total", "counter", "Tokens of KV restored from the store (not prefilled)"),
+    ("session_kv_saves", "session_kv_saves_total", "counter", "Session turns whose KV was saved to the store"),
+    ("session_kv_shared_blocks", "session_kv_shared_blocks_total", "counter", "KV blocks a save found already stored (earlier turns, shared prefixes)"),
     # The pool replica's own counters, beside the engine's (app/token_bus.py).
     ("token_bus_frames", "token_bus_frames_total", "counter", "Token-bus frames sent to ingress replicas"),
     ("token_bus_deltas", "token_bus_deltas_total", "counter", "Token deltas sent on the token bus (deltas / frames = streams per frame)"),
@@ -240,6 +252,8 @@ class SnapshotCollector:
                                   "c_step, eager or triton)", labels=labels + ["path"])
         dsteps = CounterMetricFamily(PREFIX + "decode_steps", "Decode steps by the path that ran them",
                                      labels=labels + ["path"])
+        skv_fallbacks = CounterMetricFamily(PREFIX + "session_kv_fallbacks", "Session turns that re-prefilled "
+                                            "instead of restoring KV, by reason", labels=labels + ["reason"])
         sparse = HistogramMetricFamily(PREFIX + "sparse_attended_tokens",
                                        "Tokens a sequence's last query attended in one engine step (sparse attention on)",
                                        labels=labels)
@@ -255,6 +269,8 @@ class SnapshotCollector:
                 dpath.add_metric(lv + [str(stats["decode_path"])], 1.0)
             for path, n in stats.get("decode_steps") or ():
                 dsteps.add_metric(lv + [str(path)], float(n))
+            for reason, n in stats.get("session_kv_fallbacks") or ():
+                skv_fallbacks.add_metric(lv + [str(reason)], float(n))
             counts = stats.get("sparse_attended_tokens_buckets") or ()
             if counts:
                 cum, buckets = 0, []
@@ -270,7 +286,7 @@ class SnapshotCollector:
                                  "model": str(s["data"].get("model", "")),
                                  "weights_fingerprint": str(s["data"].get("weights_fingerprint", ""))})
         yield from fams.values()
-        yield from (ready, nll, pver, info, sparse, dpath, dsteps)
+        yield from (ready, nll, pver, info, sparse, dpath, dsteps, skv_fallbacks)
 
 
 def _tenant_families(ingress: list[Mapping[str, Any]]) -> Iterable[Any]:

@@ -159,8 +159,10 @@ class LLMServer:
         # on first use).
         tok = token_text(self.engine.tokenizer) if params.logprobs else None
         if params.n == 1:
+            # A conversation's turn names its session: with session_kv on, the engine restores the KV an
+            # earlier turn saved (on any replica) and saves this turn's (engine/session_cache.py).
             gen = self.engine.generate(list(req.prompt_token_ids), params, request_id=req.request_id,
-                                       anchors=list(req.anchors) or None)
+                                       anchors=list(req.anchors) or None, session=req.affinity)
             async for out in gen:
                 yield self._delta(out, tok, 0, out.finished)
             return

@@ -84,6 +84,10 @@ class PoolArgs(_Strict):
     autoscaling: AutoscalingArgs | None = None
     max_ongoing_requests: int = Field(64, gt=0)
     max_queued_requests: int = Field(128, ge=-1)
+    # A session's turn leaves the replica its rendezvous rank prefers once that replica holds this many
+    # requests, for the least loaded one (with engine.session_kv on, the turn's KV follows it from the
+    # store; app/affinity.py). None: it stays until Serve refuses it (max_ongoing + max_queued).
+    affinity_max_load: int | None = Field(None, gt=0)
     num_cpus: float = Field(0.1, ge=0)  # the replica (scheduler, KV bookkeeping; the model at TP=1)
     worker_num_cpus: float = Field(0.1, ge=0)  # each tensor-parallel worker
     # An engine that holds work and has not stepped for this long is hung: killed and restarted, its

@@ -114,13 +114,14 @@ class AsyncLLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         anchors: Iterable[Anchor] | None = None,
+        session: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the deltas of one request. Validation errors raise before the first delta; so does a
         grammar (``response_format``) that does not compile within ``COMPILE_TIMEOUT_S``."""
         self._ensure_loop()
         if params.structured_output is not None:
             await self._compile(params.structured_output)
-        request_id = self.engine.add_request(request_id, prompt, params, anchors)
+        request_id = self.engine.add_request(request_id, prompt, params, anchors, session=session)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
         assert self._wakeup is not None

@@ -268,6 +268,23 @@ class BlockManager:
         """How many of ``hits`` would leave the free queue when taken (they then count as used)."""
         return sum(1 for b in hits if self.ref_counts[b] == 0)
 
+    def can_admit(self, hits: Seq[int], num_new_blocks: int) -> bool:
+        """Whether a request can start on the cached ``hits`` plus ``num_new_blocks`` new blocks: hits in the
+        free queue leave it and new blocks come from it; in a quantized cache each new block needs a 16-bit
+        slot, and 16-bit hits in the free queue take theirs out of the reclaimable ones. Packed hits need
+        no slot: counting them against the side pool (a few blocks) refused a long cached prefix forever.
+        Example (quantized, 3 slots, 19 blocks free of which the 10 packed hits)::
+
+            can_admit(hits=10 packed blocks, num_new_blocks=1) -> True   (11 <= 19 blocks, 1 <= 3 slots)
+        """
+        in_free = [b for b in hits if self.ref_counts[b] == 0]
+        if len(in_free) + num_new_blocks > len(self.free_queue):
+            return False
+        if not self.quantized:
+            return True
+        fp_hits = sum(1 for b in in_free if b in self.fp_cached_free)
+        return num_new_blocks <= self.num_fp_available - fp_hits
+
     def take_prefix(self, seq: Sequence, hits: Seq[int]) -> None:
         """Start ``seq`` (which holds no blocks) on the cached blocks ``hits``."""
         assert not seq.block_table, "take_prefix on a sequence that already holds blocks"
@@ -301,6 +318,54 @@ class BlockManager:
                 self.hash_to_block.setdefault(h, block)
             seq.last_block_hash = h
             seq.num_hashed_blocks = i + 1
+
+    # ------------------------------------------------------------------ restored KV (engine/session_cache.py)
+    def chain_hashes(self, token_ids: Seq[int], num_blocks: int) -> list[int]:
+        """Prefix-cache hashes of the first ``num_blocks`` full blocks of ``token_ids``."""
+        out: list[int] = []
+        parent: int | None = None
+        for i in range(num_blocks):
+            parent = hash_block(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
+            out.append(parent)
+        return out
+
+    def hold(self, blocks: Seq[int]) -> None:
+        """Take a reference on cached ``blocks`` (e.g. prefix hits) so no allocation reuses them meanwhile."""
+        for b in blocks:
+            if self.ref_counts[b] == 0:
+                del self.free_queue[b]
+                self.fp_cached_free.pop(b, None)
+            self.ref_counts[b] += 1
+
+    def release(self, blocks: Seq[int]) -> None:
+        """Drop references taken by ``hold`` or ``reserve_restore``, the last block first (it is reused first)."""
+        for b in reversed(blocks):
+            self._release_block(b)
+
+    def reserve_restore(self, fp: Seq[bool]) -> list[int]:
+        """Blocks to load saved KV into, one per entry of ``fp`` (True: 16-bit, the block keeps a side-pool
+        slot; False: packed). Each is held, unhashed, until ``commit_restore`` or ``release``. Fewer blocks
+        (the first ones) when the free blocks or 16-bit slots run out. Example (``num_blocks=5``, quantized)::
+
+            reserve_restore([True, False]) -> [1, 2]; kv_ops ("assign", 1, 0), ("assign", 2, 1), ("assign", 2, -1)
+        """
+        blocks: list[int] = []
+        for is_fp in fp:
+            if not self.num_allocatable:
+                break
+            b = self._allocate_block()
+            if self.quantized and not is_fp:
+                self._drop_fp_slot(b)  # its data is packed: the slot goes back at once
+            blocks.append(b)
+        return blocks
+
+    def commit_restore(self, blocks: Seq[int], hashes: Seq[int]) -> None:
+        """Give restored ``blocks`` their prefix-cache ``hashes`` and free them: they wait in the free queue
+        as cached blocks (16-bit ones keep their slots), for the request's admission to take as prefix hits."""
+        for b, h in zip(blocks, hashes):
+            self.block_hashes[b] = h
+            self.hash_to_block.setdefault(h, b)
+        self.release(blocks)
 
     # ------------------------------------------------------------------ allocation
     def can_allocate(self, num_blocks: int) -> bool:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from engine.cache_policy import CachePolicy
 from engine.errors import ConfigError
 from engine.model_store import DEFAULT_MODEL, REPO_ROOT  # the one source of model paths and names
+from engine.session_kv_config import SessionKV
 from engine.sparse_config import SparseAttention
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -122,6 +123,8 @@ class EngineConfig:
     kv_fp_pool_blocks: int | None = None
     # Sparse attention for long sequences: indexer, top_k, forced set (engine/sparse_config.py).
     sparse: SparseAttention = field(default_factory=SparseAttention)
+    # Session KV: a session's blocks saved at the end of each turn, restored on any engine (engine/session_cache.py).
+    session_kv: SessionKV = field(default_factory=SessionKV)
 
     def __post_init__(self) -> None:
         if not (self.device == "cpu" or is_cuda(self.device)):
@@ -156,6 +159,13 @@ class EngineConfig:
         self.cache_policy.validate(self.block_size)
         self._validate_kv_cache()
         self.sparse.validate(self.block_size, self.model)
+        if self.session_kv.enabled:
+            if not self.enable_prefix_caching:
+                raise ConfigError("session_kv.enabled", "restored KV enters the prefix cache: needs enable_prefix_caching")
+            if self.sparse.enabled:
+                raise ConfigError("session_kv.enabled", "not with sparse attention (its per-block index is not saved)")
+            if self.tensor_parallel_size > 1:
+                raise ConfigError("session_kv.enabled", "tensor_parallel_size 1 only (the KV is read where the model runs)")
 
     def _validate_kv_cache(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -17,6 +17,7 @@ from typing import Any
 from engine.cache_policy import CachePolicy
 from engine.config import EngineConfig
 from engine.errors import ConfigError
+from engine.session_kv_config import SessionKV
 from engine.sparse_config import SparseAttention
 
 
@@ -56,6 +57,22 @@ def sparse_from_dict(d: Mapping[str, Any] | SparseAttention) -> SparseAttention:
     return SparseAttention(**d)
 
 
+def session_kv_from_dict(d: Mapping[str, Any] | SessionKV) -> SessionKV:
+    """A ``SessionKV`` from config values; unknown keys are refused with their path named.
+
+    >>> session_kv_from_dict({"enabled": True, "max_byte": 1})
+    Traceback (most recent call last):
+    ...
+    engine.errors.ConfigError: session_kv.max_byte: unknown field; did you mean 'max_bytes'? ...
+    """
+    if isinstance(d, SessionKV):
+        return d
+    if not isinstance(d, Mapping):
+        raise ConfigError("session_kv", f"must be a mapping of session KV settings, got {d!r}")
+    _check_keys(SessionKV, d, "session_kv.")
+    return SessionKV(**d)
+
+
 def engine_config_from_dict(d: Mapping[str, Any], **overrides: Any) -> EngineConfig:
     """An ``EngineConfig`` from config values plus ``overrides`` (e.g. the model a version serves).
     Validates everything ``EngineConfig`` and ``CachePolicy`` validate, including the policy
@@ -66,6 +83,8 @@ def engine_config_from_dict(d: Mapping[str, Any], **overrides: Any) -> EngineCon
         values["cache_policy"] = cache_policy_from_dict(values["cache_policy"])
     if "sparse" in values:
         values["sparse"] = sparse_from_dict(values["sparse"])
+    if "session_kv" in values:
+        values["session_kv"] = session_kv_from_dict(values["session_kv"])
     try:
         return EngineConfig(**values)
     except ConfigError as e:

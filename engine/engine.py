@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import re
 import threading
 import uuid
 from collections import deque
@@ -25,7 +26,7 @@ from engine.block_manager import BlockManager
 from engine.cache_policy import CachePolicy
 from engine.config import EngineConfig, validate_kv_cache_for_model
 from engine.decode_path import DecodePath, decode_path_for
-from engine.errors import InvalidRequestError, ModelLoadError
+from engine.errors import ConfigError, InvalidRequestError, ModelLoadError
 from engine.executor import ExecutorFactory, LocalExecutor
 from engine.input_processor import Anchor, InputProcessor
 from engine.limits import derive_limits, limits_for_policy, read_model_config
@@ -43,6 +44,29 @@ from engine.stats import EngineCounters, EngineStats
 __all__ = ["Anchor", "LLMEngine"]
 
 logger = logging.getLogger(__name__)
+
+SESSION_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+
+
+def model_identity(model_dir: str) -> str:
+    """What session KV keys name the weights by: the manifest's fingerprint (``engine/weights.py``), else a
+    hash of ``config.json`` and the weight files' names and sizes (a directory without a manifest)."""
+    import hashlib
+    from pathlib import Path
+
+    from engine.weights import fingerprint
+
+    fp = fingerprint(model_dir)
+    if fp:
+        return fp
+    h = hashlib.sha256()
+    root = Path(model_dir)
+    for p in sorted(root.iterdir()):
+        if p.is_file() and (p.name == "config.json" or p.suffix in (".safetensors", ".bin")):
+            h.update(f"{p.name}:{p.stat().st_size};".encode())
+            if p.name == "config.json":
+                h.update(p.read_bytes())
+    return "dir-" + h.hexdigest()[:16]
 
 class LLMEngine:
     """Continuous-batching engine over a paged, retention-aware KV cache."""
@@ -108,6 +132,19 @@ class LLMEngine:
         # in Ray workers) gets the same function's answer from the model directory.
         self.decode_path: DecodePath = getattr(self.executor, "decode_path", None) or decode_path_for(config)
         logger.info("%s", self.decode_path.describe())
+        self.session_kv = self._open_session_kv()
+        self._session_saves: list[Sequence] = []  # finished session turns, saved at the end of the step
+
+    def _open_session_kv(self) -> Any:
+        """The session KV cache (``engine/session_cache.py``) when ``config.session_kv`` is enabled."""
+        if not self.config.session_kv.enabled:
+            return None
+        if not hasattr(self.executor, "import_kv_blocks"):
+            raise ConfigError("session_kv.enabled", f"the {type(self.executor).__name__} cannot read or load KV blocks")
+        from engine.session_cache import SessionKVCache
+
+        return SessionKVCache(self.config.session_kv, self.block_manager, self.executor, model_identity(self.config.model),
+                              lambda: self.policy_version)
 
     # ------------------------------------------------------------------ set-up
     def _load_tokenizer(self) -> Any:
@@ -175,15 +212,21 @@ class LLMEngine:
         prompt: str | Seq[int],
         params: SamplingParams,
         anchors: Iterable[Anchor] | None = None,
+        session: str | None = None,
     ) -> str:
-        """Validate and queue a request; it starts at the next ``step()``. Returns its id."""
+        """Validate and queue a request; it starts at the next ``step()``. Returns its id. ``session``: the
+        conversation it is a turn of; with ``session_kv`` enabled its KV is restored before it is scheduled
+        and saved when it finishes (``engine/session_cache.py``)."""
         request_id = request_id or uuid.uuid4().hex
         if params.n != 1:  # one sequence per request: n choices are n requests (app/server.py fans out)
             raise InvalidRequestError("n", f"the engine runs one choice per request; submit {params.n} requests")
         if self.outputs.is_live(request_id):  # two live requests cannot share deltas or an abort
             raise InvalidRequestError("request_id", f"request {request_id!r} is already in flight")
+        if session is not None and not SESSION_ID.match(session):
+            raise InvalidRequestError("session", f"must match {SESSION_ID.pattern}, got {session[:40]!r}")
         seq = self.inputs.process(request_id, prompt, params, anchors or [], self.policy, self.num_kv_blocks,
                                   next(self._arrivals))
+        seq.session = session
         self.outputs.register(seq)
         self._pending_adds.append(seq)
         return request_id
@@ -229,6 +272,8 @@ class LLMEngine:
         while self._pending_adds:
             seq = self._pending_adds.popleft()
             self.counters.tokens_protected_total += len(seq.protected_positions)
+            if self.session_kv is not None and seq.session is not None:
+                self.session_kv.restore(seq)
             self.scheduler.add(seq)
         aborted = []
         while self._pending_aborts:
@@ -251,6 +296,7 @@ class LLMEngine:
                 return outputs
             sampled = self.executor.execute(self._model_input(sched))
             outputs.extend(self._process(sched, sampled))
+            self._save_sessions()
             self.counters.steps_total += 1
             path = getattr(sampled, "decode_path", None)
             if path is not None:
@@ -348,10 +394,22 @@ class LLMEngine:
                     out = self.outputs.on_token(seq, tok, lp, self.policy, top)
                     if out.finished:
                         self._finished_ids.append(seq.request_id)
+                        if seq.session is not None and self.session_kv is not None and seq.finish_reason != ERROR_FINISH:
+                            self._session_saves.append(seq)
                     outputs.append(out)
                     continue
             outputs.append(self._fail(seq, failures[seq.request_id]))
         return outputs
+
+    def _save_sessions(self) -> None:
+        """Save the KV of the session turns that finished this step (their blocks are cached, not reused yet).
+        A failed save is logged: the turn's answer stands, the next turn re-prefills."""
+        while self._session_saves:
+            seq = self._session_saves.pop()
+            try:
+                self.session_kv.save(seq)
+            except Exception:  # noqa: BLE001 - the store (a disk) failing must not fail serving
+                logger.exception("session %s: saving KV failed", seq.session)
 
     def _fail(self, seq: Sequence, reason: str) -> RequestOutput:
         """Finish ``seq`` because its own work raised (engine/isolation.py): its blocks are freed now,
@@ -452,6 +510,7 @@ class LLMEngine:
             blocks_needed_sliding=sliding_needed if model_window is not None else bm.num_used_blocks,
             decode_path=self.decode_path.path,
             decode_steps=tuple(sorted(c.decode_steps.items())),
+            **(self.session_kv.stats() if self.session_kv is not None else {}),
         )
 
     def check_integrity(self) -> None:

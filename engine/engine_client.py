@@ -34,9 +34,11 @@ class EngineClient(Protocol):
         params: SamplingParams,
         request_id: str | None = None,
         anchors: Iterable[Anchor] | None = None,
+        session: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Deltas of one request; an invalid request raises ``InvalidRequestError`` before the first,
-        and leaving the iterator early aborts the request (its blocks are freed)."""
+        and leaving the iterator early aborts the request (its blocks are freed). ``session``: the
+        conversation the request is a turn of (session KV: ``engine/session_cache.py``)."""
         ...
 
     def abort(self, request_id: str) -> None: ...

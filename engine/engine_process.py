@@ -90,6 +90,7 @@ class AddRequest:
     prompt: str | tuple[int, ...]
     params: SamplingParams
     anchors: tuple[Anchor, ...] = ()
+    session: str | None = None  # the conversation it is a turn of (session KV)
 
 
 @dataclass(frozen=True)
@@ -233,6 +234,7 @@ class EngineProcess:
         params: SamplingParams,
         request_id: str | None = None,
         anchors: Iterable[Any] | None = None,
+        session: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the deltas of one request; an invalid request raises ``InvalidRequestError``
         before the first delta, and leaving early aborts it in the engine (its blocks are freed)."""
@@ -246,7 +248,7 @@ class EngineProcess:
         done = False  # the engine is through with it (finished, aborted, never admitted)
         try:
             self._send(AddRequest(request_id, prompt if isinstance(prompt, str) else tuple(prompt), params,
-                                  tuple(anchors or ())))
+                                  tuple(anchors or ()), session))
             if self._sent_at is None:
                 self._sent_at = time.monotonic()
             while not done:
@@ -448,7 +450,7 @@ def serve_engine(conn: Connection) -> None:
 
     def admit(msg: AddRequest) -> None:
         try:
-            engine.add_request(msg.request_id, msg.prompt, msg.params, msg.anchors)
+            engine.add_request(msg.request_id, msg.prompt, msg.params, msg.anchors, session=msg.session)
         except InvalidRequestError as e:
             conn.send(Rejected(msg.request_id, e.field, e.message))
         except (TypeError, ValueError) as e:

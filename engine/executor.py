@@ -50,5 +50,15 @@ class LocalExecutor:
         assert out is not None  # rank 0 always samples
         return out
 
+    # Session KV (engine/session_cache.py): the runner is in this process.
+    def kv_layout(self) -> str:
+        return self.runner.kv_layout()
+
+    def export_kv_blocks(self, kv_ops: list[tuple[str, int, int]], blocks: list[int]) -> list[bytes]:
+        return self.runner.export_kv_blocks(kv_ops, blocks)
+
+    def import_kv_blocks(self, kv_ops: list[tuple[str, int, int]], blocks: list[int], payloads: list[bytes]) -> None:
+        self.runner.import_kv_blocks(kv_ops, blocks, payloads)
+
     def shutdown(self) -> None:
         pass

@@ -615,6 +615,48 @@ class ModelRunner:
                 raise ValueError(f"unknown KV op {op!r}")
         flush()
 
+    # ------------------------------------------------------------------ session KV (engine/session_cache.py)
+    def kv_layout(self) -> str:
+        """What a saved block's bytes depend on besides its tokens: the KV dtype and schemes, the block size,
+        the model dtype, the tensors' shapes and the calibrated outlier channels (engine/kv_block_codec.py)."""
+        from engine import kv_block_codec
+
+        c = self.config
+        return (f"{c.kv_cache_dtype}/{c.dtype}/b{c.block_size}/{c.kv_key_scheme}/{c.kv_value_scheme}/"
+                f"tp{self.world_size}/{kv_block_codec.layout_digest(self.kv_caches, self.outlier_idx)}")
+
+    def _fp_slot_of(self, block: int) -> int:
+        return int(self.kv_caches[0].fp_index[block]) if self.config.kv_quantized else 0
+
+    @torch.inference_mode()
+    def export_kv_blocks(self, kv_ops: list[tuple[str, int, int]], blocks: list[int]) -> list[bytes]:
+        """Apply the block manager's pending ``kv_ops`` (so each block is in its final precision), then
+        each block's payload: packed codes and scales as they are, a 16-bit block in 16 bits."""
+        from engine import kv_block_codec
+
+        if kv_ops:
+            self._apply_kv_ops(kv_ops)
+        out = []
+        for b in blocks:
+            slot = self._fp_slot_of(b)
+            fp = not self.config.kv_quantized or slot >= 0
+            out.append(kv_block_codec.read_block(self.kv_caches, b, slot, fp))
+        return out
+
+    @torch.inference_mode()
+    def import_kv_blocks(self, kv_ops: list[tuple[str, int, int]], blocks: list[int], payloads: list[bytes]) -> None:
+        """Apply ``kv_ops`` (the restored blocks' precisions among them), then load each payload into its
+        block; a payload whose precision or size does not fit raises."""
+        from engine import kv_block_codec
+
+        if kv_ops:
+            self._apply_kv_ops(kv_ops)
+        for b, data in zip(blocks, payloads):
+            slot = self._fp_slot_of(b)
+            if self.config.kv_quantized and kv_block_codec.payload_is_fp(data) != (slot >= 0):
+                raise ValueError(f"block {b}: payload precision does not match the block's (slot {slot})")
+            kv_block_codec.write_block(self.kv_caches, b, slot, data)
+
     def _copy_quant_block(self, src: int, dst: int) -> None:
         fs, fd = int(self.kv_caches[0].fp_index[src]), int(self.kv_caches[0].fp_index[dst])
         for cache in self.kv_caches:

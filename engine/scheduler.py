@@ -175,8 +175,7 @@ class Scheduler:
                 continue
             cached = len(hits) * self.bm.block_size
             n = min(seq.num_tokens - cached, budget)
-            need = self.bm.num_hits_in_free_queue(hits) + self.bm.blocks_for_tokens(cached + n) - len(hits)
-            if need > self.bm.num_allocatable:
+            if not self.bm.can_admit(hits, self.bm.blocks_for_tokens(cached + n) - len(hits)):
                 break
             del self.waiting[i]
             self.bm.take_prefix(seq, hits)

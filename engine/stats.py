@@ -94,6 +94,21 @@ class EngineStats:
     # path actually ran ((path, steps) pairs: a C-step pool's oversized batch runs eagerly).
     decode_path: str = ""
     decode_steps: tuple[tuple[str, int], ...] = ()
+    # Session KV (engine/session_cache.py; zeros when it is off): the store directory as this engine last saw
+    # it (bytes, entries), its reads that found / missed an entry, entries it evicted, bytes it wrote; turns
+    # that restored KV and the tokens they restored, turns saved, blocks a save found already stored (shared),
+    # and (reason, turns) that carried a session but re-prefilled.
+    session_kv_store_bytes: int = 0
+    session_kv_store_entries: int = 0
+    session_kv_store_hits: int = 0
+    session_kv_store_misses: int = 0
+    session_kv_store_evictions: int = 0
+    session_kv_store_bytes_written: int = 0
+    session_kv_restores: int = 0
+    session_kv_restored_tokens: int = 0
+    session_kv_saves: int = 0
+    session_kv_shared_blocks: int = 0
+    session_kv_fallbacks: tuple[tuple[str, int], ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

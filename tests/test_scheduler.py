@@ -187,3 +187,25 @@ def test_random_shared_prefix_workloads_under_pool_pressure_never_fail_or_leak()
                     sched.finish(s, "length")
                     del live[s.request_id]
             bm.check_integrity(sched.live_sequences())
+
+
+def test_a_quantized_cache_admits_a_cached_prefix_longer_than_its_side_pool() -> None:
+    """Packed prefix hits need no 16-bit slot: 10 cached packed blocks and a 3-slot side pool admit the
+    request on its 10 hits (counting them against the side pool left it waiting forever)."""
+    bm = BlockManager(num_blocks=20, block_size=4, num_fp_blocks=3)
+    first = Sequence("first", list(range(41)), SamplingParams(max_tokens=1))
+    sched = Scheduler(bm, CachePolicy(eviction_policy="none", residual_window=0, keep_protected_16bit=False), 4, 8)
+    sched.add(first)
+    while first.num_computed_tokens < 41:  # 8 tokens a step; full blocks are packed at the next step
+        run_step(sched, sched.schedule())
+    sched.schedule()  # packs the last full blocks
+    cached = list(first.block_table[:10])
+    assert not any(bm.is_fp(b) for b in cached)
+    sched.finish(first, "stop")
+    bm.take_kv_ops()
+    second = Sequence("second", list(range(41)) + [99], SamplingParams(max_tokens=1))
+    sched.add(second)
+    out = sched.schedule()
+    assert [(s.seq.request_id, s.num_tokens) for s in out.scheduled] == [("second", 2)]
+    assert second.block_table[:10] == cached and second.num_cached_tokens == 40
+    bm.check_integrity([second])

@@ -31,7 +31,8 @@ def _full_snapshot() -> dict:
     for hist in (rm.ttft, rm.itl, rm.e2e):
         hist["short"].observe(0.05)
     stats = {key: 1 for key, _, _, _ in m.ENGINE_STATS} | {"nll_sum": 2.0, "nll_count": 1, "decode_path": "c_step",
-                                                           "decode_steps": [["c_step", 3]]}
+                                                           "decode_steps": [["c_step", 3]],
+                                                           "session_kv_fallbacks": [["policy", 1]]}
     return {
         "ingress/i1": {"kind": "ingress", "replica": "i1", "data": rm.snapshot()},
         "pool/p1": {"kind": "pool", "pool": "short", "version": "v1", "replica": "p1", "deployment": "pool-short-v1",

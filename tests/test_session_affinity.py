@@ -1,0 +1,48 @@
+"""The pool's session router (app/affinity.py): a turn goes to the replica its rendezvous rank prefers,
+and past the pool's ``affinity_max_load`` to the least loaded replica instead (which restores the
+session's KV from the store), configured from the yaml's pool settings."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from app.affinity import SessionAffinityRouter, ranked
+from app.builder import pool_options
+from app.events import PoolRequest
+from app.settings import PoolArgs
+from engine import SamplingParams
+
+
+class Loads:
+    def __init__(self, loads: dict[str, int]) -> None:
+        self.loads = loads
+
+    def get(self, replica_id):
+        return self.loads.get(replica_id.unique_id)
+
+
+def choose(max_load, loads: dict[str, int], session: str = "c-42") -> list[str]:
+    router = object.__new__(SessionAffinityRouter)
+    router.max_load = max_load
+    router._replica_queue_len_cache = Loads(loads)
+    replicas = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=r)) for r in ("r1", "r2", "r3")]
+    pending = SimpleNamespace(args=(PoolRequest("q", (1, 2), SamplingParams(), affinity=session),))
+    ranks = asyncio.run(router.choose_replicas(replicas, pending))
+    return [rank[0].replica_id.unique_id for rank in ranks]
+
+
+def test_a_session_stays_on_its_replica_below_the_load_threshold_and_moves_past_it() -> None:
+    order = ranked("c-42", ["r1", "r2", "r3"])
+    first = order[0]
+    assert choose(None, {first: 50}) == order  # no threshold: stays (Serve refuses when it is full)
+    assert choose(4, {first: 3}) == order
+    idle = order[2]
+    moved = choose(4, {order[0]: 4, order[1]: 2, idle: 0})
+    assert moved == [idle, order[0], order[1]]
+
+
+def test_the_threshold_is_a_pool_setting_passed_to_the_router() -> None:
+    pool = PoolArgs(name="chat", affinity_max_load=8, engine={"session_kv": {"enabled": True, "path": "/tmp/x"}})
+    opts = pool_options(pool, "cpu")
+    assert opts["request_router_config"].request_router_kwargs == {"max_load": 8}
