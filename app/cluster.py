@@ -49,6 +49,10 @@ HEAD_RESOURCE = "sinkserve_head"  # only the head offers it: the ingress and the
 POOL_RESOURCE = "sinkserve_pool"  # only workers offer it: every pool replica asks for it
 RESOURCE_UNITS = 1000.0  # what a node offers; each replica asks for 1, so this never limits replica counts
 WORKER_PORTS = 100  # Ray worker processes' ports per node
+# Every process of a node inherits this from its `ray start` (raylet, workers, and what they start: engine
+# processes, HAProxy). Ray puts each worker in its own process group, and HAProxy outlives its manager
+# actor when that is SIGKILLed, so the `ray start` process group alone is not the whole node.
+NODE_MARK_ENV = "SINKSERVE_CLUSTER_NODE"
 HEALTH_CHECK_ENV = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "1000",
                     "RAY_health_check_failure_threshold": "3"}
 
@@ -230,6 +234,7 @@ class LocalCluster:
         env = dict(os.environ)
         env.update(self.env)
         env.update(self.ray_env())
+        env[NODE_MARK_ENV] = self.node_mark(node.name)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
         env.update(haproxy_env(self.layout.port(node, 8), self.layout.port(node, 9)))
         if not node.head:
@@ -240,6 +245,9 @@ class LocalCluster:
         # that is mostly other people's processes, and it killed this cluster's replicas (and its Serve
         # controller) in a loop. The kernel's OOM killer still guards the host.
         env.setdefault("RAY_memory_monitor_refresh_ms", "0")
+        # A raylet must register with the GCS within this (60 s by default); on a loaded 2-core host a
+        # worker node took longer and `ray start` gave up.
+        env.setdefault("RAY_raylet_start_wait_time_s", "300")
         # Serve's fallback proxy (head only) has fixed ports too (8500/9500), shared with any other Serve
         # on the host: the cluster's own.
         env["RAY_SERVE_FALLBACK_PROXY_HTTP_PORT"] = str(self.layout.port(self.layout.nodes[0], 11))
@@ -249,6 +257,10 @@ class LocalCluster:
             # here (Ray's default, 5 x 3 s, held new requests to a lost node's replicas ~15 s longer).
             env.update(HEALTH_CHECK_ENV)
         return env
+
+    def node_mark(self, name: str) -> str:
+        """What every process of node ``name`` carries in its environment (``NODE_MARK_ENV``)."""
+        return f"{self.state_dir.resolve()}#{name}"
 
     def node_command(self, node: NodeSpec) -> list[str]:
         lo, hi = self.layout.worker_ports(node)
@@ -430,6 +442,7 @@ print(json.dumps({{"nodes": sorted(names.values()), "actors": actors, "groups": 
             raise ValueError("the head holds the GCS and the Serve controller: kill a worker node")
         pid = self.pids.pop(name)
         kill_group(pid, signal.SIGKILL)
+        kill_marked(self.node_mark(name), signal.SIGKILL)
         self.save()
 
     def stop(self) -> None:
@@ -448,6 +461,8 @@ print(json.dumps({{"nodes": sorted(names.values()), "actors": actors, "groups": 
             if pid is not None and group_alive(pid):
                 kill_group(pid, signal.SIGKILL)
             self.pids.pop(name, None)
+        for node in self.layout.nodes:  # what outlived its group (HAProxy, an engine process)
+            kill_marked(self.node_mark(node.name), signal.SIGKILL)
         self.save()
         if self.temp_dir and Path(self.temp_dir).name.startswith("ssc-"):
             shutil.rmtree(self.temp_dir, ignore_errors=True)
@@ -481,3 +496,27 @@ def kill_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except ProcessLookupError:
         pass
+
+
+def marked_pids(mark: str) -> list[int]:
+    """Processes whose environment has ``NODE_MARK_ENV=mark`` (this user's; others' are unreadable)."""
+    want = f"{NODE_MARK_ENV}={mark}".encode()
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if want in f.read().split(b"\0"):
+                    out.append(int(entry))
+        except OSError:
+            continue
+    return out
+
+
+def kill_marked(mark: str, sig: int) -> None:
+    for pid in marked_pids(mark):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass

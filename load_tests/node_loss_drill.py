@@ -55,7 +55,7 @@ def start_cluster(state: Path, port_base: int, http_port: int, config: str) -> L
     for p in local_layout(port_base, http_port).all_ports:
         if not port_free(p):
             raise SystemExit(f"port {p} is in use: pick --port-base / --port")
-    env = {**os.environ, "SINKSERVE_API_KEYS": KEY, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "SINKSERVE_API_KEYS": KEY, "SINKSERVE_OPERATOR_KEYS": KEY, "PYTHONPATH": str(REPO)}
     t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "app.cli", "cluster", "up", config, "--model", "reference",
                           "--port", str(http_port), "--port-base", str(port_base), "--state-dir", str(state)],

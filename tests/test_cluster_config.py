@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from app.cli_serve import validate_apps
-from app.cluster import HEAD_RESOURCE, POOL_RESOURCE, LocalCluster, cluster_config, local_layout
+from app.cluster import (HEAD_RESOURCE, NODE_MARK_ENV, POOL_RESOURCE, LocalCluster, cluster_config, kill_marked,
+                         local_layout, marked_pids)
 from app.placement import PlacementError, app_needs, check_placement, pack_replicas
 from app.settings import AppArgs
 
@@ -48,6 +49,7 @@ def test_node_commands_and_environment(tmp_path: Path) -> None:
     assert we["RAY_SERVE_ENABLE_HA_PROXY"] == "1" and we["SINKSERVE_API_KEYS"] == "k"
     assert we["RAY_AUTH_TOKEN_PATH"] == str(tmp_path / "ray_auth_token")  # its own token, not ~/.ray's
     assert "RAY_health_check_period_ms" in he and "RAY_health_check_period_ms" not in we
+    assert we[NODE_MARK_ENV] == f"{tmp_path.resolve()}#worker-b" != he[NODE_MARK_ENV]
     with pytest.raises(ValueError, match="head"):
         c.kill_node("head")
 
@@ -111,3 +113,25 @@ def test_resources_field_refuses_cpu_and_zero() -> None:
         AppArgs(pools=[{"name": "a", "resources": {"CPU": 1}}])
     with pytest.raises(ValueError, match="must be above 0"):
         AppArgs(ingress={"resources": {"x": 0}})
+
+
+def test_a_node_is_every_process_carrying_its_mark(tmp_path: Path) -> None:
+    """What outlives a node's process group (a Ray worker in its own group, HAProxy) is found by the
+    mark its environment inherited, and killed with the node; an unmarked process is left alone."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    mark = f"{tmp_path}#worker-a"
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    marked = subprocess.Popen(sleeper, env={**os.environ, NODE_MARK_ENV: mark}, start_new_session=True)
+    other = subprocess.Popen(sleeper, env={**os.environ, NODE_MARK_ENV: mark + "x"})
+    try:
+        assert marked_pids(mark) == [marked.pid]
+        kill_marked(mark, signal.SIGKILL)
+        assert marked.wait(10) == -signal.SIGKILL and other.poll() is None
+    finally:
+        for p in (marked, other):
+            p.kill()
+            p.wait()
