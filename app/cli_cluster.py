@@ -99,7 +99,7 @@ def up(args: argparse.Namespace, state: Path) -> int:
         cluster.start(timeout_s=args.timeout, redis_url=args.redis_url)
         print(f"nodes up: {', '.join(n.name for n in layout.nodes)}; store {cluster.redis_url}")
         urls = cluster.deploy(cluster_config(cfg, cluster.redis_url), timeout_s=args.timeout)
-    except (RuntimeError, OSError, KeyboardInterrupt) as e:
+    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - whatever stopped it, nothing it started stays up
         print(f"sinkserve cluster: {type(e).__name__}: {e}\n(logs in {state}; stopping what started)", file=sys.stderr)
         cluster.stop()
         return 1

@@ -338,13 +338,9 @@ class LocalCluster:
     def alive_nodes(self) -> list[dict[str, Any]]:
         """Ray's alive nodes (a driver connects and leaves: a subprocess, so this process's Ray stays its own)."""
         code = ("import json, ray; ray.init(address=%r, logging_level='ERROR', log_to_driver=False); "
-                "print(json.dumps([{'id': n['NodeID'], 'resources': n['Resources']} for n in ray.nodes() if n['Alive']]))"
+                "print('SINKSERVE_JSON', json.dumps([{'id': n['NodeID'], 'resources': n['Resources']} for n in ray.nodes() if n['Alive']]))"
                 % self.layout.gcs_address)
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                             env={**os.environ, **self.ray_env()})
-        if out.returncode != 0:
-            raise RuntimeError(f"could not reach the cluster at {self.layout.gcs_address}: {out.stderr[-500:]}")
-        return json.loads(out.stdout.strip().splitlines()[-1])
+        return self._driver(code)
 
     def where(self) -> dict[str, Any]:
         """Where everything runs, by node name: ``actors`` (class, name, node) and placement ``groups``
@@ -364,13 +360,25 @@ actors = [{{"class": a["ActorClassName"], "name": a.get("Name") or "", "node": n
 groups = [{{"strategy": g["strategy"], "state": g["state"],
             "nodes": [names.get(n, "?") for n in g["bundles_to_node_id"].values()]}}
           for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
-print(json.dumps({{"nodes": sorted(names.values()), "actors": actors, "groups": groups}}))
+print("SINKSERVE_JSON", json.dumps({{"nodes": sorted(names.values()), "actors": actors, "groups": groups}}))
 """
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                             env={**os.environ, **self.ray_env()})
+        return self._driver(code)
+
+    def _driver(self, code: str, timeout_s: float = 180.0) -> Any:
+        """Run ``code`` as a short-lived Ray driver of this cluster; what it printed after ``SINKSERVE_JSON``. A
+        subprocess, so the caller's own Ray (a test's, a benchmark's) is never touched."""
+        try:
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s,
+                                 env={**os.environ, **self.ray_env()})
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"a driver of the cluster at {self.layout.gcs_address} did not finish in {timeout_s:g}s") from None
         if out.returncode != 0:
             raise RuntimeError(f"could not reach the cluster at {self.layout.gcs_address}: {out.stderr[-500:]}")
-        return json.loads(out.stdout.strip().splitlines()[-1])
+        # Ray may print its own lines on stdout too: the answer is the line with the marker.
+        line = next((x for x in reversed(out.stdout.splitlines()) if x.startswith("SINKSERVE_JSON ")), None)
+        if line is None:
+            raise RuntimeError(f"a driver of the cluster at {self.layout.gcs_address} printed no answer: {out.stdout[-300:]}")
+        return json.loads(line[len("SINKSERVE_JSON "):])
 
     def replica_nodes(self, deployment: str) -> list[str]:
         """The node of each live replica of ``deployment`` (e.g. ``pool-short-v1``), sorted."""
@@ -383,7 +391,11 @@ print(json.dumps({{"nodes": sorted(names.values()), "actors": actors, "groups": 
             for name, pid in self.pids.items():
                 if not pid_alive(pid):
                     raise RuntimeError(f"{name} exited during start-up: see {self.state_dir / (name + '.log')}")
-            seen = len(self.alive_nodes())
+            try:
+                seen = len(self.alive_nodes())
+            except RuntimeError as e:  # a driver too slow on a loaded host: ask again until the deadline
+                logger.info("waiting for the nodes: %s", e)
+                continue
             if seen >= n:
                 return
             time.sleep(1.0)

@@ -142,16 +142,32 @@ def job(base: str, job_id: str) -> dict:
     return httpx.get(f"{base}/v1/jobs/{job_id}", headers=AUTH, timeout=30).json()
 
 
-def first_ok(base: str, since: float, body: dict, limit_s: float) -> float | None:
+def first_ok(base: str, since: float, body: dict, limit_s: float, tries: list) -> float | None:
+    """Seconds from ``since`` to the first 200 for ``body``; each try goes in ``tries`` as
+    (sent after s, status or error, took s)."""
     while time.monotonic() - since < limit_s:
+        t = time.monotonic()
         try:
-            r = httpx.post(base + "/v1/completions", headers=AUTH, json=body, timeout=30)
-            if r.status_code == 200:
-                return time.monotonic() - since
-        except httpx.HTTPError:
-            pass
+            r = httpx.post(base + "/v1/completions", headers=AUTH, json=body, timeout=60)
+            status: int | str = r.status_code
+        except httpx.HTTPError as e:
+            status = type(e).__name__
+        tries.append((round(t - since, 1), status, round(time.monotonic() - t, 2)))
+        if status == 200:
+            return time.monotonic() - since
         time.sleep(0.25)
     return None
+
+
+def squeeze(tries: list) -> list:
+    """Consecutive tries with the same status as one row: (first sent after s, status, count, longest took s)."""
+    out: list = []
+    for sent, status, took in tries:
+        if out and out[-1][1] == status:
+            out[-1] = (out[-1][0], status, out[-1][2] + 1, max(out[-1][3], took))
+        else:
+            out.append((sent, status, 1, took))
+    return out
 
 
 def drill(c: LocalCluster, clients: int, streams: int, jobs: int) -> dict:
@@ -183,9 +199,12 @@ def drill(c: LocalCluster, clients: int, streams: int, jobs: int) -> dict:
     killed = time.monotonic()
     c.kill_node(victim)
     log.info("killed %s with %d streams in flight, jobs running %s (load %s)", victim, streams, running_at_kill, load_at_kill)
-    ok_any = first_ok(base, killed, {"prompt": "after the loss", "max_tokens": 4}, 180)
+    any_tries: list = []
+    pool_tries: list = []
+    ok_any = first_ok(base, killed, {"prompt": "after the loss", "max_tokens": 4}, 180, any_tries)
     log.info("first new request served %.1fs after the kill", ok_any or -1)
-    back = first_ok(base, killed, {"prompt": "after the loss", "max_tokens": 4, "sinkserve": {"pool": jobs_pool}}, 300)
+    back = first_ok(base, killed, {"prompt": "after the loss", "max_tokens": 4, "sinkserve": {"pool": jobs_pool}}, 300,
+                    pool_tries)
     log.info("the lost pool served again %.1fs after the kill", back or -1)
     for w in workers[clients:]:
         w.join(150)
@@ -215,7 +234,9 @@ def drill(c: LocalCluster, clients: int, streams: int, jobs: int) -> dict:
                     "streams_ended_s": max(t for _, t in ends) if ends else None,
                     "messages": sorted({s.get("message", "") for s in load.streams.values()} - {""})},
         "first_ok_s": None if ok_any is None else round(ok_any, 1),
+        "first_ok_tries": squeeze(any_tries),
         "pool_back_s": None if back is None else round(back, 1),
+        "pool_back_tries": squeeze(pool_tries),
         "conversations": {"count": len(conv_report),
                           "lost": sum(1 for r in conv_report if r["stored_turns"] < r["ok_turns"] or r["last_turn"] != 200),
                           "turns_ok": sum(r["ok_turns"] for r in conv_report),
