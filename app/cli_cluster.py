@@ -27,7 +27,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("config", nargs="?", default="serve_configs/prod.yaml", help="Serve config YAML")
     up.add_argument("--model", help="model for every application (as `sinkserve serve --model`)")
     up.add_argument("--port", type=int, help="the head's HTTP port (default: the config's); workers take the next ones")
-    up.add_argument("--port-base", type=int, default=36000, help="first of the 400 ports Ray and Redis use (default 36000)")
+    up.add_argument("--port-base", type=int, default=26000,
+                    help="first of the 400 ports Ray and Redis use (default 26000; keep it below 32768, the ephemeral range)")
     up.add_argument("--redis-url", help="use this Redis instead of starting one (a real cluster's shared store)")
     up.add_argument("--key-file", type=Path, default=DEFAULT_KEY_FILE, help="API key file to create/use")
     up.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the nodes and the application")
@@ -96,12 +97,20 @@ def up(args: argparse.Namespace, state: Path) -> int:
         print(f"{'Created' if created else 'Using'} API key file {args.key_file}  (KEY=$(head -1 {args.key_file}))")
     cluster = LocalCluster(layout, state, env=env)
     try:
-        cluster.start(timeout_s=args.timeout, redis_url=args.redis_url)
+        try:
+            cluster.start(timeout_s=args.timeout, redis_url=args.redis_url)
+        except RuntimeError as e:
+            # Once more from nothing: a raylet can fail to register on a host too loaded to answer in time.
+            print(f"sinkserve cluster: start failed ({e}); stopping it and starting once more", file=sys.stderr)
+            cluster.stop(keep_logs=True)
+            cluster = LocalCluster(layout, state, env=env)
+            cluster.start(timeout_s=args.timeout, redis_url=args.redis_url)
         print(f"nodes up: {', '.join(n.name for n in layout.nodes)}; store {cluster.redis_url}")
         urls = cluster.deploy(cluster_config(cfg, cluster.redis_url), timeout_s=args.timeout)
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - whatever stopped it, nothing it started stays up
-        print(f"sinkserve cluster: {type(e).__name__}: {e}\n(logs in {state}; stopping what started)", file=sys.stderr)
-        cluster.stop()
+        print(f"sinkserve cluster: {type(e).__name__}: {e}\n(logs in {state} and {cluster.temp_dir}; stopping what "
+              "started)", file=sys.stderr)
+        cluster.stop(keep_logs=True)
         return 1
     print("ready; each node's proxy: " + " ".join(urls))
     print("stop with: sinkserve cluster down" + (f" --state-dir {state}" if state != DEFAULT_STATE_DIR else ""))

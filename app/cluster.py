@@ -111,12 +111,19 @@ class ClusterLayout:
         return ports
 
 
-def local_layout(port_base: int = 36000, http_port: int = 8000, workers: int = 2,
+# Below Linux's ephemeral range (32768-60999): there, a port free when checked can be taken a moment
+# later as the local end of any outgoing connection (Ray makes many), and a raylet binding it crashed.
+DEFAULT_PORT_BASE = 26000
+
+
+def local_layout(port_base: int = DEFAULT_PORT_BASE, http_port: int = 8000, workers: int = 2,
                  head_cpus: float = 1.0, worker_cpus: float = 2.0) -> ClusterLayout:
     """Head plus ``workers`` worker nodes named ``worker-a``, ``worker-b``, ... (custom resources
     ``node_a``, ``node_b``, ... so a test can force and assert placement)."""
     if not 1 <= workers <= 4:
         raise ValueError(f"workers: 1 to 4, got {workers}")
+    if port_base + 500 > 32768:
+        logger.warning("port base %d reaches into the ephemeral port range (32768-): a node may fail to bind", port_base)
     nodes = [NodeSpec("head", 0, head_cpus, ((HEAD_RESOURCE, RESOURCE_UNITS),), http_port)]
     for i in range(workers):
         letter = "abcd"[i]
@@ -331,6 +338,9 @@ class LocalCluster:
         head = self.layout.nodes[0]
         proc = self._spawn(head.name, self.node_command(head), self.node_env(head))
         wait_port(self.layout.port_base, timeout_s, "the Ray head (GCS)", proc)
+        # Workers ask the GCS for the head node first and exit if it has not registered yet (seen on a
+        # loaded host: the GCS listening, the head's raylet not yet in it).
+        self.wait_nodes(1, max(5.0, deadline - time.monotonic()))
         for node in self.layout.nodes[1:]:
             self._spawn(node.name, self.node_command(node), self.node_env(node))
         self.wait_nodes(len(self.layout.nodes), max(5.0, deadline - time.monotonic()))
@@ -384,6 +394,24 @@ print("SINKSERVE_JSON", json.dumps({{"nodes": sorted(names.values()), "actors": 
         """The node of each live replica of ``deployment`` (e.g. ``pool-short-v1``), sorted."""
         return sorted(a["node"] for a in self.where()["actors"] if f"#{deployment}#" in a["name"])
 
+    def raylet_crashed(self, name: str) -> bool:
+        """Whether node ``name``'s raylet died under its ``ray start --block`` (a zombie child: seen under
+        heavy load, a raylet failing a check while registering, and ``ray start`` staying up without it)."""
+        parent = self.pids.get(name)
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            comm = stat[stat.index("(") + 1:stat.rindex(")")]
+            state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+            if comm == "raylet" and state == "Z" and int(ppid) == parent:
+                return True
+        return False
+
     def wait_nodes(self, n: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         seen = 0
@@ -391,6 +419,11 @@ print("SINKSERVE_JSON", json.dumps({{"nodes": sorted(names.values()), "actors": 
             for name, pid in self.pids.items():
                 if not pid_alive(pid):
                     raise RuntimeError(f"{name} exited during start-up: see {self.state_dir / (name + '.log')}")
+                if name != "redis" and self.raylet_crashed(name):
+                    # Seen under heavy load: the raylet failed a check while registering and `ray start
+                    # --block` stayed up without it. Nothing would ever join; say so.
+                    raise RuntimeError(f"the raylet of {name} exited during start-up: see "
+                                       f"{self.temp_dir}/session_latest/logs/raylet*.out")
             try:
                 seen = len(self.alive_nodes())
             except RuntimeError as e:  # a driver too slow on a loaded host: ask again until the deadline
@@ -457,8 +490,9 @@ print("SINKSERVE_JSON", json.dumps({{"nodes": sorted(names.values()), "actors": 
         kill_marked(self.node_mark(name), signal.SIGKILL)
         self.save()
 
-    def stop(self) -> None:
-        """End every process group this cluster started: workers, head, then Redis."""
+    def stop(self, keep_logs: bool = False) -> None:
+        """End every process group this cluster started: workers, head, then Redis; the Ray temp dir
+        (its logs) goes too unless ``keep_logs`` (a failed start: the logs say why)."""
         order = [n.name for n in reversed(self.layout.nodes)] + ["redis"]
         for name in order:
             pid = self.pids.get(name)
@@ -476,7 +510,7 @@ print("SINKSERVE_JSON", json.dumps({{"nodes": sorted(names.values()), "actors": 
         for node in self.layout.nodes:  # what outlived its group (HAProxy, an engine process)
             kill_marked(self.node_mark(node.name), signal.SIGKILL)
         self.save()
-        if self.temp_dir and Path(self.temp_dir).name.startswith("ssc-"):
+        if self.temp_dir and Path(self.temp_dir).name.startswith("ssc-") and not keep_logs:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 

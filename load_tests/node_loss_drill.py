@@ -253,7 +253,7 @@ def drill(c: LocalCluster, clients: int, streams: int, jobs: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="serve_configs/prod.yaml")
-    ap.add_argument("--port-base", type=int, default=37000)
+    ap.add_argument("--port-base", type=int, default=26800)
     ap.add_argument("--port", type=int, default=18100)
     ap.add_argument("--clients", type=int, default=6)
     ap.add_argument("--streams", type=int, default=4)

@@ -23,13 +23,13 @@ def prod() -> dict:
 
 
 def test_layout_ports_are_distinct_and_per_node() -> None:
-    lay = local_layout(port_base=36000, http_port=8000)
+    lay = local_layout(port_base=26000, http_port=8000)
     assert [n.name for n in lay.nodes] == ["head", "worker-a", "worker-b"]
     assert [n.http_port for n in lay.nodes] == [8000, 8001, 8002]
     ports = lay.all_ports
     assert len(ports) == len(set(ports))
     ranges = [lay.worker_ports(n) for n in lay.nodes]
-    assert ranges == [(36100, 36199), (36200, 36299), (36300, 36399)]
+    assert ranges == [(26100, 26199), (26200, 26299), (26300, 26399)]
     assert not any(lo <= p <= hi for p in ports for lo, hi in ranges)  # no fixed port inside a worker range
     assert dict(lay.node("worker-b").resources) == {POOL_RESOURCE: 1000.0, "node_b": 1000.0}
     with pytest.raises(KeyError, match="worker-c"):
@@ -37,12 +37,12 @@ def test_layout_ports_are_distinct_and_per_node() -> None:
 
 
 def test_node_commands_and_environment(tmp_path: Path) -> None:
-    c = LocalCluster(local_layout(36000, 8000), tmp_path, env={"SINKSERVE_API_KEYS": "k"}, temp_dir="/tmp/ssc-x")
+    c = LocalCluster(local_layout(26000, 8000), tmp_path, env={"SINKSERVE_API_KEYS": "k"}, temp_dir="/tmp/ssc-x")
     head, worker = c.layout.nodes[0], c.layout.nodes[2]
     hc, wc = c.node_command(head), c.node_command(worker)
     assert "--head" in hc and "--port" in hc and "--block" in hc
-    assert wc[wc.index("--address") + 1].endswith(":36000") and "--head" not in wc
-    assert wc[wc.index("--node-manager-port") + 1] == "36041"
+    assert wc[wc.index("--address") + 1].endswith(":26000") and "--head" not in wc
+    assert wc[wc.index("--node-manager-port") + 1] == "26041"
     he, we = c.node_env(head), c.node_env(worker)
     assert we["RAY_SERVE_WORKER_PROXY_HTTP_PORT"] == "8002" and "RAY_SERVE_WORKER_PROXY_HTTP_PORT" not in he
     assert he["RAY_SERVE_HAPROXY_STATS_PORT"] != we["RAY_SERVE_HAPROXY_STATS_PORT"]
@@ -55,10 +55,10 @@ def test_node_commands_and_environment(tmp_path: Path) -> None:
 
 
 def test_cluster_config_is_valid_and_placed() -> None:
-    cfg = cluster_config(prod(), "redis://127.0.0.1:36060/0")
+    cfg = cluster_config(prod(), "redis://127.0.0.1:26060/0")
     assert cfg["http_options"]["host"] == "0.0.0.0" and cfg["proxy_location"] == "EveryNode"
     args = cfg["applications"][0]["args"]
-    assert args["store"] == {"kind": "redis", "url": "redis://127.0.0.1:36060/0"} and args["multi_node"] is True
+    assert args["store"] == {"kind": "redis", "url": "redis://127.0.0.1:26060/0"} and args["multi_node"] is True
     assert args["ingress"]["resources"] == {HEAD_RESOURCE: 1.0}
     assert all(p["resources"] == {POOL_RESOURCE: 1.0} for p in args["pools"])
     assert validate_apps(cfg) is None
