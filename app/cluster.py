@@ -341,9 +341,12 @@ class LocalCluster:
         # Workers ask the GCS for the head node first and exit if it has not registered yet (seen on a
         # loaded host: the GCS listening, the head's raylet not yet in it).
         self.wait_nodes(1, max(5.0, deadline - time.monotonic()))
-        for node in self.layout.nodes[1:]:
+        # One at a time: nodes sharing a temp dir name their sockets and logs by the first free suffix
+        # (raylet.1, plasma_store.1), and two workers starting together picked the same one -- the second
+        # raylet then failed to bind its socket ("Address already in use") and crashed.
+        for i, node in enumerate(self.layout.nodes[1:], start=2):
             self._spawn(node.name, self.node_command(node), self.node_env(node))
-        self.wait_nodes(len(self.layout.nodes), max(5.0, deadline - time.monotonic()))
+            self.wait_nodes(i, max(5.0, deadline - time.monotonic()))
 
     def alive_nodes(self) -> list[dict[str, Any]]:
         """Ray's alive nodes (a driver connects and leaves: a subprocess, so this process's Ray stays its own)."""
