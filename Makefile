@@ -39,7 +39,7 @@ TORCH_STAMP := $(VENV)/.torch-$(TORCH)-$(TORCH_VERSION)
 TORCH_OK := import sys, torch; v, cuda = sys.argv[1], sys.argv[2] or None; \
 	sys.exit(0 if torch.__version__.split("+")[0] == v and (torch.version.cuda == cuda if cuda else True) else 1)
 
-.PHONY: install run test chaos bench clean
+.PHONY: install run test test-cluster cluster cluster-down chaos bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +60,20 @@ run: install
 
 test: install
 	$(PY) -m pytest -q tests
+
+# A 3-node Ray cluster on this machine (head + 2 workers, each its own `ray start`, plus a redis-server
+# for the store) serving CONFIG across it; returns once every node's proxy is ready (HTTP on the config's
+# port and the next two). `make cluster-down` stops it. docs/cluster.md.
+cluster: install
+	$(PY) -m app.cli cluster up $(CONFIG) $(if $(MODEL),--model $(MODEL))
+
+cluster-down: install
+	$(PY) -m app.cli cluster down
+
+# The cluster tests: their own 3-node cluster (reference model), proxies, placement, a worker node killed
+# under streams, conversations and jobs (a few minutes; skipped by `make test`).
+test-cluster: install
+	SINKSERVE_CLUSTER_TEST=1 $(PY) -m pytest -q tests/cluster
 
 # The chaos suite with its serve-level cases (a local Ray and three engines: minutes), figures written to
 # docs/chaos.md. `make test` runs the engine-level chaos cases only.

@@ -18,7 +18,7 @@ from ray.serve.config import RequestRouterConfig
 from app.auth import resolve_auth
 from app.hub import StatsHub
 from app.ingress import Ingress
-from app.placement import app_needs, check_placement, pool_device
+from app.placement import STATS_HUB_CPUS, app_needs, check_placement, pool_device
 from app.server import LLMServer
 from app.affinity import ROUTER_PATH
 from app.settings import SINGLE_NODE_STORE, AppArgs, BucketSpec, IngressSpec, PlanSpec, PoolArgs, PoolSpec, VersionSpec, pool_limits
@@ -98,12 +98,14 @@ def pool_options(pool: PoolArgs, device: str) -> dict[str, Any]:
     }
     gpu = device.startswith("cuda")
     worker = {"CPU": pool.worker_num_cpus, **({"GPU": 1.0} if gpu else {})}
+    where = {"resources": dict(pool.resources)} if pool.resources else {}
     if tp > 1:
+        # The custom resources sit in bundle 0 only: STRICT_PACK puts the ranks on that bundle's node.
         opts["ray_actor_options"] = actor_options(pool.num_cpus)
-        opts["placement_group_bundles"] = [{"CPU": pool.num_cpus}] + [worker] * tp
+        opts["placement_group_bundles"] = [{"CPU": pool.num_cpus, **pool.resources}] + [worker] * tp
         opts["placement_group_strategy"] = "STRICT_PACK"
     else:
-        opts["ray_actor_options"] = actor_options(pool.num_cpus, **({"num_gpus": 1.0} if gpu else {}))
+        opts["ray_actor_options"] = actor_options(pool.num_cpus, **({"num_gpus": 1.0} if gpu else {}), **where)
     if pool.autoscaling is not None:
         opts["autoscaling_config"] = pool.autoscaling.to_serve()
     else:
@@ -146,7 +148,10 @@ def build_app(args: AppArgs) -> Application:
     models = {v.name: model_dirs[v.model or args.model] for v in args.versions}
     versions = tuple(VersionSpec(v.name, models[v.name], v.weight, fingerprint(models[v.name]),
                                  model_architecture(models[v.name])) for v in args.versions)
-    hub = StatsHub.options(name="StatsHub").bind()
+    # The hub runs where the ingress runs (ingress.resources: the head node of a cluster).
+    hub_opts = {"ray_actor_options": {"num_cpus": STATS_HUB_CPUS, "resources": dict(args.ingress.resources)}} \
+        if args.ingress.resources else {}
+    hub = StatsHub.options(name="StatsHub", **hub_opts).bind()
     pools: dict[str, Application] = {}
     store = args.store
     tenants = tuple(args.tenants.items())
@@ -191,7 +196,8 @@ def build_app(args: AppArgs) -> Application:
     return serve.deployment(Ingress).options(
         name="Ingress",
         num_replicas=args.ingress.num_replicas,
-        ray_actor_options=actor_options(args.ingress.num_cpus),
+        ray_actor_options=actor_options(args.ingress.num_cpus,
+                                        **({"resources": dict(args.ingress.resources)} if args.ingress.resources else {})),
         # The version weights, live-updatable: a config's `deployments: [{name: Ingress, user_config:
         # {weights: ...}}]` overrides these without restarting anything (sinkserve canary).
         user_config={"weights": {v.name: v.weight for v in versions}},

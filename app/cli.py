@@ -9,7 +9,7 @@ import importlib
 import logging
 import sys
 
-SUBCOMMANDS = ("app.cli_serve", "app.cli_canary", "app.cli_generate", "app.cli_model", "evals.cli")
+SUBCOMMANDS = ("app.cli_serve", "app.cli_cluster", "app.cli_canary", "app.cli_generate", "app.cli_model", "evals.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

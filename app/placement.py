@@ -105,9 +105,9 @@ def pool_needs(pool: PoolArgs, version: str, cluster_gpus: float) -> DeploymentN
     gpu = {"GPU": GPUS_PER_WORKER} if device.startswith("cuda") else {}
     if pool.tensor_parallel_size > 1:
         worker = tuple({"CPU": pool.worker_num_cpus, **gpu}.items())
-        bundles = (tuple({"CPU": pool.num_cpus}.items()),) + (worker,) * pool.tensor_parallel_size
+        bundles = (tuple({"CPU": pool.num_cpus, **pool.resources}.items()),) + (worker,) * pool.tensor_parallel_size
     else:
-        bundles = (tuple({"CPU": pool.num_cpus, **gpu}.items()),)
+        bundles = (tuple({"CPU": pool.num_cpus, **gpu, **pool.resources}.items()),)
     low, high = replica_bounds(pool)
     return DeploymentNeeds(pool_deployment_name(pool.name, version), device, bundles,
                            pool.tensor_parallel_size > 1, low, high)
@@ -122,9 +122,10 @@ def app_needs(args: AppArgs, cluster_gpus: float) -> AppNeeds:
             if pool.versions is None or v.name in pool.versions:
                 deps.append(pool_needs(pool, v.name, cluster_gpus))
     ingress = args.ingress
-    deps.append(DeploymentNeeds("Ingress", "cpu", (tuple({"CPU": ingress.num_cpus}.items()),), False,
+    deps.append(DeploymentNeeds("Ingress", "cpu", (tuple({"CPU": ingress.num_cpus, **ingress.resources}.items()),), False,
                                 ingress.num_replicas, ingress.num_replicas))
-    deps.append(DeploymentNeeds("StatsHub", "cpu", (tuple({"CPU": STATS_HUB_CPUS}.items()),), False, 1, 1))
+    deps.append(DeploymentNeeds("StatsHub", "cpu", (tuple({"CPU": STATS_HUB_CPUS, **ingress.resources}.items()),),
+                                False, 1, 1))
     return AppNeeds(tuple(deps))
 
 
@@ -133,31 +134,66 @@ class PlacementReport:
     needs: AppNeeds
     cluster: dict[str, float]
     fits_at_max: bool
+    # Whether the minimum replicas pack onto the nodes one replica per node slot (first fit, largest
+    # first); None: no per-node resources given. False is logged, not refused: first fit is a heuristic.
+    packs_at_min: bool | None = None
 
     def describe(self) -> str:
         tail = "" if self.fits_at_max else " (full autoscale will not fit: replicas beyond it stay pending)"
+        if self.packs_at_min is False:
+            tail += " (the minimum replicas did not pack onto the nodes by first fit: some may stay pending)"
         return f"{self.needs.describe()}\ncluster has {fmt(self.cluster)}{tail}"
+
+
+def _fits(need: Mapping[str, float], node: Mapping[str, float]) -> bool:
+    return all(v <= node.get(k, 0.0) + 1e-9 for k, v in need.items())
+
+
+def pack_replicas(needs: AppNeeds, nodes: Sequence[Mapping[str, float]]) -> list[tuple[str, int]] | None:
+    """Each minimum replica on one node (a replica is all its bundles: STRICT_PACK for TP, one bundle
+    else), first fit, largest first. Returns ``(deployment, node index)`` per replica, or None when
+    first fit leaves one unplaced. Example, nodes ``[{CPU: 1, head: 1}, {CPU: 2, pool: 1}]``::
+
+        Ingress x2 (0.1 CPU, head 0.01) -> node 0, node 0
+        pool-long x1 (0.1 + 2 x 0.1 CPU, pool 0.01, STRICT_PACK) -> node 1   (all three bundles)
+    """
+    free = [dict(n) for n in nodes]
+    replicas = [(d.name, d.per_replica) for d in needs.deployments for _ in range(d.min_replicas)]
+    replicas.sort(key=lambda r: -sum(r[1].values()))
+    out = []
+    for name, per in replicas:
+        i = next((i for i, n in enumerate(free) if _fits(per, n)), None)
+        if i is None:
+            return None
+        for k, v in per.items():
+            free[i][k] = free[i].get(k, 0.0) - v
+        out.append((name, i))
+    return out
 
 
 def check_placement(needs: AppNeeds, cluster: Mapping[str, float],
                     nodes: Sequence[Mapping[str, float]] | None = None) -> PlacementReport:
     """Refuse (``PlacementError``, with the numbers) when ``cluster`` (total resources, as
     ``ray.cluster_resources()``) cannot hold the minimum replicas, or when no node in ``nodes`` (per-node
-    resources, if given) can hold one STRICT_PACK replica. Full autoscale not fitting is reported, not
-    refused: the minimum serves, extra replicas wait for capacity."""
+    resources, if given) can hold one replica of a deployment -- all its bundles for a STRICT_PACK (TP)
+    replica, its custom resources (``resources:``) included. Full autoscale not fitting, or first fit not
+    packing the minimum, is reported, not refused: the minimum serves, extra replicas wait for capacity."""
     short = {k: v for k, v in needs.at_min.items() if v > cluster.get(k, 0.0) + 1e-9}
     if short:
         detail = "; ".join(f"{k}: needs {v:g}, cluster has {cluster.get(k, 0.0):g}" for k, v in sorted(short.items()))
         raise PlacementError(f"the cluster cannot place this application at its minimum replicas ({detail})\n"
                              f"{needs.describe()}")
+    packs = None
     if nodes:
         for d in needs.deployments:
-            if not d.strict_pack or d.min_replicas == 0:
+            if d.min_replicas == 0:
                 continue
             per = d.per_replica
-            if not any(all(per[k] <= n.get(k, 0.0) + 1e-9 for k in per) for n in nodes):
-                biggest = max(nodes, key=lambda n: n.get("GPU", 0.0))
-                raise PlacementError(f"{d.name}: one replica needs {fmt(per)} on one node (STRICT_PACK); "
-                                     f"the largest node has {fmt(biggest)}")
+            if not any(_fits(per, n) for n in nodes):
+                biggest = max(nodes, key=lambda n: (n.get("GPU", 0.0), n.get("CPU", 0.0)))
+                what = " (STRICT_PACK)" if d.strict_pack else ""
+                raise PlacementError(f"{d.name}: one replica needs {fmt(per)} on one node{what}; no node has it "
+                                     f"(the largest has {fmt(biggest)})")
+        packs = pack_replicas(needs, nodes) is not None
     fits = all(v <= cluster.get(k, 0.0) + 1e-9 for k, v in needs.at_max.items())
-    return PlacementReport(needs, dict(cluster), fits)
+    return PlacementReport(needs, dict(cluster), fits, packs)

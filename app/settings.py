@@ -90,6 +90,10 @@ class PoolArgs(_Strict):
     affinity_max_load: int | None = Field(None, gt=0)
     num_cpus: float = Field(0.1, ge=0)  # the replica (scheduler, KV bookkeeping; the model at TP=1)
     worker_num_cpus: float = Field(0.1, ge=0)  # each tensor-parallel worker
+    # Custom Ray resources each replica asks for (a TP replica: its bundle 0, so STRICT_PACK puts all its
+    # ranks on that node too): where it may run, e.g. {sinkserve_pool: 1} on a cluster whose worker
+    # nodes offer sinkserve_pool (app/cluster.py). Empty: any node.
+    resources: dict[str, float] = Field(default_factory=dict)
     # An engine that holds work and has not stepped for this long is hung: killed and restarted, its
     # requests answered 503 (engine/engine_process.py). Above the longest step a pool can take.
     engine_watchdog_s: float = Field(60.0, gt=0)
@@ -109,6 +113,11 @@ class PoolArgs(_Strict):
         except TypeError as e:  # a value of the wrong shape (e.g. a list where a number goes)
             raise ValueError(f"engine: {e}") from None
         return v
+
+    @field_validator("resources")
+    @classmethod
+    def _resources(cls, v: dict[str, float]) -> dict[str, float]:
+        return _check_resources(v, "resources")
 
     @model_validator(mode="after")
     def _soft(self) -> "PoolArgs":
@@ -132,6 +141,10 @@ class PoolArgs(_Strict):
 class IngressArgs(_Strict):
     num_replicas: int = Field(2, ge=1)
     num_cpus: float = Field(0.1, ge=0)
+    # Custom Ray resources of each ingress replica and of the stats hub (where they may run), e.g.
+    # {sinkserve_head: 1}: on a cluster the ingress stays on the head node, so losing a worker node never
+    # cuts a client's HTTP stream -- it ends with an SSE error event instead (docs/cluster.md).
+    resources: dict[str, float] = Field(default_factory=dict)
     # Per API key, per ingress replica (replicas share no state, so the cluster-wide rate is
     # roughly rate_limit_rps * num_replicas).
     rate_limit_rps: float | None = Field(None, gt=0)
@@ -147,6 +160,20 @@ class IngressArgs(_Strict):
     # at most plan_max_waiting more waiting (then 503); app/plan_pool.py.
     plan_threads: int = Field(2, ge=1)
     plan_max_waiting: int = Field(64, ge=0)
+
+    @field_validator("resources")
+    @classmethod
+    def _resources(cls, v: dict[str, float]) -> dict[str, float]:
+        return _check_resources(v, "ingress.resources")
+
+
+def _check_resources(v: dict[str, float], field: str) -> dict[str, float]:
+    for name, amount in v.items():
+        if name in ("CPU", "GPU", "memory"):
+            raise ValueError(f"{field}: {name!r} is set by num_cpus / the device, not here")
+        if amount <= 0:
+            raise ValueError(f"{field}.{name}: must be above 0, got {amount:g}")
+    return v
 
 
 class StoreArgs(_Strict):

@@ -223,6 +223,15 @@ async def stream_plan(pool: Any, plan: RoutePlan, inbox: TokenInbox) -> AsyncIte
                 logger.warning("request %s: replica of %s died before answering (%s); sending it again",
                                info.request_id, info.deployment, type(e).__name__)
                 continue
+            if started and _replica_gone(e):
+                # Its replica stopped mid-stream (its process, or the node under it, was lost): the client
+                # keeps what it got and learns why; a retry goes to a live replica (or the one Serve starts
+                # elsewhere), and a conversation's retry re-prefills its history there.
+                logger.warning("request %s: replica of %s lost mid-stream (%s)", info.request_id, info.deployment,
+                               type(e).__name__)
+                yield APIError(503, f"pool {info.pool!r} lost the replica serving this request mid-stream "
+                               "(its process or node stopped); retry", type="unavailable", retry_after=1)
+                return
             if not started and _replica_gone(e):  # twice: the pool has no live replica now (app/failover.py)
                 yield APIError(503, f"pool {info.pool!r} has no live replica; retry shortly", type="unavailable",
                                retry_after=5)

@@ -9,11 +9,14 @@ Bounded headless run (loopback only), see docs/serving.md::
 
 Environment knobs: ``SINKSERVE_API_KEY`` (else the first line of ``~/.sinkserve/api_keys``),
 ``SINKSERVE_LONG_FRACTION`` (share of long prompts, default 0.2), ``SINKSERVE_SHORT_WORDS`` /
-``SINKSERVE_LONG_WORDS`` (prompt sizes), ``SINKSERVE_MAX_TOKENS`` (default 32).
+``SINKSERVE_LONG_WORDS`` (prompt sizes), ``SINKSERVE_MAX_TOKENS`` (default 32), ``SINKSERVE_HOSTS``
+(comma-separated base URLs: users take them in turn, e.g. each node's proxy of a local cluster,
+docs/cluster.md; --host is then only Locust's label).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -38,6 +41,9 @@ def _prompt(n_words: int, rng: random.Random) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n_words))
 
 
+_HOST_TURN = itertools.count()  # which SINKSERVE_HOSTS entry the next user takes
+
+
 class StreamingUser(HttpUser):
     """Streams /v1/completions; short and long prompts in a configurable mix."""
 
@@ -50,6 +56,9 @@ class StreamingUser(HttpUser):
         self.short_words = int(os.environ.get("SINKSERVE_SHORT_WORDS", "60"))
         self.long_words = int(os.environ.get("SINKSERVE_LONG_WORDS", "1500"))
         self.max_tokens = int(os.environ.get("SINKSERVE_MAX_TOKENS", "32"))
+        hosts = [h.strip() for h in os.environ.get("SINKSERVE_HOSTS", "").split(",") if h.strip()]
+        if hosts:
+            self.client.base_url = hosts[next(_HOST_TURN) % len(hosts)]
 
     def _record(self, kind: str, name: str, seconds: float, exc: Exception | None = None) -> None:
         self.environment.events.request.fire(

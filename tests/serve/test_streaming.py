@@ -156,3 +156,35 @@ def test_engine_errors_map_to_one_edge_type():
     dead = APIError.from_engine(EngineDeadError("boom"))
     assert dead.status == 503 and dead.retry_after == 5
     assert APIError.from_engine(KeyError("k")).status == 500
+
+
+async def test_replica_lost_mid_stream_ends_it_with_a_503_naming_it(bus):
+    """The replica (or its node) dies after some deltas: the client gets them, then one 503 that says
+    so (an SSE error event before [DONE], app/ingress.py) -- never a 500, never a hang -- and the call is
+    not sent again (the stream had started)."""
+    from ray.exceptions import ActorDiedError
+
+    inbox, outbox = bus
+
+    class DiesAfterDeltas(FakePool):
+        def remote(self, req):
+            async def run():
+                for i in (1, 2):
+                    outbox.send(req.reply_to, req.request_id, delta(i))
+                await outbox.drain(req.reply_to)
+                await asyncio.sleep(0.05)
+                raise ActorDiedError()
+
+            call = FakeCall(req, outbox, (), 0.0, None)
+            call.task.cancel()
+            call.task = asyncio.ensure_future(run())
+            self.calls.append(call)
+            return call
+
+    pool = DiesAfterDeltas(outbox)
+    out = await asyncio.wait_for(collect(stream_plan(pool, plan(), inbox)), 10)
+    assert isinstance(out[0], RouteInfo) and [t for d in out[1:-1] for t in d.token_ids] == [1, 2]
+    err = out[-1]
+    assert isinstance(err, APIError) and err.status == 503 and err.type == "unavailable" and err.retry_after == 1
+    assert "lost the replica serving this request mid-stream" in err.message
+    assert len(pool.calls) == 1 and inbox._queues == {}  # noqa: SLF001
