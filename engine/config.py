@@ -15,6 +15,9 @@ from engine.model_store import DEFAULT_MODEL, REPO_ROOT  # the one source of mod
 from engine.sparse_config import SparseAttention
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
+# Linear weights as loaded ("float32": the checkpoint's values in ``dtype``) or on the int8 grid, symmetric per
+# output channel (engine/weight_quant.py; the C decode step reads them as int8).
+WEIGHT_DTYPES = ("float32", "int8")
 LOAD_FORMATS = ("auto", "dummy")
 # Which forward runs the model (engine/models/registry.py): "auto" native where one exists, else transformers.
 MODEL_IMPLS = ("auto", "native", "transformers")
@@ -32,7 +35,7 @@ DEFAULT_PACKED_BLOCK_SIZE = 64
 DEFAULT_KV_VALUE_GROUP = 64
 DEFAULT_INT2_OUTLIER_CHANNELS = 8
 
-__all__ = ["CachePolicy", "EngineConfig", "SparseAttention", "DEFAULT_MODEL", "resolve_dtype",
+__all__ = ["CachePolicy", "EngineConfig", "SparseAttention", "DEFAULT_MODEL", "WEIGHT_DTYPES", "resolve_dtype",
            "resolve_attention_backend", "KV_CACHE_DTYPES", "kv_value_group_size", "kv_outlier_channels",
            "validate_kv_cache_for_model"]
 
@@ -82,6 +85,11 @@ class EngineConfig:
 
     model: str = DEFAULT_MODEL
     dtype: str = "auto"
+    # "int8": the linear weights (q|k|v, o, gate|up, down, lm_head) quantized symmetric per output channel at
+    # load; every path computes with the same dequantized values, the CPU C decode step reads 1-byte codes
+    # (engine/weight_quant.py, docs/int8_weights.md). Tensor parallelism 1 only (a row-parallel shard would
+    # see only part of its output channel).
+    weight_dtype: str = "float32"
     device: str = "cpu"
     # Tokens per KV block; None: 16, or 64 with a packed kv_cache_dtype (DEFAULT_PACKED_BLOCK_SIZE).
     block_size: int | None = None
@@ -130,6 +138,11 @@ class EngineConfig:
         object.__setattr__(self, "attention_backend", resolve_attention_backend(self.attention_backend, self.device))
         if self.dtype not in DTYPES:
             raise ConfigError("dtype", f"must be 'auto' or one of {list(DTYPES)}, got {self.dtype!r}")
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ConfigError("weight_dtype", f"must be one of {list(WEIGHT_DTYPES)}, got {self.weight_dtype!r}")
+        if self.weight_dtype == "int8" and self.tensor_parallel_size > 1:
+            raise ConfigError("weight_dtype", "int8 needs tensor_parallel_size 1 (per-channel scales span the whole "
+                              f"row), got tensor_parallel_size {self.tensor_parallel_size}; use 'float32'")
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError("load_format", f"must be one of {list(LOAD_FORMATS)}, got {self.load_format!r}")
         if self.block_size is None:
