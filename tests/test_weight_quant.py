@@ -56,9 +56,16 @@ def test_int8_panels_hold_the_codes_in_the_packed_layout() -> None:
 
 @pytest.mark.parametrize("bad", ["int4", "bfloat16", "fp8"])
 def test_an_unknown_weight_dtype_is_refused_naming_the_field(bad: str) -> None:
-    with pytest.raises(ConfigError, match=r"weight_dtype: must be one of \['float32', 'int8'\]") as e:
+    with pytest.raises(ConfigError, match=r"weight_dtype: must be 'auto' or one of \['float32', 'int8'\]") as e:
         EngineConfig(weight_dtype=bad)
     assert e.value.field == "weight_dtype"
+
+
+def test_auto_weights_are_int8_on_cpu_and_float32_on_cuda() -> None:
+    assert EngineConfig(weight_dtype="auto").weight_dtype == "int8"
+    assert EngineConfig(weight_dtype="auto", device="cuda").weight_dtype == "float32"
+    assert EngineConfig(weight_dtype="auto", tensor_parallel_size=2).weight_dtype == "float32"
+    assert EngineConfig().weight_dtype == "float32"  # the default stays the checkpoint's values
 
 
 def test_int8_weights_need_one_tensor_parallel_rank() -> None:
@@ -69,7 +76,7 @@ def test_int8_weights_need_one_tensor_parallel_rank() -> None:
 
 def test_a_serve_config_pool_with_a_bad_weight_dtype_fails_at_the_edge_naming_it() -> None:
     assert PoolArgs.model_validate({"name": "short", "engine": {"weight_dtype": "int8"}}).engine["weight_dtype"] == "int8"
-    with pytest.raises(pydantic.ValidationError, match=r"engine\.weight_dtype: must be one of"):
+    with pytest.raises(pydantic.ValidationError, match=r"engine\.weight_dtype: must be .auto. or one of"):
         PoolArgs.model_validate({"name": "short", "engine": {"weight_dtype": "int3"}})
 
 
