@@ -43,6 +43,9 @@
 #include <stdlib.h>
 #include <stdatomic.h>
 #include <string.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 enum { F_IN_NORM, F_POST_NORM, F_QKV_W, F_QKV_B, F_O_W, F_O_B, F_QK_NORM, F_GU_W, F_GU_B, F_DOWN_W, F_DOWN_B,
        F_K_CACHE, F_V_CACHE, F_WINDOW, F_KV_QUANT, F_BOUNDS, F_QKV_S, F_O_S, F_GU_S, F_DOWN_S, LAYER_FIELDS };
@@ -87,12 +90,23 @@ static inline vf vload(const float *p) { return *(const vf_u *)p; }
 
 /* int8 weights (weight_dtype int8): the same panels of int8 codes, W[o][i] = code[o][i] * scale[o]
  * (symmetric, per output row; engine/weight_quant.py). A panel vector is PW bytes, widened to PW floats
- * in registers (vpmovsxbd + vcvtdq2ps with AVX-512) and multiplied like a float32 one; the row's scale is
+ * in registers (vpmovsxbd + vcvtdq2ps, written as intrinsics:
+ * GCC's __builtin_convertvector of a char vector compiled to 16 scalar conversions) and multiplied like a float32 one; the row's scale is
  * applied once to the finished sum: y[o] = scale[o] * sum_i x[i] * code[o][i]. Exact integers times x
  * summed in float32, so the result differs from x . (code * scale) -- what the eager forward computes
  * with the dequantized weights -- by float rounding only. A quarter of float32's weight bytes: a decode
  * step of a model whose weights do not fit in cache streams 4x fewer bytes. */
+#if defined(__AVX512F__)
+static inline vf vload_i8(const int8_t *p) {
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+#elif defined(__AVX2__)
+static inline vf vload_i8(const int8_t *p) {
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#else /* GCC's generic conversion: correct, element by element */
 static inline vf vload_i8(const int8_t *p) { return __builtin_convertvector(*(const vi8_u *)p, vf); }
+#endif
 
 int sinkserve_pack_width(void) { return PW; }
 
