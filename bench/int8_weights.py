@@ -12,6 +12,9 @@ float32 activations and KV, the default decode path (the C step). On the same re
   difference, positions equal overall, and ``|logprob diff|`` of the sampled tokens over the common prefix.
 
     python -m bench.int8_weights --out docs/int8_weights_accuracy.md
+
+``--speed-steps N`` adds single-stream decode step times, float32 and int8 engines alternating
+(``step_times``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,45 @@ if str(REPO_ROOT) not in sys.path:
 from bench.report import emit  # noqa: E402
 
 
+def step_times(model: str, steps: int, rounds: int, prompt: list[int]) -> list[str]:
+    """Single-stream decode step time, float32 against int8 weights, both engines in this process, blocks of
+    ``steps`` decode steps alternating for ``rounds`` rounds: min / median wall and CPU ms per step."""
+    import statistics
+
+    from engine import EngineConfig, LLMEngine, SamplingParams
+
+    engines = {wd: LLMEngine(EngineConfig(model=model, weight_dtype=wd, max_num_seqs=1, num_kv_blocks=256,
+                                          enable_prefix_caching=False)) for wd in ("float32", "int8")}
+    params = SamplingParams(max_tokens=steps * rounds + 2, temperature=0.0, ignore_eos=True)
+    wall: dict[str, list[float]] = {wd: [] for wd in engines}
+    cpu: dict[str, list[float]] = {wd: [] for wd in engines}
+    for wd, e in engines.items():
+        e.add_request("s", prompt, params)
+        e.step(), e.step()  # the prefill, and a first decode step (the C step packs its weights)
+    loads = [os.getloadavg()[0]]
+    for _ in range(rounds):
+        for wd, e in engines.items():
+            for _ in range(steps):
+                t, c = time.perf_counter(), time.process_time()
+                e.step()
+                wall[wd].append(1e3 * (time.perf_counter() - t)), cpu[wd].append(1e3 * (time.process_time() - c))
+        loads.append(os.getloadavg()[0])
+    for e in engines.values():
+        e.shutdown()
+    import torch
+
+    rows = [f"Decode step time, one sequence ({len(prompt)}-token prompt), {torch.get_num_threads()} threads, "
+            f"{rounds} rounds x {steps} steps alternating, load average {min(loads):.1f}-{max(loads):.1f}:", "",
+            "| weights | min ms | median ms | min CPU ms | median CPU ms |", "|---|---:|---:|---:|---:|"]
+    for wd in engines:
+        rows.append(f"| {wd} | {min(wall[wd]):.1f} | {statistics.median(wall[wd]):.1f} | {min(cpu[wd]):.1f} | "
+                    f"{statistics.median(cpu[wd]):.1f} |")
+    f, q = (statistics.median(cpu[w]) for w in ("float32", "int8"))
+    rows += ["", f"int8 / float32 speed-up: {min(wall['float32']) / min(wall['int8']):.2f}x by min wall, "
+             f"{f / q:.2f}x by median CPU time.", ""]
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -39,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", type=int, default=48)
     p.add_argument("--decode", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--speed-steps", type=int, default=0, help="also time decode steps (blocks of this many)")
+    p.add_argument("--speed-rounds", type=int, default=4)
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
 
@@ -102,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         + (f"{sum(gdiff) / len(gdiff):.4f} / {max(gdiff):.4f} |" if gdiff else "- |"),
         "",
     ]
+    if args.speed_steps:
+        lines += step_times(model, args.speed_steps, args.speed_rounds, prompts[0])
     return emit("\n".join(lines), args.out)
 
 
