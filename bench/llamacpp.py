@@ -18,7 +18,13 @@ Workload, both systems, greedy, the same token ids, the same torch/ggml thread c
 * prefill: one ``--prefill``-token prompt in one batch (engine ``max_num_batched_tokens`` = llama.cpp
   ``n_batch`` = the prompt), tokens/s.
 
-Rounds alternate engine / llama.cpp so load drifts hit both; the report gives the median round.
+Rounds alternate the systems so load drifts hit all of them; the report gives the median round. The
+engine runs once per ``--engine-weights`` entry (``weight_dtype``: float32, int8), llama.cpp once per
+``--outtypes`` entry; ratios are given for every engine / llama.cpp pair. Issue 38's weight-precision run
+(int8 and float32 engine, llama.cpp f16 and q8_0, SmolLM2, two threads)::
+
+    python -m bench.llamacpp --model smollm2-135m-instruct --engine-weights int8,float32 --outtypes f16,q8_0 \
+        --threads 2 --out docs/llamacpp_int8.md
 
     python -m bench.llamacpp --out docs/llamacpp.md
 """
@@ -153,14 +159,14 @@ def run_llamacpp(venv: Path, gguf: Path, threads: int, work: dict) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
-def run_engine(model_dir: Path, work: dict, model_impl: str) -> dict:
-    """The same workload through ``LLMEngine`` (this process)."""
+def run_engine(model_dir: Path, work: dict, model_impl: str, weight_dtype: str = "float32") -> dict:
+    """The same workload through ``LLMEngine`` (this process), with float32 or int8 weights."""
     from engine import EngineConfig, LLMEngine, SamplingParams
 
     n_batch = max(len(work["prefill"]), len(work["prompt"]))
     engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", max_num_seqs=1, max_num_batched_tokens=n_batch,
                                     enable_prefix_caching=False, num_kv_blocks=-(-work["n_ctx"] // 16) + 2,
-                                    model_impl=model_impl))
+                                    model_impl=model_impl, weight_dtype=weight_dtype))
     greedy = dict(temperature=0.0, ignore_eos=True)
     engine.generate([work["prefill"][:8]], SamplingParams(max_tokens=2, **greedy))  # warm-up
     t, c = time.perf_counter(), time.process_time()
@@ -175,18 +181,27 @@ def run_engine(model_dir: Path, work: dict, model_impl: str) -> dict:
         if t is None and tokens:
             t, c = time.perf_counter(), time.process_time()  # from the first token on: decode steps only
     decode_s, decode_cpu_s = time.perf_counter() - t, time.process_time() - c
+    path = engine.decode_path.describe()
     engine.shutdown()
     return {"prefill_s": prefill_s, "decode_s": decode_s, "prefill_cpu_s": prefill_cpu_s, "decode_cpu_s": decode_cpu_s,
-            "tokens": tokens}
+            "tokens": tokens, "path": path}
+
+
+# Targets of the engine / llama.cpp ratios: (engine weights, llama.cpp outtype) -> (decode, prefill); issue 38
+# item 3 asks int8 (or bf16) weights to decode >= 1.5x llama.cpp's f16 and prefill >= llama.cpp.
+TARGETS = {("int8", "f16"): (">= 1.5x", ">= 1x"), ("int8", "auto"): (">= 1.5x", ">= 1x")}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", type=Path, default=REPO_ROOT / "assets" / "reference-model")
+    p.add_argument("--model", default=str(REPO_ROOT / "assets" / "reference-model"),
+                   help="a model directory or a model-cache name (smollm2-135m-instruct)")
     p.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="llama-cpp-python's venv (outside the repo)")
     p.add_argument("--outtypes", default="f32,auto",
-                   help="GGUF weight types, comma-separated (the converter's --outtype); the first is the headline "
-                        "comparison: f32 = the engine's precision; auto = the converter's default (16-bit floats)")
+                   help="GGUF weight types, comma-separated (the converter's --outtype: f32, f16, q8_0, auto = "
+                        "its default, 16-bit floats)")
+    p.add_argument("--engine-weights", default="float32",
+                   help="the engine's weight_dtype per engine column, comma-separated (float32, int8)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--decode", type=int, default=256)
@@ -198,23 +213,30 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from engine.model_store import resolve_model
+
+    model = Path(resolve_model(args.model))
     torch.set_num_threads(args.threads)
     llama_dir = ensure_llamacpp(args.venv)
     outtypes = args.outtypes.split(",")
-    ggufs = {t: convert(llama_dir, args.model, gguf_path(args.venv, args.model, t), t) for t in outtypes}
+    weights = args.engine_weights.split(",")
+    ggufs = {t: convert(llama_dir, model, gguf_path(args.venv, model, t), t) for t in outtypes}
     types = {t: gguf_weight_types(llama_dir, g) for t, g in ggufs.items()}
-    cfg = json.loads((args.model / "config.json").read_text())
+    cfg = json.loads((model / "config.json").read_text())
     rng = random.Random(0)
     vocab = cfg["vocab_size"]
     work = {"prompt": [rng.randrange(3, vocab) for _ in range(args.prompt)],
             "prefill": [rng.randrange(3, vocab) for _ in range(args.prefill)],
             "decode": args.decode, "n_ctx": min(cfg.get("max_position_embeddings", 2048),
                                                 max(args.prefill, args.prompt + args.decode) + 16)}
-    names = ["engine"] + [f"llama.cpp {t}" for t in outtypes]
+    engines = [f"engine {w}" for w in weights]
+    llamas = [f"llama.cpp {t}" for t in outtypes]
+    names = engines + llamas
     runs: dict[str, list[dict]] = {k: [] for k in names}
     load = [os.getloadavg()[0]]
-    for _ in range(args.rounds):
-        runs["engine"].append(run_engine(args.model, work, args.model_impl))
+    for _ in range(args.rounds):  # alternating: every system once per round
+        for w in weights:
+            runs[f"engine {w}"].append(run_engine(model, work, args.model_impl, w))
         for t in outtypes:
             runs[f"llama.cpp {t}"].append(run_llamacpp(args.venv, ggufs[t], args.threads, work))
         load.append(os.getloadavg()[0])
@@ -226,11 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     pre = {k: rate(k, "prefill_s", args.prefill) for k in runs}
     dec_cpu = {k: rate(k, "decode_cpu_s", args.decode - 1) for k in runs}
     pre_cpu = {k: rate(k, "prefill_cpu_s", args.prefill) for k in runs}
-    head = names[1]
-    info = runs[head][0]
+    info = runs[llamas[0]][0]
     import transformers
 
-    engine_bytes = sum(f.stat().st_size for f in args.model.glob("model*.safetensors"))
+    engine_bytes = sum(f.stat().st_size for f in model.glob("model*.safetensors"))
+    pairs = [(e, w, l, t) for e, w in zip(engines, weights) for l, t in zip(llamas, outtypes)]
     lines = [
         "# Single stream: sinkserve engine vs llama.cpp",
         "",
@@ -245,34 +267,36 @@ def main(argv: list[str] | None = None) -> int:
         f"`convert_hf_to_gguf.py`; torch {torch.__version__}, transformers {transformers.__version__}, "
         f"Python {platform.python_version()}. ggml: `{info['system_info'].strip()}`",
         "",
-        f"**Model:** `{args.model.name}` ({cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, vocab {vocab}). "
-        f"Engine: float32 weights ({engine_bytes / 1e6:.1f} MB of safetensors), forward {args.model_impl}. "
-        "llama.cpp weight precision per GGUF (tensor types, parameters): "
-        + "; ".join(f"`--outtype {t}`: {types[t]} ({ggufs[t].stat().st_size / 1e6:.1f} MB)" for t in outtypes)
-        + ". The first GGUF is the headline comparison"
-        + (" (equal precision: float32 both)." if outtypes[0] == "f32" else "."),
+        f"**Model:** `{model.name}` ({cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, vocab {vocab}). "
+        f"Engine: float32 checkpoint ({engine_bytes / 1e6:.1f} MB of safetensors), forward {args.model_impl}, "
+        "weights per column (`weight_dtype`; int8: symmetric per output channel, docs/int8_weights.md); decode path "
+        + "; ".join(f"{e}: `{runs[e][0]['path']}`" for e in engines)
+        + ". llama.cpp weight precision per GGUF (tensor types, parameters): "
+        + "; ".join(f"`--outtype {t}`: {types[t]} ({ggufs[t].stat().st_size / 1e6:.1f} MB)" for t in outtypes) + ".",
         "",
-        "| | " + " | ".join(names) + " | " + " | ".join(f"engine / {n}" for n in names[1:]) + " | target |",
-        "|---|" + "---:|" * (2 * len(names) - 1) + "---|",
-        f"| decode tokens/s ({args.prompt}-token prompt, {args.decode} tokens) | "
-        + " | ".join(f"{dec[n]:.0f}" for n in names) + " | "
-        + " | ".join(f"{dec['engine'] / dec[n]:.2f}x" for n in names[1:]) + " | >= 0.8x |",
-        f"| prefill tokens/s ({args.prefill}-token prompt, one batch) | "
-        + " | ".join(f"{pre[n]:.0f}" for n in names) + " | "
-        + " | ".join(f"{pre['engine'] / pre[n]:.2f}x" for n in names[1:]) + " | >= 1x |",
-        "| decode tokens per CPU-second | " + " | ".join(f"{dec_cpu[n]:.0f}" for n in names) + " | "
-        + " | ".join(f"{dec_cpu['engine'] / dec_cpu[n]:.2f}x" for n in names[1:]) + " | >= 0.8x |",
-        "| prefill tokens per CPU-second | " + " | ".join(f"{pre_cpu[n]:.0f}" for n in names) + " | "
-        + " | ".join(f"{pre_cpu['engine'] / pre_cpu[n]:.2f}x" for n in names[1:]) + " | >= 1x |",
+        "| | " + " | ".join(names) + " |",
+        "|---|" + "---:|" * len(names),
+        f"| decode tokens/s ({args.prompt}-token prompt, {args.decode} tokens) | " + " | ".join(f"{dec[n]:.0f}" for n in names) + " |",
+        f"| prefill tokens/s ({args.prefill}-token prompt, one batch) | " + " | ".join(f"{pre[n]:.0f}" for n in names) + " |",
+        "| decode tokens per CPU-second | " + " | ".join(f"{dec_cpu[n]:.0f}" for n in names) + " |",
+        "| prefill tokens per CPU-second | " + " | ".join(f"{pre_cpu[n]:.0f}" for n in names) + " |",
         "",
-        "Tokens/s is the wall clock; tokens per CPU-second (`time.process_time`, every thread of the process: one "
-        "here) leaves out the time other jobs on this shared host took the core away, so it moves much less "
-        "between rounds.",
+        "| ratio | decode (wall) | prefill (wall) | decode per CPU-s | prefill per CPU-s | target decode / prefill |",
+        "|---|---:|---:|---:|---:|---|",
+    ] + [
+        f"| {e} / {l} | {dec[e] / dec[l]:.2f}x | {pre[e] / pre[l]:.2f}x | {dec_cpu[e] / dec_cpu[l]:.2f}x | "
+        f"{pre_cpu[e] / pre_cpu[l]:.2f}x | {' / '.join(TARGETS.get((w, t), ('-', '-')))} |"
+        for e, w, l, t in pairs
+    ] + [
         "",
-        "Greedy tokens, first round, positions equal to the engine's of "
-        + ", ".join(f"{n}: {sum(a == b for a, b in zip(runs['engine'][0]['tokens'], runs[n][0]['tokens']))}/{args.decode}"
+        "Tokens/s is the wall clock; tokens per CPU-second (`time.process_time`, every thread of the process) "
+        "leaves out the time other jobs on this shared host took the cores away.",
+        "",
+        f"Greedy tokens, first round, positions equal to {engines[0]}'s of "
+        + ", ".join(f"{n}: {sum(a == b for a, b in zip(runs[engines[0]][0]['tokens'], runs[n][0]['tokens']))}/{args.decode}"
                     for n in names[1:])
-        + " (different summation orders, or 16-bit weights, can flip near-tied logits, after which the streams diverge).",
+        + " (random token ids; different summation orders or weight precisions can flip near-tied logits, after "
+          "which the streams diverge).",
         "",
         "Per round, decode tok/s (" + " / ".join(names) + "): "
         + "; ".join(" / ".join(f"{(args.decode - 1) / runs[n][i]['decode_s']:.0f}" for n in names) for i in range(args.rounds)),

@@ -16,6 +16,9 @@ from engine.session_kv_config import SessionKV
 from engine.sparse_config import SparseAttention
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
+# Linear weights as loaded ("float32": the checkpoint's values in ``dtype``) or on the int8 grid, symmetric per
+# output channel (engine/weight_quant.py; the C decode step reads them as int8).
+WEIGHT_DTYPES = ("float32", "int8")  # and "auto": resolve_weight_dtype
 LOAD_FORMATS = ("auto", "dummy")
 # Which forward runs the model (engine/models/registry.py): "auto" native where one exists, else transformers.
 MODEL_IMPLS = ("auto", "native", "transformers")
@@ -33,7 +36,7 @@ DEFAULT_PACKED_BLOCK_SIZE = 64
 DEFAULT_KV_VALUE_GROUP = 64
 DEFAULT_INT2_OUTLIER_CHANNELS = 8
 
-__all__ = ["CachePolicy", "EngineConfig", "SparseAttention", "DEFAULT_MODEL", "resolve_dtype",
+__all__ = ["CachePolicy", "EngineConfig", "SparseAttention", "DEFAULT_MODEL", "WEIGHT_DTYPES", "resolve_dtype", "resolve_weight_dtype",
            "resolve_attention_backend", "KV_CACHE_DTYPES", "kv_value_group_size", "kv_outlier_channels",
            "validate_kv_cache_for_model"]
 
@@ -49,6 +52,15 @@ def resolve_dtype(dtype: str, device: str) -> str:
     if dtype != "auto":
         return dtype
     return "bfloat16" if is_cuda(device) else "float32"
+
+
+def resolve_weight_dtype(weight_dtype: str, device: str, tensor_parallel_size: int = 1) -> str:
+    """``"auto"``: int8 on CPU at tensor parallelism 1 (decode streams a quarter of float32's weight bytes;
+    perplexity +0.4 % on SmolLM2-135M, docs/int8_weights.md), else float32 (the checkpoint's values in
+    ``dtype``): on CUDA the weights are bfloat16 already and no int8 kernel runs."""
+    if weight_dtype != "auto":
+        return weight_dtype
+    return "float32" if is_cuda(device) or tensor_parallel_size > 1 else "int8"
 
 
 def resolve_attention_backend(backend: str, device: str) -> str:
@@ -83,6 +95,11 @@ class EngineConfig:
 
     model: str = DEFAULT_MODEL
     dtype: str = "auto"
+    # "int8": the linear weights (q|k|v, o, gate|up, down, lm_head) quantized symmetric per output channel at
+    # load; every path computes with the same dequantized values, the CPU C decode step reads 1-byte codes
+    # (engine/weight_quant.py, docs/int8_weights.md). Tensor parallelism 1 only (a row-parallel shard would
+    # see only part of its output channel). "auto": int8 on CPU at TP 1, else float32 (resolve_weight_dtype).
+    weight_dtype: str = "float32"
     device: str = "cpu"
     # Tokens per KV block; None: 16, or 64 with a packed kv_cache_dtype (DEFAULT_PACKED_BLOCK_SIZE).
     block_size: int | None = None
@@ -133,6 +150,13 @@ class EngineConfig:
         object.__setattr__(self, "attention_backend", resolve_attention_backend(self.attention_backend, self.device))
         if self.dtype not in DTYPES:
             raise ConfigError("dtype", f"must be 'auto' or one of {list(DTYPES)}, got {self.dtype!r}")
+        object.__setattr__(self, "weight_dtype", resolve_weight_dtype(self.weight_dtype, self.device,
+                                                                          self.tensor_parallel_size))
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ConfigError("weight_dtype", f"must be 'auto' or one of {list(WEIGHT_DTYPES)}, got {self.weight_dtype!r}")
+        if self.weight_dtype == "int8" and self.tensor_parallel_size > 1:
+            raise ConfigError("weight_dtype", "int8 needs tensor_parallel_size 1 (per-channel scales span the whole "
+                              f"row), got tensor_parallel_size {self.tensor_parallel_size}; use 'float32'")
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError("load_format", f"must be one of {list(LOAD_FORMATS)}, got {self.load_format!r}")
         if self.block_size is None:

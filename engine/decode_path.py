@@ -105,14 +105,16 @@ def choose_decode_path(config: EngineConfig, facts: DecodeFacts | None) -> Decod
     may be None when the config alone decides (``needs_facts`` is False)."""
     if config.attention_backend == "triton":
         return DecodePath("triton", f"attention_backend triton on {config.device}")
+    # The eager paths name int8 weights (float32 is the default and says nothing new); the C step always names them.
+    weights = "" if config.weight_dtype == "float32" else f", {config.weight_dtype} weights"
     if config.on_cuda:
-        return DecodePath("eager", f"attention backend {config.attention_backend} on {config.device}")
+        return DecodePath("eager", f"attention backend {config.attention_backend} on {config.device}{weights}")
     if facts is None:
         raise ValueError("a CPU engine's decode path depends on its model: pass DecodeFacts")
     blockers = c_step_blockers(config, facts)
     if blockers:
-        return DecodePath("eager", "the C step does not carry: " + ", ".join(blockers))
-    reason = "float32 CPU decode, one C call per step"
+        return DecodePath("eager", "the C step does not carry: " + ", ".join(blockers) + weights)
+    reason = f"float32 CPU decode, {config.weight_dtype} weights, one C call per step"
     if config.kv_quantized:
         reason += f", {config.kv_cache_dtype} KV"
     if config.sparse.enabled:

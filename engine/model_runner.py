@@ -475,8 +475,13 @@ class ModelRunner:
         if self.config.load_format != "dummy":  # dummy weights read no weight files
             # Refuse files that differ from the directory's SHA256SUMS (naming the file) before loading.
             verify_model_dir(self.config.model)
-        return load_model(self.config.model, self.shape.architecture, self.config.model_impl, self.config.load_format,
-                          torch_dtype(self.config.dtype), self.device, self.rank, self.world_size, self.config.seed)
+        model = load_model(self.config.model, self.shape.architecture, self.config.model_impl, self.config.load_format,
+                           torch_dtype(self.config.dtype), self.device, self.rank, self.world_size, self.config.seed)
+        if self.config.weight_dtype == "int8":
+            from engine.weight_quant import quantize_model_weights
+
+            quantize_model_weights(model)
+        return model
 
     def _layer_inv_freqs(self) -> list[torch.Tensor]:
         """Each layer's RoPE table on this device; refuses models without RoPE (rotations need it)."""

@@ -37,7 +37,12 @@ engine calls this only where it computes the same thing (``LlamaForward.decode_k
 The linear weights and ``lm_head`` are copied once into the C step's packed layout (panels of output
 rows, transposed: ``sinkserve_pack_linear`` in decode_step.c), which lets a batch of rows run as a
 register-tiled GEMM instead of one dot product per row and output. The copy costs one more float32 copy
-of those weights (logged); the eager forward (prefill, mixed steps) keeps using the originals. The weight
+of those weights (logged); the eager forward (prefill, mixed steps) keeps using the originals. With int8
+weights (``EngineConfig.weight_dtype``, ``engine/weight_quant.py``) the model holds its weights on the int8
+grid with one scale per output row beside each; the panels then hold the int8 codes (a quarter of the
+bytes, ``sinkserve_pack_linear_i8``) and the step widens them to float32 in registers and applies the
+row's scale to the finished sum, so it matches the eager forward over the dequantized weights up to
+float rounding. The weight
 pointers are read once (they do not move); the cache pointers are refreshed when the runner allocates
 new caches.
 
@@ -59,8 +64,9 @@ logger = logging.getLogger(__name__)
 
 # Column order of the per-layer pointer table (decode_step.c's LAYER_FIELDS enum).
 FIELDS = ("input_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "qk_norm", "gate_up_w", "gate_up_b", "down_w",
-          "down_b", "k_cache", "v_cache", "window", "kv_quant", "bounds")
-PACKED = frozenset({"qkv_w", "o_w", "gate_up_w", "down_w"})  # the C step reads these (and lm_head) packed
+          "down_b", "k_cache", "v_cache", "window", "kv_quant", "bounds", "qkv_w_scale", "o_w_scale",
+          "gate_up_w_scale", "down_w_scale")
+PACKED = ("qkv_w", "o_w", "gate_up_w", "down_w")  # the C step reads these (and lm_head) packed
 _K, _V, _Q, _B = (FIELDS.index(f) for f in ("k_cache", "v_cache", "kv_quant", "bounds"))
 ERRORS = {-1: "a slot past the KV cache", -3: "a token id past the vocabulary", -4: "out of memory",
           -11: "attention scratch too small", -12: "head_dim out of the kernel's range",
@@ -83,6 +89,26 @@ def pack_linear(w: torch.Tensor) -> torch.Tensor:
     return packed
 
 
+def pack_linear_i8(codes: torch.Tensor) -> torch.Tensor:
+    """``codes [out, in]`` (int8) in the same packed layout, one byte a weight: ``[ceil(out / PW), in, PW]``
+    int8, ``packed[j, i, r] = codes[j * PW + r, i]`` (0 past ``out``)."""
+    lib = load()
+    out, inp = codes.shape
+    pw = lib.sinkserve_pack_width()
+    packed = torch.empty(-(-out // pw), inp, pw, dtype=torch.int8)
+    lib.sinkserve_pack_linear_i8(codes.contiguous().data_ptr(), out, inp, packed.data_ptr())
+    return packed
+
+
+def pack_weight(w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """A linear weight as the C step reads it: float32 panels, or, with per-row ``scale`` (int8 weights,
+    ``engine.weight_quant``), int8 panels of the codes ``w`` holds on its grid."""
+    if scale is None:
+        return pack_linear(w)
+    codes = torch.round(w.float() / scale[:, None]).clamp_(-127, 127).to(torch.int8)  # weight_quant.codes_of
+    return pack_linear_i8(codes)
+
+
 class DecodeStep:
     """One ``LlamaForward``'s weights as the C step's pointer table; call it with the step's tensors."""
 
@@ -95,22 +121,27 @@ class DecodeStep:
             for f in FIELDS[:_K]:
                 t = getattr(layer, f)
                 if t is not None and f in PACKED:
-                    t = pack_linear(t.detach())
+                    t = pack_weight(t.detach(), getattr(layer, f + "_scale", None))
                     self._packed.append(t)
                 row.append(0 if t is None else t.data_ptr())
-            rows.append(row + [0, 0, layer.sliding_window or 0, 0, 0])
+            scales = [getattr(layer, f + "_scale", None) for f in PACKED]
+            self._packed += [t for t in scales if t is not None]
+            rows.append(row + [0, 0, layer.sliding_window or 0, 0, 0] + [0 if t is None else t.data_ptr() for t in scales])
         self.table = torch.tensor(rows, dtype=torch.int64)
-        lm_head = pack_linear(model.lm_head.detach())
-        self._packed.append(lm_head)
-        logger.info("C decode step: linear weights packed (%.1f MB more host memory)",
-                    sum(t.numel() * 4 for t in self._packed) / 1e6)
+        lm_scale = getattr(model, "lm_head_scale", None)
+        lm_head = pack_weight(model.lm_head.detach(), lm_scale)
+        self._packed += [lm_head] + ([] if lm_scale is None else [lm_scale])
+        logger.info("C decode step: linear weights packed, %s (%.1f MB more host memory)",
+                    "float32" if lm_scale is None else "int8 codes + float32 scales per output row",
+                    sum(t.numel() * t.element_size() for t in self._packed) / 1e6)
         self._bound: tuple = ()  # what _bind last bound (the runner's cache and bounds objects)
         self._quant_args: list = []  # kept alive: the table holds their addresses
         self._cache_args: tuple[int, int] = (0, 0)  # block size, slots: set by _bind
         s, first = model.spec, model.layers[0]
         # The call's model arguments, read once (module attribute reads cost ~2 us each per step).
         self._head = (self.table.data_ptr(), len(model.layers), model.embed.data_ptr(), model.norm.data_ptr(),
-                      lm_head.data_ptr(), model.rotary_emb.inv_freq.data_ptr(), model.rotary_emb.scaling,
+                      lm_head.data_ptr(), None if lm_scale is None else lm_scale.data_ptr(),
+                      model.rotary_emb.inv_freq.data_ptr(), model.rotary_emb.scaling,
                       s.hidden_size, first.gate_up_w.shape[0] // 2, first.num_heads, first.num_kv_heads, s.head_dim,
                       s.vocab_size, s.rms_norm_eps, first.scaling)
         self._vocab = s.vocab_size

@@ -39,11 +39,12 @@ SIGNATURES = {
     "sinkserve_add_rms_norm": ([_p, _p, _i64, _p, _p, _i64, _i32, _f32], None),
     "sinkserve_depth_mix": ([_p, _p, _p, _p, _i64, _i32, _i32, _i32, _i32, _i32, _f32], None),
     "sinkserve_greedy": ([_p, _i64, _i64, _p, _p], None),
-    "sinkserve_llama_decode": ([_p, _i32, _p, _p, _p, _p, _f32, _i32, _i32, _i32, _i32, _i32, _i32, _f32, _f32, _i32,
+    "sinkserve_llama_decode": ([_p, _i32, _p, _p, _p, _p, _p, _f32, _i32, _i32, _i32, _i32, _i32, _i32, _f32, _f32, _i32,
                                 _p, _p, _p, _p, _i64, _p, _p, _i32, _i64, _p, _i32, _p, _i32, _p, _i64, _p, _i32],
                                ctypes.c_int),
     "sinkserve_pack_width": ([], ctypes.c_int),
     "sinkserve_pack_linear": ([_p, _i32, _i32, _p], None),
+    "sinkserve_pack_linear_i8": ([_p, _i32, _i32, _p], None),
     "sinkserve_write_kv": ([_p, _i64, _i64, _p, _i64, _i64, _p, _p, _p, _i64, _i32, _i32, _i64, _p, _i32, _i64],
                            ctypes.c_int),
 }

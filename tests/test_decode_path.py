@@ -77,6 +77,11 @@ def test_every_pool_of_every_serve_config_has_its_decode_path() -> None:
     assert {key: d.path for key, d in got.items()} == EXPECTED
     long = got[("prod.yaml", "long", "v1", "cpu")].reason
     assert "int4 KV" in long and "block_bounds sparse selection" in long
+    # prod's CPU pools run int8 weights (weight_dtype auto), named in the logged path; its GPU pools do not.
+    for pool in ("short", "long"):
+        assert configs[("prod.yaml", pool, "v1", "cpu")].weight_dtype == "int8"
+        assert "int8 weights" in got[("prod.yaml", pool, "v1", "cpu")].reason
+        assert configs[("prod.yaml", pool, "v1", "cuda")].weight_dtype == "float32"
 
 
 def test_the_engine_logs_its_decision_once_and_counts_what_ran(caplog: pytest.LogCaptureFixture,

@@ -145,3 +145,28 @@ def test_long_pool_on_the_reference_model(monkeypatch: pytest.MonkeyPatch) -> No
     steps = against_eager(config, [prompt], 40, monkeypatch)
     inside, past = _paths_by_context(steps, 1024)
     assert inside == {"c_step"} and past == {"c_step"}
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kv", ["int4", "auto"])
+def test_int8_weights_on_a_tiny_model_with_odd_heads(odd_heads: Path, threads: int, kv: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """int8 weights (weight_dtype int8): the C step reads int8 panels and per-row scales, the eager forward
+    the dequantized float32 weights; tokens equal and logits within 1e-4, inside min_context and past it.
+    The tiny model's 100-wide MLP and 40-wide rows leave partial panels, and its lm_head is untied."""
+    config = long_pool(odd_heads, kv, weight_dtype="int8")
+    rng = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(0, 250, (n,), generator=rng).tolist() for n in (90, 40)]
+    steps = against_eager(config, prompts, 60, monkeypatch, threads)
+    inside, past = _paths_by_context(steps, 128)
+    assert inside == {"c_step"} and past == {"c_step"}
+
+
+def test_int8_weights_on_the_reference_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """int8 weights on the reference model's long pool (int4 KV, sparse past the context): C step = eager."""
+    rng = torch.Generator().manual_seed(4)
+    prompt = torch.randint(5, 4000, (1000,), generator=rng).tolist()
+    config = long_pool(REFERENCE_MODEL, num_kv_blocks=64, block_size=64, weight_dtype="int8", cache_policy=CachePolicy(
+        eviction_policy="sliding_window", protected_positions=PROTECTED))
+    steps = against_eager(config, [prompt, prompt[:300]], 40, monkeypatch)
+    assert {p for p, _ in steps} == {"c_step"}

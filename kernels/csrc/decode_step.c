@@ -29,7 +29,9 @@
  * bench.throughput's concurrency 32, the 243 decode steps took 0.7-1.1 s on 2 threads against 1.5 s on one.
  *
  * Every query segment must be one token (query_start_loc = 0, 1, .., T). The linear weights and lm_head
- * come packed by sinkserve_pack_linear (below); embedding and norm weights as they are, contiguous;
+ * come packed by sinkserve_pack_linear (below), or, with int8 weights (weight_dtype int8), as int8 codes
+ * packed by sinkserve_pack_linear_i8 with one float32 scale per output row (a layer's F_*_S fields and
+ * lm_head_scale; 0 / NULL: that matrix is float32); embedding and norm weights as they are, contiguous;
  * caches contiguous [num_blocks, B, Hkv, D], or per layer one packed cache (F_KV_QUANT: a QuantCache,
  * quant_cache.h; then F_K_CACHE and F_V_CACHE are 0). The per-layer pointers come as one int64 table
  * [L, LAYER_FIELDS] (field order below; 0 = absent). Returns 0, or < 0 before writing anything when an
@@ -41,9 +43,12 @@
 #include <stdlib.h>
 #include <stdatomic.h>
 #include <string.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 enum { F_IN_NORM, F_POST_NORM, F_QKV_W, F_QKV_B, F_O_W, F_O_B, F_QK_NORM, F_GU_W, F_GU_B, F_DOWN_W, F_DOWN_B,
-       F_K_CACHE, F_V_CACHE, F_WINDOW, F_KV_QUANT, F_BOUNDS, LAYER_FIELDS };
+       F_K_CACHE, F_V_CACHE, F_WINDOW, F_KV_QUANT, F_BOUNDS, F_QKV_S, F_O_S, F_GU_S, F_DOWN_S, LAYER_FIELDS };
 
 int sinkserve_decode_attention(const float *q, int64_t q_st, int64_t q_sh, const float *k_cache, const float *v_cache,
                                const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
@@ -79,8 +84,29 @@ int sinkserve_decode_attention(const float *q, int64_t q_st, int64_t q_sh, const
 #define TILE_ROWS 6
 typedef float vf __attribute__((vector_size(PW * sizeof(float))));
 typedef float vf_u __attribute__((vector_size(PW * sizeof(float)), aligned(4))); /* unaligned access */
+typedef int8_t vi8_u __attribute__((vector_size(PW), aligned(1)));
 
 static inline vf vload(const float *p) { return *(const vf_u *)p; }
+
+/* int8 weights (weight_dtype int8): the same panels of int8 codes, W[o][i] = code[o][i] * scale[o]
+ * (symmetric, per output row; engine/weight_quant.py). A panel vector is PW bytes, widened to PW floats
+ * in registers (vpmovsxbd + vcvtdq2ps, written as intrinsics:
+ * GCC's __builtin_convertvector of a char vector compiled to 16 scalar conversions) and multiplied like a float32 one; the row's scale is
+ * applied once to the finished sum: y[o] = scale[o] * sum_i x[i] * code[o][i]. Exact integers times x
+ * summed in float32, so the result differs from x . (code * scale) -- what the eager forward computes
+ * with the dequantized weights -- by float rounding only. A quarter of float32's weight bytes: a decode
+ * step of a model whose weights do not fit in cache streams 4x fewer bytes. */
+#if defined(__AVX512F__)
+static inline vf vload_i8(const int8_t *p) {
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+#elif defined(__AVX2__)
+static inline vf vload_i8(const int8_t *p) {
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#else /* GCC's generic conversion: correct, element by element */
+static inline vf vload_i8(const int8_t *p) { return __builtin_convertvector(*(const vi8_u *)p, vf); }
+#endif
 
 int sinkserve_pack_width(void) { return PW; }
 
@@ -96,18 +122,32 @@ void sinkserve_pack_linear(const float *w, int out, int in, float *packed) {
     }
 }
 
-/* R rows of x (row stride in) times NP panels (NP = 1, 2) -> acc [R][NP]; R and NP are constants at
- * each call site, so the accumulators are registers. */
-#define DEFINE_TILE(R, NP)                                                                                 \
-    static void tile_##R##_##NP(const float *x, int in, const float *p0, const float *pf, vf *acc) {     \
+/* packed (ceil(out / PW) * in * PW bytes) <- codes [out, in] int8: the layout above, one byte a weight. */
+void sinkserve_pack_linear_i8(const int8_t *w, int out, int in, int8_t *packed) {
+    for (int j = 0; j * PW < out; j++) {
+        int8_t *pj = packed + (int64_t)j * in * PW;
+        for (int i = 0; i < in; i++)
+            for (int r = 0; r < PW; r++) {
+                const int o = j * PW + r;
+                pj[(int64_t)i * PW + r] = o < out ? w[(int64_t)o * in + i] : 0;
+            }
+    }
+}
+
+/* R rows of x (row stride in) times NP panels (NP = 1, 2) of element type T -> acc [R][NP]; R and NP are
+ * constants at each call site, so the accumulators are registers. The prefetch of the next panel pair
+ * touches one cache line per 64 bytes of panel (every input index for float32, every 4th for int8). */
+#define DEFINE_TILE(NAME, T, LOAD, R, NP)                                                                  \
+    static void NAME##_##R##_##NP(const float *x, int in, const T *p0, const T *pf, vf *acc) {            \
         vf c[R][NP];                                                                                       \
         for (int r = 0; r < R; r++)                                                                        \
             for (int n = 0; n < NP; n++) c[r][n] = (vf){0};                                                \
         const int64_t pstride = (int64_t)in * PW;                                                          \
+        const int pf_every = 64 / (PW * (int)sizeof(T)) > 1 ? 64 / (PW * (int)sizeof(T)) : 1;              \
         for (int i = 0; i < in; i++) {                                                                     \
             vf b[NP];                                                                                      \
-            for (int n = 0; n < NP; n++) b[n] = vload(p0 + n * pstride + (int64_t)i * PW);                 \
-            if (pf)                                                                                        \
+            for (int n = 0; n < NP; n++) b[n] = LOAD(p0 + n * pstride + (int64_t)i * PW);                  \
+            if (pf && i % pf_every == 0)                                                                   \
                 for (int n = 0; n < NP; n++) __builtin_prefetch(pf + n * pstride + (int64_t)i * PW, 0, 2); \
             for (int r = 0; r < R; r++) {                                                                  \
                 const float a = x[(int64_t)r * in + i];                                                    \
@@ -117,40 +157,56 @@ void sinkserve_pack_linear(const float *w, int out, int in, float *packed) {
         for (int r = 0; r < R; r++)                                                                        \
             for (int n = 0; n < NP; n++) acc[r * NP + n] = c[r][n];                                        \
     }
-#define DEFINE_TILES(NP) DEFINE_TILE(1, NP) DEFINE_TILE(2, NP) DEFINE_TILE(3, NP) DEFINE_TILE(4, NP) \
-                         DEFINE_TILE(5, NP) DEFINE_TILE(6, NP)
-DEFINE_TILES(1)
-DEFINE_TILES(2)
+#define DEFINE_TILES(NAME, T, LOAD, NP)                                                                     \
+    DEFINE_TILE(NAME, T, LOAD, 1, NP) DEFINE_TILE(NAME, T, LOAD, 2, NP) DEFINE_TILE(NAME, T, LOAD, 3, NP) \
+    DEFINE_TILE(NAME, T, LOAD, 4, NP) DEFINE_TILE(NAME, T, LOAD, 5, NP) DEFINE_TILE(NAME, T, LOAD, 6, NP)
+DEFINE_TILES(tile, float, vload, 1)
+DEFINE_TILES(tile, float, vload, 2)
+DEFINE_TILES(tile_i8, int8_t, vload_i8, 1)
+DEFINE_TILES(tile_i8, int8_t, vload_i8, 2)
 
-static void tile(const float *x, int rows, int in, const float *p0, const float *pf, int np, vf *acc) {
+/* One tile of rows x np panels; p0, pf: float32 panels, or int8 ones when i8. */
+static void tile(const float *x, int rows, int in, const void *p0, const void *pf, int np, int i8, vf *acc) {
     typedef void (*tile_fn)(const float *, int, const float *, const float *, vf *);
+    typedef void (*tile_i8_fn)(const float *, int, const int8_t *, const int8_t *, vf *);
     static const tile_fn fns[2][TILE_ROWS] = {
         {tile_1_1, tile_2_1, tile_3_1, tile_4_1, tile_5_1, tile_6_1},
         {tile_1_2, tile_2_2, tile_3_2, tile_4_2, tile_5_2, tile_6_2}};
-    fns[np - 1][rows - 1](x, in, p0, pf, acc);
+    static const tile_i8_fn fns_i8[2][TILE_ROWS] = {
+        {tile_i8_1_1, tile_i8_2_1, tile_i8_3_1, tile_i8_4_1, tile_i8_5_1, tile_i8_6_1},
+        {tile_i8_1_2, tile_i8_2_2, tile_i8_3_2, tile_i8_4_2, tile_i8_5_2, tile_i8_6_2}};
+    if (i8)
+        fns_i8[np - 1][rows - 1](x, in, p0, pf, acc);
+    else
+        fns[np - 1][rows - 1](x, in, p0, pf, acc);
 }
 
-/* y[t][o] = x[t] . W[o] (+ b[o]) for rows t, W packed as above: thread tid of nt computes a contiguous
+/* y[t][o] = x[t] . W[o] (+ b[o]) for rows t, W packed as above (scale NULL: float32 panels; else int8
+ * panels and y[t][o] = scale[o] * (x[t] . code[o]) (+ b[o])): thread tid of nt computes a contiguous
  * run of the panel pairs (its share of the weights; the next-pair prefetch stays within it). Each output
  * is one thread's sum in the order one thread would take: the result does not depend on nt. The caller
  * puts a team_barrier after it before reading y. */
-static void linear(const float *x, int64_t rows, int in, const float *packed, const float *b, int out, float *y,
-                   int tid, int nt) {
+static void linear(const float *x, int64_t rows, int in, const void *packed, const float *scale, const float *b,
+                   int out, float *y, int tid, int nt) {
     const int panels = (out + PW - 1) / PW, pairs = (panels + 1) / 2;
     const int j_lo = 2 * (int)((int64_t)pairs * tid / nt), j_hi = 2 * (int)((int64_t)pairs * (tid + 1) / nt);
+    const int64_t esize = scale ? 1 : sizeof(float), panel_bytes = (int64_t)in * PW * esize;
     vf acc[TILE_ROWS * 2];
     for (int j = j_lo; j < j_hi && j < panels; j += 2) {
         const int np = panels - j < 2 ? 1 : 2;
-        const float *p0 = packed + (int64_t)j * in * PW;
+        const char *p0 = (const char *)packed + j * panel_bytes;
         for (int64_t t = 0; t < rows; t += TILE_ROWS) {
             const int r_n = rows - t < TILE_ROWS ? (int)(rows - t) : TILE_ROWS;
-            tile(x + t * in, r_n, in, p0, t == 0 && j + 2 < j_hi ? p0 + 2 * (int64_t)in * PW : NULL, np, acc);
+            tile(x + t * in, r_n, in, p0, t == 0 && j + 2 < j_hi ? p0 + 2 * panel_bytes : NULL, np, scale != NULL, acc);
             for (int r = 0; r < r_n; r++)
                 for (int n = 0; n < np; n++) {
                     const int o0 = (j + n) * PW, m = out - o0 < PW ? out - o0 : PW;
                     float *yr = y + (t + r) * out + o0;
                     const float *a = (const float *)&acc[r * np + n];
-                    for (int k = 0; k < m; k++) yr[k] = b ? a[k] + b[o0 + k] : a[k];
+                    if (scale)
+                        for (int k = 0; k < m; k++) yr[k] = b ? a[k] * scale[o0 + k] + b[o0 + k] : a[k] * scale[o0 + k];
+                    else
+                        for (int k = 0; k < m; k++) yr[k] = b ? a[k] + b[o0 + k] : a[k];
                 }
         }
     }
@@ -285,7 +341,8 @@ static void select_blocks(const float *q, int hq, int hkv, int d, const float *b
 typedef struct {
     const int64_t *layers;
     int num_layers, hidden, inter, hq, hkv, d, vocab, block, rows, n_logits;
-    const float *embed, *final_norm, *lm_head, *inv_freq;
+    const float *embed, *final_norm, *inv_freq, *lm_head_scale;
+    const void *lm_head; /* float32 panels, or int8 ones with lm_head_scale */
     float rope_scaling, eps, scale;
     const int64_t *input_ids, *positions, *slots, *logit_rows;
     const int32_t *block_tables, *seq_lens, *starts;
@@ -347,7 +404,7 @@ static void step_job(void *arg, int tid, int nt) {
         const int64_t *L = S->layers + (int64_t)l * LAYER_FIELDS;
         for (int t = r_lo; t < r_hi; t++) norm_row(h + (int64_t)t * hidden, PTR(L, F_IN_NORM), x + (int64_t)t * hidden, hidden, eps);
         team_barrier(nt);
-        linear(x, rows, hidden, PTR(L, F_QKV_W), PTR(L, F_QKV_B), qkv_n, qkv, tid, nt);
+        linear(x, rows, hidden, PTR(L, F_QKV_W), PTR(L, F_QKV_S), PTR(L, F_QKV_B), qkv_n, qkv, tid, nt);
         team_barrier(nt);
         float *k_cache = (float *)(intptr_t)L[F_K_CACHE], *v_cache = (float *)(intptr_t)L[F_V_CACHE];
         QuantCache *kv = (QuantCache *)(intptr_t)L[F_KV_QUANT];
@@ -393,7 +450,7 @@ static void step_job(void *arg, int tid, int nt) {
         }
         team_barrier(nt);
         if (atomic_load(&S->rc) != 0) return; /* read after the barrier: every thread leaves here */
-        linear(att, rows, hq * d, PTR(L, F_O_W), PTR(L, F_O_B), hidden, o, tid, nt);
+        linear(att, rows, hq * d, PTR(L, F_O_W), PTR(L, F_O_S), PTR(L, F_O_B), hidden, o, tid, nt);
         team_barrier(nt);
         for (int t = r_lo; t < r_hi; t++) {
             float *hr = h + (int64_t)t * hidden;
@@ -402,7 +459,7 @@ static void step_job(void *arg, int tid, int nt) {
             norm_row(hr, PTR(L, F_POST_NORM), x + (int64_t)t * hidden, hidden, eps);
         }
         team_barrier(nt);
-        linear(x, rows, hidden, PTR(L, F_GU_W), PTR(L, F_GU_B), 2 * inter, gu, tid, nt);
+        linear(x, rows, hidden, PTR(L, F_GU_W), PTR(L, F_GU_S), PTR(L, F_GU_B), 2 * inter, gu, tid, nt);
         team_barrier(nt);
         for (int t = r_lo; t < r_hi; t++) {
             const float *g = gu + (int64_t)t * 2 * inter, *u = g + inter;
@@ -410,7 +467,7 @@ static void step_job(void *arg, int tid, int nt) {
             for (int i = 0; i < inter; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
         }
         team_barrier(nt);
-        linear(act, rows, inter, PTR(L, F_DOWN_W), PTR(L, F_DOWN_B), hidden, o, tid, nt);
+        linear(act, rows, inter, PTR(L, F_DOWN_W), PTR(L, F_DOWN_S), PTR(L, F_DOWN_B), hidden, o, tid, nt);
         team_barrier(nt);
         for (int t = r_lo; t < r_hi; t++) {
             float *hr = h + (int64_t)t * hidden;
@@ -423,12 +480,12 @@ static void step_job(void *arg, int tid, int nt) {
     for (int r = g_lo; r < g_hi; r++)
         norm_row(h + S->logit_rows[r] * (int64_t)hidden, S->final_norm, x + (int64_t)r * hidden, hidden, eps);
     team_barrier(nt);
-    linear(x, S->n_logits, hidden, S->lm_head, NULL, S->vocab, S->logits, tid, nt);
+    linear(x, S->n_logits, hidden, S->lm_head, S->lm_head_scale, NULL, S->vocab, S->logits, tid, nt);
 }
 
 /* threads: the team size to use (the caller's torch thread count); the result is the same for any. */
 int sinkserve_llama_decode(const int64_t *layers, int num_layers, const float *embed, const float *final_norm,
-                           const float *lm_head, const float *inv_freq, float rope_scaling, int hidden, int inter,
+                           const void *lm_head, const float *lm_head_scale, const float *inv_freq, float rope_scaling, int hidden, int inter,
                            int hq, int hkv, int d, int vocab, float eps, float scale, int block,
                            const int64_t *input_ids, const int64_t *positions, const int64_t *slots,
                            const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
@@ -454,7 +511,7 @@ int sinkserve_llama_decode(const int64_t *layers, int num_layers, const float *e
     }
     Step S = {.layers = layers, .num_layers = num_layers, .hidden = hidden, .inter = inter, .hq = hq, .hkv = hkv,
               .d = d, .vocab = vocab, .block = block, .rows = rows, .n_logits = n_logits, .embed = embed,
-              .final_norm = final_norm, .lm_head = lm_head, .inv_freq = inv_freq, .rope_scaling = rope_scaling,
+              .final_norm = final_norm, .lm_head = lm_head, .lm_head_scale = lm_head_scale, .inv_freq = inv_freq, .rope_scaling = rope_scaling,
               .eps = eps, .scale = scale, .input_ids = input_ids, .positions = positions, .slots = slots,
               .logit_rows = logit_rows, .block_tables = block_tables, .seq_lens = seq_lens, .starts = starts,
               .bt_stride = bt_stride, .scratch_len = scratch_len, .num_blocks = num_slots / block,
