@@ -196,7 +196,7 @@ def twins_gate(points: list[dict[str, Any]], models: list[str]) -> tuple[bool, s
     """Both twins copy in context: mean ``GATE_KIND`` copy >= ``GATE_MIN`` nats/token at reach ``GATE_REACH``.
 
     >>> pts = [{"kind": "random", "arm": "dense", "x_reach": 0.5, "x_context": 0.6,
-    ...         "decoy": {"a": [8.0, 8.0], "b": [8.0, 8.0]}, "second": {"a": [6.5, 7.5], "b": [1.0, 2.0]}}]
+    ...         "decoy": {"a": [8.0, 8.0], "b": [8.0, 8.0]}, "second": {"a": [7.0, 7.5], "b": [1.0, 2.0]}}]
     >>> twins_gate(pts, ["a", "b"])[0]
     False
     """

@@ -50,7 +50,7 @@ class FakeEngine:
     def has_unfinished(self) -> bool:
         return self.running is not None
 
-    def add_request(self, request_id, prompt, params, anchors) -> None:
+    def add_request(self, request_id, prompt, params, anchors, session=None) -> None:
         self.running, self.made = request_id, 0
 
     def step(self) -> list[RequestOutput]:

@@ -25,7 +25,7 @@ def pool_spec(store: Path | None) -> PoolSpec:
     if store is not None:
         engine["session_kv"] = {"enabled": True, "path": str(store), "max_bytes": 1 << 30}
     args = PoolArgs(name="chat", max_prompt_tokens=900, engine=engine)  # validated as the yaml's pools[] are
-    return PoolSpec(bucket="chat", version="v1", engine=args.engine_config(MODEL, "cpu"))
+    return PoolSpec(pool=args, version="v1", engine=args.engine_config(MODEL, "cpu"))
 
 
 async def replica(spec: PoolSpec):
@@ -46,7 +46,7 @@ async def serve_turn(server, plan) -> tuple[list[int], int]:
 
 
 def test_turn_two_restores_on_a_fresh_replica_and_answers_as_re_prefilling_does(tmp_path: Path) -> None:
-    planner = Planner(PlanSpec(buckets=(BucketSpec("chat", 900, 60.0, max_model_len=1024),),
+    planner = Planner(PlanSpec(buckets=(BucketSpec("chat", 900, 60.0, max_seq_len=1024),),
                                versions=(VersionSpec("v1", MODEL, 1.0),)))
     conv = Conversation(id="conv-7f3a", tenant="t", created=0.0)
     ask = lambda text: ChatCompletionRequest(messages=[{"role": "user", "content": text}], max_tokens=8,  # noqa: E731
