@@ -41,6 +41,16 @@ def cache_policy_from_dict(d: Mapping[str, Any] | CachePolicy) -> CachePolicy:
         raise ConfigError(f"cache_policy.{e.field}", e.message) from None
 
 
+def _section(cls: type, d: Any, name: str, what: str) -> Any:
+    """One nested config section: ``cls`` as given, or built from a mapping whose unknown keys are refused."""
+    if isinstance(d, cls):
+        return d
+    if not isinstance(d, Mapping):
+        raise ConfigError(name, f"must be a mapping of {what}, got {d!r}")
+    _check_keys(cls, d, f"{name}.")
+    return cls(**d)
+
+
 def sparse_from_dict(d: Mapping[str, Any] | SparseAttention) -> SparseAttention:
     """A ``SparseAttention`` from config values; unknown keys are refused with their path named.
 
@@ -49,12 +59,7 @@ def sparse_from_dict(d: Mapping[str, Any] | SparseAttention) -> SparseAttention:
     ...
     engine.errors.ConfigError: sparse.topk: unknown field; did you mean 'top_k'? ...
     """
-    if isinstance(d, SparseAttention):
-        return d
-    if not isinstance(d, Mapping):
-        raise ConfigError("sparse", f"must be a mapping of sparse-attention settings, got {d!r}")
-    _check_keys(SparseAttention, d, "sparse.")
-    return SparseAttention(**d)
+    return _section(SparseAttention, d, "sparse", "sparse-attention settings")
 
 
 def session_kv_from_dict(d: Mapping[str, Any] | SessionKV) -> SessionKV:
@@ -65,12 +70,7 @@ def session_kv_from_dict(d: Mapping[str, Any] | SessionKV) -> SessionKV:
     ...
     engine.errors.ConfigError: session_kv.max_byte: unknown field; did you mean 'max_bytes'? ...
     """
-    if isinstance(d, SessionKV):
-        return d
-    if not isinstance(d, Mapping):
-        raise ConfigError("session_kv", f"must be a mapping of session KV settings, got {d!r}")
-    _check_keys(SessionKV, d, "session_kv.")
-    return SessionKV(**d)
+    return _section(SessionKV, d, "session_kv", "session KV settings")
 
 
 def engine_config_from_dict(d: Mapping[str, Any], **overrides: Any) -> EngineConfig:
