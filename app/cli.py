@@ -8,20 +8,33 @@ import argparse
 import importlib
 import logging
 import sys
+from pathlib import Path
 
 SUBCOMMANDS = ("app.cli_serve", "app.cli_cluster", "app.cli_canary", "app.cli_generate", "app.cli_model", "evals.cli")
 
 
+def _source_tree_tools() -> None:
+    """Let a source checkout reach its tools: an editable install maps only the shipped packages (kernels,
+    engine, app), while ``evals/`` and ``training/`` sit beside ``app/``. A wheel install has no such
+    directory, and ``eval`` / ``model train-indexer`` are then left out of the parser."""
+    root = Path(__file__).resolve().parents[1]
+    if (root / "evals" / "__init__.py").is_file() and str(root) not in sys.path:
+        sys.path.append(str(root))
+
+
 def build_parser() -> argparse.ArgumentParser:
+    _source_tree_tools()
     parser = argparse.ArgumentParser(prog="sinkserve", description="sinkserve: long-context LLM serving with protected attention sinks")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in SUBCOMMANDS:
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as e:
-            if e.name != name:  # the module exists but one of its imports is missing: say so
+            # Not installed: ``eval`` lives in the source tree's ``evals`` package, which the wheel leaves out.
+            # A module that exists but misses one of its own imports is an error: say so.
+            if e.name not in (name, name.partition(".")[0]):
                 raise
-            continue  # subcommand not installed in this tree yet
+            continue
         module.add_parser(sub)
     return parser
 

@@ -94,8 +94,7 @@ async def ask(url: str, key: str, model: str, prompts: list[tuple[str, list[str]
 def gather_evidence(args: argparse.Namespace, cfg: dict[str, Any], served: str, stable: str, key: str) -> tuple[list[Evidence], list[Evidence]]:
     from transformers import AutoTokenizer
 
-    from evals import longmem
-    from evals.needle import NeedleConfig, build_docs
+    from app import long_docs
 
     model = model_dir(cfg, args.app, stable)
     tok = AutoTokenizer.from_pretrained(model, local_files_only=True)
@@ -103,16 +102,15 @@ def gather_evidence(args: argparse.Namespace, cfg: dict[str, Any], served: str, 
 
     ctx = trained_context(read_model_config(model))
     lengths = [float(x) for x in args.lengths.split(",")]
-    needle = NeedleConfig(model=model, lengths=tuple(lengths), docs=args.docs, window=0, chunk=0)
     out: dict[str, list[Evidence]] = {stable: [], args.candidate: []}
     for mult in lengths:
-        docs = build_docs(tok, needle, int(ctx * mult))
+        docs = long_docs.build_probe_docs(tok, int(ctx * mult), range(args.docs))
         prompts = [(d.doc.prompt, [d.fact_text] if mult > 1 else []) for d in docs]
         label = f"{mult:g}x" + (" anchored" if mult > 1 else "")
         for version in (stable, args.candidate):
             t0 = time.perf_counter()
             answers = asyncio.run(ask(args.url, key, f"{served}@{version}", prompts))
-            correct = sum(1 for a, d in zip(answers, docs) if a is not None and longmem.check_answer(a, d.doc.answer))
+            correct = sum(1 for a, d in zip(answers, docs) if a is not None and long_docs.check_answer(a, d.doc.answer))
             errors = sum(1 for a in answers if a is None)
             out[version].append(Evidence(version, label, correct, len(docs), errors))
             logger.info("%s %s: %d/%d right, %d failed (%.1fs)", version, label, correct, len(docs), errors,

@@ -34,8 +34,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     v = sub.add_parser("verify", help=f"check DIR against its {weights.MANIFEST_NAME} (exit 1 naming the file on a mismatch)")
     v.add_argument("dir", help="model directory")
     v.set_defaults(run=run_verify)
-    from training.train_indexer import add_arguments
-
+    try:
+        from training.train_indexer import add_arguments
+    except ModuleNotFoundError as e:  # the wheel leaves ``training`` out: train-indexer runs from a source tree
+        if e.name != "training":
+            raise
+        return
     t = sub.add_parser("train-indexer", help="train the model's lightning indexer (KL to its frozen attention) and "
                        "write indexer.safetensors + its SHA256SUMS entry beside it; a rerun resumes")
     add_arguments(t)

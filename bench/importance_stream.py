@@ -34,7 +34,7 @@ BUDGET, WINDOW, CHUNK, DECODE = 16, 64, 128, 48
 
 
 def stream_ids(tokenizer, n: int) -> list[int]:  # type: ignore[no-untyped-def]
-    """``n`` tokens of Debian's licence texts (the held-out ``licenses`` filler of evals.longmem), repeated."""
+    """``n`` tokens of Debian's licence texts (the held-out ``licenses`` filler of app.long_docs), repeated."""
     root = Path("/usr/share/common-licenses")
     text = "\n\n".join(f.read_text(errors="ignore") for f in sorted(root.iterdir()) if f.is_file())
     ids = tokenizer(text)["input_ids"]

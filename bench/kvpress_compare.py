@@ -206,13 +206,13 @@ def combine(answers: dict[str, dict[str, Any]], dset: list[Any], ours: Any, budg
             kv_bytes_per_token: int) -> tuple[list[dict[str, Any]], list[str]]:
     """One table from the worker's answers and sinkserve's ``run_budget_needle`` result, and the verdict
     notes (importance above every press at each budget; >= 0.8x of sinkserve's dense at 25 %)."""
-    from evals import longmem
+    from app import long_docs
 
     mean_n = sum(d.n_tokens for d in dset) / len(dset)
     rows: list[dict[str, Any]] = []
     for key, a in answers.items():
         name, b = key.rsplit("_", 1)
-        ok = [longmem.check_answer(t, d.doc.answer) for t, d in zip(a["texts"], dset)]
+        ok = [long_docs.check_answer(t, d.doc.answer) for t, d in zip(a["texts"], dset)]
         kept = sum(a["kept"]) / len(a["kept"]) if a["kept"] else float("nan")
         rows.append({"method": "transformers dense" if name == "none" else f"kvpress {name}", "budget %": int(b),
                      "kept tokens": round(kept), "correct": f"{sum(ok)}/{len(ok)}", "rate": round(sum(ok) / len(ok), 3),

@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO))
 
 from engine import selected_memory as sm  # noqa: E402
 from evals import arms as A  # noqa: E402
-from evals import longmem  # noqa: E402
+from app import long_docs  # noqa: E402
 from evals import selected_memory as esm  # noqa: E402
 
 
@@ -53,7 +53,7 @@ def main() -> int:
             mr.selected_memory = type("M", (), {"StepContext": StoredPositions})  # the runner builds this one
             sm.canonical_queries = lambda q, q_pos, distance, inv_freq: q  # noqa: E731
         texts, wall = run_arm(cfg, esm.selected_arm(), docs, f"{args.mult:g}x", progress=False)
-        ok = sum(longmem.check_answer(t, d.doc.answer) for t, d in zip(texts, docs))
+        ok = sum(long_docs.check_answer(t, d.doc.answer) for t, d in zip(texts, docs))
         rows.append((name, ok, wall))
         print(name, ok, len(docs), round(wall, 1), flush=True)
     sm.StepContext, sm.canonical_queries = real_ctx, real_canon

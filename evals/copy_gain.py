@@ -92,11 +92,11 @@ class CopyInput:
 
 def fact_span(tokenizer: Any, rng: random.Random, span: int) -> list[int]:
     """Fact sentences of the held-out needle templates, joined until ``span`` tokens, cut to ``span``."""
-    from evals import longmem
+    from app import long_docs
 
     ids: list[int] = []
     while len(ids) < span:
-        t = longmem.HELDOUT_TEMPLATES[rng.randrange(len(longmem.HELDOUT_TEMPLATES))]
+        t = long_docs.HELDOUT_TEMPLATES[rng.randrange(len(long_docs.HELDOUT_TEMPLATES))]
         ids += tokenizer(" " + t.fill(rng)["fact"], add_special_tokens=False)["input_ids"]
     return ids[:span]
 

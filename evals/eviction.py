@@ -25,11 +25,11 @@ import time
 from typing import TYPE_CHECKING
 
 from evals import arms as A
-from evals import longmem
+from app import long_docs
 from evals.report import EvalResult, Panel, Series
 
 if TYPE_CHECKING:
-    from evals.needle import Doc, NeedleConfig
+    from evals.needle import NeedleConfig
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def budget_arms(doc_tokens: int, budgets: tuple[int, ...]) -> list[A.Arm]:
 
 
 def budget_docs(model: str, docs: int, doc_tokens: int | None = None, chunk: int | None = None,
-                filler: str | None = None) -> tuple["NeedleConfig", list["Doc"], int]:
+                filler: str | None = None) -> tuple["NeedleConfig", list["long_docs.ProbeDoc"], int]:
     """The fixed-budget needle's config, documents and document length: ``docs`` documents of at most
     ``doc_tokens`` tokens (default ``DOC_FRACTION`` of the trained context), ``filler`` for every one (None:
     the held-out fillers in turn). One place, so another stack (bench/kvpress_compare.py) answers exactly
@@ -85,7 +85,7 @@ def run_budget_needle(model: str, budgets: tuple[int, ...], docs: int, chunk: in
     rows, rates = [], {}
     for arm in budget_arms(doc_tokens, budgets):
         texts, wall = run_arm(cfg, arm, dset, "1x", progress=False)
-        ok = [longmem.check_answer(t, d.doc.answer) for t, d in zip(texts, dset)]
+        ok = [long_docs.check_answer(t, d.doc.answer) for t, d in zip(texts, dset)]
         rates[arm.name] = sum(ok) / len(ok)
         logger.info("budget needle %s: %d/%d (%.0fs)", arm.name, sum(ok), len(ok), wall)
         kept = "all" if not arm.evicts else (

@@ -20,7 +20,7 @@ from dataclasses import replace
 import numpy as np
 
 from evals import arms as A
-from evals import longmem
+from app import long_docs
 from engine.config import DEFAULT_PACKED_BLOCK_SIZE
 from evals.report import EvalResult, Panel, Series
 
@@ -107,7 +107,7 @@ def run_kv_needle(model: str, dtype: str, docs: int, mults: tuple[float, ...], w
         ref_rate = None
         for arm in kv_arms(base, dtype, outlier_channels):
             texts, wall = run_arm(cfg, arm, dset, f"{mult:g}x", progress=False)
-            ok = [longmem.check_answer(t, d.doc.answer) for t, d in zip(texts, dset)]
+            ok = [long_docs.check_answer(t, d.doc.answer) for t, d in zip(texts, dset)]
             rate = sum(ok) / len(ok)
             ref_rate = rate if ref_rate is None else ref_rate
             kind = "16-bit" if arm.kv_cache_dtype == "auto" else ("protected" if arm.kv_protect else "everything")

@@ -69,7 +69,7 @@ def heldout_texts(source: str) -> list[str]:
 
     ``corpus``: the held-out split of ``training.corpus`` (never trained on by the reference model);
     ``licenses``: Debian's common licences; ``prose``: ``pydoc_data.topics``, English documentation prose
-    shipped with every CPython (:func:`evals.longmem.prose_text`; real text for real checkpoints).
+    shipped with every CPython (:func:`evals.long_docs.prose_text`; real text for real checkpoints).
     """
     if source not in TEXT_SOURCES:
         raise ValueError(f"unknown text source {source!r}; choose one of {', '.join(TEXT_SOURCES)}")
@@ -81,10 +81,10 @@ def heldout_texts(source: str) -> list[str]:
         else:
             return load_corpus("heldout")
     if source == "prose":
-        from evals.longmem import prose_text
+        from app.long_docs import prose_text
 
         return [prose_text()]
-    from evals.longmem import TextFiller, _get_filler
+    from app.long_docs import TextFiller, _get_filler
 
     filler = _get_filler("licenses")
     if isinstance(filler, TextFiller):

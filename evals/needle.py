@@ -1,10 +1,10 @@
 """First-last consistency: a fact near the start, filler to ``L`` tokens, the question at the end.
 
-Documents come from :mod:`evals.longmem` with the held-out templates and fillers only. The fact is put
+Documents come from :mod:`app.long_docs` with the held-out templates and fillers only. The fact is put
 about ``lead_tokens`` tokens in (past the sink block, so pinning the sinks cannot keep it by accident:
 retention is block granular and the sinks' block holds ``block_size`` tokens). Every arm answers the
 *same* documents at every length (document ``i`` has seed ``seed + i`` at each ``L``), greedy, and an
-answer counts when its first word equals the fact's value (:func:`evals.longmem.check_answer`).
+answer counts when its first word equals the fact's value (:func:`evals.long_docs.check_answer`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from engine import SamplingParams
 from evals import arms as A
-from evals import longmem
+from app import long_docs
 from evals.report import EvalResult, Panel, Series
 
 logger = logging.getLogger(__name__)
@@ -40,47 +40,25 @@ class NeedleConfig:
     arms: tuple[str, ...] = tuple(a.name for a in ALL_ARMS)
     max_new_tokens: int = 6
     lead_tokens: int = 48
-    seed: int = 7_000_000  # far from the seeds training used for its long-memory documents
+    seed: int = long_docs.HELDOUT_SEED
     max_num_seqs: int = 8
     filler: str | None = None  # one filler for every document (e.g. "prose"); None: HELDOUT_FILLERS in turn
 
 
-@dataclass
-class Doc:
-    index: int
-    doc: longmem.LongMemDoc
-    n_tokens: int
-    fact_last_token: int  # index of the fact's last token in the tokenized prompt
-
-    @property
-    def fact_text(self) -> str:
-        s, e = self.doc.fact_span
-        return self.doc.prompt[s:e]
-
-
-def chance(doc: longmem.LongMemDoc) -> float:
+def chance(doc: long_docs.LongMemDoc) -> float:
     """Probability of a uniform guess from the template's value pool."""
     if not doc.answer.isdigit():
-        return 1.0 / len(longmem.CITIES)
+        return 1.0 / len(long_docs.CITIES)
     return 1.0 / (90_000 if doc.kind == "passkey" else 9_900)
 
 
-def build_docs(tokenizer: Any, cfg: NeedleConfig, n_tokens: int, indices: range | None = None) -> list[Doc]:
+def build_docs(tokenizer: Any, cfg: NeedleConfig, n_tokens: int, indices: range | None = None) -> list[long_docs.ProbeDoc]:
     """Held-out documents ``indices`` (default all ``cfg.docs``) of at most ``n_tokens`` tokens (BOS included)."""
-    out = []
-    depth = min(0.5, cfg.lead_tokens / n_tokens)
-    for i in indices if indices is not None else range(cfg.docs):
-        template = longmem.HELDOUT_TEMPLATES[i % len(longmem.HELDOUT_TEMPLATES)]
-        filler = cfg.filler or longmem.HELDOUT_FILLERS[(i // len(longmem.HELDOUT_TEMPLATES)) % len(longmem.HELDOUT_FILLERS)]
-        doc = longmem.make_document(template, cfg.seed + i, n_tokens, tokenizer=tokenizer, filler=filler, depth=depth)
-        enc = tokenizer(doc.prompt, return_offsets_mapping=True)
-        fact_end = doc.fact_span[1]
-        last = max(t for t, (s, e) in enumerate(enc["offset_mapping"]) if e > s and s < fact_end)
-        out.append(Doc(i, doc, len(enc["input_ids"]), last))
-    return out
+    return long_docs.build_probe_docs(tokenizer, n_tokens, indices if indices is not None else range(cfg.docs),
+                                      seed=cfg.seed, lead_tokens=cfg.lead_tokens, filler=cfg.filler)
 
 
-def run_arm(cfg: NeedleConfig, arm: A.Arm, docs: list[Doc], length_label: str, progress: bool = True) -> tuple[list[str], float]:
+def run_arm(cfg: NeedleConfig, arm: A.Arm, docs: list[long_docs.ProbeDoc], length_label: str, progress: bool = True) -> tuple[list[str], float]:
     """Greedy answers of one arm to ``docs`` (all queued at once; the engine batches decodes)."""
     longest = max(d.n_tokens for d in docs) + cfg.max_new_tokens
     per_seq = A.blocks_for_stream(arm.window or cfg.window, cfg.chunk) if arm.evicts else -(-longest // A.BLOCK_SIZE) + 1
@@ -111,17 +89,17 @@ def _tokenizer(model: str) -> Any:
     return AutoTokenizer.from_pretrained(model)
 
 
-def _build_docs_job(job: tuple[NeedleConfig, int, range]) -> list[Doc]:
+def _build_docs_job(job: tuple[NeedleConfig, int, range]) -> list[long_docs.ProbeDoc]:
     cfg, n_tokens, indices = job
     return build_docs(_tokenizer(cfg.model), cfg, n_tokens, indices)
 
 
-def _run_point(job: tuple[NeedleConfig, str, float, list[Doc], bool]) -> dict[str, Any]:
+def _run_point(job: tuple[NeedleConfig, str, float, list[long_docs.ProbeDoc], bool]) -> dict[str, Any]:
     """One (arm, length) point; runs in a worker process when ``workers > 1``."""
     cfg, arm_name, mult, docs, progress = job
     arm = next(a for a in ALL_ARMS if a.name == arm_name)
     texts, wall = run_arm(cfg, arm, docs, f"{mult:g}x", progress)
-    ok = [longmem.check_answer(t, d.doc.answer) for t, d in zip(texts, docs)]
+    ok = [long_docs.check_answer(t, d.doc.answer) for t, d in zip(texts, docs)]
     logger.info("needle %s L=%gx: %d/%d (%.1fs)", arm.name, mult, sum(ok), len(docs), wall)
     return {"arm": arm.name, "mult": mult, "texts": texts, "ok": ok, "wall": wall}
 
@@ -145,7 +123,7 @@ def run_needle(cfg: NeedleConfig, workers: int = 1,
     try:
         mapper = pool.imap if pool is not None else map
         built = list(tqdm(mapper(_build_docs_job, doc_jobs), total=len(doc_jobs), desc="needle documents", leave=False))
-        docs_at: dict[float, list[Doc]] = {m: [] for m in cfg.lengths}
+        docs_at: dict[float, list[long_docs.ProbeDoc]] = {m: [] for m in cfg.lengths}
         for (_, n_tokens, _), docs in zip(doc_jobs, built):
             docs_at[next(m for m in cfg.lengths if int(round(m * ctx)) - cfg.max_new_tokens == n_tokens)] += docs
         jobs = [(cfg, a.name, m, docs_at[m], pool is None) for m in cfg.lengths for a in arms
@@ -174,7 +152,7 @@ def _length_priority(lengths: tuple[float, ...], mult: float) -> int:
     return order.index(mult)
 
 
-def _collect(cfg: NeedleConfig, ctx: int, docs_at: dict[float, list[Doc]], results: list[dict[str, Any]],
+def _collect(cfg: NeedleConfig, ctx: int, docs_at: dict[float, list[long_docs.ProbeDoc]], results: list[dict[str, Any]],
              wall: float, workers: int, planned: int) -> EvalResult:
     order = {a.name: i for i, a in enumerate(ALL_ARMS)}
     results = sorted(results, key=lambda r: (r["mult"], order[r["arm"]]))
@@ -247,8 +225,8 @@ def summarize(cfg: NeedleConfig, ctx: int, rows: list[dict[str, Any]], correct: 
     )]
     meta = {
         "model": cfg.model, "trained_context": ctx, "lengths": lengths, "docs_per_point": cfg.docs,
-        "templates": [t.name for t in longmem.HELDOUT_TEMPLATES],
-        "fillers": [cfg.filler] if cfg.filler else list(longmem.HELDOUT_FILLERS),
+        "templates": [t.name for t in long_docs.HELDOUT_TEMPLATES],
+        "fillers": [cfg.filler] if cfg.filler else list(long_docs.HELDOUT_FILLERS),
         "fact_at_token": f"~{cfg.lead_tokens}", "window": cfg.window, "prefill_chunk": cfg.chunk,
         "block_size": A.BLOCK_SIZE, "sinks": list(A.SINK_POSITIONS), "max_new_tokens": cfg.max_new_tokens,
         "wall_s_total": round(total_wall, 1), "workers": workers,

@@ -1,7 +1,7 @@
 """Retrieval-augmented answering: does trimming low-relevance passages keep the answer while
 cutting the prefill?
 
-Each item is one held-out fact document (:mod:`evals.longmem`'s held-out templates and fillers) split
+Each item is one held-out fact document (:mod:`app.long_docs`'s held-out templates and fillers) split
 into ``doc_passages`` passages of about ``passage_tokens`` tokens, one of which holds the fact, mixed
 with distractor passages cut the same way from *other* held-out documents (other templates, so the
 answer stays unique) until the distractors hold ``mix`` times the relevant document's tokens; all
@@ -12,7 +12,7 @@ answer prefix, e.g.::
     Answer: The access code is
 
 Arms (every arm answers the same items, greedy, scored like the needle eval by
-:func:`evals.longmem.check_answer`)::
+:func:`evals.long_docs.check_answer`)::
 
     untrimmed     every passage, in the shuffled order
     trimmed@B     app.passages (BM25, the request path's code) keeps the best passages within B tokens
@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from engine import CachePolicy, SamplingParams
 from evals import arms as A
-from evals import longmem
+from app import long_docs
 from evals.report import EvalResult, Panel, Series
 
 logger = logging.getLogger(__name__)
@@ -80,14 +80,14 @@ def _count(tokenizer: Any, text: str) -> int:
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def fact_document(tokenizer: Any, template: longmem.Template, seed: int, filler: str,
+def fact_document(tokenizer: Any, template: long_docs.Template, seed: int, filler: str,
                   cfg: RetrievalConfig) -> tuple[dict[str, str], list[str], int]:
     """One held-out document as ``cfg.doc_passages`` passages of at most ~``cfg.passage_tokens``
     tokens (filler cut at word boundaries; the fact sentence whole, at a random word boundary of a
     random passage). Returns the template's filled parts, the passages and the fact passage's index."""
     parts = template.fill(random.Random(f"longmem:{template.name}:{seed}"))
     rng = random.Random(f"retrieval-layout:{seed}")
-    fill = longmem.get_filler(filler)
+    fill = long_docs.get_filler(filler)
     words = fill(random.Random(f"filler:{seed}"), cfg.passage_tokens * cfg.doc_passages * 8 + 64).split()
     fact_at = rng.randrange(cfg.doc_passages)
     passages: list[str] = []
@@ -107,9 +107,9 @@ def fact_document(tokenizer: Any, template: longmem.Template, seed: int, filler:
 def build_item(tokenizer: Any, cfg: RetrievalConfig, index: int, mix: float) -> Item:
     """Item ``index`` at distractor ratio ``mix``; the relevant document is the same at every mix, and
     a larger mix extends the smaller one's distractors."""
-    heldout = longmem.HELDOUT_TEMPLATES
+    heldout = long_docs.HELDOUT_TEMPLATES
     template = heldout[index % len(heldout)]
-    filler = longmem.HELDOUT_FILLERS[(index // len(heldout)) % len(longmem.HELDOUT_FILLERS)]
+    filler = long_docs.HELDOUT_FILLERS[(index // len(heldout)) % len(long_docs.HELDOUT_FILLERS)]
     parts, relevant, fact_at = fact_document(tokenizer, template, cfg.seed + index, filler, cfg)
     relevant_tokens = sum(_count(tokenizer, p) for p in relevant)
     others = [t for t in heldout if t.name != template.name]
@@ -118,7 +118,7 @@ def build_item(tokenizer: Any, cfg: RetrievalConfig, index: int, mix: float) -> 
     while got < mix * relevant_tokens:
         seed = cfg.seed + 1_000_000 + index * 10_000 + k
         _, ps, _ = fact_document(tokenizer, others[k % len(others)], seed,
-                                 longmem.HELDOUT_FILLERS[k % len(longmem.HELDOUT_FILLERS)], cfg)
+                                 long_docs.HELDOUT_FILLERS[k % len(long_docs.HELDOUT_FILLERS)], cfg)
         for p in ps:
             if got >= mix * relevant_tokens:
                 break
@@ -198,7 +198,7 @@ def run_retrieval(cfg: RetrievalConfig, progress: bool = True) -> EvalResult:
                             texts[out.request_id] += out.text
                             bar.update(int(out.finished))
                 wall = time.perf_counter() - t
-                ok = [longmem.check_answer(texts[str(i)], it.answer) for i, it in enumerate(items[m])]
+                ok = [long_docs.check_answer(texts[str(i)], it.answer) for i, it in enumerate(items[m])]
                 mean_len = sum(lengths[(m, arm)]) / cfg.docs
                 rows.append({
                     "mix": f"{m:g}x", "arm": arm, "docs": cfg.docs, "correct": sum(ok), "accuracy": sum(ok) / cfg.docs,
@@ -266,7 +266,7 @@ def summarize(cfg: RetrievalConfig, ctx: int, rows: list[dict[str, Any]], items:
                      f"{sum(i.distractor_tokens for i in its) / len(its):.0f} tokens")
     meta = {
         "model": cfg.model, "trained_context": ctx, "mixes": mixes, "docs_per_point": cfg.docs,
-        "templates": [t.name for t in longmem.HELDOUT_TEMPLATES], "fillers": list(longmem.HELDOUT_FILLERS),
+        "templates": [t.name for t in long_docs.HELDOUT_TEMPLATES], "fillers": list(long_docs.HELDOUT_FILLERS),
         "passage_tokens": cfg.passage_tokens, "passages_per_document": cfg.doc_passages, "budgets": list(cfg.budgets),
         "scorer": "bm25 (bm25s, app/passages.py)", "max_new_tokens": cfg.max_new_tokens, "wall_s_total": round(wall, 1),
     }

@@ -21,7 +21,7 @@ from typing import Callable
 
 from engine.sparse_config import SparseAttention
 from evals import arms as A
-from evals import longmem
+from app import long_docs
 from evals.report import EvalResult, Panel, Series
 
 logger = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ def run_selected_needle(model: str, lengths: tuple[float, ...], docs: int, chunk
             docs_at[m] = build_docs(tok, cfg, n_tokens)
         dset = docs_at[m]
         texts, wall = run_arm(cfg, arm, dset, f"{m:g}x", progress=False)
-        ok = [longmem.check_answer(t, d.doc.answer) for t, d in zip(texts, dset)]
+        ok = [long_docs.check_answer(t, d.doc.answer) for t, d in zip(texts, dset)]
         rate[(arm.name, m)] = sum(ok) / len(ok)
         logger.info("selected-memory needle %s L=%gx: %d/%d (%.0fs)", arm.name, m, sum(ok), len(ok), wall)
         rows.append({"arm": arm.name, "L": max(d.n_tokens for d in dset) + cfg.max_new_tokens, "x_context": m,

@@ -35,7 +35,7 @@ from engine import lightning
 from engine.limits import derived_local_window
 from engine.sparse_config import INDEXER_WEIGHTS, SparseAttention
 from evals import arms as A
-from evals import longmem
+from app import long_docs
 from evals.report import EvalResult, Panel, Series
 from kernels import block_sparse as bs
 
@@ -87,7 +87,7 @@ def run_sparse_needle(model: str, denoms: tuple[int, ...], docs: int, chunk: int
     sels = selectors(model)
     for arm in sparse_arms(ctx, denoms, sels, attended):
         texts, wall = run_arm(cfg, arm, dset, f"{length:g}x", progress=False)
-        ok = [longmem.check_answer(t, d.doc.answer) for t, d in zip(texts, dset)]
+        ok = [long_docs.check_answer(t, d.doc.answer) for t, d in zip(texts, dset)]
         rates[arm.name] = sum(ok) / len(ok)
         logger.info("sparse needle %s: %d/%d (%.0fs)", arm.name, sum(ok), len(ok), wall)
         rows.append({"arm": arm.name, "top_k": arm.sparse.top_k if arm.sparse else "-",

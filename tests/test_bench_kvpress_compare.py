@@ -12,7 +12,7 @@ import pytest
 from bench.kvpress_compare import combine, make_plan, parse_args, write_docs
 from engine.errors import ModelLoadError
 from evals import arms as A
-from evals import longmem
+from app import long_docs
 from evals.eviction import budget_docs
 
 
@@ -38,7 +38,7 @@ def test_prose_documents_are_the_engines(tmp_path: Path) -> None:
     assert n == 300 and len(docs) == 3
     # deterministic: run_budget_needle rebuilds them and must answer the same prompts
     assert [d.doc.prompt for d in docs] == [d.doc.prompt for d in again]
-    prose = " ".join(longmem.prose_text().split())
+    prose = " ".join(long_docs.prose_text().split())
     for d in docs:
         assert 250 < d.n_tokens <= 300
         assert d.doc.answer in d.doc.prompt

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from app.cli import build_parser
 from engine.config import DEFAULT_MODEL
 from evals.long_ppl import ArmScores, heldout_stream, ppl, segment_table, start_ids
-from evals.longmem import prose_text
+from app.long_docs import prose_text
 from evals.system_prompt import build_chat, followed
 
 

@@ -5,7 +5,7 @@ Two non-overlapping token streams per model:
 - the reference model keeps its own corpus (``training.corpus``: its train split to train on, its held-out
   split to check), BOS first and EOS between documents, as it was trained;
 - any other model (a real checkpoint such as SmolLM2) reads real English prose the project ships,
-  ``evals.longmem.prose_text()``, tokenized once and cut in two: the first ``1 - HELDOUT_FRACTION`` of the
+  ``evals.long_docs.prose_text()``, tokenized once and cut in two: the first ``1 - HELDOUT_FRACTION`` of the
   tokens to train on, the rest held out, so no held-out token was ever a training token.
 
 Windows follow the tokenizer's own rule (``evals.long_ppl.start_ids``): a tokenizer that adds BOS gets BOS
@@ -77,7 +77,7 @@ def load_text(model_dir: str | Path, min_heldout: int = 0, seed: int = 0) -> Ind
                            _corpus_stream(tok, "train", REFERENCE_TRAIN_TOKENS, seed),
                            _corpus_stream(tok, "heldout", max(min_heldout, 8 * 1024), seed), start)
     else:
-        from evals.longmem import prose_text
+        from app.long_docs import prose_text
 
         ids = tok(prose_text(), add_special_tokens=False)["input_ids"]
         cut = int(len(ids) * (1 - HELDOUT_FRACTION))

@@ -9,7 +9,7 @@ summary table. Figures:
   each window starting with BOS);
 - mean attention mass on position 0 per layer (eager attention, averaged over heads and over query
   positions 1..T-1 of 1,024-token held-out windows): the attention sink;
-- pass-key and fact retrieval accuracy with HELDOUT_TEMPLATES and HELDOUT_FILLERS of evals.longmem at
+- pass-key and fact retrieval accuracy with HELDOUT_TEMPLATES and HELDOUT_FILLERS of app.long_docs at
   256, 512 and 1,000 tokens (greedy decoding, exact match of the first generated word).
 """
 
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from evals import longmem
+from app import long_docs
 from training.corpus import load_corpus
 from training.sink_loss import ROWS
 
@@ -142,7 +142,7 @@ def greedy(model, tok, prompt: str, max_new_tokens: int = 8) -> str:
 
 
 def retrieval(model, tok, lengths=RETRIEVAL_LENGTHS, n_docs: int = 100,
-              templates=longmem.HELDOUT_TEMPLATES, fillers=longmem.HELDOUT_FILLERS, seed0: int = 900_000):
+              templates=long_docs.HELDOUT_TEMPLATES, fillers=long_docs.HELDOUT_FILLERS, seed0: int = 900_000):
     results = {}
     examples = []
     for kind in ("passkey", "fact"):
@@ -154,9 +154,9 @@ def retrieval(model, tok, lengths=RETRIEVAL_LENGTHS, n_docs: int = 100,
             for i in tqdm(range(n_docs), desc=f"{kind}@{n}", leave=False):
                 t = tmpls[i % len(tmpls)]
                 f = fillers[(i // len(tmpls)) % len(fillers)]
-                doc = longmem.make_document(t, seed=seed0 + i, n_tokens=n, tokenizer=tok, filler=f)
+                doc = long_docs.make_document(t, seed=seed0 + i, n_tokens=n, tokenizer=tok, filler=f)
                 gen = greedy(model, tok, doc.prompt)
-                hit = longmem.check_answer(gen, doc.answer)
+                hit = long_docs.check_answer(gen, doc.answer)
                 ok += hit
                 by_filler[f][0] += hit
                 by_filler[f][1] += 1
@@ -275,7 +275,7 @@ def _render_stage(a, tr: dict) -> None:
          "`TRAIN_RELATION_TEMPLATES`" if tr.get("relation_frac") else "")
       + (f"; {tr['code_frac'] * 100:.0f}% from the 96 code / number wordings of `TRAIN_CODE_TEMPLATES`"
          if tr.get("code_frac") else "")
-      + (f"; {tr['prior_verb_frac'] * 100:.0f}% from the {len(longmem.TRAIN_PRIOR_VERB_TEMPLATES)} code wordings "
+      + (f"; {tr['prior_verb_frac'] * 100:.0f}% from the {len(long_docs.TRAIN_PRIOR_VERB_TEMPLATES)} code wordings "
          "of `TRAIN_PRIOR_VERB_TEMPLATES` (verbs the filler completes otherwise)" if tr.get("prior_verb_frac") else "")
       + f"; {tr.get('chat_frac', 0) * 100:.0f}% of them in the chat format), "
       "the rest is corpus text; every sequence starts with BOS")
@@ -391,7 +391,7 @@ def render_card(f: dict, history: str = "", indexer: str = "") -> str:
       "License Version 2. ~4% of the files (CRC32 of the path) are held out for perplexity.")
     a("- **Python documentation topics** (`pydoc_data.topics`, the language reference text shipped with CPython) — "
       "Python Software Foundation License Version 2 (documentation also under the PSF licence terms).")
-    a("- **Synthetic long-memory documents** from `evals/longmem.py` (`TRAIN_TEMPLATES`, and `TRAIN_RELATION_TEMPLATES` in stages "
+    a("- **Synthetic long-memory documents** from `evals/long_docs.py` (`TRAIN_TEMPLATES`, and `TRAIN_RELATION_TEMPLATES` in stages "
       "run with `--relation-frac`; filler `babble` — generated "
       "sentences — or windows of the training corpus) — generated here, no licence restrictions.")
     a("- Held out of training, used only for evaluation: `HELDOUT_TEMPLATES` and the filler sources `licenses` "
@@ -531,7 +531,7 @@ def render_card(f: dict, history: str = "", indexer: str = "") -> str:
     a("```")
     a("")
     a("Long-memory documents for needle / first-last evaluations: "
-      "`from evals.longmem import make_document, HELDOUT_TEMPLATES` "
+      "`from app.long_docs import make_document, HELDOUT_TEMPLATES` "
       "(`make_document(t, seed, n_tokens, tokenizer=tok, filler='licenses')` returns the prompt, the answer and the "
       "fact's character span for anchoring).")
     a("")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from evals import longmem
+from app import long_docs
 from training import model_card
 from training.corpus import load_corpus
 from training.train_reference_model import load_init_model
@@ -37,7 +37,7 @@ def train_stream(tok, max_docs: int = 400) -> list[int]:
     Also registers the ``corpus`` filler the training templates use, as the training sampler does.
     """
     docs = load_corpus("train")
-    longmem.register_filler("corpus", longmem.TextFiller(docs))
+    long_docs.register_filler("corpus", long_docs.TextFiller(docs))
     return model_card.docs_stream(tok, docs[:max_docs])
 
 
@@ -47,7 +47,7 @@ def score(model_dir: str, theta: float, tok, stream: list[int], n_docs: int, ppl
     wins = model_card.windows(stream, tok.bos_token_id, 1024, ppl_windows)
     row = {"theta": theta, "ppl@1024": model_card.perplexity(model, wins)}
     results, _ = model_card.retrieval(model, tok, lengths=(512, 1000), n_docs=n_docs,
-                                      templates=longmem.VALIDATION_TEMPLATES, fillers=longmem.TRAIN_FILLERS,
+                                      templates=long_docs.VALIDATION_TEMPLATES, fillers=long_docs.TRAIN_FILLERS,
                                       seed0=SEED0)
     row.update({k: v["accuracy"] for k, v in results.items()})
     return row

@@ -13,7 +13,7 @@ time, so the run ends on time whatever the machine's load. A checkpoint is writt
   and 32-dim heads it formed between 4.8M and 5.9M tokens; runs with 30% (16- or 32-dim heads) showed
   none by 3-4M tokens, nor a run at 256 tokens per step by 5M (see the model card's *In-context
   copying*, which measures it).
-- --mem-frac: synthetic long-memory documents (evals.longmem, TRAIN_TEMPLATES/TRAIN_FILLERS only)
+- --mem-frac: synthetic long-memory documents (app.long_docs, TRAIN_TEMPLATES/TRAIN_FILLERS only)
   followed by EOS and corpus text; their lengths are uniform from --mem-min-frac of the sequence up;
   --relation-frac of them use the 96 person -> city wordings of TRAIN_RELATION_TEMPLATES instead,
   --code-frac the 96 code / number wordings of TRAIN_CODE_TEMPLATES, --prior-verb-frac the 176 code
@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from evals import longmem
+from app import long_docs
 from training.corpus import load_corpus
 from training.longrange_docs import LongRangeSampler, Repeat
 from training.model_card import rope_theta
@@ -70,8 +70,8 @@ def build_tokenizer(train_docs: list[str], vocab_size: int, seed: int):
     rng = random.Random(seed)
     mem_texts = []
     for i in range(3000):
-        t = rng.choice(longmem.TRAIN_TEMPLATES)
-        mem_texts.append(longmem.make_document(t, seed=i, filler="babble", filler_words=30).text)
+        t = rng.choice(long_docs.TRAIN_TEMPLATES)
+        mem_texts.append(long_docs.make_document(t, seed=i, filler="babble", filler_words=30).text)
     tok = train_tokenizer(train_docs + mem_texts, vocab_size=vocab_size)
     return to_hf(tok, model_max_length=MODEL_SHAPE["max_position_embeddings"])
 
@@ -96,7 +96,7 @@ class Sampler:
             stream.append(self.eos)
         self.stream = np.asarray(stream, dtype=np.int64)
         logger.info("corpus stream: %d tokens (%.1fs)", len(self.stream), time.time() - t0)
-        longmem.register_filler("corpus", longmem.TextFiller(train_docs))
+        long_docs.register_filler("corpus", long_docs.TextFiller(train_docs))
         self.doc_seed = seed * 1_000_003
         self.n_mem = 0
         self.n_copy = 0
@@ -123,13 +123,13 @@ class Sampler:
         # Only draw for the wording families when one is on, so runs without them replay the same stream.
         r = rng.random() if self.relation_frac or self.code_frac or self.prior_verb_frac else 1.0
         if r < self.relation_frac:
-            tmpl = rng.choice(longmem.TRAIN_RELATION_TEMPLATES)
+            tmpl = rng.choice(long_docs.TRAIN_RELATION_TEMPLATES)
         elif r < self.relation_frac + self.code_frac:
-            tmpl = rng.choice(longmem.TRAIN_CODE_TEMPLATES)
+            tmpl = rng.choice(long_docs.TRAIN_CODE_TEMPLATES)
         elif r < self.relation_frac + self.code_frac + self.prior_verb_frac:
-            tmpl = rng.choice(longmem.TRAIN_PRIOR_VERB_TEMPLATES)
+            tmpl = rng.choice(long_docs.TRAIN_PRIOR_VERB_TEMPLATES)
         else:
-            tmpl = rng.choice(longmem.TRAIN_TEMPLATES)
+            tmpl = rng.choice(long_docs.TRAIN_TEMPLATES)
         filler = "corpus" if rng.random() < 0.6 else "babble"
         depth = 0.0 if rng.random() < 0.7 else rng.random()
         chat = rng.random() < self.chat_frac
@@ -141,10 +141,10 @@ class Sampler:
         n = rng.randint(min(max(48, int(self.mem_min_frac * budget)), budget), budget)
         self.doc_seed += 1
         try:
-            doc = longmem.make_document(tmpl, seed=self.doc_seed, n_tokens=n, length_fn=self._length,
+            doc = long_docs.make_document(tmpl, seed=self.doc_seed, n_tokens=n, length_fn=self._length,
                                         filler=filler, depth=depth)
         except ValueError:
-            doc = longmem.make_document(tmpl, seed=self.doc_seed, filler=filler, filler_words=5)
+            doc = long_docs.make_document(tmpl, seed=self.doc_seed, filler=filler, filler_words=5)
         if chat:
             q = doc.prompt.rfind("\nAnswer: ")
             msgs = [{"role": "system", "content": DEFAULT_SYSTEM},

@@ -114,7 +114,7 @@ def test_three_turns_survive_kill_9_of_the_replica_holding_them(conv):
     from transformers import AutoTokenizer
 
     from app.affinity import ranked
-    from evals.longmem import HELDOUT_TEMPLATES, check_answer, make_document
+    from app.long_docs import HELDOUT_TEMPLATES, check_answer, make_document
 
     tok = AutoTokenizer.from_pretrained(REPO / "assets/reference-model")
     doc = make_document(HELDOUT_TEMPLATES[0], 4242, 400, tokenizer=tok, filler="licenses")

@@ -207,7 +207,7 @@ VALIDATION_TEMPLATES: tuple[Template, ...] = (
 # template ("Last year {name} moved to {city}") at 12-32% at any length, completing "moved to" from its
 # language prior ("the ...") instead of copying the city. Many relation phrases and openers make copying
 # whatever follows the repeated phrase the only rule that fits. None of them is a held-out or validation
-# wording (tests/test_longmem.py checks).
+# wording (tests/test_long_docs.py checks).
 _RELATION_PHRASES = ("grew up in", "studied in", "travelled to", "retired to", "opened a bakery in",
                      "was married in", "spent the winter in", "bought a house in", "teaches in", "flew to",
                      "sailed to", "stayed in", "settled in", "was last seen in", "opened an office in",
@@ -519,3 +519,39 @@ def check_answer(generated: str, answer: str) -> bool:
     if not words:
         return False
     return words[0].strip(_PUNCT) == answer
+
+
+HELDOUT_SEED = 7_000_000  # far from the seeds training used for its long-memory documents
+
+
+@dataclass
+class ProbeDoc:
+    """One held-out document, tokenized: where its fact ends, for anchoring and for reach arithmetic."""
+
+    index: int
+    doc: LongMemDoc
+    n_tokens: int
+    fact_last_token: int  # index of the fact's last token in the tokenized prompt
+
+    @property
+    def fact_text(self) -> str:
+        s, e = self.doc.fact_span
+        return self.doc.prompt[s:e]
+
+
+def build_probe_docs(tokenizer, n_tokens: int, indices: Sequence[int], *, seed: int = HELDOUT_SEED,
+                     lead_tokens: int = 48, filler: str | None = None) -> list[ProbeDoc]:
+    """Held-out documents ``indices`` of at most ``n_tokens`` tokens (BOS included), the fact ~``lead_tokens``
+    in. Templates cycle through ``HELDOUT_TEMPLATES``; ``filler`` None takes ``HELDOUT_FILLERS`` in turn.
+    The needle eval and the canary gate (``sinkserve canary``) both ask these documents."""
+    out = []
+    depth = min(0.5, lead_tokens / n_tokens)
+    for i in indices:
+        template = HELDOUT_TEMPLATES[i % len(HELDOUT_TEMPLATES)]
+        fill = filler or HELDOUT_FILLERS[(i // len(HELDOUT_TEMPLATES)) % len(HELDOUT_FILLERS)]
+        doc = make_document(template, seed + i, n_tokens, tokenizer=tokenizer, filler=fill, depth=depth)
+        enc = tokenizer(doc.prompt, return_offsets_mapping=True)
+        fact_end = doc.fact_span[1]
+        last = max(t for t, (s, e) in enumerate(enc["offset_mapping"]) if e > s and s < fact_end)
+        out.append(ProbeDoc(i, doc, len(enc["input_ids"]), last))
+    return out

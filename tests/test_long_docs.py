@@ -1,9 +1,9 @@
-"""evals.longmem: deterministic synthetic long-memory documents."""
+"""app.long_docs: deterministic synthetic long-memory documents."""
 
 import pytest
 
-from evals import longmem
-from evals.longmem import (HELDOUT_FILLERS, HELDOUT_TEMPLATES, TRAIN_FILLERS, TRAIN_CODE_TEMPLATES,
+from app import long_docs
+from app.long_docs import (HELDOUT_FILLERS, HELDOUT_TEMPLATES, TRAIN_FILLERS, TRAIN_CODE_TEMPLATES,
                            TRAIN_PRIOR_VERB_TEMPLATES, TRAIN_RELATION_TEMPLATES, TRAIN_TEMPLATES,
                            VALIDATION_TEMPLATES, check_answer, make_document)
 
@@ -96,7 +96,7 @@ def test_check_answer():
 
 
 def test_text_filler_and_registry():
-    longmem.register_filler("unit_test_text", longmem.TextFiller(["alpha beta gamma delta " * 50]))
+    long_docs.register_filler("unit_test_text", long_docs.TextFiller(["alpha beta gamma delta " * 50]))
     d = make_document(TRAIN_TEMPLATES[0], seed=0, n_tokens=120, length_fn=_word_len, filler="unit_test_text")
     assert "gamma" in d.prompt
     with pytest.raises(KeyError):
@@ -135,7 +135,7 @@ def test_code_templates_avoid_every_evaluation_wording():
 
 def test_prior_verb_templates_use_every_filler_verb_but_the_evaluation_one():
     evaluation = HELDOUT_TEMPLATES + VALIDATION_TEMPLATES
-    assert set(longmem._PRIOR_VERBS) == set(longmem._BABBLE_VERB) - {"reads"}
+    assert set(long_docs._PRIOR_VERBS) == set(long_docs._BABBLE_VERB) - {"reads"}
     assert len({t.name for t in TRAIN_PRIOR_VERB_TEMPLATES}) == len(TRAIN_PRIOR_VERB_TEMPLATES) == 16 * 11
     eval_words = ("access code", "vault", "combination", "locker", "ticket", "read", "keep this", "write this")
     for t in TRAIN_PRIOR_VERB_TEMPLATES:
@@ -146,5 +146,5 @@ def test_prior_verb_templates_use_every_filler_verb_but_the_evaluation_one():
     fact = d.prompt[d.fact_span[0]:d.fact_span[1]]
     verb = d.prompt.rstrip().rsplit(" ", 1)[1]
     # the answer prefix ends in one of the verbs the babble filler follows with an object, not a code
-    assert verb in longmem._PRIOR_VERBS
+    assert verb in long_docs._PRIOR_VERBS
     assert fact.endswith(f" {verb} {d.answer}.")
