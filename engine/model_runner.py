@@ -422,7 +422,7 @@ class ModelRunner:
 
     def warm_up_kernels(self) -> int:
         """Launch every kernel configuration this model's steps can pick (``backend.warm_up``: each tile x
-        split count, over this pool's KV storage), then one decode step at each of a few batch sizes
+        split count, over this pool's KV storage; ``backend.warm_up_sparse`` for a sparse pool), then one decode step at each of a few batch sizes
         (``warm_up_batch_sizes``) through the real forward, so no request pays a compile.
         Step-varying integers (sequence count, table width) are not specialized by the kernels
         (``kernels._triton.PER_STEP_INTS``), so these launches cover every batch size and context length.
@@ -434,6 +434,10 @@ class ModelRunner:
         n = self.backend.warm_up(heads, kv_heads, self.shape.head_dim, c.block_size, torch_dtype(c.dtype), self.device,
                                  self.max_model_len, force=True, sinks=self.layout.sinks, quant=quant,
                                  group_size=kv_value_group_size(c, self.shape.head_dim) if quant else 1)
+        if c.sparse.enabled and self.backend.warm_up_sparse is not None:
+            n += self.backend.warm_up_sparse(heads, kv_heads, self.shape.head_dim, c.block_size, torch_dtype(c.dtype),
+                                             self.device, force=True, quant=quant,
+                                             group_size=kv_value_group_size(c, self.shape.head_dim) if quant else 1)
         batches = warm_up_batch_sizes(c.max_num_seqs)
         for b in batches:
             self.execute(self._decode_dummy(b))

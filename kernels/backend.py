@@ -36,6 +36,9 @@ class AttentionBackend:
     paged_attention: Callable[..., Any]
     # (num_q_heads, num_kv_heads, head_dim, block_size, dtype, device, max_model_len); None: nothing to compile
     warm_up: Callable[..., None] | None = None
+    # (num_q_heads, num_kv_heads, head_dim, block_size, dtype, device, force, quant, group_size): the sparse
+    # attention kernel's variants (one per split count), for a pool with sparse attention; None: nothing to compile
+    warm_up_sparse: Callable[..., int] | None = None
     # Quantized KV (``kernels.kv_quant.QuantKVCache`` in place of the two tensors):
     #   write_kv_quant(key, value, cache, slot_mapping)          new tokens into their 16-bit blocks
     #   paged_attention_quant(query, cache, block_tables, seq_lens, query_start_loc, scale, window, sinks)
@@ -97,11 +100,13 @@ def triton_backend() -> AttentionBackend:
     run in Triton's interpreter (``kernels._triton`` sets ``TRITON_INTERPRET=1``): exact, but slow."""
     from kernels import kv_quant as kq
     from kernels import paged_attention as pa
+    from kernels import sparse_attention as sa
 
     from kernels import block_sparse as bs
     from kernels import indexed_sparse as ix
 
     return AttentionBackend("triton", pa.write_kv, pa.paged_attention, warm_up=pa.warm_up,
+                            warm_up_sparse=sa.warm_up_sparse,
                             write_kv_quant=kq.write_kv_fp, paged_attention_quant=kq.paged_attention_quant,
                             quantize_blocks=kq.quantize_fp_slots,
                             block_sparse_attention=functools.partial(bs.block_sparse_attention,

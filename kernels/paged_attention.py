@@ -439,7 +439,7 @@ def write_kv_constexprs(num_kv_heads: int, head_dim: int, interp: bool) -> dict:
 class KernelConfig:
     """One compiled variant the engine's Triton backend can launch, and how the launcher reaches it."""
 
-    kernel: str  # "paged_attention", "reduce" or "write_kv"
+    kernel: str  # "paged_attention", "reduce", "write_kv" or "sparse_attention" (kernels.sparse_attention)
     constexprs: tuple[tuple[str, object], ...]
     decode_only: bool = False
     num_splits: int = 1
@@ -454,6 +454,8 @@ class KernelConfig:
                     f"splits={c['NUM_SPLITS']}")
         if self.kernel == "reduce":
             return f"reduce splits={c['NUM_SPLITS']}"
+        if self.kernel == "sparse_attention":
+            return f"sparse {c['DOT_PREC']} QUANT={c['QUANT']} splits={c['NUM_SPLITS']}"
         return "write_kv"
 
 

@@ -8,7 +8,12 @@ quantized KV (``kernels.kv_quant.QuantKVCache``) rows are dequantized in registe
 16-bit (sinks, anchors, residual window) are read from the 16-bit pool in the same pass.
 
 Split-K: decode of a single sequence has only ``Hkv`` programs; ``num_splits`` cuts the ``K`` selected
-slots into segments reduced by ``paged_attention._reduce_kernel``.
+slots into segments reduced by ``paged_attention._reduce_kernel``. ``NUM_SPLITS`` is a compile-time
+constant, so the launcher picks it from ``SPARSE_SPLIT_CHOICES`` only (powers of two up to 32), and the
+engine's start-up warm-up (``warm_up_sparse``) compiles each: a batch size or a selection width never
+compiles a new variant mid-serving. Worked example on 132 SMs, one decode token, 8 KV heads, 2,048
+selected slots: 8 programs -> ceil(264 / 8) = 33 wanted, at most 2,048 // 256 = 8 -> 8 splits; with 3
+tokens (24 programs): ceil(264 / 24) = 11, rounded down to 8.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ import torch
 
 from kernels._triton import PER_STEP_INTS, cast_out, check_device, dot_precision, interpreting, load_kv, mma, next_pow2, tl, triton
 from kernels.kv_quant import QuantKVCache
-from kernels.paged_attention import LOG2E, KVSource, _num_sms, paged_options, plain_source, reduce_splits, split_buffers
+from kernels.paged_attention import (LOG2E, SPLIT_CHOICES, KernelConfig, KVSource, _num_sms, paged_options, plain_source,
+                                     pow2_floor, reduce_splits, split_buffers)
 
 logger = logging.getLogger(__name__)
 
@@ -152,12 +158,7 @@ def _launch(
         slots = slots.contiguous()
     num_selected = int(slots.shape[1])
     if num_splits is None:
-        num_splits = 1
-        if not interpreting() and query.is_cuda:
-            programs = num_tokens * kv.num_kv_heads
-            sms = _num_sms(query.device)
-            if programs < sms:
-                num_splits = max(1, min(-(-2 * sms // programs), num_selected // 256, 32))
+        num_splits = choose_sparse_splits(num_tokens, kv.num_kv_heads, num_selected, query.device)
     part_o, part_ml = split_buffers(out, num_splits)
     consts = sparse_constexprs(hq, kv.num_kv_heads, d, kv.block_size, num_splits, query.dtype, interpreting(),
                                kv.quant, kv.group_size)
@@ -167,6 +168,63 @@ def _launch(
     )  # fmt: skip
     reduce_splits(part_o, part_ml, out, num_splits)
     return out
+
+
+SPARSE_MAX_SPLITS = 32
+SPARSE_SPLIT_CHOICES = tuple(s for s in SPLIT_CHOICES if s <= SPARSE_MAX_SPLITS)
+
+
+def choose_sparse_splits(num_tokens: int, num_kv_heads: int, num_selected: int, device: torch.device) -> int:
+    """Split the selected slots when (tokens x KV heads) programs cannot fill the GPU: about two programs per
+    SM, each split keeping >= 256 slots. Shapes only (no sync); always one of ``SPARSE_SPLIT_CHOICES``."""
+    if interpreting() or device.type != "cuda":
+        return 1
+    programs = num_tokens * num_kv_heads
+    sms = _num_sms(device)
+    if programs >= sms:
+        return 1
+    return pow2_floor(min(-(-2 * sms // programs), num_selected // 256, SPARSE_MAX_SPLITS))
+
+
+def sparse_launch_configs(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                          interp: bool = False, quant: int = 0, group_size: int = 1) -> list[KernelConfig]:
+    """Every ``_sparse_attn_kernel`` variant the launcher can pick for one model shape and KV storage (one per
+    split count; the split reductions are ``paged_attention.engine_launch_configs``' ``reduce`` variants)."""
+    out = []
+    for splits in SPARSE_SPLIT_CHOICES:
+        c = sparse_constexprs(num_q_heads, num_kv_heads, head_dim, block_size, splits, dtype, interp, quant,
+                              group_size if quant else 1)
+        out.append(KernelConfig("sparse_attention", tuple(c.items()), num_splits=splits, options=tuple(paged_options(c).items())))
+    return out
+
+
+def warm_up_sparse(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                   device: torch.device, force: bool = False, quant: int = 0, group_size: int = 1) -> int:
+    """Launch every ``sparse_launch_configs`` variant once, through the real launchers, on a two-block cache
+    (CUDA only; ``force``: tests drive it under the interpreter). Returns the launches made. Varying
+    integers (the selection width, its stride) are not specialized (``PER_STEP_INTS``), so one launch per
+    split count covers every step."""
+    if device.type != "cuda" and not force:
+        return 0
+    query = torch.zeros(1, num_q_heads, head_dim, dtype=dtype, device=device)
+    slots = torch.arange(2 * block_size, dtype=torch.int32, device=device)[None] + block_size  # blocks 1 and 2
+    if quant:
+        from kernels import kv_quant
+
+        cache = kv_quant.QuantKVCache.allocate(4, 4, block_size, num_kv_heads, head_dim, bits=quant,
+                                               group_size=group_size, dtype=dtype, device=device)
+        cache.fp_index[2] = 2  # block 1 packed, block 2 in the 16-bit pool: both read paths compile
+    else:
+        k_cache = torch.zeros(4, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    for cfg in sparse_launch_configs(num_q_heads, num_kv_heads, head_dim, block_size, dtype, interpreting(), quant,
+                                     group_size):
+        if quant:
+            sparse_attention_quant(query, cache, slots, 1.0, num_splits=cfg.num_splits)
+        else:
+            sparse_attention(query, k_cache, k_cache, slots, 1.0, num_splits=cfg.num_splits)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return len(SPARSE_SPLIT_CHOICES)
 
 
 def sparse_attention(

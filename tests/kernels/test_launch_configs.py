@@ -196,3 +196,36 @@ def test_engine_launches_vary_only_in_unspecialized_ints_and_warm_up_compiled_th
                 for n, c, i in launches}
 
     assert keys(engine_launches) <= keys(log)
+
+
+def test_sparse_split_choice_is_always_an_enumerated_value(monkeypatch) -> None:
+    """The sparse launcher's split count comes from the warmed set for every batch size and selection
+    width: before, ``min(ceil(2 * SMs / programs), K // 256, 32)`` gave 3, 5, 6, ... (a compile each)."""
+    from kernels import sparse_attention as sa
+
+    monkeypatch.setattr(sa, "interpreting", lambda: False)
+    monkeypatch.setattr(sa, "_num_sms", lambda device: 132)
+    cuda = torch.device("cuda")
+    seen = {sa.choose_sparse_splits(t, h, k, cuda) for t in range(1, 40) for h in (1, 2, 3, 8)
+            for k in (64, 700, 1500, 2048, 5000, 40000)}
+    assert seen <= set(sa.SPARSE_SPLIT_CHOICES) and len(seen) > 3
+    assert {c.num_splits for c in sa.sparse_launch_configs(32, 8, 128, 16, torch.bfloat16)} == set(sa.SPARSE_SPLIT_CHOICES)
+    assert sa.choose_sparse_splits(1, 8, 2048, cuda) == 8  # the module docstring's worked example
+    assert sa.choose_sparse_splits(3, 8, 2048, cuda) == 8
+
+
+@pytest.mark.parametrize("quant", [0, 8], ids=["16bit", "int8"])
+def test_sparse_warm_up_launches_every_variant_through_the_launcher(monkeypatch, device: torch.device,
+                                                                    quant: int) -> None:
+    """``warm_up_sparse`` reaches ``_sparse_attn_kernel`` with exactly the enumerated constexprs and options,
+    one launch per split count (the kernel recorded, not run)."""
+    from kernels import sparse_attention as sa
+
+    kernel = RecordingKernel()
+    monkeypatch.setattr(sa, "_sparse_attn_kernel", kernel)
+    monkeypatch.setattr(sa, "reduce_splits", lambda *a, **k: None)
+    n = sa.warm_up_sparse(6, 2, 24, 4, torch.float32, device, force=True, quant=quant, group_size=4 if quant else 1)
+    want = [dict(c.constexprs) | dict(c.options) for c in
+            sa.sparse_launch_configs(6, 2, 24, 4, torch.float32, sa.interpreting(), quant, 4 if quant else 1)]
+    assert n == len(want) == len(sa.SPARSE_SPLIT_CHOICES)
+    assert kernel.launches == want
