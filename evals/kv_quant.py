@@ -90,16 +90,33 @@ def run_kv_long_ppl(model: str, dtype: str, n_tokens: int, window: int, chunk: i
     )
 
 
+def kv_needle_points(mults: tuple[float, ...]) -> list[tuple[float, A.Arm]]:
+    """The (length, base arm) points of the KV needle. A length <= 1x is answered in context (no eviction);
+    past 1x under sinks + window + the fact anchored. Without an in-context length, 1x is added: a model that
+    cannot retrieve at its full context (SmolLM2 at 8K) is measured at a fraction of it (``--lengths 0.5``).
+
+    >>> [(m, a.name) for m, a in kv_needle_points((0.5,))]
+    [(0.5, 'dense')]
+    >>> [(m, a.name) for m, a in kv_needle_points((4.0,))]
+    [(1.0, 'dense'), (4.0, 'sinks_window_anchor')]
+    """
+    points = [(m, A.DENSE if m <= 1 else A.SINKS_WINDOW_ANCHOR) for m in mults]
+    if all(m > 1 for m in mults):
+        points.insert(0, (1.0, A.DENSE))
+    return points
+
+
 def run_kv_needle(model: str, dtype: str, docs: int, mults: tuple[float, ...], window: int, chunk: int,
                   outlier_channels: int | None = None) -> EvalResult:
-    """Retrieval rate per arm: in context (1x, no eviction) and anchored (sinks + window + anchor) at ``mults``."""
+    """Retrieval rate per arm: in context (no eviction) at every length <= 1x of ``mults`` (1x when none is), and
+    anchored (sinks + window + anchor) at those past it."""
     from evals.needle import NeedleConfig, _tokenizer, build_docs, run_arm
 
     t0 = time.perf_counter()
     ctx = A.trained_context(model)
     cfg = NeedleConfig(model=model, lengths=mults, docs=docs, window=window, chunk=chunk)
     rows = []
-    points = [(1.0, A.DENSE)] + [(m, A.SINKS_WINDOW_ANCHOR) for m in mults]
+    points = kv_needle_points(mults)
     rates: dict[str, list[tuple[float, float]]] = {}
     for mult, base in points:
         n = int(mult * ctx) - cfg.max_new_tokens - 1 if not base.evicts else int(mult * ctx)
@@ -128,7 +145,7 @@ def run_kv_needle(model: str, dtype: str, docs: int, mults: tuple[float, ...], w
               "kv_outlier_channels": "engine default" if outlier_channels is None else outlier_channels,
               "docs": docs, "window": window, "chunk": chunk,
               "trained_context": ctx, "wall_s": round(time.perf_counter() - t0, 1)},
-        notes=["1x: in context, no eviction; other lengths: sinks + window + the fact as an anchor",
+        notes=["lengths <= 1x: in context, no eviction; past 1x: sinks + window + the fact as an anchor",
                "'everything' packs sinks, the anchor and the residual window too (the ablation)"],
     )
 
