@@ -263,7 +263,7 @@ def _kv_ab(args: argparse.Namespace, ctx: int) -> EvalResult:
                                         outlier_channels=args.kv_outlier_channels)
     mults = tuple(float(x) for x in (args.lengths or ("2" if args.quick else "16")).split(",") if float(x) != 1)
     return kv_quant.run_kv_needle(args.model, args.kv_cache_dtype, args.docs or (4 if args.quick else 12), mults,
-                                  window, chunk, outlier_channels=args.kv_outlier_channels)
+                                  window, chunk, outlier_channels=args.kv_outlier_channels, filler=args.filler)
 
 
 def _sparse_ab(args: argparse.Namespace, ctx: int) -> EvalResult:

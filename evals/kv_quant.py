@@ -107,14 +107,14 @@ def kv_needle_points(mults: tuple[float, ...]) -> list[tuple[float, A.Arm]]:
 
 
 def run_kv_needle(model: str, dtype: str, docs: int, mults: tuple[float, ...], window: int, chunk: int,
-                  outlier_channels: int | None = None) -> EvalResult:
+                  outlier_channels: int | None = None, filler: str | None = None) -> EvalResult:
     """Retrieval rate per arm: in context (no eviction) at every length <= 1x of ``mults`` (1x when none is), and
     anchored (sinks + window + anchor) at those past it."""
     from evals.needle import NeedleConfig, _tokenizer, build_docs, run_arm
 
     t0 = time.perf_counter()
     ctx = A.trained_context(model)
-    cfg = NeedleConfig(model=model, lengths=mults, docs=docs, window=window, chunk=chunk)
+    cfg = NeedleConfig(model=model, lengths=mults, docs=docs, window=window, chunk=chunk, filler=filler)
     rows = []
     points = kv_needle_points(mults)
     rates: dict[str, list[tuple[float, float]]] = {}
@@ -143,7 +143,7 @@ def run_kv_needle(model: str, dtype: str, docs: int, mults: tuple[float, ...], w
         columns=["length", "arm", "correct", "rate", "x 16-bit", "target", "wall s"], rows=rows, panels=[panel],
         meta={"model": model, "kv_cache_dtype": dtype, "block_size": DEFAULT_PACKED_BLOCK_SIZE,
               "kv_outlier_channels": "engine default" if outlier_channels is None else outlier_channels,
-              "docs": docs, "window": window, "chunk": chunk,
+              "docs": docs, "window": window, "chunk": chunk, "filler": filler or "held-out fillers in turn",
               "trained_context": ctx, "wall_s": round(time.perf_counter() - t0, 1)},
         notes=["lengths <= 1x: in context, no eviction; past 1x: sinks + window + the fact as an anchor",
                "'everything' packs sinks, the anchor and the residual window too (the ablation)"],
