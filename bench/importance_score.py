@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--docs", type=int, default=50)
     ap.add_argument("--no-needle", action="store_true", help="perplexity only (a real model's 7K-token needle "
                     "documents cost minutes each on a CPU)")
+    ap.add_argument("--poolings", default="mean", help="how a step's mass is pooled over query heads, each patched "
+                    "in (bench/importance_reduce.py): mean (the engine's), headmax")
     ap.add_argument("--out", default="docs/importance_score")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -100,18 +102,23 @@ def main(argv: list[str] | None = None) -> int:
     real = retention.accumulate_importance
     rows = []
     t0 = time.perf_counter()
-    for name in args.rules.split(","):
+    from bench.importance_reduce import ENGINE_ACCUMULATE, REDUCES
+    from engine import importance
+
+    for name, pooling in [(r, p) for r in args.rules.split(",") for p in args.poolings.split(",")]:
         retention.accumulate_importance = make_rule(name)
+        importance.accumulate = REDUCES[pooling]
         try:
             ppl = eviction.run_budget_long_ppl(model, (25, 50), args.tokens or 8 * ctx, ctx // 8)
             inview = None if args.no_needle else eviction.run_budget_needle(model, (25,), args.docs)
             stream = None if args.no_needle else eviction.run_budget_needle(model, (25,), args.docs, chunk=128)
         finally:
             retention.accumulate_importance = real
+            importance.accumulate = ENGINE_ACCUMULATE
         by = {r["arm"]: r for r in ppl.rows}
         rin = {r["arm"]: r for r in inview.rows} if inview else None
         rst = {r["arm"]: r for r in stream.rows} if stream else None
-        rows.append({"rule": name, "ppl dense": by["dense"]["ppl"],
+        rows.append({"rule": name, "pooling": pooling, "ppl dense": by["dense"]["ppl"],
                      "ppl 25%": f'{by["importance_25"]["ppl"]} ({by["importance_25"]["vs dense"]})',
                      "ppl 50%": f'{by["importance_50"]["ppl"]} ({by["importance_50"]["vs dense"]})',
                      "ppl window 25%": f'{by["sinks_window_25"]["ppl"]} ({by["sinks_window_25"]["vs dense"]})',

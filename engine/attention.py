@@ -51,8 +51,9 @@ class ForwardContext:
     selected_memory: object | None = None  # engine.selected_memory.StepContext
     # Per-layer attention (window, sinks) of the model; None: every layer full (kernel tests, tools).
     layout: AttentionLayout | None = None
-    # ``importance`` eviction: per scheduled sequence and logical block, the attention mass its observation
-    # queries put there, summed over layers (engine/importance.py); None when the policy does not score.
+    # ``importance`` eviction: per layer, scheduled sequence and logical block ``[L, S, W]``, the largest
+    # attention mass a query head's observation queries put there (engine/importance.py); None when the
+    # policy does not score.
     block_importance: torch.Tensor | None = None
     # The backend's per-step plans (``AttentionBackend.plan``) by sliding window, each built by the first
     # layer that needs it and shared by the others (the metadata is the same in every layer).
@@ -135,7 +136,7 @@ def attend_tokens(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: 
         cache = ctx.kv_caches[module.layer_idx]
         plan = ctx.plan_kwargs(window, cache.block_size)
         ctx.backend.write_kv_quant(k, v, cache, ctx.slot_mapping)
-        _score(ctx, q, cache, scale, window)
+        _score(ctx, module.layer_idx, q, cache, scale, window)
         if sparse:
             return _sparse_forward(ctx, module.layer_idx, q, cache, scale)
         return ctx.backend.paged_attention_quant(q, cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, scale,
@@ -143,17 +144,17 @@ def attend_tokens(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: 
     k_cache, v_cache = ctx.kv_caches[module.layer_idx]
     plan = ctx.plan_kwargs(window, k_cache.shape[1])
     ctx.backend.write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
-    _score(ctx, q, (k_cache, v_cache), scale, window)
+    _score(ctx, module.layer_idx, q, (k_cache, v_cache), scale, window)
     if sparse:
         return _sparse_forward(ctx, module.layer_idx, q, (k_cache, v_cache), scale)
     return ctx.backend.paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, scale,
                                        window=window, sinks=sinks, **plan)
 
 
-def _score(ctx: ForwardContext, q: torch.Tensor, kv: object, scale: float, window: int | None) -> None:
+def _score(ctx: ForwardContext, layer: int, q: torch.Tensor, kv: object, scale: float, window: int | None) -> None:
     # Full-attention layers only: a sliding-window layer never reads the blocks eviction chooses between.
     if ctx.block_importance is not None and window is None:
-        importance.accumulate(ctx.block_importance, q, kv, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
+        importance.accumulate(ctx.block_importance[layer], q, kv, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
                               scale, ctx.block_size)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from engine import attention, indexer_runtime, kv_budget, lightning, selected_memory, sparse_runtime
+from engine import attention, importance, indexer_runtime, kv_budget, lightning, selected_memory, sparse_runtime
 from engine.architectures import (
     SUPPORTED_ARCHITECTURES,
     layer_inv_freqs,
@@ -537,7 +537,8 @@ class ModelRunner:
             block_bounds=self.block_bounds,
             indexer=self.indexer,
             sparse_plan=sparse_runtime.plan(inp.sparse_forced, self.config, st.block_tables.shape[1], self.device),
-            block_importance=torch.zeros(st.block_tables.shape, dtype=torch.float32, device=self.device)
+            block_importance=torch.zeros((self.shape.num_layers, *st.block_tables.shape), dtype=torch.float32,
+                                         device=self.device)
             if inp.score_importance else None,
             layout=self.layout,
             selected_memory=selected_memory.StepContext(self._layer_inv_freqs(), st.positions,
@@ -552,15 +553,10 @@ class ModelRunner:
             self.last_decode_path = ("c_step" if getattr(self.model, "ran_c_step", False)
                                      else "triton" if self.backend.name == "triton" else "eager")
         if ctx.block_importance is not None:
-            if self.world_size > 1:
-                # Each rank scored its own KV heads; the mean over all heads is the mean of the ranks'
-                # means (equal heads per rank), so every rank's scheduler input is the TP=1 score.
-                import torch.distributed as dist
-
-                dist.all_reduce(ctx.block_importance)
-                ctx.block_importance /= self.world_size
+            # Each rank pooled its own heads per layer: the MAX all-reduce makes every rank's rows TP=1's.
+            scores = importance.pool_layers(ctx.block_importance, self.world_size)
             bs = self.config.block_size
-            rows = ctx.block_importance.cpu().tolist()
+            rows = scores.cpu().tolist()
             self.last_block_importance = [r[: -(-n // bs)] for r, n in zip(rows, inp.seq_lens)]
         return logits
 

@@ -13,7 +13,7 @@ from engine import CachePolicy, EngineConfig, LLMEngine, SamplingParams
 from engine.block_manager import BlockManager
 from engine.config_io import engine_config_from_dict
 from engine.errors import ConfigError
-from engine.importance import accumulate
+from engine.importance import accumulate, pool_layers
 from engine.retention import blocks_of, first_window_block, importance_victims
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -82,7 +82,7 @@ def test_policy_validation_and_yaml() -> None:
     assert CachePolicy(block_budget=8, **imp).version != CachePolicy(block_budget=9, **imp).version
 
 
-def test_scores_are_the_softmax_mass_per_block() -> None:
+def test_scores_are_the_largest_head_mass_per_block() -> None:
     torch.manual_seed(0)
     bs, hkv, d = 4, 1, 8
     k_cache = torch.randn(6, bs, hkv, d)
@@ -92,8 +92,16 @@ def test_scores_are_the_softmax_mass_per_block() -> None:
     acc = torch.zeros(1, 3)
     accumulate(acc, q, (k_cache, v_cache), table, torch.tensor([10]), torch.tensor([0, 1]), 0.5, bs)
     keys = torch.cat([k_cache[2, :, 0], k_cache[5, :2, 0]])  # the 6 visible keys
-    mass = (q[0] @ keys.T * 0.5).softmax(-1).mean(0)
-    assert torch.allclose(acc[0], torch.stack([mass[:4].sum(), torch.tensor(0.0), mass[4:].sum()]), atol=1e-6)
+    mass = (q[0] @ keys.T * 0.5).softmax(-1)  # [2 heads, 6 keys]
+    per_block = torch.stack([mass[:, :4].sum(1), torch.zeros(2), mass[:, 4:].sum(1)], 1)  # [2 heads, 3 blocks]
+    assert torch.allclose(acc[0], per_block.amax(0), atol=1e-6)
+    assert not torch.allclose(acc[0], per_block.mean(0), atol=1e-3)  # the max, not the mean the engine used to take
+
+
+def test_layers_add_after_each_pooled_its_heads() -> None:
+    """pool_layers sums the per-layer rows (each already the max over that layer's heads)."""
+    per_layer = torch.tensor([[[0.9, 0.0, 0.6]], [[0.1, 0.0, 0.2]]])  # [L=2, S=1, W=3]
+    assert pool_layers(per_layer).tolist() == [[pytest.approx(1.0), 0.0, pytest.approx(0.8)]]
 
 
 def test_stream_never_evicts_protected_or_window_and_stays_within_budget(tiny_llama: Path) -> None:
