@@ -66,12 +66,13 @@ def generate(config: EngineConfig, prompts: list[list[int]], max_tokens: int
 
 
 def against_eager(config: EngineConfig, prompts: list[list[int]], max_tokens: int,
-                  monkeypatch: pytest.MonkeyPatch, threads: int = 1) -> list[tuple[str, int]]:
-    """Run ``config`` with the C step and eagerly (the reference: no decode step takes the C step); assert
-    equal tokens and logits (1e-4); return the C-step run's per-step paths."""
+                  monkeypatch: pytest.MonkeyPatch, threads: int = 1, path: str = "c_step") -> list[tuple[str, int]]:
+    """Run ``config`` on its decode path (``path``: what the engine must have chosen) and eagerly (the
+    reference: no decode step takes the C step); assert equal tokens and logits (1e-4); return the first
+    run's per-step paths."""
     torch.set_num_threads(threads)
     tokens, logits, steps, engine = generate(config, prompts, max_tokens)
-    assert engine.decode_path.path == "c_step", engine.decode_path.reason
+    assert engine.decode_path.path == path, engine.decode_path.reason
     counted = dict(engine.stats().decode_steps)
     assert counted == {p: sum(1 for q, _ in steps if q == p) for p in counted}  # the counter is what ran
     with monkeypatch.context() as m:
