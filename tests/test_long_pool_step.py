@@ -34,18 +34,30 @@ def long_pool(model: Path, kv: str = "int4", sparse: bool = True, **over: object
     return EngineConfig(**(settings | over))
 
 
-def generate(config: EngineConfig, prompts: list[list[int]], max_tokens: int
+def generate(config: EngineConfig, prompts: list[list[int]], max_tokens: int, record: dict | None = None
              ) -> tuple[list[list[int]], list[list[torch.Tensor]], list[tuple[str, int]], LLMEngine]:
     """Greedy tokens, the logits of every sampled token, and per decode step (path that ran, longest
-    sequence after it)."""
+    sequence after it). ``record`` (optional) gets, per step, the block importance the runner handed on
+    (``importance``) and the scheduler's eviction records (``evictions``)."""
     engine = LLMEngine(config)
     runner = engine.executor.runner
     execute = runner.execute
     seen: dict[str, list[torch.Tensor]] = {}
     steps: list[tuple[str, int]] = []
+    if record is not None:
+        schedule = engine.scheduler.schedule
+
+        def schedule_spy():  # type: ignore[no-untyped-def]
+            out = schedule()
+            record.setdefault("evictions", []).append(list(out.evictions))
+            return out
+
+        engine.scheduler.schedule = schedule_spy
 
     def spy(inp):  # type: ignore[no-untyped-def]
         logits = execute(inp)
+        if record is not None:
+            record.setdefault("importance", []).append(runner.last_block_importance)
         if runner.last_decode_path is not None:
             steps.append((runner.last_decode_path, max(inp.seq_lens)))
         for row, s in enumerate(inp.sampling):
