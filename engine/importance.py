@@ -12,7 +12,9 @@ lowest. Worked example (block_size 4, one head, a decode query at position 9, bl
     softmax mass:    .1 .1 .1 .1            .2 .4     -> block mass [0.4, 0.0, 0.6]
 
 Costs one extra ``q . k`` over the held keys per layer (the budget bounds it), on any backend: keys are
-read with ``block_sparse.gather_blocks`` (plain or quantized caches).
+read with ``block_sparse.gather_blocks`` (plain or quantized caches). A decode step on the C step
+(``kernels/cpu_decode.py``) computes the same masses in C (``csrc/decode_step.c`` ``block_mass``) into the
+same accumulator; this function is its reference (``tests/test_importance_c_step.py``).
 """
 
 from __future__ import annotations
