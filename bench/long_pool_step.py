@@ -17,6 +17,10 @@ selection; issue 38's target is the long pool at 16K within 1.3x of the short po
 
     python -m bench.long_pool_step --out docs/long_pool_step.md
     python -m bench.long_pool_step --models reference --past 16384 --steps 8
+    python -m bench.long_pool_step --models smollm2 --pools importance --out docs/importance_c_step.md
+
+``--pools importance`` measures an importance-eviction pool (the long pool's int4 KV, ``eviction_policy``
+importance, window 512 tokens, ``block_budget`` 64 blocks of 64) instead: every decode step scores its blocks, on the C step since issue 38.
 """
 
 from __future__ import annotations
@@ -65,6 +69,10 @@ def pool_config(model_dir: str, pool: str, tokens: int):  # type: ignore[no-unty
     from engine.sparse_config import SparseAttention
 
     blocks = -(-tokens // EngineConfig().block_size) + 16
+    if pool == "importance":  # the long pool's int4 KV, score-driven eviction: window 512, 64 blocks held
+        return EngineConfig(model=model_dir, max_num_seqs=16, num_kv_blocks=blocks, kv_cache_dtype="int4",
+                            cache_policy=CachePolicy(eviction_policy="importance", window=512, block_budget=64,
+                                                     protected_positions=(0, 1, 2, 3)))
     if pool == "short":
         return EngineConfig(model=model_dir, max_num_seqs=64, num_kv_blocks=blocks,
                             cache_policy=CachePolicy(eviction_policy="none"))
@@ -137,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--past", type=int, default=0, metavar="TOKENS",
                     help="also the long pool at this context (past the model's: eviction + sparse selection)")
+    ap.add_argument("--pools", default="long",
+                    help="pools measured against the short pool at 1K: long, importance (comma-separated)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
 
@@ -155,9 +165,11 @@ def main(argv: list[str] | None = None) -> int:
         ctx = read_model_shape(model_dir).trained_context
         k1 = min(1024, ctx) - 2 * (args.warm + args.steps) - 2  # 1K context, the decode steps still inside it
         largest = ctx - 2 * (args.warm + args.steps) - 2
-        plan = [("short", k1), ("long", k1)] + ([("long", largest)] if largest > k1 + 64 else [])
-        if args.past:
-            plan.append(("long", args.past))
+        plan = [("short", k1)]
+        for pool in args.pools.split(","):
+            plan += [(pool, k1)] + ([(pool, largest)] if largest > k1 + 64 else [])
+            if args.past:
+                plan.append((pool, args.past))
         # Every configuration of the model prefilled first, then their decode steps round-robin: a load
         # change on this shared host reaches every row alike.
         probes = [Probe(name, model_dir, pool, context, args.steps, args.warm) for pool, context in plan]

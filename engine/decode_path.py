@@ -84,15 +84,14 @@ def c_step_blockers(config: EngineConfig, facts: DecodeFacts) -> list[str]:
         out.append(f"attention backend {facts.backend}")
     if facts.head_dim > C_STEP_MAX_HEAD_DIM:
         out.append(f"head_dim {facts.head_dim} > {C_STEP_MAX_HEAD_DIM}")
-    # Packed KV (int8 / int4 / int2, outlier channels) is carried: csrc/decode_attention_quant.c. So is a
+    # Packed KV (int8 / int4 / int2, outlier channels) is carried: csrc/decode_attention_quant.c. So are
+    # importance eviction's block scores (decode_step.c block_mass) and a
     # block_bounds sparse pool: the C step keeps the bounds and selects from them (dense inside
     # sparse.min_context); the trained indexer writes its own index keys beside K/V, which the C step does not.
     if config.sparse.enabled and config.sparse.indexer != "block_bounds":
         out.append(f"sparse attention ({config.sparse.indexer})")
     if config.sparse.compact:
         out.append("selected memory (sparse.position_mode compact)")
-    if config.cache_policy.eviction_policy == "importance":
-        out.append("importance eviction (scores blocks every step)")
     if facts.sinks:
         out.append("learned attention sinks")
     if not facts.c_kernel:
@@ -119,6 +118,8 @@ def choose_decode_path(config: EngineConfig, facts: DecodeFacts | None) -> Decod
         reason += f", {config.kv_cache_dtype} KV"
     if config.sparse.enabled:
         reason += f", {config.sparse.indexer} sparse selection"
+    if config.cache_policy.eviction_policy == "importance":
+        reason += ", importance scores"
     return DecodePath("c_step", reason)
 
 

@@ -23,6 +23,10 @@ What the step carries besides float32 caches:
 * **Sparse pools' block bounds** (``sparse.indexer`` block_bounds): every written key widens its block's
   min/max (``kernels.block_sparse.update_bounds``), dense steps too, so a sequence that starts selecting
   finds its bounds current.
+* **Importance scores** (``cache_policy.eviction_policy`` importance): on a step that scores, every
+  full-attention layer adds each held block's largest per-head attention mass to the runner's accumulator, as
+  ``engine.importance.accumulate`` does eagerly (all held keys, max over query heads; the packed keys
+  decoded by the attention's own routine), and the runner hands the row to the scheduler whichever path ran.
 * **Sparse decode** (``block_bounds``): a step whose ``SparsePlan`` selects for some sequence passes the
   plan (forced blocks, ``top_blocks``, local window); on each full-attention layer the C step scores the
   sequence's candidate blocks from their bounds, keeps the forced set and the top blocks
@@ -183,12 +187,14 @@ class DecodeStep:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                  logits_indices: torch.Tensor, kv_caches: list, block_bounds: list | None = None,
-                 sparse_plan=None) -> torch.Tensor:
+                 sparse_plan=None, block_importance: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[len(logits_indices), vocab]`` of a step whose every query segment is one token. Integer
         inputs: int64 ids / positions / slots / logits rows, int32 tables / lengths / starts, all contiguous.
         ``kv_caches``: per layer ``(k, v)`` or a packed ``QuantKVCache``; ``block_bounds``: the sparse
         indexer's per-layer ``BlockBounds`` (kept current on every write), or None; ``sparse_plan``: the
-        step's ``kernels.block_sparse.SparsePlan`` when some sequence selects (needs ``block_bounds``)."""
+        step's ``kernels.block_sparse.SparsePlan`` when some sequence selects (needs ``block_bounds``);
+        ``block_importance``: importance eviction's ``[S, W]`` float32 accumulator, to which every
+        full-attention layer adds each held block's largest per-head attention mass (``engine.importance.accumulate``'s)."""
         self._bind(kv_caches, block_bounds)
         forced, forced_stride, top, sparse_window = None, 0, None, 0
         if sparse_plan is not None:
@@ -198,6 +204,10 @@ class DecodeStep:
             forced, forced_stride = f.view(torch.uint8), f.stride(0)
             top = torch.tensor(sparse_plan.top_blocks, dtype=torch.int32)
             sparse_window = sparse_plan.window
+        imp = block_importance
+        if imp is not None and not (imp.dtype == torch.float32 and imp.stride(1) == 1
+                                    and imp.shape[0] == seq_lens.shape[0]):
+            raise ValueError("the C decode step needs a float32 [S, W] block importance accumulator, rows contiguous")
         block_size, slots = self._cache_args
         rows, n = input_ids.shape[0], logits_indices.shape[0]
         logits = torch.empty(n, self._vocab, dtype=torch.float32)
@@ -206,7 +216,7 @@ class DecodeStep:
             block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), query_start_loc.data_ptr(), rows,
             slots, logits_indices.data_ptr(), n, logits.data_ptr(), torch.get_num_threads(),
             None if forced is None else forced.data_ptr(), forced_stride, None if top is None else top.data_ptr(),
-            sparse_window)
+            sparse_window, None if imp is None else imp.data_ptr(), 0 if imp is None else imp.stride(0))
         if rc != 0:
             raise RuntimeError(f"C decode step refused its arguments: {ERRORS.get(rc, f'code {rc}')}")
         return logits

@@ -40,7 +40,7 @@ SIGNATURES = {
     "sinkserve_depth_mix": ([_p, _p, _p, _p, _i64, _i32, _i32, _i32, _i32, _i32, _f32], None),
     "sinkserve_greedy": ([_p, _i64, _i64, _p, _p], None),
     "sinkserve_llama_decode": ([_p, _i32, _p, _p, _p, _p, _p, _f32, _i32, _i32, _i32, _i32, _i32, _i32, _f32, _f32, _i32,
-                                _p, _p, _p, _p, _i64, _p, _p, _i32, _i64, _p, _i32, _p, _i32, _p, _i64, _p, _i32],
+                                _p, _p, _p, _p, _i64, _p, _p, _i32, _i64, _p, _i32, _p, _i32, _p, _i64, _p, _i32, _p, _i64],
                                ctypes.c_int),
     "sinkserve_pack_width": ([], ctypes.c_int),
     "sinkserve_pack_linear": ([_p, _i32, _i32, _p], None),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import yaml
@@ -54,9 +55,10 @@ def model_dir(spec: str) -> str:
     return resolve_model(spec, fetch=False, fallback=True)
 
 
-def pool_configs() -> dict[tuple[str, str, str, str], EngineConfig]:
+def pool_configs(model_for: Callable[[str], str] = model_dir) -> dict[tuple[str, str, str, str], EngineConfig]:
     """Every pool x model version x device it can be placed on (``device: auto`` on a CPU and a GPU cluster),
-    as the app builds its EngineConfig."""
+    as the app builds its EngineConfig; ``model_for`` maps a config's model spec to the directory to build
+    on (the app's resolution by default; tests/test_serve_config_tokens.py puts small models in)."""
     out = {}
     for path in sorted(CONFIGS.glob("*.yaml")):
         doc = yaml.safe_load(path.read_text())
@@ -64,7 +66,7 @@ def pool_configs() -> dict[tuple[str, str, str, str], EngineConfig]:
             args = AppArgs.model_validate(app["args"])
             for pool in args.pools:
                 for v in args.versions:
-                    model = model_dir(v.model or args.model)
+                    model = model_for(v.model or args.model)
                     for device in sorted({pool_device(pool, 0), pool_device(pool, 1)}):
                         out[(path.name, pool.name, v.name, device)] = pool.engine_config(model, device)
     return out

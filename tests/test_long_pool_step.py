@@ -34,18 +34,30 @@ def long_pool(model: Path, kv: str = "int4", sparse: bool = True, **over: object
     return EngineConfig(**(settings | over))
 
 
-def generate(config: EngineConfig, prompts: list[list[int]], max_tokens: int
+def generate(config: EngineConfig, prompts: list[list[int]], max_tokens: int, record: dict | None = None
              ) -> tuple[list[list[int]], list[list[torch.Tensor]], list[tuple[str, int]], LLMEngine]:
     """Greedy tokens, the logits of every sampled token, and per decode step (path that ran, longest
-    sequence after it)."""
+    sequence after it). ``record`` (optional) gets, per step, the block importance the runner handed on
+    (``importance``) and the scheduler's eviction records (``evictions``)."""
     engine = LLMEngine(config)
     runner = engine.executor.runner
     execute = runner.execute
     seen: dict[str, list[torch.Tensor]] = {}
     steps: list[tuple[str, int]] = []
+    if record is not None:
+        schedule = engine.scheduler.schedule
+
+        def schedule_spy():  # type: ignore[no-untyped-def]
+            out = schedule()
+            record.setdefault("evictions", []).append(list(out.evictions))
+            return out
+
+        engine.scheduler.schedule = schedule_spy
 
     def spy(inp):  # type: ignore[no-untyped-def]
         logits = execute(inp)
+        if record is not None:
+            record.setdefault("importance", []).append(runner.last_block_importance)
         if runner.last_decode_path is not None:
             steps.append((runner.last_decode_path, max(inp.seq_lens)))
         for row, s in enumerate(inp.sampling):
@@ -66,12 +78,13 @@ def generate(config: EngineConfig, prompts: list[list[int]], max_tokens: int
 
 
 def against_eager(config: EngineConfig, prompts: list[list[int]], max_tokens: int,
-                  monkeypatch: pytest.MonkeyPatch, threads: int = 1) -> list[tuple[str, int]]:
-    """Run ``config`` with the C step and eagerly (the reference: no decode step takes the C step); assert
-    equal tokens and logits (1e-4); return the C-step run's per-step paths."""
+                  monkeypatch: pytest.MonkeyPatch, threads: int = 1, path: str = "c_step") -> list[tuple[str, int]]:
+    """Run ``config`` on its decode path (``path``: what the engine must have chosen) and eagerly (the
+    reference: no decode step takes the C step); assert equal tokens and logits (1e-4); return the first
+    run's per-step paths."""
     torch.set_num_threads(threads)
     tokens, logits, steps, engine = generate(config, prompts, max_tokens)
-    assert engine.decode_path.path == "c_step", engine.decode_path.reason
+    assert engine.decode_path.path == path, engine.decode_path.reason
     counted = dict(engine.stats().decode_steps)
     assert counted == {p: sum(1 for q, _ in steps if q == p) for p in counted}  # the counter is what ran
     with monkeypatch.context() as m:

@@ -266,12 +266,13 @@ class LlamaForward(nn.Module):
         """Whether this step runs as one C call (``kernels/cpu_decode.py``): the engine chose the C step for
         this pool (``c_step``, set by the model runner from ``engine.decode_path.choose_decode_path``, which
         holds every per-pool condition), every sequence decodes one token, at most ``DECODE_KERNEL_MAX_ROWS``
-        of them, and the step neither scores block importance nor calibrates outlier channels. A sparse
+        of them, and the step does not calibrate outlier channels. A step that scores block importance
+        (importance eviction) runs in C too, the scores accumulated there. A sparse
         pool's step (block_bounds) runs in C too: dense inside ``sparse.min_context``, selecting past it
         (the C step keeps the block bounds current and selects from them). Everything else runs the eager
         forward below, and the runner counts the step as eager."""
         return (self.c_step and rows <= DECODE_KERNEL_MAX_ROWS and rows == ctx.seq_lens.shape[0]
-                and ctx.key_absmax is None and ctx.block_importance is None
+                and ctx.key_absmax is None
                 and ctx.indexer is None and ctx.selected_memory is None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
@@ -284,7 +285,10 @@ class LlamaForward(nn.Module):
                 self._decode_kernel = cpu_decode.DecodeStep(self)
             return self._decode_kernel(input_ids, positions, ctx.slot_mapping, ctx.block_tables, ctx.seq_lens,
                                        ctx.query_start_loc, logits_indices, ctx.kv_caches, ctx.block_bounds,
-                                       ctx.sparse_plan)
+                                       ctx.sparse_plan,
+                                       # [L, S, W]: the C step adds its per-layer scores, summed, into row 0
+                                       # (engine/importance.py: pool_layers then sums the rows)
+                                       None if ctx.block_importance is None else ctx.block_importance[0])
         return self.eager_forward(input_ids, positions, logits_indices)
 
     def eager_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:

@@ -97,6 +97,47 @@ static inline void unpack_rows(const uint8_t *codes, int64_t stride, int n, int 
     }
 }
 
+/* Keys of n tokens of packed block blk (from offset off), KV head hk, decoded into tile[j * D + c]: codes
+ * times the block's per-channel scales (ksc, kze: float, already read) plus zeros, the outlier channels
+ * in 16 bits. The one key decode: the attention below and the C step's block importance read keys here. */
+static inline void dequant_keys(const QuantCache *kv, int32_t blk, int off, int n, int block, int hkv, int hk, int D,
+                                const float *ksc, const float *kze, float *tile) {
+    const int64_t cb = (int64_t)D * kv->bits / 8, tok = (int64_t)blk * block + off;
+    unpack_rows(kv->k_codes + (tok * hkv + hk) * cb, (int64_t)hkv * cb, n, kv->bits, D, tile);
+    for (int j = 0; j < n; j++) {
+        float *kr = tile + j * D;
+        for (int i = 0; i < D; i++) kr[i] = kr[i] * ksc[i] + kze[i];
+        if (kv->outlier_idx) { /* dense-and-sparse: the kept 16-bit channels */
+            const int o_n = kv->n_outlier;
+            const int64_t *oi = kv->outlier_idx + (int64_t)hk * o_n;
+            const float *ov = kv->k_outlier + ((tok + j) * hkv + hk) * o_n;
+            for (int o = 0; o < o_n; o++) kr[oi[o]] = ov[o];
+        }
+    }
+}
+
+static inline void key_scales(const QuantCache *kv, int32_t blk, int hkv, int hk, int D, float *ksc, float *kze) {
+    const int64_t so = ((int64_t)blk * hkv + hk) * D;
+    for (int i = 0; i < D; i++) {
+        ksc[i] = half_to_float(kv->k_scale[so + i]);
+        kze[i] = half_to_float(kv->k_zero[so + i]);
+    }
+}
+
+const float *sinkserve_quant_keys(const QuantCache *kv, int32_t blk, int off, int n, int block, int hkv, int hk,
+                                  int d, float *tile, int64_t *stride) {
+    const int32_t slot = kv->fp_index[blk];
+    if (slot >= 0) { /* a 16-bit block: read in place */
+        *stride = (int64_t)hkv * d;
+        return kv->fp_k + (((int64_t)slot * block + off) * hkv + hk) * d;
+    }
+    float ksc[256], kze[256];
+    key_scales(kv, blk, hkv, hk, d, ksc, kze);
+    dequant_keys(kv, blk, off, n, block, hkv, hk, d, ksc, kze, tile);
+    *stride = d;
+    return tile;
+}
+
 /* One (sequence, KV head): G <= MAX_GROUP query heads q[g] (stride q_sh) over the keys at positions
  * lo..len-1 of `table`. D is a compile-time constant in the specialised copies below. */
 #define DEFINE_QHEAD(NAME, DCONST)                                                                         \
@@ -125,13 +166,7 @@ static void NAME(const float *q, int64_t q_sh, const QuantCache *kv, const int32
         const int32_t blk = table[bi];                                                                     \
         if (blk == 0) { pos = end; continue; }                                                             \
         const int32_t slot = kv->fp_index[blk];                                                            \
-        if (slot < 0) { /* the block's per-channel key scales, once */                                    \
-            const int64_t so = ((int64_t)blk * hkv + hk) * D;                                              \
-            for (int i = 0; i < D; i++) {                                                                  \
-                ksc[i] = half_to_float(kv->k_scale[so + i]);                                               \
-                kze[i] = half_to_float(kv->k_zero[so + i]);                                                \
-            }                                                                                              \
-        }                                                                                                  \
+        if (slot < 0) key_scales(kv, blk, hkv, hk, D, ksc, kze); /* the block's, once */                  \
         while (pos < end) {                                                                                \
             const int n = end - pos < chunk_max ? end - pos : chunk_max;                                   \
             const int64_t tok = (int64_t)blk * block + pos % block; /* first token row of the chunk */    \
@@ -142,11 +177,10 @@ static void NAME(const float *q, int64_t q_sh, const QuantCache *kv, const int32
                 kp = kv->fp_k + fo; vp = kv->fp_v + fo; ks = f_stride;                                     \
             } else {                                                                                       \
                 const int64_t co = (tok * hkv + hk) * cb;                                                  \
-                unpack_rows(kv->k_codes + co, c_stride, n, kv->bits, D, kt);                               \
+                dequant_keys(kv, blk, pos % block, n, block, hkv, hk, D, ksc, kze, kt);                    \
                 unpack_rows(kv->v_codes + co, c_stride, n, kv->bits, D, vt);                               \
                 for (int j = 0; j < n; j++) {                                                              \
-                    float *kr = kt + j * D, *vr = vt + j * D;                                              \
-                    for (int i = 0; i < D; i++) kr[i] = kr[i] * ksc[i] + kze[i];                           \
+                    float *vr = vt + j * D;                                                                \
                     const int64_t vo = ((tok + j) * hkv + hk) * ng;                                        \
                     for (int e = 0; e < ng; e++) {                                                         \
                         const float a = half_to_float(kv->v_scale[vo + e]);                                \
@@ -154,12 +188,6 @@ static void NAME(const float *q, int64_t q_sh, const QuantCache *kv, const int32
                         for (int i = 0; i < G; i++) { vsc[e * G + i] = a; vze[e * G + i] = b; }            \
                     }                                                                                      \
                     for (int i = 0; i < D; i++) vr[i] = vr[i] * vsc[i] + vze[i];                           \
-                    if (kv->outlier_idx) { /* dense-and-sparse: the kept 16-bit channels */               \
-                        const int o_n = kv->n_outlier;                                                     \
-                        const int64_t *oi = kv->outlier_idx + (int64_t)hk * o_n;                           \
-                        const float *ov = kv->k_outlier + ((tok + j) * hkv + hk) * o_n;                    \
-                        for (int o = 0; o < o_n; o++) kr[oi[o]] = ov[o];                                   \
-                    }                                                                                      \
                 }                                                                                          \
                 kp = kt; vp = vt; ks = D;                                                                  \
             }                                                                                              \

@@ -15,6 +15,8 @@
  *     k_cache[slot[t]], v_cache[slot[t]] = k, v                (slot < 0: not written)
  *       packed cache: into the 16-bit side pool, where the block has a slot (write_packed, below)
  *     (sparse pool) bounds[block of slot[t]] = min/max with k      (update_bounds, below)
+ *     (importance eviction, full-attention layers) mass[s][j] += block j's largest per-head attention mass
+ *                                                                  (block_mass, below)
  *     a = sinkserve_decode_attention(q; the paged cache, window[l])      (decode_attention.c)
  *       packed cache: sinkserve_decode_attention_quant(q; QuantCache, window[l])  (decode_attention_quant.c)
  *     h += a W_o^T (+ b);  x = rms_norm(h, post_norm)
@@ -337,6 +339,76 @@ static void select_blocks(const float *q, int hq, int hkv, int d, const float *b
     }
 }
 
+/* engine/importance.py's accumulate for one decode query (importance eviction): the attention mass each
+ * held block of the sequence receives, averaged over query heads, added to mass[j] (logical block j). Every
+ * held key counts (no window, no sparse selection, no sink: the scores eviction ranks by, whatever the
+ * layer's attention then reads), keys read where the attention kernels read them (float32 cache, or
+ * sinkserve_quant_keys: the side pool in place, a packed block decoded). Per KV head and up to 16 of its
+ * query heads: scores into scratch [g][n] (n: held key index), softmax, then summed per block.
+ *
+ *   e.g. block 4, seq_len 10, table [3, 0, 5]: keys 0..3 (block 3) and 8, 9 (block 5); one head with
+ *   probabilities .1 .1 .1 .1 | .2 .4  ->  mass += [0.4, 0, 0.6]
+ *
+ * scratch: seq_len * min(G, 16) floats. */
+static void block_mass(const float *q, int hq, int hkv, int d, int block, float scale, const QuantCache *kv,
+                       const float *k_cache, const int32_t *table, int32_t seq_len, float *mass, float *scratch) {
+    enum { TILE = 4096 };
+    float tile[TILE];
+    const int g_per = hq / hkv, nb = (seq_len + block - 1) / block, chunk = TILE / d;
+    const int64_t cap = seq_len;
+    /* This layer's score per block: the largest mass any query head puts on it (engine/importance.py). */
+    float *lmax = calloc((size_t)(nb > 0 ? nb : 1), sizeof(float));
+    if (!lmax) return;
+    for (int hk = 0; hk < hkv; hk++) {
+        for (int g0 = 0; g0 < g_per; g0 += 16) {
+            const int gn = g_per - g0 < 16 ? g_per - g0 : 16;
+            const float *qh = q + (int64_t)(hk * g_per + g0) * d;
+            int64_t n = 0;
+            for (int j = 0; j < nb; j++) {
+                const int32_t blk = table[j];
+                if (blk == 0) continue;
+                const int cnt = seq_len - j * block < block ? seq_len - j * block : block;
+                for (int off = 0; off < cnt; off += chunk) {
+                    const int c_n = cnt - off < chunk ? cnt - off : chunk;
+                    int64_t ks = (int64_t)hkv * d;
+                    const float *k0 = kv ? sinkserve_quant_keys(kv, blk, off, c_n, block, hkv, hk, d, tile, &ks)
+                                         : k_cache + (((int64_t)blk * block + off) * hkv + hk) * d;
+                    for (int r = 0; r < c_n; r++, n++) {
+                        const float *kr = k0 + r * ks;
+                        for (int g = 0; g < gn; g++) {
+                            const float *qg = qh + (int64_t)g * d;
+                            float a = 0.0f;
+                            for (int i = 0; i < d; i++) a += qg[i] * kr[i];
+                            scratch[g * cap + n] = a * scale;
+                        }
+                    }
+                }
+            }
+            if (n == 0) { free(lmax); return; } /* nothing held */
+            for (int g = 0; g < gn; g++) {
+                float *sc = scratch + g * cap, m = sc[0], sum = 0.0f;
+                for (int64_t i = 1; i < n; i++) m = sc[i] > m ? sc[i] : m;
+                for (int64_t i = 0; i < n; i++) { sc[i] = expf(sc[i] - m); sum += sc[i]; }
+                const float f = 1.0f / sum;
+                for (int64_t i = 0; i < n; i++) sc[i] *= f;
+            }
+            n = 0;
+            for (int j = 0; j < nb; j++) {
+                if (table[j] == 0) continue;
+                const int cnt = seq_len - j * block < block ? seq_len - j * block : block;
+                for (int g = 0; g < gn; g++) { /* each head's block mass; the layer keeps the largest */
+                    float b = 0.0f;
+                    for (int r = 0; r < cnt; r++) b += scratch[g * cap + n + r];
+                    lmax[j] = b > lmax[j] ? b : lmax[j];
+                }
+                n += cnt;
+            }
+        }
+    }
+    for (int j = 0; j < nb; j++) mass[j] += lmax[j];
+    free(lmax);
+}
+
 /* Everything one decode step reads and writes; the team's threads share it (step_job). */
 typedef struct {
     const int64_t *layers;
@@ -356,6 +428,10 @@ typedef struct {
     int sparse_window;
     int32_t *sel_tables;
     float *sel_scratch;
+    /* Importance eviction's per-block attention mass [S, imp_stride] (block_mass), added to on every
+     * full-attention layer; NULL when the step does not score. */
+    float *importance;
+    int64_t imp_stride;
     float *logits, *h, *x, *qkv, *att, *o, *gu, *act, *cs, *scratch;
     atomic_int rc;
 } Step;
@@ -428,9 +504,14 @@ static void step_job(void *arg, int tid, int nt) {
                 if (bounds) update_bounds(bounds, S->num_blocks, slot, S->block, k, hkv, d);
             }
         }
+        const int window = (int)L[F_WINDOW];
+        if (S->importance && window == 0) /* after the writes: the new key is scored too, as eagerly */
+            for (int s = a0; s < a1; s++)
+                block_mass(qkv + (int64_t)S->starts[s] * qkv_n, hq, hkv, d, S->block, S->scale, kv, k_cache,
+                           S->block_tables + (int64_t)s * S->bt_stride, S->seq_lens[s],
+                           S->importance + (int64_t)s * S->imp_stride, S->scratch + S->scratch_len * tid);
         /* Sparse selection on full-attention layers only (a sliding-window layer is bounded by its window),
          * as engine/attention.py decides; a sequence whose top_blocks is < 0 attends densely. */
-        const int window = (int)L[F_WINDOW];
         if (S->forced && bounds && window == 0) {
             int32_t *sel = S->sel_tables + (int64_t)tid * S->bt_stride;
             float *prob = S->sel_scratch + (int64_t)tid * 2 * S->bt_stride;
@@ -491,7 +572,7 @@ int sinkserve_llama_decode(const int64_t *layers, int num_layers, const float *e
                            const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                            const int32_t *starts, int rows, int64_t num_slots, const int64_t *logit_rows,
                            int n_logits, float *logits, int threads, const uint8_t *forced, int64_t forced_stride,
-                           const int32_t *top_blocks, int sparse_window) {
+                           const int32_t *top_blocks, int sparse_window, float *importance, int64_t imp_stride) {
     for (int t = 0; t < rows; t++) {
         if (slots[t] >= num_slots) return -1;
         if (input_ids[t] < 0 || input_ids[t] >= vocab) return -3;
@@ -516,7 +597,8 @@ int sinkserve_llama_decode(const int64_t *layers, int num_layers, const float *e
               .logit_rows = logit_rows, .block_tables = block_tables, .seq_lens = seq_lens, .starts = starts,
               .bt_stride = bt_stride, .scratch_len = scratch_len, .num_blocks = num_slots / block,
               .forced = forced, .forced_stride = forced_stride, .top_blocks = top_blocks,
-              .sparse_window = sparse_window, .sel_tables = sel, .sel_scratch = sel_scratch, .logits = logits};
+              .sparse_window = sparse_window, .sel_tables = sel, .sel_scratch = sel_scratch, .logits = logits,
+              .importance = importance, .imp_stride = imp_stride};
     S.h = work, S.x = S.h + (int64_t)rows * hidden, S.qkv = S.x + (int64_t)rows * hidden;
     S.att = S.qkv + (int64_t)rows * qkv_n, S.o = S.att + (int64_t)rows * hq * d;
     S.gu = S.o + (int64_t)rows * hidden, S.act = S.gu + (int64_t)rows * 2 * inter;

@@ -24,4 +24,10 @@ int sinkserve_decode_attention_quant(const float *q, int64_t q_st, int64_t q_sh,
                                      const int32_t *query_start_loc, int num_seqs, int hq, int hkv, int d,
                                      int block, float scale, int window, const float *sinks, float *out);
 
+/* Keys of n tokens of block blk from offset off (within the block), KV head hk: a pointer to row 0, rows
+ * *stride floats apart -- in place for a 16-bit block, else decoded into tile [n, d] (the attention's own
+ * key decode, outlier channels included). */
+const float *sinkserve_quant_keys(const QuantCache *kv, int32_t blk, int off, int n, int block, int hkv, int hk,
+                                  int d, float *tile, int64_t *stride);
+
 #endif
