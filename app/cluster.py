@@ -10,7 +10,8 @@ resources), a ``redis-server`` for the store, and the application deployed on th
     worker-b  2     sinkserve_pool, node_b           H+2         P+48, P+49             P+41..P+47, workers P+300..
     redis     -     -                                -           -                      P+60 (loopback)
 
-What the config gets on a cluster (:func:`cluster_config`): the store is Redis and ``multi_node: true``
+What the config gets on a cluster (:func:`cluster_config`): the store is Redis (so is a pool's
+session KV store when it is on without a backend named) and ``multi_node: true``
 (SQLite is then refused, naming the field), HTTP binds every interface (HAProxy on one node reaches
 ingress replicas on another: Ray warns that 127.0.0.1 cannot), the ingress and the stats hub ask for
 ``sinkserve_head`` (they stay on the head, so losing a worker never cuts a client's HTTP connection:
@@ -149,7 +150,19 @@ def cluster_config(cfg: dict[str, Any], redis_url: str) -> dict[str, Any]:
         ingress.setdefault("resources", {HEAD_RESOURCE: 1.0})
         for pool in args.get("pools") or ():
             pool.setdefault("resources", {POOL_RESOURCE: 1.0})
+            _session_kv_on_redis(pool, redis_url)
     return out
+
+
+def _session_kv_on_redis(pool: dict[str, Any], redis_url: str) -> None:
+    """A pool with session KV on and no backend chosen keeps it in the cluster's Redis (a directory is
+    per node unless a shared mount; a config that names its backend is kept, given the URL if it lacks one)."""
+    skv = (pool.get("engine") or {}).get("session_kv")
+    if not isinstance(skv, dict) or not skv.get("enabled"):
+        return
+    skv.setdefault("backend", "redis")
+    if skv["backend"] in ("redis", "tiered"):
+        skv.setdefault("url", redis_url)
 
 
 def node_ip() -> str:

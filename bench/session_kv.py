@@ -1,6 +1,8 @@
 """Session KV: resume an ~8K-token conversation on a fresh engine from the store vs re-prefilling it.
 
     nice -n 10 python -m bench.session_kv [--model smollm2-135m-instruct] [--rounds 2] [--out docs/session_kv.json]
+        [--backend directory|redis|tiered] [--url redis://...]   (redis/tiered without --url: a throwaway
+        redis-server on a free port, ended with the bench)
 
 Engine A runs turn 1 of a chat (an ~7.9K-token user message, a 32-token greedy answer) with session KV on
 and saves it. Then, alternating per round, a fresh engine B runs turn 2 (the history plus a short new
@@ -16,8 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import socket
+import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 from engine import CachePolicy, EngineConfig, LLMEngine, SamplingParams
@@ -31,10 +39,40 @@ def load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def engine(model: str, store: str, enabled: bool, dtype: str) -> LLMEngine:
+def uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+def engine(model: str, kv: SessionKV, enabled: bool, dtype: str) -> LLMEngine:
     return LLMEngine(EngineConfig(model=model, kv_cache_dtype=dtype, max_model_len=8192, max_num_seqs=1,
-                                  num_kv_blocks=8192 // 64 + 8, session_kv=SessionKV(enabled=enabled, path=store),
+                                  num_kv_blocks=8192 // 64 + 8, session_kv=replace(kv, enabled=enabled),
                                   cache_policy=CachePolicy(eviction_policy="none")))
+
+
+@contextmanager
+def redis_url(url: str | None, backend: str) -> Iterator[str | None]:
+    """``url``, or a throwaway redis-server's (no persistence) for a Redis backend without one."""
+    if url is not None or backend == "directory":
+        yield url
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    tmp = tempfile.mkdtemp(prefix="session-kv-bench-redis-")
+    proc = subprocess.Popen([shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                             "--save", "", "--appendonly", "no", "--dir", tmp],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(200):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 def turn(eng: LLMEngine, prompt: list[int], session: str | None, max_tokens: int) -> tuple[list[int], float, int]:
@@ -73,11 +111,21 @@ def main() -> None:
     ap.add_argument("--answer", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--backend", default="directory", choices=("directory", "redis", "tiered"))
+    ap.add_argument("--url", default=None, help="the Redis server (redis, tiered); default: a throwaway one")
     args = ap.parse_args()
-    store = tempfile.mkdtemp(prefix="session-kv-bench-")
-    res: dict = {"model": args.model, "kv_cache_dtype": args.kv, "load_start": load()}
+    with redis_url(args.url, args.backend) as url:
+        run_bench(args, url)
 
-    a = engine(args.model, store, True, args.kv)
+
+def run_bench(args: argparse.Namespace, url: str | None) -> None:
+    store = tempfile.mkdtemp(prefix="session-kv-bench-")
+    # A fresh prefix per run: a shared server's earlier runs are not this one's store.
+    kv = SessionKV(backend=args.backend, path=store, url=url, prefix=f"session-kv-bench-{os.getpid()}:")
+    res: dict = {"model": args.model, "kv_cache_dtype": args.kv, "backend": args.backend, "load_start": load(),
+                 "uptime_start": uptime()}
+
+    a = engine(args.model, kv, True, args.kv)
     tok = a.tokenizer
     msgs = [{"role": "user", "content": "Read this and summarize it.\n\n" + prose(tok, args.history)}]
     t1 = list(tok(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
@@ -92,8 +140,9 @@ def main() -> None:
                  add_special_tokens=False)["input_ids"]
     t2 = t1 + a1 + list(follow)
     man = Manifest.from_json(a.session_kv.store.get_manifest("conv-bench"))
-    root = Path(store) / "b"
-    sizes = {k: (root / k[:2] / k).stat().st_size for k in man.keys}
+    t_read = time.perf_counter()
+    sizes = {k: len(a.session_kv.store.get_block(k) or b"") for k in man.keys}
+    res["read_all_blocks_s"] = round(time.perf_counter() - t_read, 4)  # the store's reads alone, no engine
     shape = a.shape
     bytes_16 = shape.num_layers * 2 * shape.num_kv_heads * shape.head_dim * 2  # K and V, 2 bytes each
     bytes_model = bytes_16 * (4 if a.config.dtype == "float32" else 2) // 2
@@ -113,7 +162,7 @@ def main() -> None:
         row: dict = {"round": r}
         order = ("restore", "refill") if r % 2 == 0 else ("refill", "restore")
         for kind in order:
-            eng = engine(args.model, store, kind == "restore", args.kv)
+            eng = engine(args.model, kv, kind == "restore", args.kv)
             turn(eng, [1, 2, 3, 4, 5, 6, 7, 8], None, 2)  # a replica is warm when a turn reaches it (lazy set-up)
             before = load()
             toks, ttft, cached = turn(eng, t2, "conv-bench" if kind == "restore" else None, args.answer)
@@ -130,10 +179,12 @@ def main() -> None:
     res["turn2_prompt_tokens"] = len(t2)
     res["rounds"] = rounds
     res["load_end"] = load()
+    res["uptime_end"] = uptime()
     text = json.dumps(res, indent=1)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
+    shutil.rmtree(store, ignore_errors=True)
 
 
 if __name__ == "__main__":

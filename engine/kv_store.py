@@ -24,6 +24,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,36 @@ class KVStoreCounters:
     evictions: int = 0
     bytes_written: int = 0
     bytes_read: int = 0
+
+
+class KVStoreUnavailable(RuntimeError):
+    """The store could not be reached (a Redis server down, a timeout): the turn re-prefills, the
+    message says which store (never its password)."""
+
+
+@runtime_checkable
+class KVStore(Protocol):
+    """What ``engine/session_cache.py`` needs of a store (directory, Redis, or both tiered).
+
+    Blocks are named by their content key (``engine/session_kv.py``), manifests by their session. A
+    read or ``has_block`` counts as a use (the least recently used entries are evicted first).
+    Reading a missing entry gives ``None``; a store that cannot be reached raises
+    ``KVStoreUnavailable``."""
+
+    counters: KVStoreCounters
+    where: str  # for logs: the directory, or the URL with its password masked
+
+    def has_block(self, key: str) -> bool: ...
+
+    def get_block(self, key: str) -> bytes | None: ...
+
+    def put_block(self, key: str, data: bytes) -> None: ...
+
+    def get_manifest(self, session: str) -> bytes | None: ...
+
+    def put_manifest(self, session: str, data: bytes) -> None: ...
+
+    def evict(self, keep: frozenset[str] = frozenset()) -> list[str]: ...
 
 
 class EvictionIndex:
@@ -91,7 +122,8 @@ class EvictionIndex:
         return out
 
 
-def _safe(key: str) -> str:
+def safe_key(key: str) -> str:
+    """``key`` if it is a valid entry name (no path separator, no leading dot, no NUL), else ``ValueError``."""
     if not key or "/" in key or key.startswith(".") or "\x00" in key:
         raise ValueError(f"bad store key {key!r}")
     return key
@@ -102,6 +134,7 @@ class DirectoryKVStore:
 
     def __init__(self, path: str, max_bytes: int, max_age_s: float, clock=time.time) -> None:
         self.root = Path(os.path.expanduser(path))
+        self.where = str(self.root)
         (self.root / "b").mkdir(parents=True, exist_ok=True)
         (self.root / "m").mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
@@ -113,11 +146,11 @@ class DirectoryKVStore:
 
     # ---- paths
     def _block_path(self, key: str) -> Path:
-        key = _safe(key)
+        key = safe_key(key)
         return self.root / "b" / key[:2] / key
 
     def _manifest_path(self, session: str) -> Path:
-        return self.root / "m" / (_safe(session) + ".json")
+        return self.root / "m" / (safe_key(session) + ".json")
 
     def _rel(self, path: Path) -> str:
         return str(path.relative_to(self.root))

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.block_manager import BlockManager
-from engine.kv_store import DirectoryKVStore
+from engine.kv_store import KVStoreUnavailable
+from engine.kv_store_tiered import open_kv_store
 from engine.session_kv import Manifest, block_key, chain_keys, context_key, plan_restore
 from engine.session_kv_config import SessionKV
 from engine.sequence import Sequence
@@ -54,10 +55,10 @@ class SessionKVCache:
         self.model_id = model_id
         self.policy_version = policy_version
         self.kv_layout = executor.kv_layout()
-        self.store = DirectoryKVStore(config.path, config.max_bytes, config.max_age_s)
+        self.store = open_kv_store(config)
         self.counters = SessionKVCounters()
-        logger.info("session KV: store %s (bound %d bytes, entries unused %.0f s evicted), KV layout %s",
-                    self.store.root, config.max_bytes, config.max_age_s, self.kv_layout)
+        logger.info("session KV: %s store %s (bound %d bytes, entries unused %.0f s evicted), KV layout %s",
+                    config.backend, self.store.where, config.max_bytes, config.max_age_s, self.kv_layout)
 
     def _context(self) -> str:
         return context_key(self.model_id, self.policy_version(), self.kv_layout)
@@ -73,7 +74,14 @@ class SessionKVCache:
     def restore(self, seq: Sequence) -> int:
         """Load the blocks of ``seq.session`` that prefix ``seq``'s prompt into the prefix cache (before the
         request is scheduled). Returns the tokens loaded; 0 with the reason counted when nothing loads.
-        Never raises: any failure leaves the books as they were and the turn re-prefills."""
+        Never raises: any failure leaves the books as they were and the turn re-prefills (a store that
+        cannot be reached is the reason ``store_unavailable``)."""
+        try:
+            return self._restore(seq)
+        except KVStoreUnavailable as e:
+            return self._fallback(seq, "store_unavailable", str(e))
+
+    def _restore(self, seq: Sequence) -> int:
         t0 = time.perf_counter()
         raw = self.store.get_manifest(seq.session)
         try:
@@ -131,7 +139,16 @@ class SessionKVCache:
     # ------------------------------------------------------------------ save
     def save(self, seq: Sequence) -> int:
         """Store the full computed blocks of finished ``seq`` (still cached in the free queue) and its
-        manifest. Returns the bytes written."""
+        manifest. Returns the bytes written. A store that cannot be reached is logged (one line, no
+        traceback): the answer stands, the next turn re-prefills."""
+        try:
+            return self._save(seq)
+        except KVStoreUnavailable as e:
+            logger.warning("session %s (request %s): KV not saved (%s); its next turn re-prefills", seq.session,
+                           seq.request_id, e)
+            return 0
+
+    def _save(self, seq: Sequence) -> int:
         hits = self.bm.match_prefix(seq.token_ids)
         if not hits:
             return 0
@@ -139,7 +156,11 @@ class SessionKVCache:
         bs = self.bm.block_size
         fp = [self.bm.is_fp(b) for b in hits]
         keys = [block_key(c, f) for c, f in zip(chain_keys(self._context(), seq.token_ids, bs, n), fp)]
-        missing = [i for i, k in enumerate(keys) if not self.store.has_block(k)]
+        try:
+            missing = [i for i, k in enumerate(keys) if not self.store.has_block(k)]
+        except KVStoreUnavailable:
+            self.executor.export_kv_blocks(self.bm.take_kv_ops(), [])  # the pending precision changes still apply
+            raise
         # Always called: it also brings the runner up to the block manager's pending precision changes.
         payloads = self.executor.export_kv_blocks(self.bm.take_kv_ops(), [hits[i] for i in missing])
         written = 0

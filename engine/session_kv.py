@@ -28,7 +28,8 @@ from dataclasses import asdict, dataclass, field
 
 MANIFEST_FORMAT = 1
 # Why a turn that carried a session did not restore (the metric's ``reason`` label).
-FALLBACK_REASONS = ("no_manifest", "model", "policy", "kv_layout", "not_prefix", "block_missing", "no_room", "error")
+FALLBACK_REASONS = ("no_manifest", "model", "policy", "kv_layout", "not_prefix", "block_missing", "no_room", "store_unavailable",
+                    "error")
 
 
 def context_key(model: str, policy_version: str, kv_layout: str) -> str:

@@ -135,3 +135,18 @@ def test_a_node_is_every_process_carrying_its_mark(tmp_path: Path) -> None:
         for p in (marked, other):
             p.kill()
             p.wait()
+
+
+def test_cluster_puts_session_kv_in_its_redis_unless_a_backend_is_named() -> None:
+    cfg = prod()
+    pools = cfg["applications"][0]["args"]["pools"]
+    pools[0].setdefault("engine", {})["session_kv"] = {"enabled": True, "path": "/tmp/kv"}
+    pools[1].setdefault("engine", {})["session_kv"] = {"enabled": True, "backend": "directory", "path": "/mnt/shared"}
+    out = cluster_config(cfg, "redis://127.0.0.1:26060/0")["applications"][0]["args"]["pools"]
+    assert out[0]["engine"]["session_kv"] == {"enabled": True, "path": "/tmp/kv", "backend": "redis",
+                                              "url": "redis://127.0.0.1:26060/0"}
+    assert out[1]["engine"]["session_kv"] == {"enabled": True, "backend": "directory", "path": "/mnt/shared"}
+    assert all("session_kv" not in (p.get("engine") or {}) for p in out[2:])
+    del pools[1]["engine"]["session_kv"]  # that pool runs sparse attention, which session KV refuses
+    args = AppArgs.model_validate(cluster_config(cfg, "redis://h:6379/0")["applications"][0]["args"])
+    assert args.pools[0].engine_config("m", "cpu").session_kv.backend == "redis"

@@ -134,7 +134,8 @@ def test_block_manager_releases_a_restore_that_failed_and_holds_local_hits_meanw
 def test_pure_modules_do_not_import_torch() -> None:
     import subprocess
 
-    code = ("import sys, engine.session_kv, engine.kv_store, engine.session_kv_config, engine.session_cache; "
+    code = ("import sys, engine.session_kv, engine.kv_store, engine.session_kv_config, engine.session_cache, "
+            "engine.kv_store_redis, engine.kv_store_tiered; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=os.getcwd(), check=True)
     assert out.stdout.strip() == "False"
