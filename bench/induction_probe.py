@@ -38,12 +38,12 @@ def make_rows(task: str, rng: random.Random, bsz: int, args, fill) -> tuple[torc
     rows, masks = [], []
     for _ in range(bsz):
         if task == "offset":
-            s = [rng.randrange(3, VOCAB) for _ in range(args.span)]
+            s = [rng.randrange(3, args.span_ids) for _ in range(args.span)]
             ids, d = [0] + s + s, 1 + args.span
             mk = [0] * (len(ids) - 1)
             mk[d:d + args.span - 1] = [1] * (args.span - 1)
         elif task == "gap":
-            s = [rng.randrange(3, VOCAB) for _ in range(args.span)]
+            s = [rng.randrange(3, args.span_ids) for _ in range(args.span)]
             g = rng.randint(0, args.gap)
             ids = [0] + s + fill(g) + s
             d = 1 + args.span + g
@@ -52,7 +52,7 @@ def make_rows(task: str, rng: random.Random, bsz: int, args, fill) -> tuple[torc
             mk[d:d + args.span - 1] = [1] * (args.span - 1)
         else:
             k = rng.randint(args.kmin, args.kmax)
-            s = [rng.randrange(3, VOCAB) for _ in range(k)]
+            s = [rng.randrange(3, args.span_ids) for _ in range(k)]
             ids = ([0] + s * (args.seq // k + 1))[:args.seq]
             mk = [0] * k + [1] * (args.seq - 1 - k)
         rows.append(ids)
@@ -73,6 +73,7 @@ def main(argv=None) -> None:
     ap.add_argument("--kmin", type=int, default=8)
     ap.add_argument("--kmax", type=int, default=64)
     ap.add_argument("--seq", type=int, default=256, help="period: sequence length")
+    ap.add_argument("--span-ids", type=int, default=VOCAB, help="spans draw ids from [3, this)")
     ap.add_argument("--init-std", type=float, default=0.02, help="initializer_range (the trainer's --init-std)")
     ap.add_argument("--rope-theta", type=float, default=20000.0)
     ap.add_argument("--threads", type=int, default=1)
