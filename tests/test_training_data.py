@@ -137,6 +137,25 @@ def test_zero_minute_stage_saves_the_init_model_rebased(tmp_path):
     assert all(saved[k].equal(original[k]) for k in saved)
 
 
+def test_init_std_sets_the_initial_weight_scale(tmp_path):
+    """``--init-std`` (issue 41: HF's 0.02 is sized for wide models) reaches the weights, the config and the meta."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from training.train_reference_model import main
+
+    stds = {}
+    for std in (0.02, 0.08):
+        out = tmp_path / f"out{std}"
+        main(["--tokenizer", str(MODEL_DIR), "--out", str(out), "--work", str(tmp_path / f"work{std}"), "--layers", "1",
+              "--context", "64", "--minutes", "0", "--no-compile", "--threads", "1", "--init-std", str(std)])
+        assert json.loads((out / "config.json").read_text())["initializer_range"] == std
+        assert json.loads((out / "training_meta.json").read_text())["init_std"] == std
+        stds[std] = load_file(out / "model.safetensors")["model.layers.0.self_attn.q_proj.weight"].std().item()
+    assert stds[0.02] == pytest.approx(0.02, rel=0.1) and stds[0.08] == pytest.approx(0.08, rel=0.1)
+
+
 def test_relation_frac_draws_memory_documents_from_the_relation_family(sampler_factory):
     def questions(sampler, n=30):
         texts = [sampler.tok.decode(sampler.sequence(256)) for _ in range(n)]

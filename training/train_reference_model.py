@@ -429,6 +429,9 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=MODEL_SHAPE["num_hidden_layers"])
     ap.add_argument("--context", type=int, default=MODEL_SHAPE["max_position_embeddings"],
                     help="max_position_embeddings (the trained context evals read)")
+    ap.add_argument("--init-std", type=float, default=0.02,
+                    help="std of the initial weights (config initializer_range); HF's 0.02 suits width ~768: at "
+                    "width 128 it leaves attention near-uniform for long and delays the copy circuit (issue 41)")
     ap.add_argument("--bf16", action="store_true",
                     help="bf16 autocast (measured ~25x SLOWER than fp32 here: slow CPU backward)")
     args = ap.parse_args(argv)
@@ -472,6 +475,7 @@ def main(argv=None):
         eos_token_id=hf_tok.eos_token_id,
         pad_token_id=hf_tok.pad_token_id,
         attn_implementation="sdpa",
+        initializer_range=args.init_std,
         **shape,
     )
     if args.init:
@@ -539,7 +543,7 @@ def main(argv=None):
                     sink_mass_ema=None if sink_ema is None else [round(v, 4) for v in sink_ema], copy_seqs=sampler.n_copy, threads=args.threads,
                     compile=args.compile, curriculum=args.curriculum, seed=args.seed, vocab=len(hf_tok),
                     bf16_autocast=args.bf16, init=args.init, previous_stage=previous, mem_docs=sampler.n_mem, shape=shape,
-                    arch=args.arch, token_budget=args.tokens, tokenizer=args.tokenizer,
+                    arch=args.arch, init_std=args.init_std, token_budget=args.tokens, tokenizer=args.tokenizer,
                     longrange_frac=args.longrange_frac, longrange_mix=args.longrange_mix,
                     longrange_seqs=dict(sampler.longrange.counts))
 
