@@ -15,7 +15,13 @@ and ports), then:
    - ``first_ok_s``: the first new request (no pool named) answered 200 after the kill;
    - ``pool_back_s``: the first request pinned to the lost pool answered 200 (Serve rescheduled its
      replica on the surviving worker): the recovery time;
-   - conversations: each took a turn after recovery and holds every turn answered 200 (none lost);
+   - conversations: each took a turn after recovery; per conversation its stored turns are matched to
+     its turns answered 200: a turn **lost** was answered 200 but is missing from the stored
+     conversation, or is stored but was never answered (the client timed out or was cut). Other
+     outcomes are counted apart: **refused cleanly** (503/429 with an error message and Retry-After:
+     the conversation is as it was, the client may send the turn again -- not a lost conversation),
+     409 (a turn still held the conversation's lock), no answer (client timeout / cut connection). A
+     conversation is lost when it lost a turn or its turn after recovery was not a 200;
    - jobs: every job succeeded, each exactly once (attempts 2 for a job whose replica was lost: re-queued
      once, 1 for the others; none missing, none run a third time).
 
@@ -91,8 +97,9 @@ class Load:
         self.base, self.pool = base, pool
         self.stop = threading.Event()
         self.convs = [httpx.post(base + "/v1/conversations", headers=AUTH, timeout=30).json()["id"] for _ in range(clients)]
-        self.turns: list[tuple[str, int, float]] = []  # conversation, status, time
+        self.turns: list[tuple[str, int, float, bool]] = []  # conversation, status, time, refused cleanly
         self.streams: dict[int, dict] = {}
+        self.refusals: set[str] = set()  # the messages of the turns refused cleanly
         self.lock = threading.Lock()
 
     def client(self, conv: str) -> None:
@@ -103,10 +110,15 @@ class Load:
                     r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": f"turn {n}"}],
                                                              "max_tokens": 4, "sinkserve": {"conversation_id": conv}})
                     status = r.status_code
+                    clean = refused_cleanly(r)
+                    if clean:
+                        with self.lock:
+                            self.refusals.add(f"{r.status_code} Retry-After {r.headers['retry-after']}: "
+                                              f"{r.json()['error']['message']}")
                 except httpx.HTTPError:
-                    status = -1
+                    status, clean = -1, False
                 with self.lock:
-                    self.turns.append((conv, status, time.monotonic()))
+                    self.turns.append((conv, status, time.monotonic(), clean))
                 n += 1
                 time.sleep(0.5)
 
@@ -136,6 +148,27 @@ class Load:
             first.set()
         rec["ended"] = time.monotonic()
         self.streams[i] = rec
+
+
+def refused_cleanly(r: httpx.Response) -> bool:
+    """A 503/429 the client may retry: an error body with a message, and a Retry-After."""
+    if r.status_code not in (429, 503) or "retry-after" not in r.headers:
+        return False
+    try:
+        return bool(r.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
+def turn_outcomes(turns: list[tuple[str, int, float, bool]]) -> dict:
+    """Counts of the turns that were not a 200, by kind (see the module docstring)."""
+    out = {"refused_cleanly": 0, "conflict_409": 0, "no_answer": 0, "other": 0}
+    for _, status, _, clean in turns:
+        if status == 200:
+            continue
+        kind = "refused_cleanly" if clean else "conflict_409" if status == 409 else "no_answer" if status == -1 else "other"
+        out[kind] += 1
+    return out
 
 
 def job(base: str, job_id: str) -> dict:
@@ -217,14 +250,15 @@ def drill(c: LocalCluster, clients: int, streams: int, jobs: int) -> dict:
     for conv in load.convs:
         r = httpx.post(base + "/v1/chat/completions", headers=AUTH, timeout=60, json={
             "messages": [{"role": "user", "content": "last"}], "max_tokens": 4, "sinkserve": {"conversation_id": conv}})
-        ok = sum(1 for cv, s, _ in load.turns if cv == conv and s == 200) + (r.status_code == 200)
+        ok = sum(1 for cv, s, _, _ in load.turns if cv == conv and s == 200) + (r.status_code == 200)
         stored = len(httpx.get(f"{base}/v1/conversations/{conv}", headers=AUTH, timeout=30).json()["turns"])
-        conv_report.append({"ok_turns": ok, "stored_turns": stored, "last_turn": r.status_code})
+        conv_report.append({"ok_turns": ok, "stored_turns": stored, "last_turn": r.status_code,
+                            "answered_not_stored": max(0, ok - stored), "stored_not_answered": max(0, stored - ok)})
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and any(job(base, j)["status"] not in ("succeeded", "failed", "cancelled") for j in ids):
         time.sleep(1.0)
     views = {j: job(base, j) for j in ids}
-    failed_turns = [(s, round(t - killed, 1)) for _, s, t in load.turns if s != 200]
+    failed_turns = [(s, round(t - killed, 1)) for _, s, t, _ in load.turns if s != 200]
     ends = sorted((s["end"], round(s["ended"] - killed, 1)) for s in load.streams.values())
     summary = {
         "victim": victim, "placement_before": before,
@@ -238,8 +272,14 @@ def drill(c: LocalCluster, clients: int, streams: int, jobs: int) -> dict:
         "pool_back_s": None if back is None else round(back, 1),
         "pool_back_tries": squeeze(pool_tries),
         "conversations": {"count": len(conv_report),
-                          "lost": sum(1 for r in conv_report if r["stored_turns"] < r["ok_turns"] or r["last_turn"] != 200),
+                          "lost": sum(1 for r in conv_report if r["answered_not_stored"] or r["stored_not_answered"]
+                                      or r["last_turn"] != 200),
                           "turns_ok": sum(r["ok_turns"] for r in conv_report),
+                          "turns_lost": {"answered_not_stored": sum(r["answered_not_stored"] for r in conv_report),
+                                         "stored_not_answered": sum(r["stored_not_answered"] for r in conv_report)},
+                          "turns_not_200": turn_outcomes(load.turns),
+                          "refusal_messages": sorted(load.refusals),
+                          "per_conversation": conv_report,
                           "turns_failed": failed_turns},
         "jobs": {"submitted": len(ids), "running_at_kill": len(running_at_kill),
                  "succeeded": sum(1 for v in views.values() if v["status"] == "succeeded"),
