@@ -5,8 +5,10 @@ and ports), then:
 
 1. optional Locust run across the three proxies (``--locust-users``, ``--locust-time``): failures and
    the load average;
-2. load: ``--clients`` clients each holding a conversation (a turn every ~0.5 s) and ``--streams``
-   streams pinned to the jobs pool (``long`` in prod.yaml), plus ``--jobs`` jobs submitted to it;
+2. load: ``--clients`` clients each holding a conversation (a turn every ~0.5 s; every other one pins
+   its turns to the jobs pool, so some conversations lose their pool's replica whatever the placement)
+   and ``--streams`` streams pinned to the jobs pool (``long`` in prod.yaml), plus ``--jobs`` jobs
+   submitted to it (long enough to still run at the kill);
 3. once a job runs, the worker node holding the jobs pool's replica is killed (its whole ``ray start``
    process group, SIGKILL) and the drill measures:
 
@@ -102,13 +104,14 @@ class Load:
         self.refusals: set[str] = set()  # the messages of the turns refused cleanly
         self.lock = threading.Lock()
 
-    def client(self, conv: str) -> None:
+    def client(self, conv: str, pinned: bool) -> None:
         n = 0
+        extra = {"pool": self.pool} if pinned else {}
         with httpx.Client(base_url=self.base, headers=AUTH, timeout=60) as c:
             while not self.stop.is_set():
                 try:
                     r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": f"turn {n}"}],
-                                                             "max_tokens": 4, "sinkserve": {"conversation_id": conv}})
+                                                             "max_tokens": 4, "sinkserve": {"conversation_id": conv, **extra}})
                     status = r.status_code
                     clean = refused_cleanly(r)
                     if clean:
@@ -213,10 +216,11 @@ def drill(c: LocalCluster, clients: int, streams: int, jobs: int) -> dict:
     ids = []
     for i in range(jobs):
         r = httpx.post(base + "/v1/jobs", headers=AUTH, timeout=30, json={"endpoint": "/v1/completions", "body": {
-            "prompt": f"drill job {i}", "max_tokens": 300, "sinkserve": {"ignore_eos": True}}})
+            "prompt": f"drill job {i}", "max_tokens": 900, "sinkserve": {"ignore_eos": True}}})
         r.raise_for_status()
         ids.append(r.json()["id"])
-    workers = [threading.Thread(target=load.client, args=(conv,), daemon=True) for conv in load.convs]
+    workers = [threading.Thread(target=load.client, args=(conv, i % 2 == 1), daemon=True)
+               for i, conv in enumerate(load.convs)]
     firsts = [threading.Event() for _ in range(streams)]
     workers += [threading.Thread(target=load.stream, args=(i, firsts[i]), daemon=True) for i in range(streams)]
     for w in workers:
@@ -226,7 +230,7 @@ def drill(c: LocalCluster, clients: int, streams: int, jobs: int) -> dict:
         time.sleep(0.3)
     for f in firsts:
         f.wait(60)
-    time.sleep(1.0)
+    time.sleep(0.5)
     running_at_kill = [j for j in ids if job(base, j)["status"] == "running"]
     load_at_kill = loadavg()
     killed = time.monotonic()
