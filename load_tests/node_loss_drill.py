@@ -213,24 +213,25 @@ def drill(c: LocalCluster, clients: int, streams: int, jobs: int) -> dict:
     before = {d: c.replica_nodes(d) for d in ("Ingress", "StatsHub", "pool-short-v1", "pool-long-v1")}
     log.info("placement before: %s; killing %s (holds the jobs pool %r)", before, victim, jobs_pool)
     load = Load(base, clients, jobs_pool)
-    ids = []
-    for i in range(jobs):
-        r = httpx.post(base + "/v1/jobs", headers=AUTH, timeout=30, json={"endpoint": "/v1/completions", "body": {
-            "prompt": f"drill job {i}", "max_tokens": 900, "sinkserve": {"ignore_eos": True}}})
-        r.raise_for_status()
-        ids.append(r.json()["id"])
     workers = [threading.Thread(target=load.client, args=(conv, i % 2 == 1), daemon=True)
                for i, conv in enumerate(load.convs)]
     firsts = [threading.Event() for _ in range(streams)]
     workers += [threading.Thread(target=load.stream, args=(i, firsts[i]), daemon=True) for i in range(streams)]
     for w in workers:
         w.start()
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline and not any(job(base, j)["status"] == "running" for j in ids):
-        time.sleep(0.3)
     for f in firsts:
         f.wait(60)
-    time.sleep(0.5)
+    # Jobs after the streams started, and the kill as soon as one runs: on a quiet host the reference
+    # model decodes a 900-token job or stream in seconds, so waiting longer killed an idle node.
+    ids = []
+    for i in range(jobs):
+        r = httpx.post(base + "/v1/jobs", headers=AUTH, timeout=30, json={"endpoint": "/v1/completions", "body": {
+            "prompt": f"drill job {i}", "max_tokens": 900, "sinkserve": {"ignore_eos": True}}})
+        r.raise_for_status()
+        ids.append(r.json()["id"])
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and not any(job(base, j)["status"] == "running" for j in ids):
+        time.sleep(0.1)
     running_at_kill = [j for j in ids if job(base, j)["status"] == "running"]
     load_at_kill = loadavg()
     killed = time.monotonic()
