@@ -261,8 +261,9 @@ class AppArgs(_Strict):
     stats_push_interval_s: float = Field(1.0, gt=0)
     # A replica that has not pushed its snapshot for this long stops counting as ready (app/hub.py): how
     # soon the ingress learns a pool has no live replica (failover, replica_wait_s) and /readyz shows it.
-    # A few push intervals, so a push delayed by a busy host does not flip a live pool to "not ready".
-    stats_ttl_s: float = Field(5.0, gt=0)
+    # Many push intervals: on a 2-core host at load 20-28 pushes were late by more than 5 s, and a 5 s
+    # TTL flipped live pools to "not ready" (18 of 242 Locust requests refused, docs/cluster.md).
+    stats_ttl_s: float = Field(15.0, gt=0)
     store: StoreArgs = StoreArgs()
     # Quotas by tenant name; API keys name their tenant (app/auth.py). A tenant not listed has none.
     tenants: dict[str, TenantArgs] = Field(default_factory=dict)

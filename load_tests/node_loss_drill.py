@@ -9,7 +9,8 @@ and ports), then:
    its turns to the jobs pool, so some conversations lose their pool's replica whatever the placement)
    and ``--streams`` streams pinned to the jobs pool (``long`` in prod.yaml), plus ``--jobs`` jobs
    submitted to it (long enough to still run at the kill);
-3. once a job runs, the worker node holding the jobs pool's replica is killed (its whole ``ray start``
+3. once a job runs, a worker node holding a jobs pool replica is killed (one that also holds some
+   pool's only replica when there is one, ``pick_victim``) (its whole ``ray start``
    process group, SIGKILL) and the drill measures:
 
    - ``streams_ended_s``: the last in-flight stream's end after the kill, and how each ended (an SSE
@@ -206,23 +207,36 @@ def squeeze(tries: list) -> list:
     return out
 
 
+def pick_victim(placement: dict[str, list[str]], jobs_deployment: str) -> str:
+    """A node holding a replica of the jobs pool, preferring one that also holds some pool's *only*
+    replica (the case where Serve holds new calls until a replacement runs).
+
+    >>> pick_victim({"pool-short-v1": ["worker-b"], "pool-long-v1": ["worker-a", "worker-b"]}, "pool-long-v1")
+    'worker-b'
+    >>> pick_victim({"pool-short-v1": ["worker-a", "worker-b"], "pool-long-v1": ["worker-b"]}, "pool-long-v1")
+    'worker-b'
+    """
+    only = {nodes[0] for d, nodes in placement.items() if d.startswith("pool-") and len(nodes) == 1}
+    holders = placement[jobs_deployment]
+    return next((n for n in holders if n in only), holders[0])
+
+
 def drill(c: LocalCluster, clients: int, streams: int, jobs: int) -> dict:
     base = f"http://127.0.0.1:{c.layout.http_port}"
     jobs_pool = "long"
-    victim = c.replica_nodes(f"pool-{jobs_pool}-v1")[0]
     before = {d: c.replica_nodes(d) for d in ("Ingress", "StatsHub", "pool-short-v1", "pool-long-v1")}
+    victim = pick_victim(before, f"pool-{jobs_pool}-v1")
     log.info("placement before: %s; killing %s (holds the jobs pool %r)", before, victim, jobs_pool)
     load = Load(base, clients, jobs_pool)
     workers = [threading.Thread(target=load.client, args=(conv, i % 2 == 1), daemon=True)
                for i, conv in enumerate(load.convs)]
     firsts = [threading.Event() for _ in range(streams)]
     workers += [threading.Thread(target=load.stream, args=(i, firsts[i]), daemon=True) for i in range(streams)]
-    for w in workers:
+    for w in workers[:clients]:
         w.start()
-    for f in firsts:
-        f.wait(60)
-    # Jobs after the streams started, and the kill as soon as one runs: on a quiet host the reference
-    # model decodes a 900-token job or stream in seconds, so waiting longer killed an idle node.
+    # Jobs, then the streams once a job runs, then the kill as soon as the streams have their first
+    # tokens: on a quiet host the reference model decodes a 900-token job or stream in seconds, so
+    # waiting longer killed an idle node.
     ids = []
     for i in range(jobs):
         r = httpx.post(base + "/v1/jobs", headers=AUTH, timeout=30, json={"endpoint": "/v1/completions", "body": {
@@ -232,6 +246,10 @@ def drill(c: LocalCluster, clients: int, streams: int, jobs: int) -> dict:
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline and not any(job(base, j)["status"] == "running" for j in ids):
         time.sleep(0.1)
+    for w in workers[clients:]:  # the streams once a job runs: each lasts seconds, and must outlive the kill
+        w.start()
+    for f in firsts:
+        f.wait(60)
     running_at_kill = [j for j in ids if job(base, j)["status"] == "running"]
     load_at_kill = loadavg()
     killed = time.monotonic()
