@@ -244,13 +244,16 @@ def drill(c: LocalCluster, clients: int, streams: int, jobs: int) -> dict:
         r.raise_for_status()
         ids.append(r.json()["id"])
     deadline = time.monotonic() + 90
-    while time.monotonic() < deadline and not any(job(base, j)["status"] == "running" for j in ids):
+    running_at_kill: list[str] = []
+    while time.monotonic() < deadline and not running_at_kill:
+        running_at_kill = [j for j in ids if job(base, j)["status"] == "running"]
         time.sleep(0.1)
     for w in workers[clients:]:  # the streams once a job runs: each lasts seconds, and must outlive the kill
         w.start()
     for f in firsts:
         f.wait(60)
-    running_at_kill = [j for j in ids if job(base, j)["status"] == "running"]
+    # No request between the streams' first tokens and the kill (a status poll under load took long
+    # enough for the streams to finish): running_at_kill is the jobs running just before the streams.
     load_at_kill = loadavg()
     killed = time.monotonic()
     c.kill_node(victim)
