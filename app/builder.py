@@ -151,7 +151,7 @@ def build_app(args: AppArgs) -> Application:
     # The hub runs where the ingress runs (ingress.resources: the head node of a cluster).
     hub_opts = {"ray_actor_options": {"num_cpus": STATS_HUB_CPUS, "resources": dict(args.ingress.resources)}} \
         if args.ingress.resources else {}
-    hub = StatsHub.options(name="StatsHub", **hub_opts).bind()
+    hub = StatsHub.options(name="StatsHub", **hub_opts).bind(args.stats_ttl_s)
     pools: dict[str, Application] = {}
     store = args.store
     tenants = tuple(args.tenants.items())

@@ -8,7 +8,10 @@ Two triggers, both before the request's first token (a stream that started stays
   to a pool that is up;
 - the pool answers that it cannot take it: 503 "engine unavailable" (its engine had died and is
   restarting) or no live replica after the one resend -- the request is sent to the next pool that
-  fits. A request that was *in* an engine when it died or hung is not moved: it may be what killed it.
+  fits. A request that was *in* an engine when it died or hung is not moved: it may be what killed it;
+- no replica took the call within ``ingress.replica_wait_s`` while the hub sees none ready (the
+  pool's only replica, or its node, was lost: Serve would hold the call until a replacement runs) --
+  the call is cancelled and answered 503 "unavailable" (``stream_plan``), so it moves as above.
 
 "Can serve" means the same model version, in a pool whose bucket holds the prompt (``max_prompt_tokens``);
 a request that named its pool (``sinkserve.pool``) is never moved. Each move is counted
@@ -63,10 +66,12 @@ async def stream_with_failover(
     inbox: TokenInbox,
     ready: Callable[[str], bool],
     on_failover: Callable[[str, str, str], None],
+    replica_wait_s: float | None = None,
 ) -> AsyncIterator[RouteInfo | TokenDelta | APIError]:
     """``stream_plan`` of ``plan``, or of the first fallback that can take it (see the module docstring).
     ``ready(deployment)``: whether the hub last saw a ready replica of it; ``on_failover(from, to, reason)``
-    counts a move."""
+    counts a move; ``replica_wait_s``: how long a call may wait for a replica of a pool the hub sees
+    none ready of (``stream_plan``)."""
     candidates = [plan, *fallbacks]
     if not ready(plan.info.deployment):  # known down: start with the first fallback that is up
         up = [p for p in fallbacks if ready(p.info.deployment)]
@@ -75,7 +80,8 @@ async def stream_with_failover(
             candidates = [*up, plan]
     for i, p in enumerate(candidates):
         last = i == len(candidates) - 1
-        gen = stream_plan(pools[p.info.deployment], p, inbox)
+        gen = stream_plan(pools[p.info.deployment], p, inbox, replica_wait_s=replica_wait_s,
+                          pool_ready=lambda d=p.info.deployment: ready(d))
         try:
             first = await gen.__anext__()
             if isinstance(first, APIError) and pool_unavailable(first) and not last:

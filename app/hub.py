@@ -2,7 +2,7 @@
 
 Replicas push (rather than the ingress pulling) because a Serve handle reaches *one* replica of a
 deployment; with pushes, one ``/metrics`` scrape or ``/readyz`` probe sees them all. Entries expire
-after ``ttl_s`` so a dead replica stops counting as ready.
+after ``ttl_s`` (the app's ``stats_ttl_s``) so a dead replica stops counting as ready.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ray import serve
     logging_config={"enable_access_log": False},  # pushes every second would drown the log
 )
 class StatsHub:
-    def __init__(self, ttl_s: float = 15.0) -> None:
+    def __init__(self, ttl_s: float) -> None:
         self.ttl_s = ttl_s
         self._entries: dict[str, tuple[float, dict[str, Any]]] = {}
 

@@ -349,7 +349,7 @@ class Ingress:
         forced = body.sinkserve is not None and body.sinkserve.pool is not None
         fallbacks = [] if forced else fallback_plans(plan, self.spec.plan.buckets, list(self.pools))
         return stream_with_failover(plan, fallbacks, self.pools, self.inbox, self._deployment_ready,
-                                    self.metrics.failover)
+                                    self.metrics.failover, self.spec.ingress.replica_wait_s)
 
     def _deployment_ready(self, deployment: str) -> bool:
         return self._ready_deployments is None or deployment in self._ready_deployments

@@ -160,6 +160,11 @@ class IngressArgs(_Strict):
     # at most plan_max_waiting more waiting (then 503); app/plan_pool.py.
     plan_threads: int = Field(2, ge=1)
     plan_max_waiting: int = Field(64, ge=0)
+    # A request that no replica of its pool has taken after this many seconds, while the stats hub sees
+    # no ready replica of that pool (its only replica's node was lost; Serve holds the call until a
+    # replacement runs, a minute on a loaded host), stops waiting: it fails over to another pool that
+    # fits it, or gets a 503 with Retry-After naming the pool (app/streaming.py, app/failover.py).
+    replica_wait_s: float = Field(3.0, gt=0)
 
     @field_validator("resources")
     @classmethod
@@ -254,6 +259,11 @@ class AppArgs(_Strict):
         ]
     )
     stats_push_interval_s: float = Field(1.0, gt=0)
+    # A replica that has not pushed its snapshot for this long stops counting as ready (app/hub.py): how
+    # soon the ingress learns a pool has no live replica (failover, replica_wait_s) and /readyz shows it.
+    # Many push intervals: on a 2-core host at load 20-28 pushes were late by more than 5 s, and a 5 s
+    # TTL flipped live pools to "not ready" (18 of 242 Locust requests refused, docs/cluster.md).
+    stats_ttl_s: float = Field(15.0, gt=0)
     store: StoreArgs = StoreArgs()
     # Quotas by tenant name; API keys name their tenant (app/auth.py). A tenant not listed has none.
     tenants: dict[str, TenantArgs] = Field(default_factory=dict)
@@ -264,6 +274,13 @@ class AppArgs(_Strict):
     # The app's replicas may run on more than one node (also assumed when Ray reports more than one
     # alive node at build time): the store must then be Redis.
     multi_node: bool = False
+
+    @model_validator(mode="after")
+    def _ttl_spans_pushes(self) -> "AppArgs":
+        if self.stats_ttl_s < 2 * self.stats_push_interval_s:
+            raise ValueError(f"stats_ttl_s ({self.stats_ttl_s:g}) must be at least twice stats_push_interval_s "
+                             f"({self.stats_push_interval_s:g}): one late push would mark a live replica not ready")
+        return self
 
     @model_validator(mode="after")
     def _store_spans_nodes(self) -> "AppArgs":

@@ -23,7 +23,7 @@ import asyncio
 import logging
 from contextlib import aclosing
 from dataclasses import replace
-from typing import Any, AsyncIterator, TypeVar
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 from app.errors import APIError
 from app.events import RoutePlan, RouteInfo, TokenDelta
@@ -147,7 +147,40 @@ async def bus_stream(call: Any, queue: asyncio.Queue[Any], grace_s: float = 10.0
         watcher.cancel()
 
 
+# Retry-After of a 503 for a pool with no live replica: Serve starts a replacement in tens of seconds.
+NO_REPLICA_RETRY_AFTER_S = 5
 TIME_LIMIT = "time_limit"  # finish_reason of a generation ended by its pool's soft timeout
+
+
+async def taken_by_replica(call: Any, wait_s: float, pool_ready: Callable[[], bool]) -> bool:
+    """Whether a replica took ``call``: True once Serve's router assigned it to one; False when, at a
+    ``wait_s`` deadline, none has and the hub sees no ready replica of the pool -- its only replica
+    (or node) was lost and Serve holds the call until a replacement runs (a minute on a loaded host).
+    While the pool is ready (its replicas are busy: Serve queues the call) the wait goes on, one
+    ``wait_s`` at a time. A request that no replica took never reached an engine, so it may go
+    elsewhere (app/failover.py)::
+
+        t=0 call sent (router: no live replica) -- t=wait_s: hub still sees the pool ready (its TTL)
+        -> wait -- t=2*wait_s: hub sees none -> False (the caller cancels the call: 503 or failover)
+
+    Reads Serve's own assignment future (``DeploymentResponse._fetch_future_result_async``, Ray 2.x);
+    a call without one (a test double) counts as taken at once."""
+    fetch = getattr(call, "_fetch_future_result_async", None)
+    if fetch is None:
+        return True
+    task = asyncio.ensure_future(fetch())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=wait_s)
+            if done:
+                return True  # assigned, or failed: awaiting the call raises that failure (bus_stream)
+            if not pool_ready():
+                return False
+    finally:
+        if not task.done():
+            task.cancel()
+        elif not task.cancelled():
+            task.exception()  # retrieved: the call's own await reports it
 
 
 def _replica_gone(e: BaseException) -> bool:
@@ -157,7 +190,8 @@ def _replica_gone(e: BaseException) -> bool:
     return isinstance(e, (ActorDiedError, ActorUnavailableError, RayActorError))
 
 
-async def stream_plan(pool: Any, plan: RoutePlan, inbox: TokenInbox) -> AsyncIterator[RouteInfo | TokenDelta | APIError]:
+async def stream_plan(pool: Any, plan: RoutePlan, inbox: TokenInbox, replica_wait_s: float | None = None,
+                      pool_ready: Callable[[], bool] = lambda: True) -> AsyncIterator[RouteInfo | TokenDelta | APIError]:
     """``RouteInfo`` then ``TokenDelta``s (the last finished), or an ``APIError`` (first, or after
     some deltas). However this generator ends early (client gone, timeout), the pool call is
     cancelled, which aborts the request in the engine.
@@ -166,7 +200,9 @@ async def stream_plan(pool: Any, plan: RoutePlan, inbox: TokenInbox) -> AsyncIte
     every unfinished choice gets a last, empty delta with ``finish_reason: "time_limit"``, so the
     client keeps the partial output; without one, ``timeout_s`` ends the stream with a 408. A call
     whose replica died before it produced anything is sent once more (Serve routes it to a live
-    replica; a conversation's next replica re-prefills its history)."""
+    replica; a conversation's next replica re-prefills its history). With ``replica_wait_s``, a call
+    that no replica takes while ``pool_ready()`` says the pool has none (:func:`taken_by_replica`)
+    ends with a 503 "unavailable" naming the pool (app/failover.py moves it to another pool)."""
     info, preq = plan.info, plan.request
     soft = preq.soft_timeout_s
     timeout_s = soft or preq.timeout_s or 3600.0
@@ -183,6 +219,13 @@ async def stream_plan(pool: Any, plan: RoutePlan, inbox: TokenInbox) -> AsyncIte
         call = pool.generate.remote(replace(preq, reply_to=inbox.address))
         done = False
         try:
+            if replica_wait_s is not None and not await taken_by_replica(call, replica_wait_s, pool_ready):
+                logger.warning("request %s: no live replica of %s took it within %.1fs", info.request_id,
+                               info.deployment, replica_wait_s)
+                yield APIError(503, f"pool {info.pool!r} has no live replica (none took the request within "
+                               f"{replica_wait_s:g}s; its replica or node was lost and is being replaced); retry shortly",
+                               type="unavailable", retry_after=NO_REPLICA_RETRY_AFTER_S)
+                return
             # aclosing: returning early still closes the coalescer at once (its timer and pump task).
             async with aclosing(coalesced(bus_stream(call, queue), timeout_s)) as source:
                 async for ev in source:
@@ -234,7 +277,7 @@ async def stream_plan(pool: Any, plan: RoutePlan, inbox: TokenInbox) -> AsyncIte
                 return
             if not started and _replica_gone(e):  # twice: the pool has no live replica now (app/failover.py)
                 yield APIError(503, f"pool {info.pool!r} has no live replica; retry shortly", type="unavailable",
-                               retry_after=5)
+                               retry_after=NO_REPLICA_RETRY_AFTER_S)
                 return
             logger.exception("request %s failed in %s", info.request_id, info.deployment)
             yield APIError(500, f"internal error in pool {info.pool!r}: {type(e).__name__}", type="server_error")

@@ -5,9 +5,12 @@ and ports), then:
 
 1. optional Locust run across the three proxies (``--locust-users``, ``--locust-time``): failures and
    the load average;
-2. load: ``--clients`` clients each holding a conversation (a turn every ~0.5 s) and ``--streams``
-   streams pinned to the jobs pool (``long`` in prod.yaml), plus ``--jobs`` jobs submitted to it;
-3. once a job runs, the worker node holding the jobs pool's replica is killed (its whole ``ray start``
+2. load: ``--clients`` clients each holding a conversation (a turn every ~0.5 s; every other one pins
+   its turns to the jobs pool, so some conversations lose their pool's replica whatever the placement)
+   and ``--streams`` streams pinned to the jobs pool (``long`` in prod.yaml), plus ``--jobs`` jobs
+   submitted to it (long enough to still run at the kill);
+3. once a job runs, a worker node holding a jobs pool replica is killed (one that also holds some
+   pool's only replica when there is one, ``pick_victim``) (its whole ``ray start``
    process group, SIGKILL) and the drill measures:
 
    - ``streams_ended_s``: the last in-flight stream's end after the kill, and how each ended (an SSE
@@ -15,7 +18,13 @@ and ports), then:
    - ``first_ok_s``: the first new request (no pool named) answered 200 after the kill;
    - ``pool_back_s``: the first request pinned to the lost pool answered 200 (Serve rescheduled its
      replica on the surviving worker): the recovery time;
-   - conversations: each took a turn after recovery and holds every turn answered 200 (none lost);
+   - conversations: each took a turn after recovery; per conversation its stored turns are matched to
+     its turns answered 200: a turn **lost** was answered 200 but is missing from the stored
+     conversation, or is stored but was never answered (the client timed out or was cut). Other
+     outcomes are counted apart: **refused cleanly** (503/429 with an error message and Retry-After:
+     the conversation is as it was, the client may send the turn again -- not a lost conversation),
+     409 (a turn still held the conversation's lock), no answer (client timeout / cut connection). A
+     conversation is lost when it lost a turn or its turn after recovery was not a 200;
    - jobs: every job succeeded, each exactly once (attempts 2 for a job whose replica was lost: re-queued
      once, 1 for the others; none missing, none run a third time).
 
@@ -91,22 +100,29 @@ class Load:
         self.base, self.pool = base, pool
         self.stop = threading.Event()
         self.convs = [httpx.post(base + "/v1/conversations", headers=AUTH, timeout=30).json()["id"] for _ in range(clients)]
-        self.turns: list[tuple[str, int, float]] = []  # conversation, status, time
+        self.turns: list[tuple[str, int, float, bool]] = []  # conversation, status, time, refused cleanly
         self.streams: dict[int, dict] = {}
+        self.refusals: set[str] = set()  # the messages of the turns refused cleanly
         self.lock = threading.Lock()
 
-    def client(self, conv: str) -> None:
+    def client(self, conv: str, pinned: bool) -> None:
         n = 0
+        extra = {"pool": self.pool} if pinned else {}
         with httpx.Client(base_url=self.base, headers=AUTH, timeout=60) as c:
             while not self.stop.is_set():
                 try:
                     r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": f"turn {n}"}],
-                                                             "max_tokens": 4, "sinkserve": {"conversation_id": conv}})
+                                                             "max_tokens": 4, "sinkserve": {"conversation_id": conv, **extra}})
                     status = r.status_code
+                    clean = refused_cleanly(r)
+                    if clean:
+                        with self.lock:
+                            self.refusals.add(f"{r.status_code} Retry-After {r.headers['retry-after']}: "
+                                              f"{r.json()['error']['message']}")
                 except httpx.HTTPError:
-                    status = -1
+                    status, clean = -1, False
                 with self.lock:
-                    self.turns.append((conv, status, time.monotonic()))
+                    self.turns.append((conv, status, time.monotonic(), clean))
                 n += 1
                 time.sleep(0.5)
 
@@ -136,6 +152,27 @@ class Load:
             first.set()
         rec["ended"] = time.monotonic()
         self.streams[i] = rec
+
+
+def refused_cleanly(r: httpx.Response) -> bool:
+    """A 503/429 the client may retry: an error body with a message, and a Retry-After."""
+    if r.status_code not in (429, 503) or "retry-after" not in r.headers:
+        return False
+    try:
+        return bool(r.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
+def turn_outcomes(turns: list[tuple[str, int, float, bool]]) -> dict:
+    """Counts of the turns that were not a 200, by kind (see the module docstring)."""
+    out = {"refused_cleanly": 0, "conflict_409": 0, "no_answer": 0, "other": 0}
+    for _, status, _, clean in turns:
+        if status == 200:
+            continue
+        kind = "refused_cleanly" if clean else "conflict_409" if status == 409 else "no_answer" if status == -1 else "other"
+        out[kind] += 1
+    return out
 
 
 def job(base: str, job_id: str) -> dict:
@@ -170,31 +207,56 @@ def squeeze(tries: list) -> list:
     return out
 
 
+def pick_victim(placement: dict[str, list[str]], jobs_deployment: str) -> str:
+    """A node holding a replica of the jobs pool, preferring one that also holds some pool's *only*
+    replica (the case where Serve holds new calls until a replacement runs).
+
+    >>> pick_victim({"pool-short-v1": ["worker-b"], "pool-long-v1": ["worker-a", "worker-b"]}, "pool-long-v1")
+    'worker-b'
+    >>> pick_victim({"pool-short-v1": ["worker-a", "worker-b"], "pool-long-v1": ["worker-b"]}, "pool-long-v1")
+    'worker-b'
+    """
+    only = {nodes[0] for d, nodes in placement.items() if d.startswith("pool-") and len(nodes) == 1}
+    holders = placement[jobs_deployment]
+    return next((n for n in holders if n in only), holders[0])
+
+
 def drill(c: LocalCluster, clients: int, streams: int, jobs: int) -> dict:
     base = f"http://127.0.0.1:{c.layout.http_port}"
     jobs_pool = "long"
-    victim = c.replica_nodes(f"pool-{jobs_pool}-v1")[0]
     before = {d: c.replica_nodes(d) for d in ("Ingress", "StatsHub", "pool-short-v1", "pool-long-v1")}
+    victim = pick_victim(before, f"pool-{jobs_pool}-v1")
     log.info("placement before: %s; killing %s (holds the jobs pool %r)", before, victim, jobs_pool)
     load = Load(base, clients, jobs_pool)
+    workers = [threading.Thread(target=load.client, args=(conv, i % 2 == 1), daemon=True)
+               for i, conv in enumerate(load.convs)]
+    firsts = [threading.Event() for _ in range(streams)]
+    workers += [threading.Thread(target=load.stream, args=(i, firsts[i]), daemon=True) for i in range(streams)]
+    for w in workers[:clients]:
+        w.start()
+    # Jobs, then the streams once a job runs, then the kill as soon as the streams have their first
+    # tokens: on a quiet host the reference model decodes a 900-token job or stream in seconds, so
+    # waiting longer killed an idle node.
     ids = []
     for i in range(jobs):
         r = httpx.post(base + "/v1/jobs", headers=AUTH, timeout=30, json={"endpoint": "/v1/completions", "body": {
-            "prompt": f"drill job {i}", "max_tokens": 300, "sinkserve": {"ignore_eos": True}}})
+            "prompt": f"drill job {i}", "max_tokens": 900, "sinkserve": {"ignore_eos": True}}})
         r.raise_for_status()
         ids.append(r.json()["id"])
-    workers = [threading.Thread(target=load.client, args=(conv,), daemon=True) for conv in load.convs]
-    firsts = [threading.Event() for _ in range(streams)]
-    workers += [threading.Thread(target=load.stream, args=(i, firsts[i]), daemon=True) for i in range(streams)]
-    for w in workers:
-        w.start()
     deadline = time.monotonic() + 90
-    while time.monotonic() < deadline and not any(job(base, j)["status"] == "running" for j in ids):
-        time.sleep(0.3)
-    for f in firsts:
-        f.wait(60)
-    time.sleep(1.0)
-    running_at_kill = [j for j in ids if job(base, j)["status"] == "running"]
+    running_at_kill: list[str] = []
+    while time.monotonic() < deadline and not running_at_kill:
+        running_at_kill = [j for j in ids if job(base, j)["status"] == "running"]
+        time.sleep(0.1)
+    for w in workers[clients:]:  # the streams once a job runs: each lasts seconds, and must outlive the kill
+        w.start()
+    # Any stream's first token: on a quiet host a 900-token stream lasts a second or two, so waiting for
+    # every stream's first token let the first ones finish before the kill.
+    until = time.monotonic() + 60
+    while time.monotonic() < until and not any(f.is_set() for f in firsts):
+        time.sleep(0.02)
+    # No request between the streams' first tokens and the kill (a status poll under load took long
+    # enough for the streams to finish): running_at_kill is the jobs running just before the streams.
     load_at_kill = loadavg()
     killed = time.monotonic()
     c.kill_node(victim)
@@ -217,14 +279,15 @@ def drill(c: LocalCluster, clients: int, streams: int, jobs: int) -> dict:
     for conv in load.convs:
         r = httpx.post(base + "/v1/chat/completions", headers=AUTH, timeout=60, json={
             "messages": [{"role": "user", "content": "last"}], "max_tokens": 4, "sinkserve": {"conversation_id": conv}})
-        ok = sum(1 for cv, s, _ in load.turns if cv == conv and s == 200) + (r.status_code == 200)
+        ok = sum(1 for cv, s, _, _ in load.turns if cv == conv and s == 200) + (r.status_code == 200)
         stored = len(httpx.get(f"{base}/v1/conversations/{conv}", headers=AUTH, timeout=30).json()["turns"])
-        conv_report.append({"ok_turns": ok, "stored_turns": stored, "last_turn": r.status_code})
+        conv_report.append({"ok_turns": ok, "stored_turns": stored, "last_turn": r.status_code,
+                            "answered_not_stored": max(0, ok - stored), "stored_not_answered": max(0, stored - ok)})
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and any(job(base, j)["status"] not in ("succeeded", "failed", "cancelled") for j in ids):
         time.sleep(1.0)
     views = {j: job(base, j) for j in ids}
-    failed_turns = [(s, round(t - killed, 1)) for _, s, t in load.turns if s != 200]
+    failed_turns = [(s, round(t - killed, 1)) for _, s, t, _ in load.turns if s != 200]
     ends = sorted((s["end"], round(s["ended"] - killed, 1)) for s in load.streams.values())
     summary = {
         "victim": victim, "placement_before": before,
@@ -238,8 +301,14 @@ def drill(c: LocalCluster, clients: int, streams: int, jobs: int) -> dict:
         "pool_back_s": None if back is None else round(back, 1),
         "pool_back_tries": squeeze(pool_tries),
         "conversations": {"count": len(conv_report),
-                          "lost": sum(1 for r in conv_report if r["stored_turns"] < r["ok_turns"] or r["last_turn"] != 200),
+                          "lost": sum(1 for r in conv_report if r["answered_not_stored"] or r["stored_not_answered"]
+                                      or r["last_turn"] != 200),
                           "turns_ok": sum(r["ok_turns"] for r in conv_report),
+                          "turns_lost": {"answered_not_stored": sum(r["answered_not_stored"] for r in conv_report),
+                                         "stored_not_answered": sum(r["stored_not_answered"] for r in conv_report)},
+                          "turns_not_200": turn_outcomes(load.turns),
+                          "refusal_messages": sorted(load.refusals),
+                          "per_conversation": conv_report,
                           "turns_failed": failed_turns},
         "jobs": {"submitted": len(ids), "running_at_kill": len(running_at_kill),
                  "succeeded": sum(1 for v in views.values() if v["status"] == "succeeded"),

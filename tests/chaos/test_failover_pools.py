@@ -31,7 +31,7 @@ BUCKETS = (BucketSpec("short", 48, 60.0), BucketSpec("long", 400, 120.0))
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
-async def direct_stream_plan(server, plan: RoutePlan, inbox):
+async def direct_stream_plan(server, plan: RoutePlan, inbox, **_):
     """What stream_plan yields, from a pool replica called in-process (LLMServer.generate's error mapping)."""
     started = False
     try:

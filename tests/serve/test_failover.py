@@ -43,7 +43,7 @@ def run(monkeypatch: pytest.MonkeyPatch, answers: dict[str, list], p: RoutePlan,
     calls: list[str] = []
     moves: list[tuple[str, str, str]] = []
 
-    async def fake_stream_plan(pool, plan, inbox):
+    async def fake_stream_plan(pool, plan, inbox, **_):
         calls.append(plan.info.deployment)
         for ev in answers[plan.info.deployment]:
             yield plan.info if ev == "info" else ev

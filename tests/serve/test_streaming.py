@@ -188,3 +188,60 @@ async def test_replica_lost_mid_stream_ends_it_with_a_503_naming_it(bus):
     assert isinstance(err, APIError) and err.status == 503 and err.type == "unavailable" and err.retry_after == 1
     assert "lost the replica serving this request mid-stream" in err.message
     assert len(pool.calls) == 1 and inbox._queues == {}  # noqa: SLF001
+
+
+class HeldCall(FakeCall):
+    """A Serve call its router holds before any replica takes it (the pool's only replica was lost):
+    ``_fetch_future_result_async`` -- Serve's assignment -- resolves only once ``assigned`` is set;
+    the body runs after that."""
+
+    def __init__(self, req, outbox, items, assigned: asyncio.Event):
+        self.assigned = assigned
+        super().__init__(req, outbox, items, 0.0, None)
+
+    async def _run(self, outbox, items, delay, error):
+        await self.assigned.wait()
+        await super()._run(outbox, items, delay, error)
+
+    async def _fetch_future_result_async(self):
+        await self.assigned.wait()
+
+
+class HeldPool(FakePool):
+    def __init__(self, outbox, items=()):
+        super().__init__(outbox, items)
+        self.assigned = asyncio.Event()
+
+    def remote(self, req):
+        self.calls.append(HeldCall(req, self.outbox, self.items, self.assigned))
+        return self.calls[-1]
+
+
+async def test_a_call_no_replica_takes_while_the_pool_has_none_ready_is_a_503_naming_the_pool(bus):
+    """Issue 40 item 2: the pool's only replica's node was lost; Serve would hold the call until a
+    replacement runs (a minute). Once the hub sees no ready replica, the call is cancelled within
+    replica_wait_s and the client gets a 503 with Retry-After naming the pool (failover's trigger)."""
+    from app.streaming import NO_REPLICA_RETRY_AFTER_S
+
+    inbox, outbox = bus
+    pool = HeldPool(outbox, [delta(1, fin=True)])
+    ready = iter([True, False])  # the hub still lists the lost replica at the first deadline (its TTL)
+    t0 = asyncio.get_running_loop().time()
+    (ev,) = await asyncio.wait_for(collect(stream_plan(pool, plan(), inbox, replica_wait_s=0.1,
+                                                       pool_ready=lambda: next(ready))), 5)
+    took = asyncio.get_running_loop().time() - t0
+    assert isinstance(ev, APIError) and ev.status == 503 and ev.type == "unavailable"
+    assert "pool 'short' has no live replica" in ev.message and ev.retry_after == NO_REPLICA_RETRY_AFTER_S
+    assert 0.2 <= took < 2.0  # two deadlines: the first found the pool still listed ready
+    assert pool.calls[0].cancelled and inbox._queues == {}  # noqa: SLF001
+
+
+async def test_a_call_queued_while_the_pool_is_ready_waits_for_its_replica(bus):
+    """A busy pool (Serve queues the call; the hub sees the pool ready) is not refused at the deadline."""
+    inbox, outbox = bus
+    pool = HeldPool(outbox, [delta(1), delta(2, fin=True)])
+    asyncio.get_running_loop().call_later(0.35, pool.assigned.set)  # after three deadlines
+    out = await asyncio.wait_for(collect(stream_plan(pool, plan(), inbox, replica_wait_s=0.1,
+                                                     pool_ready=lambda: True)), 5)
+    assert isinstance(out[0], RouteInfo) and [t for d in out[1:] for t in d.token_ids] == [1, 2]
+    assert not pool.calls[0].cancelled
