@@ -169,18 +169,15 @@ async def taken_by_replica(call: Any, wait_s: float, pool_ready: Callable[[], bo
     if fetch is None:
         return True
     task = asyncio.ensure_future(fetch())
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=wait_s)
-            if done:
-                return True  # assigned, or failed: awaiting the call raises that failure (bus_stream)
-            if not pool_ready():
-                return False
-    finally:
-        if not task.done():
-            task.cancel()
-        elif not task.cancelled():
-            task.exception()  # retrieved: the call's own await reports it
+    # Never cancelled from here: the task awaits the call's own assignment future, and cancelling it would
+    # cancel the call (the stream beside this watch still reads it). Its outcome is the call's to report.
+    task.add_done_callback(lambda f: f.cancelled() or f.exception())
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=wait_s)
+        if done:
+            return True  # assigned, or failed: awaiting the call raises that failure (bus_stream)
+        if not pool_ready():
+            return False
 
 
 def _replica_gone(e: BaseException) -> bool:
@@ -218,17 +215,33 @@ async def stream_plan(pool: Any, plan: RoutePlan, inbox: TokenInbox, replica_wai
             return
         call = pool.generate.remote(replace(preq, reply_to=inbox.address))
         done = False
+        watch: asyncio.Future[bool] | None = None
         try:
-            if replica_wait_s is not None and not await taken_by_replica(call, replica_wait_s, pool_ready):
-                logger.warning("request %s: no live replica of %s took it within %.1fs", info.request_id,
-                               info.deployment, replica_wait_s)
-                yield APIError(503, f"pool {info.pool!r} has no live replica (none took the request within "
-                               f"{replica_wait_s:g}s; its replica or node was lost and is being replaced); retry shortly",
-                               type="unavailable", retry_after=NO_REPLICA_RETRY_AFTER_S)
-                return
+            # The replica watch runs beside the stream, never in front of it: Serve may resolve a unary
+            # call's assignment late, and tokens waiting behind it would reach the client in one lump.
+            watch = (asyncio.ensure_future(taken_by_replica(call, replica_wait_s, pool_ready))
+                     if replica_wait_s is not None else None)
             # aclosing: returning early still closes the coalescer at once (its timer and pump task).
             async with aclosing(coalesced(bus_stream(call, queue), timeout_s)) as source:
-                async for ev in source:
+                while True:
+                    nxt = asyncio.ensure_future(source.__anext__())
+                    if watch is not None:
+                        await asyncio.wait({nxt, watch}, return_when=asyncio.FIRST_COMPLETED)
+                        if not nxt.done() and not watch.result():
+                            nxt.cancel()
+                            await asyncio.wait({nxt})  # let the generator unwind before aclosing closes it
+                            logger.warning("request %s: no live replica of %s took it within %.1fs", info.request_id,
+                                           info.deployment, replica_wait_s)
+                            yield APIError(503, f"pool {info.pool!r} has no live replica (none took the request within "
+                                           f"{replica_wait_s:g}s; its replica or node was lost and is being replaced); "
+                                           "retry shortly", type="unavailable", retry_after=NO_REPLICA_RETRY_AFTER_S)
+                            return
+                        watch.cancel()  # something arrived, or a replica took it: nothing left to watch
+                        watch = None
+                    try:
+                        ev = await nxt
+                    except StopAsyncIteration:
+                        break
                     if not started:
                         started = True
                         if not isinstance(ev, APIError):
@@ -283,6 +296,8 @@ async def stream_plan(pool: Any, plan: RoutePlan, inbox: TokenInbox, replica_wai
             yield APIError(500, f"internal error in pool {info.pool!r}: {type(e).__name__}", type="server_error")
             return
         finally:
+            if watch is not None:
+                watch.cancel()
             if not done:
                 call.cancel()
             inbox.close(info.request_id)
