@@ -60,6 +60,9 @@ def cluster_test_config(path: Path) -> Path:
     pools = {p["name"]: p for p in args["pools"]}
     pools["short"]["autoscaling"] = {"min_replicas": 2, "max_replicas": 2}
     pools["short"]["engine"]["max_num_seqs"] = 16
+    # The node-loss test's 6,000-token streams must outlive the kill, not the pool's 120 s timeout on a
+    # loaded host (one ended with a 408 at load ~130).
+    pools["short"]["timeout_s"] = 600
     # Streams and jobs that outlast the kill (the reference model decodes ~200 tokens/s) need more
     # than its 1,024-token context: the short pool evicts here, as the long one does in prod.
     pools["short"]["engine"]["cache_policy"] = {"eviction_policy": "sliding_window", "protected_positions": [0, 1, 2, 3]}
