@@ -7,8 +7,9 @@ This bench answers the same documents as ``bench/kvpress_compare.py`` (``evals.e
 held-out facts in real prose, the question in view when blocks are scored) with the importance arm under
 each pooling, one run, and writes a table::
 
-    mean      mass averaged over the query heads (the engine's rule)
-    headmax   per layer, the largest mass any query head puts on the block (queries averaged)
+    mean      mass averaged over the query heads (the engine's rule before this A/B)
+    headmax   per layer, the largest mass any query head puts on the block (queries averaged; the
+              engine's rule since: engine/importance.py)
 
     python -m bench.importance_reduce --model smollm2-135m-instruct --docs 12 --doc-tokens 2048 \
         --filler prose --budget 25 --reduce mean,headmax --out docs/importance_reduce.md
@@ -37,9 +38,10 @@ from kernels.block_sparse import gather_blocks  # noqa: E402
 ENGINE_ACCUMULATE = importance.accumulate
 
 
-def headmax_accumulate(acc: torch.Tensor, q: torch.Tensor, kv: object, block_tables: torch.Tensor,
-                       seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, block_size: int) -> None:
-    """``importance.accumulate`` with the mass pooled by the max over query heads instead of the mean."""
+def mean_accumulate(acc: torch.Tensor, q: torch.Tensor, kv: object, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, block_size: int) -> None:
+    """The rule the engine used before (the lost side of this A/B): each block's mass averaged over the
+    query heads, added to the layer's row (``importance.accumulate`` takes the max over heads)."""
     starts = query_start_loc.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):
         n_q = starts[i + 1] - starts[i]
@@ -59,11 +61,10 @@ def headmax_accumulate(acc: torch.Tensor, q: torch.Tensor, kv: object, block_tab
         logits = torch.einsum("ohgd,khd->hgok", qs, keys) * scale
         qpos = seq_len - obs + torch.arange(obs)
         logits.masked_fill_((pos[None, :] > qpos[:, None]) | (pos[None, :] >= seq_len), float("-inf"))
-        per_head = logits.softmax(-1).mean(dim=2).reshape(-1, m, bs).sum(-1)  # [heads, m]: block mass per head
-        acc[i].index_add_(0, held, per_head.amax(0))
+        acc[i].index_add_(0, held, logits.softmax(-1).mean(dim=(0, 1, 2)).view(m, bs).sum(1))
 
 
-REDUCES = {"mean": ENGINE_ACCUMULATE, "headmax": headmax_accumulate}
+REDUCES = {"mean": mean_accumulate, "headmax": ENGINE_ACCUMULATE}  # headmax: the engine's rule since this A/B
 
 
 def main(argv: list[str] | None = None) -> int:
