@@ -14,9 +14,9 @@ SUBCOMMANDS = ("app.cli_serve", "app.cli_cluster", "app.cli_canary", "app.cli_ge
 
 
 def _source_tree_tools() -> None:
-    """Let a source checkout reach its tools: an editable install maps only the shipped packages (kernels,
-    engine, app), while ``evals/`` and ``training/`` sit beside ``app/``. A wheel install has no such
-    directory, and ``eval`` / ``model train-indexer`` are then left out of the parser."""
+    """Let a source checkout reach its tools: an editable install maps only the shipped packages
+    (sinkserve_kernels, engine, app), while ``evals/`` and ``training/`` sit beside ``app/``. A wheel
+    install has no such directory, and ``eval`` / ``model train-indexer`` are then left out of the parser."""
     root = Path(__file__).resolve().parents[1]
     if (root / "evals" / "__init__.py").is_file() and str(root) not in sys.path:
         sys.path.append(str(root))

@@ -10,7 +10,7 @@ time (``time.thread_time``), which the other jobs of a shared host disturb far l
 forwards, ``engine/models/llama.py`` and ``engine/models/attnres.py``).
 
 Depth mixing costs a fixed amount per sub-layer whatever the width (since the fused kernel,
-``kernels/depth_mix.py``, one C call; before it, four small torch ops), while the layers' matrix
+``sinkserve_kernels/depth_mix.py``, one C call; before it, four small torch ops), while the layers' matrix
 products grow with the width squared; on CPU at hidden 128 a fixed per-op cost dominates.
 
 The width sweep builds a standard Llama and a Block AttnRes model (6 layers, 6 blocks, the

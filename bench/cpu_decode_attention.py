@@ -1,4 +1,4 @@
-"""The CPU decode-attention kernel (``kernels/csrc/decode_attention.c``) alone: an older revision of the
+"""The CPU decode-attention kernel (``sinkserve_kernels/csrc/decode_attention.c``) alone: an older revision of the
 source against the working tree's, built side by side with the same flags, in one process.
 
 Every sequence of the batch decodes one token over ``context`` cached tokens in shuffled 16-token blocks
@@ -28,9 +28,9 @@ if str(REPO_ROOT) not in sys.path:
 
 from bench.host import cpu_name  # noqa: E402
 from bench.report import emit  # noqa: E402
-from kernels.cpu_lib import load_source  # noqa: E402
+from sinkserve_kernels.cpu_lib import load_source  # noqa: E402
 
-SOURCE = "kernels/csrc/decode_attention.c"
+SOURCE = "sinkserve_kernels/csrc/decode_attention.c"
 # the last revision before the AVX-512 rewrite (two passes, one horizontal sum per key and head)
 OLD_REV = "791bb6a9c110"
 

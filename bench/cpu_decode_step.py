@@ -1,11 +1,11 @@
-"""The C decode step (``kernels/cpu_decode.py``) against the eager native forward, per batch size.
+"""The C decode step (``sinkserve_kernels/cpu_decode.py``) against the eager native forward, per batch size.
 
 ``ModelRunner.execute`` of one decode step (``bench.tp_cpu.decode_input``: every sequence at
 ``--context`` cached tokens), the two paths alternating in rounds in one process, min and median ms per
 step over ``--steps`` steps. Models: the reference model and ``bench.throughput``'s random Llama (hidden
 256, 6 layers, ~6M parameters: 22 MB of float32 weights). Sets ``engine.models.llama.DECODE_KERNEL_MAX_ROWS``:
 the largest batch at which the C step still wins. ``--threads-ab N``: the C step on one thread against the
-C step on ``N`` (its thread team, ``kernels/csrc/team.c``) instead of eager against C.
+C step on ``N`` (its thread team, ``sinkserve_kernels/csrc/team.c``) instead of eager against C.
 
     python -m bench.cpu_decode_step --out docs/cpu_decode_step.md
     python -m bench.cpu_decode_step --threads-ab 2 --batch 1,2,4,8,32 --rounds 3 --steps 150 --out docs/cpu_decode_threads.md

@@ -425,7 +425,7 @@ def long_context(plan: Plan, args: argparse.Namespace) -> dict:
     from engine import SamplingParams
     from engine.config_io import engine_config_from_dict
     from engine import LLMEngine
-    from kernels import paged_attention as pa
+    from sinkserve_kernels import paged_attention as pa
 
     path, source = find_real_model(args.model) if not plan.smoke else (args.model, "--model") if args.model else (None, "")
     with tempfile.TemporaryDirectory() as tmp:

@@ -33,7 +33,7 @@ if str(REPO) not in sys.path:
 from app import long_docs  # noqa: E402
 from bench.report import emit  # noqa: E402
 from engine import importance  # noqa: E402
-from kernels.block_sparse import gather_blocks  # noqa: E402
+from sinkserve_kernels.block_sparse import gather_blocks  # noqa: E402
 
 ENGINE_ACCUMULATE = importance.accumulate
 

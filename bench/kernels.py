@@ -88,7 +88,7 @@ def make_decode_batch(batch: int, context: int, dtype: torch.dtype, device: str)
 
 
 def run(contexts: list[int], batches: list[int], smoke: bool, peak_bw: float, mem_cap_gb: float) -> list[Row]:
-    from kernels import indexer, kv_quant, paged_attention, sparse_attention, topk
+    from sinkserve_kernels import indexer, kv_quant, paged_attention, sparse_attention, topk
 
     device = "cpu" if smoke else "cuda"
     dtype = torch.bfloat16

@@ -1,4 +1,4 @@
-"""Packed-KV decode on the torch path: the variant kernels/packed_decode.py was chosen over, kept to re-measure.
+"""Packed-KV decode on the torch path: the variant sinkserve_kernels/packed_decode.py was chosen over, kept to re-measure.
 
 ``folded``: attention straight on the codes, no dequantized K/V. Keys are quantized per channel over a
 block's tokens, ``k[t, c] = s[c] * code[t, c] + z[c]``, so ``q . k[t] = (q * s) . code[t] + q . z`` (the
@@ -6,7 +6,7 @@ scale folds into a per-block copy of the query, the zero into one bias per block
 token and group, so ``sum_t p[t] v[t, c] = (p * s[:, g]) @ code[:, c] + p @ z[:, g]`` (the scale folds into
 the softmax weights). 16-bit blocks enter as codes with scale 1 and zero 0.
 
-``split`` (the product, ``kernels.reference.paged_attention_quant``): each sequence's blocks split by
+``split`` (the product, ``sinkserve_kernels.reference.paged_attention_quant``): each sequence's blocks split by
 precision once per step; a layer dequantizes only the packed part and runs SDPA.
 
 Measured with this script on the 2-core shared host, load ~6 (32 sequences of 100-750 tokens, 64-token
@@ -19,7 +19,7 @@ blocks, 8 query / 2 KV heads, D = 32, 1 thread, median CPU time of one layer's c
 In the engine (``bench/throughput.py``, 32 concurrent, 2 threads, load ~5.5) the folded variant gave int4
 0.46x of 16-bit throughput.
 
-``C`` (the ``cpu`` backend, what ``auto`` runs on CPU; ``kernels/csrc/decode_attention_quant.c``) reads the
+``C`` (the ``cpu`` backend, what ``auto`` runs on CPU; ``sinkserve_kernels/csrc/decode_attention_quant.c``) reads the
 codes in place, and beside it the 16-bit C kernel on the same (dequantized) keys. One run, load ~4.3
 (2026-12-01 16:11 UTC):
 
@@ -46,16 +46,16 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from kernels import cpu_attention, reference  # noqa: E402
-from kernels.kv_quant import QuantKVCache  # noqa: E402
-from kernels.workspace import workspace  # noqa: E402
+from sinkserve_kernels import cpu_attention, reference  # noqa: E402
+from sinkserve_kernels.kv_quant import QuantKVCache  # noqa: E402
+from sinkserve_kernels.workspace import workspace  # noqa: E402
 
 
 def folded_attention(query: torch.Tensor, cache: QuantKVCache, g: reference.Gather, mask: torch.Tensor,
                      scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The folded decode (module docstring): ``query [S, Hq, D]`` over the blocks ``g`` gathers, ``mask
     [S, 1, 1, W * B]`` -> ``[S, Hq, D]``."""
-    from kernels.packed_decode import unpack_codes_into
+    from sinkserve_kernels.packed_decode import unpack_codes_into
 
     return _folded(query, cache, g, mask, scale, sinks, unpack_codes_into)
 

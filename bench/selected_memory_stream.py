@@ -37,7 +37,7 @@ from engine import selected_memory as sm  # noqa: E402
 from engine.rope import rotate_keys  # noqa: E402
 from evals import arms as A  # noqa: E402
 from evals import selected_memory as esm  # noqa: E402
-from kernels import block_sparse as bs  # noqa: E402
+from sinkserve_kernels import block_sparse as bs  # noqa: E402
 
 CHUNK, DECODE = 128, 48
 

@@ -20,7 +20,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from engine import importance
 from engine.architectures import AttentionLayout, check_hook_window
 from engine.attention_backends import AttentionBackend
-from kernels import block_sparse as _sparse
+from sinkserve_kernels import block_sparse as _sparse
 
 ATTN_IMPLEMENTATION = "sinkserve_paged"
 
@@ -30,7 +30,7 @@ class ForwardContext:
     """What one forward pass of a ragged batch needs in every attention layer."""
 
     backend: AttentionBackend
-    kv_caches: list  # per layer (k_cache, v_cache), or a kernels.kv_quant.QuantKVCache when quantized
+    kv_caches: list  # per layer (k_cache, v_cache), or a sinkserve_kernels.kv_quant.QuantKVCache when quantized
     slot_mapping: torch.Tensor  # [T] flat slot of each new token
     block_tables: torch.Tensor  # [S, max_blocks] int32
     seq_lens: torch.Tensor  # [S] logical tokens in cache after this forward
@@ -41,8 +41,8 @@ class ForwardContext:
     key_absmax: list[torch.Tensor | None] | None = None
     # Sparse attention (engine/sparse_config.py): per layer block key bounds, kept current on every write
     # when sparsity is configured; the step's selection rules when some sequence attends sparsely now.
-    block_bounds: list | None = None  # per layer kernels.block_sparse.BlockBounds
-    sparse_plan: object | None = None  # kernels.block_sparse.SparsePlan
+    block_bounds: list | None = None  # per layer sinkserve_kernels.block_sparse.BlockBounds
+    sparse_plan: object | None = None  # sinkserve_kernels.block_sparse.SparsePlan
     # The trained lightning indexer (sparse.indexer 'trained'): weights + per-layer index-key caches
     # (engine.indexer_runtime.IndexerState), written beside K/V; selection then ranks tokens by it.
     indexer: object | None = None

@@ -1,12 +1,12 @@
 """Choosing the attention backend: ``EngineConfig.attention_backend`` names one of
-``kernels.backend.BACKENDS`` (``"auto"`` follows the configured device: Triton on CUDA, the torch
+``sinkserve_kernels.backend.BACKENDS`` (``"auto"`` follows the configured device: Triton on CUDA, the torch
 reference on CPU). The engine depends on the kernels package, never the other way round."""
 
 from __future__ import annotations
 
 from engine.config import is_cuda, resolve_attention_backend
 from engine.errors import ConfigError
-from kernels.backend import BACKENDS, AttentionBackend
+from sinkserve_kernels.backend import BACKENDS, AttentionBackend
 
 __all__ = ["AttentionBackend", "available_backends", "get_backend"]
 
@@ -25,8 +25,8 @@ def get_backend(name: str, device: str = "cpu") -> AttentionBackend:
     if name == "triton" and not is_cuda(device):
         # On a CUDA host Triton compiles for the GPU and its launchers refuse CPU tensors, so an engine left at
         # device="cpu" would load its weights and fail at the first step; say so before anything loads.
-        # (Imported after the backend: importing kernels._triton is what sets the interpreter on a CPU host.)
-        from kernels import _triton
+        # (Imported after the backend: importing sinkserve_kernels._triton is what sets the interpreter on a CPU host.)
+        from sinkserve_kernels import _triton
 
         if not _triton.interpreting():
             raise ConfigError("attention_backend", f"'triton' on device {device!r} runs only in Triton's CPU "

@@ -68,7 +68,7 @@ from collections.abc import Sequence as Seq
 
 from engine.sequence import Sequence
 
-from kernels.layout import NULL_BLOCK
+from sinkserve_kernels.layout import NULL_BLOCK
 
 
 # ("write", row, start, block ids) | ("clear", row, length, []): see the module docstring.

@@ -65,7 +65,7 @@ def resolve_weight_dtype(weight_dtype: str, device: str, tensor_parallel_size: i
 
 def resolve_attention_backend(backend: str, device: str) -> str:
     """``"auto"``: the Triton kernels on CUDA, the ``cpu`` backend (the torch reference with a C decode
-    attention kernel, ``kernels/cpu_attention.py``) anywhere else. Follows the configured device, never
+    attention kernel, ``sinkserve_kernels/cpu_attention.py``) anywhere else. Follows the configured device, never
     the machine: ``device="cpu"`` on a GPU host must not get GPU kernels."""
     if backend != "auto":
         return backend

@@ -4,9 +4,9 @@ A *decode step* is a step in which every scheduled sequence feeds one token. Wha
 
     path      what runs                                           when (first match)
     triton    the forward in torch ops, attention and KV writes   attention_backend "triton" (CUDA; the
-              in the Triton kernels (kernels/paged_attention.py)  CPU interpreter in tests)
+              in the Triton kernels (sinkserve_kernels/paged_attention.py)  CPU interpreter in tests)
     eager     the forward in torch ops (the reference)            any other CUDA engine
-    c_step    the whole step as one C call (kernels/cpu_decode.py) a CPU engine whose model and features
+    c_step    the whole step as one C call (sinkserve_kernels/cpu_decode.py) a CPU engine whose model and features
                                                                   the C step carries (``c_step_blockers``)
     eager     the forward in torch ops                            anything else; ``reason`` names what the
                                                                   C step does not carry
@@ -149,7 +149,7 @@ def decode_path_for(config: EngineConfig) -> DecodePath:
     from engine.architectures import read_attention_layout
     from engine.attention_backends import get_backend
     from engine.model_runner import read_model_shape
-    from kernels import cpu_decode
+    from sinkserve_kernels import cpu_decode
 
     if config.attention_backend == "triton" or config.on_cuda:  # the device decides; no model files needed
         return choose_decode_path(config, None)

@@ -23,7 +23,7 @@ Worked example (block_size 4, two heads, a decode query at position 9, block 1 e
 Under tensor parallelism each rank holds some heads: the per-layer rows are all-reduced with MAX before
 the layers are summed, so every rank gets TP=1's scores. Costs one extra ``q . k`` over the held keys per
 layer (the budget bounds it), on any backend: keys are read with ``block_sparse.gather_blocks`` (plain or
-quantized caches). A decode step on the C step (``kernels/cpu_decode.py``) computes the same scores in C
+quantized caches). A decode step on the C step (``sinkserve_kernels/cpu_decode.py``) computes the same scores in C
 (``csrc/decode_step.c`` ``block_mass``), the layers already summed into row 0 of the accumulator; this
 module is its reference (``tests/test_importance_c_step.py``).
 """
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.block_sparse import gather_blocks
+from sinkserve_kernels.block_sparse import gather_blocks
 
 OBSERVATION_QUERIES = 32
 

@@ -20,8 +20,8 @@ import torch
 from engine.errors import ConfigError
 from engine.lightning import LightningIndexer, quantize_keys
 from engine.sparse_config import INDEXER_WEIGHTS
-from kernels import block_sparse
-from kernels.indexed_sparse import IndexCache
+from sinkserve_kernels import block_sparse
+from sinkserve_kernels.indexed_sparse import IndexCache
 
 logger = logging.getLogger(__name__)
 

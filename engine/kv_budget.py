@@ -75,7 +75,7 @@ def quant_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, blo
         value scales   2 * B * (D / G) * 2           (scale, zero) fp16 per token per group
         outliers       B * O * s                     16-bit key values of the O outlier channels
 
-    >>> quant_bytes_per_block(1, 8, 128, 16, 4, 32)      # kernels/kv_quant.py: int4 = 22,528 B
+    >>> quant_bytes_per_block(1, 8, 128, 16, 4, 32)      # sinkserve_kernels/kv_quant.py: int4 = 22,528 B
     22528
     >>> quant_bytes_per_block(1, 8, 128, 16, 8, 32)      # int8 = 38,912 B (bf16: 65,536 B)
     38912

@@ -9,7 +9,7 @@ so the indexer sees positions the way attention does) and score every cached tok
     score[t, p] = sum_h w[t, h] * relu(qi[t, h] . ki[p])
 
 The index key ``ki`` (one ``Di``-vector per token) lives in a paged int8 cache beside K/V (same block
-ids; one fp32 scale per token, ``kernels/indexer.py``'s layout). ``training/train_indexer.py`` fits
+ids; one fp32 scale per token, ``sinkserve_kernels/indexer.py``'s layout). ``training/train_indexer.py`` fits
 ``Wq, Wk, Ww`` so that ``softmax(score[t, :])`` over the positions outside the forced set matches the
 model's own head-averaged attention there (KL, the dense warm-up stage of DSA), with the model frozen.
 

@@ -235,7 +235,7 @@ class ModelRunner:
         self.num_fp_blocks = 0
         self.kv_caches: list = []  # per layer (k, v) tensors, or QuantKVCache when quantized
         self.last_block_importance: list[list[float]] | None = None  # the last step's (engine/importance.py)
-        self.block_bounds: list | None = None  # per layer kernels.block_sparse.BlockBounds (sparse attention)
+        self.block_bounds: list | None = None  # per layer sinkserve_kernels.block_sparse.BlockBounds (sparse attention)
         # The trained lightning indexer (sparse.indexer 'trained'): weights once, index-key caches per allocation.
         self.indexer_weights = None
         self.indexer: indexer_runtime.IndexerState | None = None
@@ -337,7 +337,7 @@ class ModelRunner:
         self.num_kv_blocks = num_kv_blocks
 
     def _allocate_quant(self, num_kv_blocks: int, kv_heads: int, dtype: torch.dtype) -> None:
-        from kernels.kv_quant import QuantKVCache
+        from sinkserve_kernels.kv_quant import QuantKVCache
 
         c = self.config
         nf = num_fp_pool_blocks(c, self.max_model_len, num_kv_blocks)
@@ -425,7 +425,7 @@ class ModelRunner:
         split count, over this pool's KV storage; ``backend.warm_up_sparse`` for a sparse pool), then one decode step at each of a few batch sizes
         (``warm_up_batch_sizes``) through the real forward, so no request pays a compile.
         Step-varying integers (sequence count, table width) are not specialized by the kernels
-        (``kernels._triton.PER_STEP_INTS``), so these launches cover every batch size and context length.
+        (``sinkserve_kernels._triton.PER_STEP_INTS``), so these launches cover every batch size and context length.
         Returns the kernel launches made. Runs the kernels wherever they run (the interpreter in tests)."""
         c = self.config
         heads = self.model.config.num_attention_heads // self.world_size
@@ -451,7 +451,7 @@ class ModelRunner:
         """``engine.decode_path.choose_decode_path`` over the model this runner loaded; a Llama-family
         forward is told whether its decode steps are the C step's."""
         from engine.models.llama import LlamaForward
-        from kernels import cpu_decode
+        from sinkserve_kernels import cpu_decode
 
         native = type(self.model) is LlamaForward  # subclasses (AttnRes) have their own forward, no C step
         facts = DecodeFacts(native_llama=native, head_dim=self.shape.head_dim, sinks=self.layout.sinks,
@@ -606,7 +606,7 @@ class ModelRunner:
             if op == "assign":
                 fp_index[a] = b
             elif op == "dequantize":
-                from kernels import reference
+                from sinkserve_kernels import reference
 
                 idx = torch.tensor([a], dtype=torch.long, device=self.device)
                 for cache in self.kv_caches:
@@ -677,7 +677,7 @@ class ModelRunner:
         promotes a packed block to 16-bit before its first rotation). Only when no slot was free is a packed
         key block dequantized, rotated in float32 and packed again with fresh per-channel scales (RoPE
         mixes channel c with c + D/2, so a rotation cannot be applied to codes)."""
-        from kernels import reference
+        from sinkserve_kernels import reference
 
         inv_freqs = self._layer_inv_freqs()
         fp_index = self.kv_caches[0].fp_index

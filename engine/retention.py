@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from engine.cache_policy import CachePolicy
 
-from kernels.layout import NULL_BLOCK
+from sinkserve_kernels.layout import NULL_BLOCK
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from engine.grammar import GrammarBackend
 from engine.isolation import RequestFailures
 from engine.logits_processing import LogitsProcessing
 from engine.sampling_params import SamplingParams
-from kernels.cpu_ops import greedy
+from sinkserve_kernels.cpu_ops import greedy
 
 GeneratorFactory = Callable[[torch.device, int], torch.Generator]
 

@@ -30,7 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine import retention
-from kernels.layout import NULL_BLOCK
+from sinkserve_kernels.layout import NULL_BLOCK
 from engine.block_manager import BlockManager, hash_block
 from engine.cache_policy import CachePolicy
 from engine.sequence import Sequence, SequenceStatus

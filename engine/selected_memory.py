@@ -56,8 +56,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.rope import rotate_keys
-from kernels import block_sparse as bs
-from kernels.layout import NULL_BLOCK
+from sinkserve_kernels import block_sparse as bs
+from sinkserve_kernels.layout import NULL_BLOCK
 
 
 def key_shifts_py(visible: list[bool], selected: list[int], block_size: int) -> list[int]:

@@ -1,7 +1,7 @@
 """Which scheduled sequences attend sparsely this step, their forced blocks, and what they attend.
 
 Pure Python (no torch): the engine calls ``forced_blocks`` while it builds a step's ``ModelInput`` and
-``attended_tokens`` for the step's statistics; the kernels (``kernels/block_sparse.py``) do the scoring
+``attended_tokens`` for the step's statistics; the kernels (``sinkserve_kernels/block_sparse.py``) do the scoring
 and the selection on the device with the same rules.
 
 Worked example (block_size 4, local_window 6, top_k 8 -> 2 blocks, protected position 1)::
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 
 from engine.sparse_config import SparseAttention
-from kernels.sparse_geometry import forced_tokens
+from sinkserve_kernels.sparse_geometry import forced_tokens
 
 
 def applies(sparse: SparseAttention, seq_len: int, num_new_tokens: int) -> bool:

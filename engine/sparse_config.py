@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from engine.errors import ConfigError
-from kernels.sparse_geometry import PREFILL_GROUP
+from sinkserve_kernels.sparse_geometry import PREFILL_GROUP
 
 INDEXERS = ("block_bounds", "trained")
 # "absolute": keys are seen at the positions they were stored at (sequences stay inside max_model_len);
@@ -35,7 +35,7 @@ POSITION_MODES = ("absolute", "compact")
 # Trained lightning-indexer weights ship beside the model's weights under this name.
 INDEXER_WEIGHTS = "indexer.safetensors"
 # PREFILL_GROUP (block_bounds' prefill queries sharing one selection, 128) is defined with the kernels that
-# use it, in kernels/sparse_geometry.py (pure Python).
+# use it, in sinkserve_kernels/sparse_geometry.py (pure Python).
 # Selected memory (position_mode compact) keeps groups of 64: a group's own tokens are part of the attended
 # span that must fit the trained context (``selected_span``), and that mode's budgets were sized for 64.
 COMPACT_PREFILL_GROUP = 64

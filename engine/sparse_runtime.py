@@ -1,6 +1,6 @@
 """The model runner's side of sparse attention: block bounds storage and upkeep, and a step's plan.
 
-The bounds (``kernels.block_sparse.BlockBounds``, one per layer) share the KV cache's block ids, so they
+The bounds (``sinkserve_kernels.block_sparse.BlockBounds``, one per layer) share the KV cache's block ids, so they
 follow their blocks through every block operation of a step: the quantized cache's ``copy`` ops and
 copy-on-write copies copy them; retention's rotations change the keys, so the rotated blocks' bounds are
 recomputed from the rotated keys; evicted or freed blocks need nothing (the next owner's first write, at
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import EngineConfig
-from kernels import block_sparse
+from sinkserve_kernels import block_sparse
 
 
 def allocate_bounds(num_layers: int, num_blocks: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,

@@ -12,7 +12,7 @@ float32 scale per output row::
 The model keeps ``W'`` (float32, on the int8 grid) in place of ``W``: the eager forward -- prefill, mixed
 steps, the reference -- computes with exactly the weights the C decode step reads, and the scales sit
 beside them (``<name>_scale`` on a native layer, ``lm_head_scale`` on the model). The C step
-(``kernels/cpu_decode.py``) recovers the codes from ``W'`` and its scales (``codes_of``: exact, since
+(``sinkserve_kernels/cpu_decode.py``) recovers the codes from ``W'`` and its scales (``codes_of``: exact, since
 ``|code| <= 127`` keeps ``W' / scale`` within far less than half a unit of the code) and keeps only those,
 packed: one byte a weight instead of four. A tied ``lm_head`` is the embedding table, so the embedding
 rows are quantized too (per token row), as llama.cpp's q8_0 quantizes ``token_embd``.
@@ -30,7 +30,7 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-# The native layer's linear weights the C step reads packed (kernels/cpu_decode.py PACKED).
+# The native layer's linear weights the C step reads packed (sinkserve_kernels/cpu_decode.py PACKED).
 LINEAR_WEIGHTS = ("qkv_w", "o_w", "gate_up_w", "down_w")
 QMAX = 127
 

@@ -29,7 +29,7 @@ import torch
 from engine import CachePolicy, EngineConfig, LLMEngine
 from engine.config import DEFAULT_MODEL
 from engine.sparse_config import SparseAttention
-from kernels import block_sparse as bs
+from sinkserve_kernels import block_sparse as bs
 
 logger = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from engine.sparse_config import INDEXER_WEIGHTS, SparseAttention
 from evals import arms as A
 from app import long_docs
 from evals.report import EvalResult, Panel, Series
-from kernels import block_sparse as bs
+from sinkserve_kernels import block_sparse as bs
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("app", "engine", "kernels", "evals", "training")
+PACKAGES = ("app", "engine", "sinkserve_kernels", "evals", "training")
 
 
 def modules_with_examples() -> list[str]:

@@ -28,7 +28,7 @@ def test_auto_backend_and_dtype_follow_the_device(cuda_everywhere: None) -> None
     gpu = EngineConfig(device="cuda")
     assert (gpu.attention_backend, gpu.dtype) == ("triton", "bfloat16")
     assert EngineConfig(device="cuda:1", dtype="float32").dtype == "float32"
-    # The C decode kernel's backend, or the plain reference where it cannot be built (kernels/cpu_attention.py).
+    # The C decode kernel's backend, or the plain reference where it cannot be built (sinkserve_kernels/cpu_attention.py).
     assert get_backend("auto", "cpu").name in ("cpu", "torch")
 
 
@@ -37,7 +37,7 @@ def test_triton_on_a_cpu_device_is_refused_where_triton_compiles_for_cuda(tiny_l
     """A CUDA host compiles Triton (no interpreter): an engine left at the default ``device="cpu"`` with
     ``attention_backend="triton"`` (what tests/kernels/test_engine_triton.py once built) is refused by name
     before its weights load, not at the first kernel launch; the same backend on ``cuda`` is accepted."""
-    from kernels import _triton
+    from sinkserve_kernels import _triton
 
     monkeypatch.setattr(_triton, "interpreting", lambda: False)
     with pytest.raises(ConfigError, match="device='cuda'") as err:
@@ -97,13 +97,13 @@ def test_driver_of_a_cuda_engine_never_touches_cuda(monkeypatch: pytest.MonkeyPa
 
 def test_cpu_runner_sizes_kv_after_loading_and_warm_up_is_a_no_op(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from engine.executor import LocalExecutor
-    from kernels import _triton
+    from sinkserve_kernels import _triton
 
     # Triton on a CPU device needs the interpreter (refused on a CUDA host, test above): set here as on a CPU host.
     monkeypatch.setattr(_triton, "interpreting", lambda: True)
 
     calls: list[tuple] = []
-    monkeypatch.setattr("kernels.paged_attention.warm_up", lambda *a: calls.append(a), raising=False)
+    monkeypatch.setattr("sinkserve_kernels.paged_attention.warm_up", lambda *a: calls.append(a), raising=False)
     ex = LocalExecutor(EngineConfig(model=str(tiny_llama), attention_backend="triton", max_num_seqs=2))
     # CPU: kv_cache_memory_fraction of available memory, capped at 2 full-length (512-token) sequences
     assert ex.num_kv_blocks == 2 * 512 // 16 + 1

@@ -15,7 +15,7 @@ import torch
 import engine.models.llama as llama
 from engine import CachePolicy, EngineConfig
 from engine.decode_path import decode_path_for
-from kernels.cpu_lib import load
+from sinkserve_kernels.cpu_lib import load
 from tests.test_long_pool_step import REFERENCE_MODEL, generate
 from tests.tiny_models import build_model
 

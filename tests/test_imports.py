@@ -1,11 +1,15 @@
 """The layering, read from the source (``ast``, nothing imported): which package may import which, and no
 import circles.
 
-Layers, lowest first: ``kernels`` (attention math) < ``engine`` < ``app``; ``evals``, ``training`` and
-``bench`` sit beside ``app`` and may use everything below. ``kernels`` imports nothing from ``engine`` or
-``app``; ``engine`` nothing from ``app``, ``evals`` or ``training``; ``app`` nothing from ``evals`` or
-``training`` (the wheel ships ``kernels``, ``engine`` and ``app`` only), except the guarded ``model
-train-indexer`` subcommand, which a wheel install leaves out.
+Layers, lowest first: ``sinkserve_kernels`` (attention math) < ``engine`` < ``app``; ``evals``,
+``training`` and ``bench`` sit beside ``app`` and may use everything below. ``sinkserve_kernels`` imports
+nothing from ``engine`` or ``app``; ``engine`` nothing from ``app``, ``evals`` or ``training``; ``app``
+nothing from ``evals`` or ``training`` (the wheel ships ``sinkserve_kernels``, ``engine`` and ``app``
+only), except the guarded ``model train-indexer`` subcommand, which a wheel install leaves out.
+
+No shipped package may take an import name that an installed dependency also provides: transformers 5.25
+depends on Hugging Face's ``kernels`` package, and our old top-level ``kernels/`` shadowed it (every
+``import transformers`` model then failed; ``test_no_shipped_package_shadows_a_dependency``).
 
 Every import counts, including those inside functions (a function-level import that closes a circle only
 moves the circle to run time). ``if TYPE_CHECKING:`` imports do not count: they never run.
@@ -17,16 +21,16 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("kernels", "engine", "app", "evals", "training")
-FORBIDDEN = {"kernels": {"engine", "app", "evals", "training"}, "engine": {"app", "evals", "training"},
+PACKAGES = ("sinkserve_kernels", "engine", "app", "evals", "training")
+FORBIDDEN = {"sinkserve_kernels": {"engine", "app", "evals", "training"}, "engine": {"app", "evals", "training"},
              "app": {"evals", "training"}}
 # Source-tree tools reached from the shipped CLI behind a ModuleNotFoundError guard (app/cli_model.py).
 GUARDED = {("app.cli_model", "training.train_indexer"), ("app.cli_model", "training.indexer_report")}
-SHIPPED = ("kernels", "engine", "app")
+SHIPPED = ("sinkserve_kernels", "engine", "app")
 # Circles that exist today through function-level imports, each a known piece of issue 39's work; a new
 # circle fails, and so does a listed one that is gone (then delete it here).
 KNOWN_LAZY_CIRCLES = {
-    frozenset({"kernels.kv_quant", "kernels.paged_attention"}),
+    frozenset({"sinkserve_kernels.kv_quant", "sinkserve_kernels.paged_attention"}),
     frozenset({"engine.decode_path", "engine.model_runner"}),
 }
 
@@ -144,7 +148,7 @@ def test_lower_layers_import_nothing_from_higher_ones() -> None:
 
 
 def test_the_wheel_ships_the_server_packages_only() -> None:
-    """pyproject's package list, as setuptools reads it, holds kernels, engine and app and none of the
+    """pyproject's package list, as setuptools reads it, holds sinkserve_kernels, engine and app and none of the
     source-tree tools; and no shipped module imports matplotlib (an extra, ``plots``)."""
     import tomllib
 
@@ -157,6 +161,27 @@ def test_the_wheel_ships_the_server_packages_only() -> None:
              if any(isinstance(n, (ast.Import, ast.ImportFrom)) and "matplotlib" in ast.unparse(n)
                     for n in ast.walk(ast.parse(path.read_text())))]
     assert plots == []
+
+
+def test_no_shipped_package_shadows_a_dependency() -> None:
+    """Each shipped top-level name is provided by this project's distribution only. A second distribution
+    with the same import name (Hugging Face's ``kernels``, which transformers >= 5.25 requires, against our
+    former ``kernels/``) means one of the two is unreachable: from the source tree ours wins and
+    transformers' ``from kernels import ...`` fails; in site-packages the two overwrite each other."""
+    import importlib.metadata
+
+    providers = importlib.metadata.packages_distributions()
+    clashes = {name: sorted(d for d in providers.get(name, []) if d != "sinkserve") for name in SHIPPED}
+    assert {name: dists for name, dists in clashes.items() if dists} == {}
+
+
+def test_transformers_model_code_imports() -> None:
+    """The import that broke when ``kernels`` was ours: transformers' activations pull its hub-kernels
+    integration, which imports the ``kernels`` distribution when one is installed."""
+    import importlib
+
+    activations = importlib.import_module("transformers.activations")
+    assert callable(activations.ACT2FN["silu"])
 
 
 def test_no_import_circle_at_module_level() -> None:

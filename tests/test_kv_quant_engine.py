@@ -14,8 +14,8 @@ from engine.config import validate_kv_cache_for_model
 from engine.config_io import engine_config_from_dict
 from engine.errors import ConfigError
 from engine.rope import rotate_keys
-from kernels import reference
-from kernels.kv_quant import QuantKVCache
+from sinkserve_kernels import reference
+from sinkserve_kernels.kv_quant import QuantKVCache
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 

@@ -14,7 +14,7 @@ import engine.models.llama as llama
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.cache_policy import CachePolicy
 from engine.sparse_config import SparseAttention
-from kernels.cpu_lib import load
+from sinkserve_kernels.cpu_lib import load
 from tests.tiny_models import build_model
 
 pytestmark = [pytest.mark.skipif(load() is None, reason="no C compiler: the eager forward runs"),

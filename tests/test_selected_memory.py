@@ -20,7 +20,7 @@ from engine.config_io import engine_config_from_dict
 from engine.errors import ConfigError, PromptTooLongError
 from engine.rope import rotate_keys
 from engine.sparse_config import SparseAttention, policy_version
-from kernels import block_sparse as bs
+from sinkserve_kernels import block_sparse as bs
 
 
 def rand_prompt(n: int, seed: int) -> list[int]:

@@ -14,7 +14,7 @@ from engine import sparse as sp
 from engine.config_io import engine_config_from_dict
 from engine.errors import ConfigError
 from engine.sparse_config import SparseAttention
-from kernels import block_sparse
+from sinkserve_kernels import block_sparse
 from tests.tiny_models import with_indexer_weights
 
 
@@ -175,7 +175,7 @@ def test_trained_indexer_accounting_and_index_keys_follow_their_blocks(tiny_llam
     """Decode selects top_k + forced tokens exactly as engine/sparse.py counts them, and the index-key cache
     holds quantize(Wk . k) of the keys stored in the same blocks, through eviction rotations."""
     from engine.lightning import quantize_keys
-    from kernels import indexed_sparse
+    from sinkserve_kernels import indexed_sparse
 
     model = _with_indexer(tiny_llama, tmp_path)
     policy = CachePolicy(eviction_policy="sliding_window", window=96, protected_positions=(0, 1, 2, 3),

@@ -13,8 +13,8 @@ from app.settings import PoolArgs
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import ConfigError
 from engine.weight_quant import LINEAR_WEIGHTS, codes_of, dequantize_rows, quantize_rows
-from kernels import cpu_decode
-from kernels.cpu_lib import load
+from sinkserve_kernels import cpu_decode
+from sinkserve_kernels.cpu_lib import load
 
 needs_c = pytest.mark.skipif(load() is None, reason="no C compiler: the eager forward runs")
 

@@ -3,7 +3,7 @@
 The layers are the Llama family's (``llama.py``: fused q/k/v and gate/up weights, RoPE, the engine's
 paged attention entry point, the same tensor-parallel sharding); only the residual stream is replaced by
 depth mixing, done for all the step's tokens at once. Two buffers, allocated once per step
-(``kernels.depth_mix.DepthMix``), hold every source the mixes read: the embedding, then one slot per block
+(``sinkserve_kernels.depth_mix.DepthMix``), hold every source the mixes read: the embedding, then one slot per block
 of sub-layers (the open block's running sum accumulates in its slot, so a completed block is already in
 place)::
 
@@ -27,7 +27,7 @@ Where the work goes (decode on CPU is bound by the number of small ops, not thei
   embedding's dots come from a ``[vocab, Q]`` table made at load time;
 * the normalisation is one scalar per source and token: ``w . rms(v) = (sqrt(D) w) . v / |[v, c]|`` since
   ``|[v, c]|^2 = D (mean(v^2) + eps)``; ``W_mix`` carries the ``sqrt(D)``;
-* ``DepthMix.mix`` then does the rest in one C call on float32 CPU tensors (``kernels/csrc/depth_mix.c``):
+* ``DepthMix.mix`` then does the rest in one C call on float32 CPU tensors (``sinkserve_kernels/csrc/depth_mix.c``):
   the new slot's logits for every query, the softmax over the written slots, the weighted sum of values,
   and the next sub-layer's RMSNorm (which the standard forward fuses with its residual add).
 
@@ -49,7 +49,7 @@ from torch import nn
 
 from engine.models.llama import LlamaForward, LlamaSpec, NativeUnsupported, apply_rope, rms_norm
 from engine.models.registry import _tp_all_reduce, register_architecture, weight_getter
-from kernels.depth_mix import DepthMix
+from sinkserve_kernels.depth_mix import DepthMix
 
 ARCHITECTURE = "AttnResForCausalLM"
 

@@ -34,10 +34,10 @@ from torch import nn
 
 from engine import attention
 from engine.architectures import attention_layout
-from kernels import cpu_decode, cpu_ops
+from sinkserve_kernels import cpu_decode, cpu_ops
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-# Decode steps of up to this many sequences run as one C call (kernels/cpu_decode.py) on torch's thread count
+# Decode steps of up to this many sequences run as one C call (sinkserve_kernels/cpu_decode.py) on torch's thread count
 # (one in every engine process under Ray: OMP_NUM_THREADS=1 for pools with num_cpus < 1). With the packed GEMM
 # and the AVX-512 decode attention the C step's median beats the eager forward's at every batch measured, 1 to
 # 128, on the reference model and bench.throughput's (1.15-1.19x at 128 on one thread; docs/cpu_decode_step.md);
@@ -155,7 +155,7 @@ class Rope(nn.Module):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """transformers' LlamaRMSNorm: normalise in float32, cast back, then scale (one C call for float32 rows
-    on CPU, ``kernels.cpu_ops``; ``F.rms_norm`` otherwise)."""
+    on CPU, ``sinkserve_kernels.cpu_ops``; ``F.rms_norm`` otherwise)."""
     if x.dtype == torch.float32:
         return cpu_ops.rms_norm(x, weight, eps) if x.dim() == 2 else F.rms_norm(x, (x.shape[-1],), weight, eps)
     y = F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
@@ -263,7 +263,7 @@ class LlamaForward(nn.Module):
         return x
 
     def decode_kernel_applies(self, ctx: attention.ForwardContext, rows: int) -> bool:
-        """Whether this step runs as one C call (``kernels/cpu_decode.py``): the engine chose the C step for
+        """Whether this step runs as one C call (``sinkserve_kernels/cpu_decode.py``): the engine chose the C step for
         this pool (``c_step``, set by the model runner from ``engine.decode_path.choose_decode_path``, which
         holds every per-pool condition), every sequence decodes one token, at most ``DECODE_KERNEL_MAX_ROWS``
         of them, and the step does not calibrate outlier channels. A step that scores block importance
@@ -315,7 +315,7 @@ class LlamaForward(nn.Module):
             if only_logit_rows and i + 1 == len(layers):
                 o, h = o.index_select(0, logits_indices), h.index_select(0, logits_indices)
             o = self._reduce(F.linear(o, layer.o_w))
-            # Residual add and the next norm in one pass (kernels.cpu_ops), biases added to the branch first.
+            # Residual add and the next norm in one pass (sinkserve_kernels.cpu_ops), biases added to the branch first.
             x = add_rms_norm(h, o if layer.o_b is None else o.add_(layer.o_b), layer.post_norm, eps)
             gate, up = F.linear(x, layer.gate_up_w, layer.gate_up_b).chunk(2, dim=-1)
             y = self._reduce(F.linear(F.silu(gate) * up, layer.down_w))

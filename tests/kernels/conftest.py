@@ -2,9 +2,9 @@
 
 ``TRITON_INTERPRET`` must be set before the first ``@triton.jit`` decorator runs (Triton chooses between
 compiling and interpreting at decoration time), so it is set here, at conftest import, before any test
-module imports ``kernels.*``. Only when no GPU is present: on a CUDA machine the same tests run compiled
+module imports ``sinkserve_kernels.*``. Only when no GPU is present: on a CUDA machine the same tests run compiled
 on the device (``SINKSERVE_KERNEL_INTERPRET=1`` forces the interpreter there too). Tests in other
-directories are unaffected on CPU machines, where ``kernels._triton`` would pick the interpreter anyway.
+directories are unaffected on CPU machines, where ``sinkserve_kernels._triton`` would pick the interpreter anyway.
 """
 
 from __future__ import annotations

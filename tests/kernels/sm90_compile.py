@@ -7,7 +7,7 @@ shared-memory use). Triton ships ``ptxas``, so the full compile to a cubin runs 
     python -m tests.kernels.sm90_compile --all    # + fp32/fp16, small head sizes, every quant / split variant
 
 The engine's kernels (``write_kv``, paged attention, the split reduction) are compiled for *every*
-configuration their launchers can pick, as enumerated by ``kernels.paged_attention.engine_launch_configs``
+configuration their launchers can pick, as enumerated by ``sinkserve_kernels.paged_attention.engine_launch_configs``
 (the launchers build their compile-time arguments with the same functions, so this list cannot drift):
 decode and prefill/mixed tiles x every split count, with the launch options (``num_warps``, ``num_stages``)
 the launcher passes, for Llama-3-8B's attention shape (32 query heads, 8 KV heads of 128, 16-token blocks)
@@ -37,11 +37,11 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels import indexer as ix  # noqa: E402
-from kernels import kv_quant as kq  # noqa: E402
-from kernels import paged_attention as pa  # noqa: E402
-from kernels import sparse_attention as sa  # noqa: E402
-from kernels import topk as tk  # noqa: E402
+from sinkserve_kernels import indexer as ix  # noqa: E402
+from sinkserve_kernels import kv_quant as kq  # noqa: E402
+from sinkserve_kernels import paged_attention as pa  # noqa: E402
+from sinkserve_kernels import sparse_attention as sa  # noqa: E402
+from sinkserve_kernels import topk as tk  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -104,7 +104,7 @@ def engine_variants(every: bool) -> list[tuple[str, object, dict, dict, dict]]:
                             + launch.replace("num_warps", "warps").replace("num_stages", "stages"), fn, types,
                             dict(cfg.constexprs), opts))
             # Sparse decode over the selected blocks (16-bit and packed KV), launched with the paged tiles'
-            # options (kernels.sparse_attention.sparse_constexprs).
+            # options (sinkserve_kernels.sparse_attention.sparse_constexprs).
             for quant in (0, PACKED_BITS):
                 bs_s, gs = (PACKED_BLOCK_SIZE, min(64, d // 2)) if quant else (bs, 1)
                 consts = sa.sparse_constexprs(hq, hkv, d, bs_s, PACKED_SPLITS, dtype, False, quant, gs)

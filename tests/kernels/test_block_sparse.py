@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import block_sparse as bs
-from kernels import reference
-from kernels.kv_quant import QuantKVCache
+from sinkserve_kernels import block_sparse as bs
+from sinkserve_kernels import reference
+from sinkserve_kernels.kv_quant import QuantKVCache
 from tests.kernels.kernel_cases import make_batch
 
 BS = 16
@@ -131,7 +131,7 @@ def test_paged_decode_equals_the_gather_path(quant: bool, backend: str) -> None:
     """Decode tokens of several sequences attend their selections in one paged call over compacted tables
     (the cpu backend: the C kernel): the same output as the per-sequence gather, with null blocks, partial
     last blocks and a prefill sequence in the same step (which keeps the gather path)."""
-    from kernels.backend import BACKENDS
+    from sinkserve_kernels.backend import BACKENDS
 
     b = make_batch([1, 1, 40, 1], [300, 161, 200, 97], 4, 2, 32, BS, seed=21)
     plan = _plan(b, 3, window=16, forced={0: [0], 1: [0, 4], 2: [0], 3: []})

@@ -1,4 +1,4 @@
-"""The ``cpu`` backend's C decode-attention kernel against the torch reference (``kernels/reference.py``)."""
+"""The ``cpu`` backend's C decode-attention kernel against the torch reference (``sinkserve_kernels/reference.py``)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpu_attention, reference
-from kernels.backend import BACKENDS
-from kernels.cpu_lib import load_source
+from sinkserve_kernels import cpu_attention, reference
+from sinkserve_kernels.backend import BACKENDS
+from sinkserve_kernels.cpu_lib import load_source
 from tests.kernels.kernel_cases import check, make_batch
 
 pytestmark = pytest.mark.skipif(cpu_attention.load() is None, reason="no C compiler: the cpu backend is the reference")

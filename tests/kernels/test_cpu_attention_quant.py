@@ -1,5 +1,5 @@
-"""The ``cpu`` backend's packed-KV decode kernel (``kernels/csrc/decode_attention_quant.c``) against the torch
-reference ``kernels.reference.paged_attention_quant``, on caches in the exact layout of ``kernels/kv_quant.py``:
+"""The ``cpu`` backend's packed-KV decode kernel (``sinkserve_kernels/csrc/decode_attention_quant.c``) against the torch
+reference ``sinkserve_kernels.reference.paged_attention_quant``, on caches in the exact layout of ``sinkserve_kernels/kv_quant.py``:
 int8 / int4 / int2 codes, per-channel key and per-token value scales, outlier key channels, and sequences
 that mix 16-bit side-pool blocks with packed ones."""
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_attention, reference
-from kernels.kv_quant import QuantKVCache
+from sinkserve_kernels import cpu_attention, reference
+from sinkserve_kernels.kv_quant import QuantKVCache
 from tests.kernels.kernel_cases import check, make_batch, rel_err
 
 pytestmark = pytest.mark.skipif(cpu_attention.load() is None, reason="no C compiler: the cpu backend is the reference")

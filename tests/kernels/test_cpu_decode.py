@@ -1,4 +1,4 @@
-"""The C decode step (``kernels/cpu_decode.py``) against the eager native forward it replaces, and where
+"""The C decode step (``sinkserve_kernels/cpu_decode.py``) against the eager native forward it replaces, and where
 the engine uses it."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 import engine.models.llama as llama
 from engine import EngineConfig
 from engine.model_runner import ModelInput, ModelRunner
-from kernels import cpu_decode
-from kernels.cpu_lib import load
+from sinkserve_kernels import cpu_decode
+from sinkserve_kernels.cpu_lib import load
 from tests.test_engine_equivalence import prompts, reference, run_engine
 from tests.tiny_models import build_model
 
@@ -153,7 +153,7 @@ def _same(a: tuple[torch.Tensor, list], b: tuple[torch.Tensor, list]) -> bool:
 
 @pytest.mark.parametrize("case", ["odd_widths_13_rows", "mistral_window_8"])
 def test_the_c_step_gives_the_same_bits_on_any_thread_count(case: str, tmp_path: Path) -> None:
-    """The step's thread team (kernels/csrc/team.c) shares out panels of the linears and whole sequences
+    """The step's thread team (sinkserve_kernels/csrc/team.c) shares out panels of the linears and whole sequences
     of attention: every output is still one thread's sum in one order, so 1, 2 and 3 threads (13 rows and
     three sequences split unevenly; on a 2-CPU machine the team caps 3 at 2) write the same logits and the
     same KV, bit for bit."""

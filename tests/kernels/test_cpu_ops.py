@@ -1,4 +1,4 @@
-"""The fused CPU ops (``kernels/cpu_ops.py``) against the torch ops they replace."""
+"""The fused CPU ops (``sinkserve_kernels/cpu_ops.py``) against the torch ops they replace."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops, reference
-from kernels.cpu_lib import load
+from sinkserve_kernels import cpu_ops, reference
+from sinkserve_kernels.cpu_lib import load
 
 pytestmark = pytest.mark.skipif(load() is None, reason="no C compiler: the torch ops run")
 
@@ -44,7 +44,7 @@ def test_write_kv_matches_reference_and_checks_slots():
 
 def test_write_kv_quant_matches_reference_and_checks_slots():
     """Tokens of 16-bit-resident blocks land in their side-pool slots; tokens of packed blocks and slot -1 do not."""
-    from kernels.kv_quant import QuantKVCache
+    from sinkserve_kernels.kv_quant import QuantKVCache
 
     g = torch.Generator().manual_seed(2)
     qkv = torch.randn(6, 4 + 2 + 2, 8, generator=g)

@@ -1,13 +1,13 @@
-"""The fused depth mix (``kernels/depth_mix.py``, ``csrc/depth_mix.c``) against its torch path."""
+"""The fused depth mix (``sinkserve_kernels/depth_mix.py``, ``csrc/depth_mix.c``) against its torch path."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import depth_mix
-from kernels.cpu_lib import load
-from kernels.depth_mix import DepthMix
+from sinkserve_kernels import depth_mix
+from sinkserve_kernels.cpu_lib import load
+from sinkserve_kernels.depth_mix import DepthMix
 
 
 def _run(fast: bool, monkeypatch: pytest.MonkeyPatch, tokens: int, block: int, dtype=torch.float32):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from kernels import paged_attention as pa
+from sinkserve_kernels import paged_attention as pa
 from tests.test_engine_equivalence import MAX_TOKENS, reference
 
 # Short prompts keep the interpreter fast; 16/17 sit at and across a block boundary.

@@ -1,5 +1,5 @@
-"""The trained indexer's token-sparse attention (kernels/indexed_sparse.py): the torch selection equals the
-reference indexer + top-k (kernels/reference.py), the Triton indexer + top-k kernels select exactly the same
+"""The trained indexer's token-sparse attention (sinkserve_kernels/indexed_sparse.py): the torch selection equals the
+reference indexer + top-k (sinkserve_kernels/reference.py), the Triton indexer + top-k kernels select exactly the same
 slots (interpreter on CPU), the forced set is always in and never counted against top_k, and a budget
 covering the context is dense attention."""
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from engine.lightning import quantize_keys
-from kernels import block_sparse as bs
-from kernels import indexed_sparse as ix
-from kernels import reference
-from kernels.kv_quant import QuantKVCache
+from sinkserve_kernels import block_sparse as bs
+from sinkserve_kernels import indexed_sparse as ix
+from sinkserve_kernels import reference
+from sinkserve_kernels.kv_quant import QuantKVCache
 from tests.kernels.kernel_cases import make_batch
 
 BS = 16
@@ -64,7 +64,7 @@ def test_torch_selection_equals_reference_indexer_and_topk() -> None:
 
 
 def test_triton_indexer_and_topk_select_the_same_slots(device) -> None:
-    """Identical selections: kernels/indexer.py + kernels/topk.py vs the torch selection (int8 index keys)."""
+    """Identical selections: sinkserve_kernels/indexer.py + sinkserve_kernels/topk.py vs the torch selection (int8 index keys)."""
     b = make_batch([1, 70], [400, 230], 4, 2, 32, BS, seed=4)
     cache, iq, iw = _index(b, 5)
     plan = _plan(b, 48, 32, {0: [0, 5], 1: [0]})

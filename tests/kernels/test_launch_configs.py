@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import paged_attention as pa
-from kernels.reference import paged_attention as ref_paged_attention
+from sinkserve_kernels import paged_attention as pa
+from sinkserve_kernels.reference import paged_attention as ref_paged_attention
 
 
 def consts_of(kernel: str, configs: list[pa.KernelConfig]) -> list[dict]:
@@ -150,7 +150,7 @@ class LaunchRecorder:
 
 
 def record_launches(monkeypatch, log: list) -> None:
-    from kernels import indexer, sparse_attention, topk
+    from sinkserve_kernels import indexer, sparse_attention, topk
 
     for mod, attr, name in ((pa, "_paged_attn_kernel", "paged_attention"), (pa, "_reduce_kernel", "reduce"),
                             (pa, "_write_kv_kernel", "write_kv"), (sparse_attention, "_sparse_attn_kernel",
@@ -166,7 +166,7 @@ def test_engine_launches_vary_only_in_unspecialized_ints_and_warm_up_compiled_th
     specialize (``PER_STEP_INTS``), and every variant the engine launched is one its start-up warm-up
     (``ModelRunner.warm_up_kernels``) launched, so compiled."""
     from engine import EngineConfig, LLMEngine, SamplingParams
-    from kernels._triton import PER_STEP_INTS
+    from sinkserve_kernels._triton import PER_STEP_INTS
 
     log: list = []
     record_launches(monkeypatch, log)
@@ -201,7 +201,7 @@ def test_engine_launches_vary_only_in_unspecialized_ints_and_warm_up_compiled_th
 def test_sparse_split_choice_is_always_an_enumerated_value(monkeypatch) -> None:
     """The sparse launcher's split count comes from the warmed set for every batch size and selection
     width: before, ``min(ceil(2 * SMs / programs), K // 256, 32)`` gave 3, 5, 6, ... (a compile each)."""
-    from kernels import sparse_attention as sa
+    from sinkserve_kernels import sparse_attention as sa
 
     monkeypatch.setattr(sa, "interpreting", lambda: False)
     monkeypatch.setattr(sa, "_num_sms", lambda device: 132)
@@ -219,7 +219,7 @@ def test_sparse_warm_up_launches_every_variant_through_the_launcher(monkeypatch,
                                                                     quant: int) -> None:
     """``warm_up_sparse`` reaches ``_sparse_attn_kernel`` with exactly the enumerated constexprs and options,
     one launch per split count (the kernel recorded, not run)."""
-    from kernels import sparse_attention as sa
+    from sinkserve_kernels import sparse_attention as sa
 
     kernel = RecordingKernel()
     monkeypatch.setattr(sa, "_sparse_attn_kernel", kernel)

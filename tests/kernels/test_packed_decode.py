@@ -1,4 +1,4 @@
-"""The torch packed-KV decode path (kernels/packed_decode.py): the split-by-precision gather with exact
+"""The torch packed-KV decode path (sinkserve_kernels/packed_decode.py): the split-by-precision gather with exact
 block ids, attention equal to dequantize-then-attend, the per-step memo, and the workspace."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import packed_decode, reference
-from kernels.kv_quant import QuantKVCache
-from kernels.workspace import Workspace
+from sinkserve_kernels import packed_decode, reference
+from sinkserve_kernels.kv_quant import QuantKVCache
+from sinkserve_kernels.workspace import Workspace
 from tests.kernels.kernel_cases import make_batch, rel_err
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.indexer import indexer_scores, indexer_topk, rows_per_chunk
-from kernels.topk import topk_select
+from sinkserve_kernels import reference
+from sinkserve_kernels.indexer import indexer_scores, indexer_topk, rows_per_chunk
+from sinkserve_kernels.topk import topk_select
 from tests.kernels.kernel_cases import check, make_batch
 
 BS = 16

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.kv_quant import (
+from sinkserve_kernels import reference
+from sinkserve_kernels.kv_quant import (
     QuantKVCache,
     bytes_per_block,
     paged_attention_quant,
@@ -15,7 +15,7 @@ from kernels.kv_quant import (
     quantize_write_kv,
     write_kv_fp,
 )
-from kernels.paged_attention import paged_attention
+from sinkserve_kernels.paged_attention import paged_attention
 from tests.kernels.kernel_cases import MAX_ERRORS, check, make_batch, poisoned_like, rel_err
 
 # Relative attention-output error vs 16-bit KV on random Gaussian data, with the sink block and each
@@ -139,7 +139,7 @@ def test_engine_entry_points_agree_between_backends(bits: int, device: torch.dev
     ``paged_attention_quant``) gives the same codes and, in float32, attention within 1e-5 (relative) on
     the torch reference and on the Triton kernels: blocks packed from 16-bit slots, the sink block and
     the last block of each sequence left 16-bit, new tokens written into 16-bit blocks."""
-    from kernels.backend import torch_backend, triton_backend
+    from sinkserve_kernels.backend import torch_backend, triton_backend
 
     hkv, d, bs = 2, 32, 16
     b = make_batch([1, 1, 5], [1, 40, 37], 4, hkv, d, bs, torch.float32, device=device, seed=5 + bits)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from engine.attention_backends import get_backend
-from kernels import reference
-from kernels.paged_attention import paged_attention, write_kv
+from sinkserve_kernels import reference
+from sinkserve_kernels.paged_attention import paged_attention, write_kv
 from tests.kernels.kernel_cases import check, make_batch, poisoned_like
 
 # name: (q_lens, seq_lens, Hq, Hkv, D, block_size)

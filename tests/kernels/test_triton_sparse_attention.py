@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.indexer import indexer_topk
-from kernels.kv_quant import QuantKVCache, quantize_write_kv
-from kernels.paged_attention import paged_attention
-from kernels.sparse_attention import sparse_attention, sparse_attention_quant
+from sinkserve_kernels import reference
+from sinkserve_kernels.indexer import indexer_topk
+from sinkserve_kernels.kv_quant import QuantKVCache, quantize_write_kv
+from sinkserve_kernels.paged_attention import paged_attention
+from sinkserve_kernels.sparse_attention import sparse_attention, sparse_attention_quant
 from tests.kernels.kernel_cases import check, make_batch, poisoned_like
 
 BS = 16

@@ -24,7 +24,7 @@ import logging
 
 import torch
 
-from kernels._triton import PER_STEP_INTS, check_device, find_token_seq, next_pow2, tl, triton
+from sinkserve_kernels._triton import PER_STEP_INTS, check_device, find_token_seq, next_pow2, tl, triton
 
 logger = logging.getLogger(__name__)
 

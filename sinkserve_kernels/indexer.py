@@ -22,8 +22,8 @@ import logging
 
 import torch
 
-from kernels._triton import PER_STEP_INTS, check_device, dot_precision, find_token_seq, interpreting, mma, next_pow2, tl, triton
-from kernels.topk import launch_topk
+from sinkserve_kernels._triton import PER_STEP_INTS, check_device, dot_precision, find_token_seq, interpreting, mma, next_pow2, tl, triton
+from sinkserve_kernels.topk import launch_topk
 
 logger = logging.getLogger(__name__)
 

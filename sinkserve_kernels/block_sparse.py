@@ -37,10 +37,10 @@ from typing import Callable
 
 import torch
 
-from kernels.sparse_geometry import PREFILL_GROUP
-from kernels.layout import NULL_BLOCK
+from sinkserve_kernels.sparse_geometry import PREFILL_GROUP
+from sinkserve_kernels.layout import NULL_BLOCK
 
-__all__ = ["PREFILL_GROUP"]  # re-exported: the kernels' default group (kernels/sparse_geometry.py says why 128)
+__all__ = ["PREFILL_GROUP"]  # re-exported: the kernels' default group (sinkserve_kernels/sparse_geometry.py says why 128)
 # Gathered K/V per chunk of query groups (bytes): bounds the memory of a long prefill's attention.
 MEMORY_BUDGET = 64 << 20
 
@@ -81,7 +81,7 @@ class SparsePlan:
     ``forced [S, W]`` marks each sequence's protected logical blocks (W = block-table width);
     ``top_blocks[s]`` is the number of blocks the indexer adds for sequence ``s`` (-1: dense, attend every
     visible block); ``window`` tokens before each query (group) are forced as well. ``top_tokens``: the
-    budget in tokens (the token-granular trained indexer, ``kernels/indexed_sparse.py``).
+    budget in tokens (the token-granular trained indexer, ``sinkserve_kernels/indexed_sparse.py``).
     """
 
     forced: torch.Tensor
@@ -134,7 +134,7 @@ def gather_blocks(kv, block_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torc
     if isinstance(kv, tuple):
         k_cache, v_cache = kv
         return k_cache.index_select(0, block_ids).to(dtype), v_cache.index_select(0, block_ids).to(dtype)
-    from kernels import packed_decode
+    from sinkserve_kernels import packed_decode
 
     shape = (block_ids.numel(), kv.block_size, kv.num_kv_heads, kv.head_dim)
     keys = torch.empty(shape, dtype=dtype, device=block_ids.device)
@@ -259,7 +259,7 @@ def attend_gather(query: torch.Tensor, q_pos: torch.Tensor, kv, table: torch.Ten
 def selection_slots(q_pos: torch.Tensor, table: torch.Tensor, sel: torch.Tensor, seq_len: int, block_size: int,
                     group: int) -> torch.Tensor:
     """Per query row, the flat cache slots of its group's selected blocks at or before its position
-    (``[n, M * block_size]`` int32, -1 padded): the selection in ``kernels.sparse_attention``'s terms."""
+    (``[n, M * block_size]`` int32, -1 padded): the selection in ``sinkserve_kernels.sparse_attention``'s terms."""
     order, valid = _compact(sel, block_size)
     offs = torch.arange(block_size, device=table.device)
     pos = (order[:, :, None] * block_size + offs).flatten(1)
@@ -272,8 +272,8 @@ def selection_slots(q_pos: torch.Tensor, table: torch.Tensor, sel: torch.Tensor,
 
 def attend_slots_triton(query: torch.Tensor, q_pos: torch.Tensor, kv, table: torch.Tensor, sel: torch.Tensor,
                         seq_len: int, block_size: int, group: int, scale: float) -> torch.Tensor:
-    """Triton path: the selection as per-token slots, attended by ``kernels.sparse_attention``."""
-    from kernels import sparse_attention as sa
+    """Triton path: the selection as per-token slots, attended by ``sinkserve_kernels.sparse_attention``."""
+    from sinkserve_kernels import sparse_attention as sa
 
     slots = selection_slots(q_pos, table, sel, seq_len, block_size, group)
     if isinstance(kv, tuple):

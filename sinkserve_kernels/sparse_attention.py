@@ -1,10 +1,10 @@
-"""Sparse attention over selected cache slots (output of ``kernels.topk``), 16-bit or quantized KV.
+"""Sparse attention over selected cache slots (output of ``sinkserve_kernels.topk``), 16-bit or quantized KV.
 
 Each query token attends only to its ``K`` selected flat slots ``block_id * block_size + offset``
 (``-1`` = padding). Causality, null blocks and the forced set are already encoded in the selection, so
 the kernel is a plain online-softmax over gathered rows. GQA: one program owns one token x one KV head
 and all ``Hq / Hkv`` query heads of the group, so each gathered key row is read once per group. With
-quantized KV (``kernels.kv_quant.QuantKVCache``) rows are dequantized in registers, and blocks flagged
+quantized KV (``sinkserve_kernels.kv_quant.QuantKVCache``) rows are dequantized in registers, and blocks flagged
 16-bit (sinks, anchors, residual window) are read from the 16-bit pool in the same pass.
 
 Split-K: decode of a single sequence has only ``Hkv`` programs; ``num_splits`` cuts the ``K`` selected
@@ -22,9 +22,9 @@ import logging
 
 import torch
 
-from kernels._triton import PER_STEP_INTS, cast_out, check_device, dot_precision, interpreting, load_kv, mma, next_pow2, tl, triton
-from kernels.kv_quant import QuantKVCache
-from kernels.paged_attention import (LOG2E, SPLIT_CHOICES, KernelConfig, KVSource, _num_sms, paged_options, plain_source,
+from sinkserve_kernels._triton import PER_STEP_INTS, cast_out, check_device, dot_precision, interpreting, load_kv, mma, next_pow2, tl, triton
+from sinkserve_kernels.kv_quant import QuantKVCache
+from sinkserve_kernels.paged_attention import (LOG2E, SPLIT_CHOICES, KernelConfig, KVSource, _num_sms, paged_options, plain_source,
                                      pow2_floor, reduce_splits, split_buffers)
 
 logger = logging.getLogger(__name__)
@@ -209,7 +209,7 @@ def warm_up_sparse(num_q_heads: int, num_kv_heads: int, head_dim: int, block_siz
     query = torch.zeros(1, num_q_heads, head_dim, dtype=dtype, device=device)
     slots = torch.arange(2 * block_size, dtype=torch.int32, device=device)[None] + block_size  # blocks 1 and 2
     if quant:
-        from kernels import kv_quant
+        from sinkserve_kernels import kv_quant
 
         cache = kv_quant.QuantKVCache.allocate(4, 4, block_size, num_kv_heads, head_dim, bits=quant,
                                                group_size=group_size, dtype=dtype, device=device)

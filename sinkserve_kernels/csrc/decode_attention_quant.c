@@ -1,10 +1,10 @@
 /* Decode attention over a packed (quantized) paged KV cache, float32 arithmetic, one thread: the CPU
- * backend's kernel for kv_cache_dtype int8 / int4 / int2 (kernels/cpu_attention.py builds and calls it;
- * kernels/reference.py's paged_attention_quant is the ground truth).
+ * backend's kernel for kv_cache_dtype int8 / int4 / int2 (sinkserve_kernels/cpu_attention.py builds and calls it;
+ * sinkserve_kernels/reference.py's paged_attention_quant is the ground truth).
  *
  * Same semantics as decode_attention.c (one-token query segments only; null blocks skipped; sliding
  * window lo = max(0, seq_len - window); learned sinks in the denominator; GQA; no visible key -> zeros),
- * but every block the table names is read where it lives (kernels/kv_quant.py's layout):
+ * but every block the table names is read where it lives (sinkserve_kernels/kv_quant.py's layout):
  *
  *     fp_index[blk] >= 0  -> 16-bit block: fp_k / fp_v [NF, B, H, D] float32, slot fp_index[blk]
  *     fp_index[blk] <  0  -> packed block: codes k_codes / v_codes [NB, B, H, D * bits / 8] uint8,

@@ -10,7 +10,7 @@ A packed cache (``kv_cache_dtype`` int8 / int4 / int2) is decoded the same way b
 ``csrc/decode_attention_quant.c``: for each block the table names it reads either the 16-bit side-pool
 block or the packed codes with their scales (and the outlier key channels' 16-bit copies), decoding a
 chunk of tokens at a time into a small tile, with an online softmax. The torch path it replaces
-(``kernels/packed_decode.py``: gather split by precision, dequantize, SDPA; ~25 torch ops per layer)
+(``sinkserve_kernels/packed_decode.py``: gather split by precision, dequantize, SDPA; ~25 torch ops per layer)
 stays the reference and the ``torch`` backend's path::
 
     table [ 7 | 12 | 0 | 3 | 9 ]    fp_index: 7 -> 0, 9 -> 1, 12 and 3 -> -1
@@ -22,7 +22,7 @@ stays the reference and the ``torch`` backend's path::
 
 Prefill segments, sparse attention and the quantization of blocks are the reference's.
 
-The C files are compiled once per machine (``kernels/cpu_lib.py``); no compiler or a failed build ->
+The C files are compiled once per machine (``sinkserve_kernels/cpu_lib.py``); no compiler or a failed build ->
 ``load()`` returns None and the engine runs the plain ``torch`` backend (one log line). Float32 caches
 and 16-bit pools only (other dtypes: the reference).
 """
@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import reference
-from kernels.cpu_lib import load
+from sinkserve_kernels import reference
+from sinkserve_kernels.cpu_lib import load
 
 __all__ = ["CpuPlan", "load", "paged_attention", "paged_attention_quant", "plan", "quant_cache_args", "quant_kernel_ok"]
 
@@ -97,7 +97,7 @@ def decode_rows(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if sinks is not None:
         sinks = sinks.to(torch.float32).contiguous()
         sink_ptr = sinks.data_ptr()
-    rc = lib.sinkserve_decode_attention(  # signature: kernels/cpu_lib.py
+    rc = lib.sinkserve_decode_attention(  # signature: sinkserve_kernels/cpu_lib.py
         query.data_ptr(), query.stride(0), query.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
         plan.tables.data_ptr(), plan.tables.stride(0), plan.lens.data_ptr(), plan.starts.data_ptr(),
         plan.lens.shape[0], hq, hkv, d, block, float(scale), window or 0, sink_ptr, out.data_ptr(),
@@ -109,7 +109,7 @@ def decode_rows(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, window: int | None = None,
                     sinks: torch.Tensor | None = None, plan: CpuPlan | None = None) -> torch.Tensor:
-    """``kernels.reference.paged_attention`` with the one-token segments computed by the C kernel."""
+    """``sinkserve_kernels.reference.paged_attention`` with the one-token segments computed by the C kernel."""
     plan = plan or globals()["plan"](block_tables, seq_lens, query_start_loc, k_cache.shape[1], window)
     if not _kernel_ok(query, k_cache, v_cache):
         return reference.paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
@@ -133,7 +133,7 @@ class QuantCacheArgs(ctypes.Structure):
 
 
 def quant_cache_args(cache) -> QuantCacheArgs:
-    """One layer's ``kernels.kv_quant.QuantKVCache`` as ``csrc/quant_cache.h``'s ``QuantCache``: the addresses
+    """One layer's ``sinkserve_kernels.kv_quant.QuantKVCache`` as ``csrc/quant_cache.h``'s ``QuantCache``: the addresses
     of its tensors (which the caller keeps alive and in place) and its bits, value group and outlier count."""
     o = 0 if cache.outlier_idx is None else int(cache.outlier_idx.shape[-1])
     return QuantCacheArgs(cache.k_codes.data_ptr(), cache.v_codes.data_ptr(), cache.k_scale.data_ptr(),
@@ -167,7 +167,7 @@ def _quant_kernel_ok(query: torch.Tensor, cache) -> bool:
 
 def decode_rows_quant(query: torch.Tensor, cache, plan: CpuPlan, scale: float, window: int | None,
                       sinks: torch.Tensor | None, out: torch.Tensor) -> None:
-    """``decode_rows`` over a packed cache (``kernels.kv_quant.QuantKVCache``): each block is read where it
+    """``decode_rows`` over a packed cache (``sinkserve_kernels.kv_quant.QuantKVCache``): each block is read where it
     lives, the 16-bit side pool or the packed codes with their scales (``csrc/decode_attention_quant.c``)."""
     lib = load()
     assert lib is not None and out.is_contiguous()
@@ -177,7 +177,7 @@ def decode_rows_quant(query: torch.Tensor, cache, plan: CpuPlan, scale: float, w
     if sinks is not None:
         sinks = sinks.to(torch.float32).contiguous()
         sink_ptr = sinks.data_ptr()
-    rc = lib.sinkserve_decode_attention_quant(  # signature: kernels/cpu_lib.py
+    rc = lib.sinkserve_decode_attention_quant(  # signature: sinkserve_kernels/cpu_lib.py
         query.data_ptr(), query.stride(0), query.stride(1), ctypes.byref(kv), plan.tables.data_ptr(),
         plan.tables.stride(0), plan.lens.data_ptr(), plan.starts.data_ptr(), plan.lens.shape[0], hq,
         cache.num_kv_heads, d, cache.block_size, float(scale), window or 0, sink_ptr, out.data_ptr())
@@ -188,7 +188,7 @@ def decode_rows_quant(query: torch.Tensor, cache, plan: CpuPlan, scale: float, w
 def paged_attention_quant(query: torch.Tensor, cache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                           query_start_loc: torch.Tensor, scale: float, window: int | None = None,
                           sinks: torch.Tensor | None = None, plan: CpuPlan | None = None) -> torch.Tensor:
-    """``kernels.reference.paged_attention_quant`` with the one-token segments computed by the C kernel
+    """``sinkserve_kernels.reference.paged_attention_quant`` with the one-token segments computed by the C kernel
     (prefill segments dequantize on gather, as in the reference)."""
     plan = plan or globals()["plan"](block_tables, seq_lens, query_start_loc, cache.block_size, window)
     if not _quant_kernel_ok(query, cache):

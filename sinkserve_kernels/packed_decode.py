@@ -1,7 +1,7 @@
 """Decode attention over a packed KV cache on the torch path (CPU): each sequence's keys are gathered
 *split by precision* once per step, so a layer decodes only the packed blocks and copies the 16-bit ones.
 This is the ``torch`` backend's path and the reference of the ``cpu`` backend's C kernel
-(``kernels/csrc/decode_attention_quant.c``, which reads the codes in place and is what ``auto`` runs on CPU).
+(``sinkserve_kernels/csrc/decode_attention_quant.c``, which reads the codes in place and is what ``auto`` runs on CPU).
 
 A decode step's compact gather (``reference.Gather``) mixes both kinds of block in logical order, and
 dequantizing it whole decodes the 16-bit blocks' stale codes too, then overwrites them (a scatter). Key
@@ -20,7 +20,7 @@ each part padded to the widest sequence's count::
 
 The split (``SplitGather``) depends on the step's block tables and the shared ``fp_index`` only, so it is
 built once per step and reused by every layer (``split_gather`` memoises it on the step's plan). What a
-layer writes lands in reused workspace buffers (``kernels/workspace.py``): on CPU a fresh multi-MiB tensor
+layer writes lands in reused workspace buffers (``sinkserve_kernels/workspace.py``): on CPU a fresh multi-MiB tensor
 page-faults in on first touch, which cost more than the decoding.
 
 Equal to ``paged_attention`` on the dequantized cache within float rounding (the same dequantization,
@@ -37,12 +37,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.layout import NULL_BLOCK
-from kernels.workspace import workspace
+from sinkserve_kernels.layout import NULL_BLOCK
+from sinkserve_kernels.workspace import workspace
 
 if TYPE_CHECKING:
-    from kernels.kv_quant import QuantKVCache
-    from kernels.reference import Gather
+    from sinkserve_kernels.kv_quant import QuantKVCache
+    from sinkserve_kernels.reference import Gather
 
 
 def unpack_codes_into(pool: torch.Tensor, ids: torch.Tensor, bits: int, out: torch.Tensor, name: str) -> None:

@@ -2,7 +2,7 @@
 
 Per query token: indexer scores over every visible cached token (``score = sum_h w_h relu(qi_h . ki)``,
 the index keys ``ki`` in their own paged int8 cache, same block ids as K/V), then the top
-``k = top_k + forced`` positions with the forced set always in (``kernels/topk.py``'s contract: the
+``k = top_k + forced`` positions with the forced set always in (``sinkserve_kernels/topk.py``'s contract: the
 local window ``pos - window < p <= pos`` and the protected blocks' tokens), then attention over exactly
 those tokens. Token granular: every query selects alone (prefill too), unlike the block_bounds path.
 
@@ -15,8 +15,8 @@ the forced set::
 
 Backends share the semantics (tested for identical selections): torch scores with
 ``lightning.scores``-equivalent einsums and selects with one stable sort per row chunk (ties -> lower
-position, as ``reference.topk_select``); Triton runs ``kernels.indexer.indexer_topk`` (radix select,
-bounded memory) and ``kernels.sparse_attention``.
+position, as ``reference.topk_select``); Triton runs ``sinkserve_kernels.indexer.indexer_topk`` (radix select,
+bounded memory) and ``sinkserve_kernels.sparse_attention``.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from typing import Callable
 
 import torch
 
-from kernels.sparse_geometry import forced_tokens
-from kernels.layout import NULL_BLOCK
-from kernels.workspace import workspace
+from sinkserve_kernels.sparse_geometry import forced_tokens
+from sinkserve_kernels.layout import NULL_BLOCK
+from sinkserve_kernels.workspace import workspace
 
 # Scores of one row chunk (fp32 ``rows x N``) stay under this many bytes.
 MEMORY_BUDGET = 64 << 20
@@ -37,7 +37,7 @@ MEMORY_BUDGET = 64 << 20
 @dataclass
 class IndexCache:
     """One layer's index keys: ``keys int8 [num_blocks, block_size, Di]``, ``scale fp32 [num_blocks,
-    block_size]`` (``kernels/indexer.py``'s int8 layout)."""
+    block_size]`` (``sinkserve_kernels/indexer.py``'s int8 layout)."""
 
     keys: torch.Tensor
     scale: torch.Tensor
@@ -172,9 +172,9 @@ def select_torch(iq: torch.Tensor, iw: torch.Tensor, cache: IndexCache, seqs: li
 
 def select_triton(iq: torch.Tensor, iw: torch.Tensor, cache: IndexCache, seqs: list[SeqRows],
                   window: int) -> list[torch.Tensor]:
-    """``select_torch`` with ``kernels.indexer.indexer_topk`` (same contract), one launch per sequence
+    """``select_torch`` with ``sinkserve_kernels.indexer.indexer_topk`` (same contract), one launch per sequence
     (each has its own ``k``)."""
-    from kernels import indexer
+    from sinkserve_kernels import indexer
 
     out = []
     for seq in seqs:
@@ -203,7 +203,7 @@ def attend_rows(query: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], slot
     flat = slots.long().clamp(min=0).flatten()
     hkv = kv[0].shape[2]
     # Token rows of a 2-D view (a 3-D index_select is slower on CPU), into buffers kept across layers and
-    # steps (a fresh multi-MB tensor pays its page faults: kernels/workspace.py).
+    # steps (a fresh multi-MB tensor pays its page faults: sinkserve_kernels/workspace.py).
     ws = workspace()
     gathered = []
     for name, cache in (("ix_rows_k", kv[0]), ("ix_rows_v", kv[1])):
@@ -222,7 +222,7 @@ def attend_torch(query: torch.Tensor, kv, slots: torch.Tensor, scale: float) -> 
     dequantized) and every row attends them under a mask of its own slots. When that union holds more
     tokens than the rows' own selections together (decode rows, of one or many sequences), a 16-bit cache
     is read per row instead (``attend_rows``)."""
-    from kernels import block_sparse
+    from sinkserve_kernels import block_sparse
 
     bsz = block_sparse.bounds_block_size(kv)
     n, hq, d = query.shape
@@ -251,7 +251,7 @@ def attend_torch(query: torch.Tensor, kv, slots: torch.Tensor, scale: float) -> 
 
 
 def attend_triton(query: torch.Tensor, kv, slots: torch.Tensor, scale: float) -> torch.Tensor:
-    from kernels import sparse_attention as sa
+    from sinkserve_kernels import sparse_attention as sa
 
     if isinstance(kv, tuple):
         return sa.sparse_attention(query.contiguous(), kv[0], kv[1], slots, scale)
@@ -268,7 +268,7 @@ def indexed_sparse_attention(query: torch.Tensor, kv, iq: torch.Tensor, iw: torc
     """Attention of packed queries ``[T, Hq, D]`` over each sequence's forced + top-k tokens.
 
     ``iq [T, Hi, Di]`` / ``iw [T, Hi]`` are the layer's indexer queries and weights, ``plan`` the step's
-    ``kernels.block_sparse.SparsePlan`` (forced blocks, ``top_blocks`` -1 = dense; ``top_k`` in tokens is
+    ``sinkserve_kernels.block_sparse.SparsePlan`` (forced blocks, ``top_blocks`` -1 = dense; ``top_k`` in tokens is
     ``plan.top_tokens``). ``selections`` (optional) receives each sequence's ``[n, k]`` slots. The step's
     rows select together (``select``); one-token (decode) sequences then attend in one ``attend`` call,
     each prefill sequence in its own (its rows share most of their blocks).

@@ -1,6 +1,6 @@
 """Triton paged attention over ragged batches, plus a Triton ``write_kv``.
 
-Same signatures and semantics as ``kernels.reference.paged_attention`` / ``write_kv``:
+Same signatures and semantics as ``sinkserve_kernels.reference.paged_attention`` / ``write_kv``:
 
 * queries of all sequences are packed on one token axis; ``query_start_loc`` marks the sequences;
 * keys/values are read through ``block_tables`` from ``[num_blocks, block_size, Hkv, D]`` caches;
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._triton import (
+from sinkserve_kernels._triton import (
     cast_out,
     check_device,
     dot_precision,
@@ -60,7 +60,7 @@ class KVSource:
     """Where a kernel reads KV from: a plain 16-bit cache (``quant == 0``) or a quantized cache.
 
     For ``quant in (8, 4)`` ``k/v`` hold the codes and the other tensors are the side pool, the per-block
-    indirection into it and the scales (see ``kernels.kv_quant.QuantKVCache``).
+    indirection into it and the scales (see ``sinkserve_kernels.kv_quant.QuantKVCache``).
     """
 
     k: torch.Tensor
@@ -439,7 +439,7 @@ def write_kv_constexprs(num_kv_heads: int, head_dim: int, interp: bool) -> dict:
 class KernelConfig:
     """One compiled variant the engine's Triton backend can launch, and how the launcher reaches it."""
 
-    kernel: str  # "paged_attention", "reduce", "write_kv" or "sparse_attention" (kernels.sparse_attention)
+    kernel: str  # "paged_attention", "reduce", "write_kv" or "sparse_attention" (sinkserve_kernels.sparse_attention)
     constexprs: tuple[tuple[str, object], ...]
     decode_only: bool = False
     num_splits: int = 1
@@ -466,9 +466,9 @@ def engine_launch_configs(num_q_heads: int, num_kv_heads: int, head_dim: int, bl
     split count from ``choose_num_splits``) can launch for one model shape and dtype, compiled mode by
     default; ``max_model_len`` bounds the split counts (short models never split); ``sinks``: the model
     has learned sinks (every attention launch carries them); ``quant`` (8 or 4) and ``group_size``: a packed
-    KV cache (``kernels.kv_quant``), whose attention reads codes and the 16-bit side pool. Built from the
+    KV cache (``sinkserve_kernels.kv_quant``), whose attention reads codes and the 16-bit side pool. Built from the
     same functions the launchers call, so it cannot drift from them. Integer arguments that change per step
-    are not specialized (``kernels._triton.PER_STEP_INTS``), so these are all the variants there are."""
+    are not specialized (``sinkserve_kernels._triton.PER_STEP_INTS``), so these are all the variants there are."""
     top = MAX_SPLITS if max_model_len is None else max_splits(-(-max_model_len // block_size) * block_size)
     splits_choices = [s for s in SPLIT_CHOICES if s <= top]
     configs = [KernelConfig("write_kv", tuple(write_kv_constexprs(num_kv_heads, head_dim, interp).items()))]
@@ -491,7 +491,7 @@ def warm_up(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
     launchers, so the first requests do not pay the JIT compiles. Returns the launches made.
 
     Integer arguments that change from step to step (sequence count, table width) are not specialized by
-    Triton (``kernels._triton.PER_STEP_INTS``), so one launch per configuration compiles what every batch
+    Triton (``sinkserve_kernels._triton.PER_STEP_INTS``), so one launch per configuration compiles what every batch
     size and context length uses (``tests/kernels/test_launch_configs.py`` checks the engine's launches
     against these). ``quant``: a packed cache's attention (codes + side pool) and its packing kernel.
     """
@@ -504,7 +504,7 @@ def warm_up(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
     sink_logits = torch.zeros(num_q_heads, dtype=torch.float32, device=device) if sinks else None
     packed = None
     if quant:
-        from kernels import kv_quant
+        from sinkserve_kernels import kv_quant
 
         packed = kv_quant.QuantKVCache.allocate(4, 4, block_size, num_kv_heads, head_dim, bits=quant,
                                                 group_size=group_size, dtype=dtype, device=device)
@@ -553,7 +553,7 @@ def launch_paged_attention(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run the paged-attention kernel over any ``KVSource`` (16-bit or quantized). Returns ``[T, Hq, D]``.
-    ``window``: sliding-window layer; ``sinks [Hq]``: learned sink logits (``kernels.reference``)."""
+    ``window``: sliding-window layer; ``sinks [Hq]``: learned sink logits (``sinkserve_kernels.reference``)."""
     check_device(query, kv.k, block_tables)
     num_tokens, hq, d = query.shape
     if d != kv.head_dim:
@@ -606,7 +606,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of packed queries ``[T, Hq, D]`` over paged caches; returns ``[T, Hq, D]``.
 
-    Drop-in for ``kernels.reference.paged_attention`` (``window``, ``sinks`` as there). ``num_splits``
+    Drop-in for ``sinkserve_kernels.reference.paged_attention`` (``window``, ``sinks`` as there). ``num_splits``
     forces the split-KV path (``None`` picks it from shapes: only when tokens x KV heads cannot fill the
     GPU). ``out`` (optional, like ``query``) receives the result.
     """
@@ -655,7 +655,7 @@ def write_kv(
 ) -> None:
     """Scatter new keys/values ``[T, Hkv, D]`` into the caches at flat slots; slots < 0 are skipped.
 
-    Drop-in for ``kernels.reference.write_kv`` (values are cast to the cache dtype).
+    Drop-in for ``sinkserve_kernels.reference.write_kv`` (values are cast to the cache dtype).
     """
     check_device(key, k_cache)
     plain_source(k_cache, v_cache)  # validates shape/contiguity

@@ -37,9 +37,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.layout import NULL_BLOCK
-from kernels import packed_decode
-from kernels.packed_decode import dequantize_packed_into
+from sinkserve_kernels.layout import NULL_BLOCK
+from sinkserve_kernels import packed_decode
+from sinkserve_kernels.packed_decode import dequantize_packed_into
 
 
 def write_kv(
@@ -349,7 +349,7 @@ def _quantize_values(v: torch.Tensor, bits: int, group_size: int) -> tuple[torch
 def quantize_blocks(
     k_blocks: torch.Tensor, v_blocks: torch.Tensor, bits: int, group_size: int
 ) -> tuple[torch.Tensor, ...]:
-    """Asymmetric quantization of whole blocks ``[n, B, H, D]`` (layout of ``kernels.kv_quant``).
+    """Asymmetric quantization of whole blocks ``[n, B, H, D]`` (layout of ``sinkserve_kernels.kv_quant``).
 
     Keys: one (scale, zero) per channel over the block's tokens -> ``[n, H, D]``. Values: one per token per
     ``group_size`` channels -> ``[n, B, H, D / G]``. Scales/zeros are rounded to fp16 first and the codes

@@ -1,11 +1,11 @@
-/* Small fused float32 CPU ops of the native forward (kernels/cpu_attention.py builds and calls them),
+/* Small fused float32 CPU ops of the native forward (sinkserve_kernels/cpu_attention.py builds and calls them),
  * each one call where torch issues several kernels on a few hundred floats:
  *
  *   rms_norm:      out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w          (7 ATen ops in torch 2.13 on CPU)
  *   add_rms_norm:  h[t] += r[t]; out[t] = rms_norm(h[t])                  (the residual add fused in)
  *   write_kv:      k_cache[slot[t]] = k[t], v_cache[slot[t]] = v[t]; slot < 0 skipped (no mask, no sync);
  *                  a slot past the cache writes nothing and returns -1. With fp_index (a packed cache,
- *                  kernels/kv_quant.py): slot = block * B + off goes to the 16-bit pool's slot
+ *                  sinkserve_kernels/kv_quant.py): slot = block * B + off goes to the 16-bit pool's slot
  *                  fp_index[block] * B + off, and a token of a packed block (fp_index < 0) is skipped
  *   greedy:        token[r] = argmax(logits[r]) (the first of equal maxima, as torch.argmax),
  *                  logprob[r] = logits[r, token] - logsumexp(logits[r])  (argmax + log_softmax + gather)

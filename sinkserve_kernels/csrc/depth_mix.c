@@ -1,5 +1,5 @@
 /* One Attention-Residuals depth mix for all of a step's tokens in one call, float32, one thread
- * (kernels/depth_mix.py calls it; its torch path is the reference; engine/models/attnres.py explains
+ * (sinkserve_kernels/depth_mix.py calls it; its torch path is the reference; engine/models/attnres.py explains
  * the buffers). Per token t, with R = Q + D + 1 floats per slot row:
  *
  *     src   [T, S, R]   slot row = raw dots with every pseudo-query (Q) | values (D) | c

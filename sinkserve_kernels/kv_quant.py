@@ -50,8 +50,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._triton import check_device, next_pow2, tl, triton
-from kernels.paged_attention import KVSource, launch_paged_attention, write_kv
+from sinkserve_kernels._triton import check_device, next_pow2, tl, triton
+from sinkserve_kernels.paged_attention import KVSource, launch_paged_attention, write_kv
 
 logger = logging.getLogger(__name__)
 
@@ -254,7 +254,7 @@ def _launch_quantize(
         return
     if cache.bits not in (8, 4) or cache.outlier_idx is not None:
         raise ValueError("the Triton kernels read int8 / int4 without outlier channels; int2 and outlier "
-                         "channels run on the torch reference (kernels.reference)")
+                         "channels run on the torch reference (sinkserve_kernels.reference)")
     check_device(src_k, cache.k_codes)
     d, g = cache.head_dim, cache.group_size
     if d // 2 != next_pow2(d // 2):
@@ -329,7 +329,7 @@ def paged_attention_quant(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``paged_attention`` over a quantized cache: codes are dequantized in registers, 16-bit blocks read as
-    is (``window``, ``sinks`` as in ``kernels.reference.paged_attention``)."""
+    is (``window``, ``sinks`` as in ``sinkserve_kernels.reference.paged_attention``)."""
     return launch_paged_attention(
         query, cache.source(), block_tables, seq_lens, query_start_loc, scale, num_splits, out, window, sinks
     )

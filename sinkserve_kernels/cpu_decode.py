@@ -1,4 +1,4 @@
-"""The native Llama-family decode step as one C call (``kernels/csrc/decode_step.c``), float32 on CPU.
+"""The native Llama-family decode step as one C call (``sinkserve_kernels/csrc/decode_step.c``), float32 on CPU.
 
 At one token per sequence and a small batch the eager step (``engine/models/llama.py``) spends most of
 its time dispatching ~20 ATen ops and their Python per layer around matrix-vector products of a few
@@ -9,8 +9,8 @@ SiLU, down, biases), the final norm and ``lm_head`` -- to C.
 What the step carries besides float32 caches:
 
 * **Packed KV** (``kv_cache_dtype`` int8 / int4 / int2, outlier key channels included): a layer's
-  ``kernels.kv_quant.QuantKVCache`` goes to C as ``csrc/quant_cache.h``'s ``QuantCache`` (the CPU
-  backend's struct, ``kernels.cpu_attention.quant_cache_args``). The new token's K/V land where the eager
+  ``sinkserve_kernels.kv_quant.QuantKVCache`` goes to C as ``csrc/quant_cache.h``'s ``QuantCache`` (the CPU
+  backend's struct, ``sinkserve_kernels.cpu_attention.quant_cache_args``). The new token's K/V land where the eager
   path writes them (``reference.write_kv_quant``: its block's 16-bit side-pool slot) and attention runs
   through the backend's packed kernel (``csrc/decode_attention_quant.c``), the same routine the eager
   step's attention calls. Packing full blocks stays in the model runner's KV ops, before the forward, so
@@ -21,7 +21,7 @@ What the step carries besides float32 caches:
                packed from fp slot 2, fp_index[7] = -1      attention reads 16-bit and packed blocks
 
 * **Sparse pools' block bounds** (``sparse.indexer`` block_bounds): every written key widens its block's
-  min/max (``kernels.block_sparse.update_bounds``), dense steps too, so a sequence that starts selecting
+  min/max (``sinkserve_kernels.block_sparse.update_bounds``), dense steps too, so a sequence that starts selecting
   finds its bounds current.
 * **Importance scores** (``cache_policy.eviction_policy`` importance): on a step that scores, every
   full-attention layer adds each held block's largest per-head attention mass to the runner's accumulator, as
@@ -62,7 +62,7 @@ import logging
 
 import torch
 
-from kernels.cpu_lib import load
+from sinkserve_kernels.cpu_lib import load
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ class DecodeStep:
         key = (kv_caches, bounds, getattr(first, "outlier_idx", None))
         if len(key) == len(self._bound) and all(a is b for a, b in zip(key, self._bound)):
             return
-        from kernels import cpu_attention
+        from sinkserve_kernels import cpu_attention
 
         self._quant_args = []
         for i, layer in enumerate(kv_caches):
@@ -192,7 +192,7 @@ class DecodeStep:
         inputs: int64 ids / positions / slots / logits rows, int32 tables / lengths / starts, all contiguous.
         ``kv_caches``: per layer ``(k, v)`` or a packed ``QuantKVCache``; ``block_bounds``: the sparse
         indexer's per-layer ``BlockBounds`` (kept current on every write), or None; ``sparse_plan``: the
-        step's ``kernels.block_sparse.SparsePlan`` when some sequence selects (needs ``block_bounds``);
+        step's ``sinkserve_kernels.block_sparse.SparsePlan`` when some sequence selects (needs ``block_bounds``);
         ``block_importance``: importance eviction's ``[S, W]`` float32 accumulator, to which every
         full-attention layer adds each held block's largest per-head attention mass (``engine.importance.accumulate``'s)."""
         self._bind(kv_caches, block_bounds)
@@ -211,7 +211,7 @@ class DecodeStep:
         block_size, slots = self._cache_args
         rows, n = input_ids.shape[0], logits_indices.shape[0]
         logits = torch.empty(n, self._vocab, dtype=torch.float32)
-        rc = load().sinkserve_llama_decode(  # signature: kernels/cpu_lib.py
+        rc = load().sinkserve_llama_decode(  # signature: sinkserve_kernels/cpu_lib.py
             *self._head, block_size, input_ids.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(),
             block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), query_start_loc.data_ptr(), rows,
             slots, logits_indices.data_ptr(), n, logits.data_ptr(), torch.get_num_threads(),

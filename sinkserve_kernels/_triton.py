@@ -1,13 +1,13 @@
 """Shared Triton plumbing: interpreter fallback, launch helpers and the ``@triton.jit`` helpers every kernel uses.
 
-Import Triton through this module (``from kernels._triton import triton, tl``) so that, on a machine
+Import Triton through this module (``from sinkserve_kernels._triton import triton, tl``) so that, on a machine
 without CUDA, ``TRITON_INTERPRET=1`` is set before the first ``@triton.jit`` decorator runs: Triton
 decides between compiling and interpreting a kernel when it is decorated, and without a GPU only the
 interpreter can run it.
 
 Every kernel works on *half* head-dims: a head vector of ``D`` channels is handled as two tiles
 ``[0, D/2)`` and ``[D/2, D)``. That is what lets one kernel body read 16-bit, int8 and packed-int4 KV
-(int4 packs channel ``c`` and ``c + D/2`` into one byte, see ``kernels.kv_quant``) without an in-register
+(int4 packs channel ``c`` and ``c + D/2`` into one byte, see ``sinkserve_kernels.kv_quant``) without an in-register
 interleave, at the cost of two ``tl.dot`` calls of depth ``D/2`` instead of one of depth ``D``.
 """
 

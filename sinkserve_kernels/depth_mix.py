@@ -12,7 +12,7 @@ step buffer and, after each sub-layer, mixes the next sub-layer's input from it:
 
 On a decode step these are a few hundred floats per op, where torch's dispatch -- not arithmetic -- is the
 cost: the torch path is five ops (norm, division, softmax, batched product, RMSNorm), the C kernel
-(``kernels/csrc/depth_mix.c``) one call. The torch path is the reference and runs whenever the kernel
+(``sinkserve_kernels/csrc/depth_mix.c``) one call. The torch path is the reference and runs whenever the kernel
 cannot: no C compiler, a dtype other than float32 or a device other than the CPU. It keeps the slots not
 yet written at -inf (weight 0, values zeros) and takes the softmax over all S slots, so it needs no per-mix
 slicing; the kernel reads only slots 0..slot and never sees an infinity.
@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops
-from kernels.cpu_lib import load
+from sinkserve_kernels import cpu_ops
+from sinkserve_kernels.cpu_lib import load
 
 __all__ = ["DepthMix"]
 

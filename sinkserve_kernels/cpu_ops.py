@@ -1,4 +1,4 @@
-"""Fused float32 CPU ops for the native forward (``kernels/csrc/cpu_ops.c``), with torch fallbacks.
+"""Fused float32 CPU ops for the native forward (``sinkserve_kernels/csrc/cpu_ops.c``), with torch fallbacks.
 
 Each replaces several small ATen kernels on a few hundred floats -- where dispatch, not arithmetic, is
 the cost -- by one C call: ``rms_norm`` (torch 2.13 runs 7 kernels for ``F.rms_norm`` on CPU),
@@ -17,8 +17,8 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
-from kernels.cpu_lib import load
+from sinkserve_kernels import reference
+from sinkserve_kernels.cpu_lib import load
 
 
 _F32 = torch.float32
@@ -59,7 +59,7 @@ def add_rms_norm(h: torch.Tensor, r: torch.Tensor, weight: torch.Tensor | None, 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """``kernels.reference.write_kv`` (slots < 0 skipped) in one pass over strided ``[T, Hkv, D]`` keys/values."""
+    """``sinkserve_kernels.reference.write_kv`` (slots < 0 skipped) in one pass over strided ``[T, Hkv, D]`` keys/values."""
     if not (_fast(key, value, k_cache, v_cache) and k_cache.is_contiguous() and v_cache.is_contiguous()
             and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()):
         reference.write_kv(key, value, k_cache, v_cache, slot_mapping)
@@ -76,7 +76,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 def write_kv_quant(key: torch.Tensor, value: torch.Tensor, cache, slot_mapping: torch.Tensor) -> None:
-    """``kernels.reference.write_kv_quant`` in one pass: tokens of 16-bit-resident blocks land in their side-pool
+    """``sinkserve_kernels.reference.write_kv_quant`` in one pass: tokens of 16-bit-resident blocks land in their side-pool
     slots (through ``cache.fp_index``), tokens of packed blocks and slots < 0 are skipped."""
     if not (_fast(key, value, cache.fp_k, cache.fp_v) and cache.fp_k.is_contiguous() and cache.fp_v.is_contiguous()
             and cache.fp_index.dtype == torch.int32 and cache.fp_index.is_contiguous()

@@ -1,8 +1,8 @@
 /* One layer's packed (quantized) paged KV cache as the C kernels read it, and the packed decode attention
  * that reads it: shared by decode_attention_quant.c (which defines the attention; the CPU backend's decode
  * rows) and decode_step.c (the C decode step, which writes a step's new keys and values into the 16-bit
- * side pool and attends through the same routine). Layout: kernels/kv_quant.py; field order:
- * kernels/cpu_attention.py's QuantCacheArgs. */
+ * side pool and attends through the same routine). Layout: sinkserve_kernels/kv_quant.py; field order:
+ * sinkserve_kernels/cpu_attention.py's QuantCacheArgs. */
 #ifndef SINKSERVE_QUANT_CACHE_H
 #define SINKSERVE_QUANT_CACHE_H
 #include <stdint.h>

@@ -1,4 +1,4 @@
-"""Build and load the CPU kernels in ``kernels/csrc/*.c`` (one shared library, called through ctypes).
+"""Build and load the CPU kernels in ``sinkserve_kernels/csrc/*.c`` (one shared library, called through ctypes).
 
 Compiled once per machine with the system C compiler (``cc -O3 -march=native -ffast-math``, about a
 second) into ``$SINKSERVE_CACHE`` (default ``~/.cache/sinkserve``), keyed by the sources, the flags and

@@ -1,5 +1,5 @@
 /* The whole decode step of the native Llama-family forward in one call, float32, on the caller's thread count
- * (kernels/cpu_decode.py builds the arguments and calls it; engine/models/llama.py LlamaForward.forward,
+ * (sinkserve_kernels/cpu_decode.py builds the arguments and calls it; engine/models/llama.py LlamaForward.forward,
  * the eager torch forward, is the ground truth it is tested against).
  *
  * Why: with one token per sequence and a small batch, the eager step is ~20 ATen calls and their Python
@@ -244,7 +244,7 @@ static void write_packed(QuantCache *kv, int64_t slot, int block, const float *k
     memcpy(kv->fp_v + off, v, sizeof(float) * hkv * d);
 }
 
-/* The sparse indexer's per-block key bounds (kernels/block_sparse.py BlockBounds: [Hkv, NB, 2, D], kmax
+/* The sparse indexer's per-block key bounds (sinkserve_kernels/block_sparse.py BlockBounds: [Hkv, NB, 2, D], kmax
  * then kmin per block), kept current on every write as the eager path's update_bounds keeps them -- a
  * dense step too, so the blocks are ready when a sequence starts selecting. A write at offset 0 starts
  * the block afresh (a reused block forgets its previous owner's keys).
@@ -419,7 +419,7 @@ typedef struct {
     const int64_t *input_ids, *positions, *slots, *logit_rows;
     const int32_t *block_tables, *seq_lens, *starts;
     int64_t bt_stride, scratch_len, num_blocks;
-    /* A step in which some sequence selects blocks (kernels/block_sparse.py SparsePlan), else forced NULL:
+    /* A step in which some sequence selects blocks (sinkserve_kernels/block_sparse.py SparsePlan), else forced NULL:
      * forced [S, forced_stride] uint8 protected logical blocks, top_blocks [S] (-1: dense), the local window
      * in tokens; per-thread scratch for the selection (a table and two score rows of bt_stride each). */
     const uint8_t *forced;
