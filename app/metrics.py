@@ -254,6 +254,9 @@ class SnapshotCollector:
                                      labels=labels + ["path"])
         skv_fallbacks = CounterMetricFamily(PREFIX + "session_kv_fallbacks", "Session turns that re-prefilled "
                                             "instead of restoring KV, by reason", labels=labels + ["reason"])
+        skv_save_failures = CounterMetricFamily(PREFIX + "session_kv_save_failures", "Finished session turns whose "
+                                                "KV was not saved (the next turn re-prefills), by reason",
+                                                labels=labels + ["reason"])
         sparse = HistogramMetricFamily(PREFIX + "sparse_attended_tokens",
                                        "Tokens a sequence's last query attended in one engine step (sparse attention on)",
                                        labels=labels)
@@ -271,6 +274,8 @@ class SnapshotCollector:
                 dsteps.add_metric(lv + [str(path)], float(n))
             for reason, n in stats.get("session_kv_fallbacks") or ():
                 skv_fallbacks.add_metric(lv + [str(reason)], float(n))
+            for reason, n in stats.get("session_kv_save_failures") or ():
+                skv_save_failures.add_metric(lv + [str(reason)], float(n))
             counts = stats.get("sparse_attended_tokens_buckets") or ()
             if counts:
                 cum, buckets = 0, []
@@ -286,7 +291,7 @@ class SnapshotCollector:
                                  "model": str(s["data"].get("model", "")),
                                  "weights_fingerprint": str(s["data"].get("weights_fingerprint", ""))})
         yield from fams.values()
-        yield from (ready, nll, pver, info, sparse, dpath, dsteps, skv_fallbacks)
+        yield from (ready, nll, pver, info, sparse, dpath, dsteps, skv_fallbacks, skv_save_failures)
 
 
 def _tenant_families(ingress: list[Mapping[str, Any]]) -> Iterable[Any]:

@@ -403,13 +403,10 @@ class LLMEngine:
 
     def _save_sessions(self) -> None:
         """Save the KV of the session turns that finished this step (their blocks are cached, not reused yet).
-        A failed save is logged: the turn's answer stands, the next turn re-prefills."""
+        ``SessionKVCache.save`` never raises: a failed save is logged and counted, the turn's answer stands,
+        the next turn re-prefills."""
         while self._session_saves:
-            seq = self._session_saves.pop()
-            try:
-                self.session_kv.save(seq)
-            except Exception:  # noqa: BLE001 - the store (a disk) failing must not fail serving
-                logger.exception("session %s: saving KV failed", seq.session)
+            self.session_kv.save(self._session_saves.pop())
 
     def _fail(self, seq: Sequence, reason: str) -> RequestOutput:
         """Finish ``seq`` because its own work raised (engine/isolation.py): its blocks are freed now,

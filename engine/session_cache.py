@@ -42,6 +42,7 @@ class SessionKVCounters:
     saved_blocks: int = 0  # blocks written (new keys)
     shared_blocks: int = 0  # blocks a save found already stored (an earlier turn, another session's prefix)
     fallbacks: dict[str, int] = field(default_factory=dict)  # reason -> turns that re-prefilled
+    save_failures: dict[str, int] = field(default_factory=dict)  # reason -> finished turns whose KV was not saved
 
 
 class SessionKVCache:
@@ -139,14 +140,24 @@ class SessionKVCache:
     # ------------------------------------------------------------------ save
     def save(self, seq: Sequence) -> int:
         """Store the full computed blocks of finished ``seq`` (still cached in the free queue) and its
-        manifest. Returns the bytes written. A store that cannot be reached is logged (one line, no
-        traceback): the answer stands, the next turn re-prefills."""
+        manifest. Returns the bytes written. Never raises: the answer stands and the next turn re-prefills.
+        A failure is counted by reason (``save_failures``: ``store_unavailable`` -- one warning line, no
+        traceback -- or ``error``, any other exception, logged with its traceback), so an operator sees
+        saves failing before the re-prefills they cause."""
         try:
             return self._save(seq)
         except KVStoreUnavailable as e:
             logger.warning("session %s (request %s): KV not saved (%s); its next turn re-prefills", seq.session,
                            seq.request_id, e)
-            return 0
+            return self._save_failed("store_unavailable")
+        except Exception:  # noqa: BLE001 - the store (a disk) failing must not fail serving
+            logger.exception("session %s (request %s): saving KV failed; its next turn re-prefills", seq.session,
+                             seq.request_id)
+            return self._save_failed("error")
+
+    def _save_failed(self, reason: str) -> int:
+        self.counters.save_failures[reason] = self.counters.save_failures.get(reason, 0) + 1
+        return 0
 
     def _save(self, seq: Sequence) -> int:
         hits = self.bm.match_prefix(seq.token_ids)
@@ -187,4 +198,5 @@ class SessionKVCache:
                 "session_kv_store_evictions": s.evictions, "session_kv_store_bytes_written": s.bytes_written,
                 "session_kv_restores": c.restores, "session_kv_restored_tokens": c.restored_tokens,
                 "session_kv_saves": c.saves, "session_kv_shared_blocks": c.shared_blocks,
-                "session_kv_fallbacks": tuple(sorted(c.fallbacks.items()))}
+                "session_kv_fallbacks": tuple(sorted(c.fallbacks.items())),
+                "session_kv_save_failures": tuple(sorted(c.save_failures.items()))}

@@ -109,6 +109,7 @@ class EngineStats:
     session_kv_saves: int = 0
     session_kv_shared_blocks: int = 0
     session_kv_fallbacks: tuple[tuple[str, int], ...] = ()
+    session_kv_save_failures: tuple[tuple[str, int], ...] = ()  # reason -> finished turns whose KV was not saved
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -142,6 +142,28 @@ def test_a_restore_that_fails_midway_leaks_nothing_and_the_turn_re_prefills(conv
     assert b.block_manager.num_free_blocks == free
 
 
+def test_a_save_that_fails_is_counted_and_the_turn_still_answers(conversation, tmp_path, caplog, monkeypatch) -> None:
+    """A disk error while saving (not a store outage): the answer is what re-prefilling gives, the engine's
+    books stay whole, the failure is logged with its reason and counted; nothing was stored, so the next
+    engine re-prefills the turn (``no_manifest``)."""
+    from engine.kv_store import DirectoryKVStore
+
+    def broken(self, key, data):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(DirectoryKVStore, "put_block", broken)
+    a = make(tmp_path)
+    with caplog.at_level(logging.ERROR, logger="engine.session_cache"):
+        toks, cached = run(a, conversation["t2"], "conv-2")
+    assert toks == conversation["refill"] and cached == 0
+    assert a.stats().session_kv_save_failures == (("error", 1),) and a.stats().session_kv_saves == 0
+    assert "saving KV failed" in caplog.text and "No space left on device" in caplog.text
+    monkeypatch.undo()
+    b = make(tmp_path)
+    _, cached = run(b, conversation["t2"] + [7, 8, 9], "conv-2")
+    assert cached == 0 and b.stats().session_kv_fallbacks == (("no_manifest", 1),)
+
+
 def test_session_ids_and_settings_are_checked() -> None:
     with pytest.raises(ConfigError, match="session_kv.enabled"):
         EngineConfig(model=MODEL, enable_prefix_caching=False, session_kv=SessionKV(enabled=True))

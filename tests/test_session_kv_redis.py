@@ -120,4 +120,5 @@ def test_redis_down_re_prefills_says_why_and_never_fails_the_turn(conversation, 
         assert b.stats().session_kv_fallbacks == (("store_unavailable", 1),)
         assert f"KV not restored (store_unavailable: session KV store {url}" in caplog.text
         assert "KV not saved (session KV store" in caplog.text  # the end of the turn: one warning line
+        assert b.stats().session_kv_save_failures == (("store_unavailable", 1),)
         assert not b.has_unfinished()

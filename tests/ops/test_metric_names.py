@@ -32,7 +32,8 @@ def _full_snapshot() -> dict:
         hist["short"].observe(0.05)
     stats = {key: 1 for key, _, _, _ in m.ENGINE_STATS} | {"nll_sum": 2.0, "nll_count": 1, "decode_path": "c_step",
                                                            "decode_steps": [["c_step", 3]],
-                                                           "session_kv_fallbacks": [["policy", 1]]}
+                                                           "session_kv_fallbacks": [["policy", 1]],
+                                                           "session_kv_save_failures": [["error", 1]]}
     return {
         "ingress/i1": {"kind": "ingress", "replica": "i1", "data": rm.snapshot()},
         "pool/p1": {"kind": "pool", "pool": "short", "version": "v1", "replica": "p1", "deployment": "pool-short-v1",
