@@ -55,7 +55,7 @@ def app_args(audit: str, kv_blocks: int) -> dict[str, Any]:
 
 
 def opening(rng: random.Random, tag: str) -> str:
-    return f"Document {tag}. " + " ".join(rng.choice(WORDS) + str(rng.randrange(10)) for _ in range(260)) + "\n"
+    return f"Document {tag}. " + " ".join(rng.choice(WORDS) + str(rng.randrange(10)) for _ in range(150)) + "\n"
 
 
 def ttft(c: Any, pool: str, prompt: str) -> tuple[str, float]:

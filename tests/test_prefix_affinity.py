@@ -60,10 +60,19 @@ class Loads:
         return self.loads.get(replica_id.unique_id)
 
 
-def choose(req: PoolRequest, max_load: int | None = None, loads: dict[str, int] | None = None) -> list[str]:
+def choose(req: PoolRequest, max_load: int | None = None, loads: dict[str, int] | None = None,
+           probed: dict[str, int] | None = None) -> list[str]:
     router = object.__new__(SessionAffinityRouter)
     router.max_load = max_load
     router._replica_queue_len_cache = Loads(loads or {})
+    probes: list[int] = []
+
+    async def probe(replicas, backoff_index):  # the replicas' own answer (default: what the cache says)
+        probes.append(len(replicas))
+        live = (loads or {}) if probed is None else probed
+        return [(r, live.get(r.replica_id.unique_id)) for r in replicas]
+
+    router._probe_queue_lens = probe
     replicas = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=r)) for r in ("r1", "r2", "r3")]
     ranks = asyncio.run(router.choose_replicas(replicas, SimpleNamespace(args=(req,))))
     return [rank[0].replica_id.unique_id for rank in ranks]
