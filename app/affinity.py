@@ -109,9 +109,9 @@ class SessionAffinityRouter(PowerOfTwoChoicesRequestRouter):
         ranking = ranked(key, list(by_id))
         order = affinity_order(ranking, self._loads(candidate_replicas) if self.max_load else {}, self.max_load)
         if order[0] != ranking[0]:
-            # Serve's cache counts every send but misses some completions (measured: +1 per request on a
-            # pool whose calls end by the token bus, so every replica read "full" after max_load requests
-            # and keys alternated between replicas). Leave the first choice only on loads just probed.
+            # Serve's cache counts every send but missed these calls' completions (measured: +1 per request,
+            # so every replica read "full" after max_load requests and keys alternated between replicas;
+            # docs/prefix_affinity.md). Leave the first choice only on loads just probed.
             probed = await self._probe_queue_lens(candidate_replicas, 0)
             order = affinity_order(ranking, {r.replica_id.unique_id: n for r, n in probed}, self.max_load)
         # One rank per replica: Serve tries the first; if it refuses (queue full) the next one.
