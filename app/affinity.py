@@ -5,14 +5,22 @@ session id) goes to the replica with the highest rendezvous score ``sha256(sessi
 every ingress replica computes the same ranking from the same replica set, so no state is shared
 and nothing is stored. When that replica is full the next in the ranking takes the turn; when it
 dies, Serve drops it from the set and the session moves to the next replica, where the turn is
-re-prefilled from the token ids the store keeps (``app/conversations.py``). Requests without a session
-use Serve's power-of-two-choices. Worked example (scores invented)::
+re-prefilled from the token ids the store keeps (``app/conversations.py``). A request without a session
+is ranked the same way by its prefix key when the pool sets ``prefix_affinity_tokens``: a hash of its
+leading KV blocks, so requests sharing a system prompt or document meet its cached blocks
+(``app/prefix_affinity.py``: the key, and why a stateless hash rather than SGLang's per-replica radix
+tree). A session id wins over a prefix key. Requests with neither (prefix affinity off, or a prompt
+shorter than one block) use Serve's power-of-two-choices. Worked example (scores invented)::
 
     replicas   r1     r2     r3          session "c-42": r2 > r3 > r1  -> turns go to r2
     score      0.11   0.93   0.57        r2 dies: r3 > r1               -> r3 (re-prefill, then hits)
                                          sessions that ranked r1 / r3 first do not move
 
-Past a load threshold (the pool's ``affinity_max_load``) a turn does not queue behind the replica that
+The same ranking for a prefix key ``prefix:9f2c...`` (requests A and B share a 150-token system prompt)::
+
+    score      0.40   0.12   0.88        A -> r3 (prefills 190 tokens); B -> r3 (144 cached, prefills 31)
+
+Past a load threshold (the pool's ``affinity_max_load``) a turn (or a prefix-keyed request) does not queue behind the replica that
 holds its blocks: it goes to the least loaded replica instead, which restores the session's KV from the
 session KV store (``engine/session_cache.py``; without one it re-prefills)::
 
@@ -70,13 +78,16 @@ def affinity_order(ranking: Sequence[str], loads: dict[str, int | None], max_loa
 
 
 def affinity_key(pending: Any) -> str | None:
-    """The session id a pending Serve request carries (its first argument is a ``PoolRequest``)."""
+    """The key a pending Serve request is routed by (its first argument is a ``PoolRequest``): its
+    session id, else its prefix key (``app/prefix_affinity.py``), else None (power of two choices)."""
     args = getattr(pending, "args", None) or ()
-    return getattr(args[0], "affinity", None) if args else None
+    if not args:
+        return None
+    return getattr(args[0], "affinity", None) or getattr(args[0], "prefix_affinity", None)
 
 
 class SessionAffinityRouter(PowerOfTwoChoicesRequestRouter):
-    """Rendezvous-hash routing for session turns, power of two choices for everything else."""
+    """Rendezvous-hash routing for session turns and prefix-keyed requests, power of two choices for the rest."""
 
     max_load: int | None = None
 
@@ -95,7 +106,13 @@ class SessionAffinityRouter(PowerOfTwoChoicesRequestRouter):
         if key is None or not candidate_replicas:
             return await super().choose_replicas(candidate_replicas, pending_request)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        order = affinity_order(ranked(key, list(by_id)), self._loads(candidate_replicas) if self.max_load else {},
-                               self.max_load)
+        ranking = ranked(key, list(by_id))
+        order = affinity_order(ranking, self._loads(candidate_replicas) if self.max_load else {}, self.max_load)
+        if order[0] != ranking[0]:
+            # Serve's cache counts every send but missed these calls' completions (measured: +1 per request,
+            # so every replica read "full" after max_load requests and keys alternated between replicas;
+            # docs/prefix_affinity.md). Leave the first choice only on loads just probed.
+            probed = await self._probe_queue_lens(candidate_replicas, 0)
+            order = affinity_order(ranking, {r.replica_id.unique_id: n for r, n in probed}, self.max_load)
         # One rank per replica: Serve tries the first; if it refuses (queue full) the next one.
         return [[by_id[rid]] for rid in order]

@@ -49,7 +49,8 @@ def bucket_spec(p: PoolArgs, limits: Sequence[EngineLimits], policy_version: str
     bound = p.max_prompt_tokens if p.max_prompt_tokens is not None else min(lim.max_prompt_tokens for lim in limits)
     return BucketSpec(p.name, bound, p.timeout_s, tuple(p.versions) if p.versions is not None else None,
                       max_seq, streams=limits[0].streams, policy_version=policy_version, soft_timeout_s=p.soft_timeout_s,
-                      default_max_tokens=p.default_max_tokens)
+                      default_max_tokens=p.default_max_tokens, block_size=p.block_size,
+                      prefix_affinity_tokens=p.prefix_affinity_tokens)
 
 
 def cluster_resources() -> tuple[dict[str, float], list[dict[str, float]]]:
@@ -92,7 +93,8 @@ def pool_options(pool: PoolArgs, device: str) -> dict[str, Any]:
         "graceful_shutdown_timeout_s": max(30.0, pool.timeout_s),
         "health_check_period_s": 5.0,
         "health_check_timeout_s": 30.0,
-        # A conversation's turns go to the replica holding its blocks (app/affinity.py).
+        # A conversation's turns, and requests sharing a prefix, go to the replica holding their blocks
+        # (app/affinity.py; the prefix key is the planner's, from the bucket's prefix_affinity_tokens).
         "request_router_config": RequestRouterConfig(
             request_router_class=ROUTER_PATH, request_router_kwargs={"max_load": pool.affinity_max_load}),
     }

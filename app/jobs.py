@@ -150,7 +150,7 @@ class JobQueue:
         return job if job is not None and (tenant is None or job.tenant == tenant) else None
 
     def submit(self, tenant: str, deployment: str, pool: str, req: PoolRequest) -> Job:
-        req = replace(req, reply_to=None, affinity=None, timeout_s=None, soft_timeout_s=None)
+        req = replace(req, reply_to=None, affinity=None, prefix_affinity=None, timeout_s=None, soft_timeout_s=None)
         job = Job(id="job-" + secrets.token_hex(12), tenant=tenant, deployment=deployment, pool=pool, status="queued",
                   created=self.clock(), request=encode_request(req),
                   prompt_tokens=len(req.prompt_token_ids))

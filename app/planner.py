@@ -25,6 +25,7 @@ from app.conversations import Conversation, chat_continuation
 from app.errors import APIError
 from app.events import PoolRequest, RouteInfo, RoutePlan
 from app.passages import Trimmed, pinned_token_ranges, trim_passages
+from app.prefix_affinity import prefix_key
 from app.schemas import (ChatCompletionRequest, CompletionRequest, TokenizeChatRequest, TokenizeResponse, TokenRange,
                          new_request_id)
 from app.settings import BucketSpec, PlanSpec, VersionSpec, pool_deployment_name
@@ -448,7 +449,9 @@ class Planner:
         if params.logit_bias and vocab is not None and params.logit_bias[-1][0] >= vocab:
             raise APIError(400, f"token id {params.logit_bias[-1][0]} is outside the vocabulary [0, {vocab})", "logit_bias")
         name = pool_deployment_name(bucket.name, version.name)
-        preq = PoolRequest(request_id, tuple(ids), params, anchors, bucket.timeout_s, bucket.soft_timeout_s)
+        # No session: the prompt's leading blocks pick the replica whose prefix cache holds them (when the pool asks).
+        preq = PoolRequest(request_id, tuple(ids), params, anchors, bucket.timeout_s, bucket.soft_timeout_s,
+                           prefix_affinity=prefix_key(ids, bucket.block_size, bucket.prefix_affinity_tokens))
         report = trimmed.report if trimmed else None
         return RoutePlan(RouteInfo(request_id, bucket.name, version.name, name, len(ids), report), preq)
 

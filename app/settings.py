@@ -88,6 +88,11 @@ class PoolArgs(_Strict):
     # requests, for the least loaded one (with engine.session_kv on, the turn's KV follows it from the
     # store; app/affinity.py). None: it stays until Serve refuses it (max_ongoing + max_queued).
     affinity_max_load: int | None = Field(None, gt=0)
+    # Requests without a session go to the replica a hash of their first this many prompt tokens (whole
+    # KV blocks of engine.block_size) prefers, so requests sharing a system prompt or document meet its
+    # cached blocks (app/prefix_affinity.py). Needs affinity_max_load: one popular prefix would otherwise
+    # queue every request on one replica. None (the default): power of two choices.
+    prefix_affinity_tokens: int | None = Field(None, gt=0)
     num_cpus: float = Field(0.1, ge=0)  # the replica (scheduler, KV bookkeeping; the model at TP=1)
     worker_num_cpus: float = Field(0.1, ge=0)  # each tensor-parallel worker
     # Custom Ray resources each replica asks for (a TP replica: its bundle 0, so STRICT_PACK puts all its
@@ -120,6 +125,20 @@ class PoolArgs(_Strict):
         return _check_resources(v, "resources")
 
     @model_validator(mode="after")
+    def _prefix_affinity(self) -> "PoolArgs":
+        n = self.prefix_affinity_tokens
+        if n is None:
+            return self
+        if self.affinity_max_load is None:
+            raise ValueError("prefix_affinity_tokens: needs affinity_max_load (requests sharing one popular prefix "
+                             "would otherwise all queue on one replica); set e.g. affinity_max_load: 8")
+        block = self.block_size
+        if n % block:
+            raise ValueError(f"prefix_affinity_tokens: must be a multiple of this pool's KV block size "
+                             f"(engine.block_size {block}), got {n}")
+        return self
+
+    @model_validator(mode="after")
     def _soft(self) -> "PoolArgs":
         if self.soft_timeout_s is not None and self.soft_timeout_s >= self.timeout_s:
             raise ValueError(f"soft_timeout_s ({self.soft_timeout_s:g}) must be below timeout_s ({self.timeout_s:g})")
@@ -128,6 +147,11 @@ class PoolArgs(_Strict):
     @property
     def tensor_parallel_size(self) -> int:
         return int(self.engine.get("tensor_parallel_size", 1))
+
+    @property
+    def block_size(self) -> int:
+        """The pool's KV block size as its engine resolves it (set, or the default for its kv_cache_dtype)."""
+        return int(engine_config_from_dict(self.engine, device="cpu").block_size)
 
     @property
     def cache_policy(self) -> dict[str, Any]:
@@ -393,6 +417,8 @@ class BucketSpec:
     policy_version: str | None = None  # the pool's configured cache policy (content hash)
     soft_timeout_s: float | None = None
     default_max_tokens: int | None = None  # the pool's cap on a chat's default max_tokens (None: no cap)
+    block_size: int = 16  # the pool engine's KV block size (what a prefix key hashes whole blocks of)
+    prefix_affinity_tokens: int | None = None  # PoolArgs.prefix_affinity_tokens (None: no prefix key)
 
 
 @dataclass(frozen=True)

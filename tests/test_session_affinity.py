@@ -22,10 +22,18 @@ class Loads:
         return self.loads.get(replica_id.unique_id)
 
 
-def choose(max_load, loads: dict[str, int], session: str = "c-42") -> list[str]:
+def choose(max_load, loads: dict[str, int], session: str = "c-42", probed: dict[str, int] | None = None) -> list[str]:
     router = object.__new__(SessionAffinityRouter)
     router.max_load = max_load
     router._replica_queue_len_cache = Loads(loads)
+    probes: list[int] = []
+
+    async def probe(replicas, backoff_index):  # the replicas' own answer (default: what the cache says)
+        probes.append(len(replicas))
+        live = (loads or {}) if probed is None else probed
+        return [(r, live.get(r.replica_id.unique_id)) for r in replicas]
+
+    router._probe_queue_lens = probe
     replicas = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=r)) for r in ("r1", "r2", "r3")]
     pending = SimpleNamespace(args=(PoolRequest("q", (1, 2), SamplingParams(), affinity=session),))
     ranks = asyncio.run(router.choose_replicas(replicas, pending))
@@ -40,6 +48,16 @@ def test_a_session_stays_on_its_replica_below_the_load_threshold_and_moves_past_
     idle = order[2]
     moved = choose(4, {order[0]: 4, order[1]: 2, idle: 0})
     assert moved == [idle, order[0], order[1]]
+
+
+def test_a_turn_leaves_its_replica_only_when_a_fresh_probe_agrees() -> None:
+    """Serve's queue-length cache drifts up (it counts sends, misses completions): a cache that says the
+    first choice is full is checked by probing, and the probe's answer decides."""
+    order = ranked("c-42", ["r1", "r2", "r3"])
+    stale = {order[0]: 9, order[1]: 9, order[2]: 8}
+    assert choose(4, stale, probed={order[0]: 0, order[1]: 0, order[2]: 0}) == order
+    assert choose(4, stale, probed={order[0]: 5, order[1]: 0, order[2]: 1}) == [order[1], order[0], order[2]]
+    assert choose(4, stale, probed={order[1]: 0, order[2]: 0}) == order  # first choice did not answer: stays
 
 
 def test_the_threshold_is_a_pool_setting_passed_to_the_router() -> None:

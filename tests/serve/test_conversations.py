@@ -26,6 +26,7 @@ from tests.serve.redis_server import redis_server
 pytestmark = pytest.mark.serve
 
 QUOTA = 1000
+PREFIX_TOKENS = 128  # pool chat: requests without a session are routed by their first 128 tokens (8 blocks)
 SOFT_S = 8.0
 
 
@@ -37,6 +38,7 @@ def conv_args(store: dict, audit: str) -> dict:
         "ingress": {"num_replicas": 2, "num_cpus": 0.05, "keepalive_s": 1.0},
         "pools": [
             {"name": "chat", "max_prompt_tokens": 600, "timeout_s": 60, "num_cpus": 0.05, "num_replicas": 2,
+             "affinity_max_load": 8, "prefix_affinity_tokens": PREFIX_TOKENS,
              "engine": {**engine, "max_num_seqs": 4, "cache_policy": {"eviction_policy": "none"}}},
             {"name": "long", "max_prompt_tokens": 900, "timeout_s": 60, "soft_timeout_s": SOFT_S, "num_cpus": 0.05,
              "engine": {**engine, "max_num_seqs": 1,
@@ -105,6 +107,76 @@ def kill_tree(pid: int) -> None:
             os.kill(p.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def audit_records(conv, ids: set[str], timeout_s: float = 30) -> dict[str, dict]:
+    """The audit records of ``ids`` (written when each request settles, by whichever ingress replica)."""
+    deadline = time.time() + timeout_s
+    while True:
+        lines = [json.loads(x) for x in conv["audit"].read_text().splitlines()]
+        got = {x["request_id"]: x for x in lines if x["request_id"] in ids}
+        if len(got) == len(ids) or time.time() > deadline:
+            return got
+        time.sleep(0.25)
+
+
+def pool_hits(conv, pool: str = "chat") -> dict[str, float]:
+    """Prefix-cache hit tokens per pool replica, from /metrics."""
+    fams = {f.name: f for f in text_string_to_metric_families(httpx.get(conv["base"] + "/metrics").text)}
+    fam = fams.get("sinkserve_prefix_cache_hit_tokens")
+    return {s.labels["replica"]: s.value for s in (fam.samples if fam else ()) if s.labels.get("pool") == pool}
+
+
+def test_requests_sharing_a_long_prefix_meet_its_cached_blocks_on_one_replica(conv):
+    """Pool chat has prefix_affinity_tokens 128: plain requests (no session) whose first 128 tokens agree go
+    to one replica, so every later one finds the shared opening in that replica's prefix cache
+    (cached_tokens in the audit record; by chance, with two replicas, only half would). Openings whose
+    keys rank different replicas first are served there: both replicas' prefix-cache hit counters move."""
+    if conv["store"] != "sqlite":
+        pytest.skip("store-independent: runs once, on the SQLite deployment")
+    from transformers import AutoTokenizer
+
+    from app.affinity import ranked
+    from app.prefix_affinity import prefix_key
+
+    tok = AutoTokenizer.from_pretrained(REPO / "assets/reference-model")
+    replicas = list(pool_replicas("pool-chat-v1", 2))
+    words = "river stone lamp orchard copper violet harbor thistle lantern meadow quartz falcon".split()
+    # Openings of ~200 tokens, chosen so that their keys put both replicas first (spread is checked, not hoped for).
+    by_first: dict[str, str] = {}
+    for i in range(40):
+        opening = f"Document {i}. " + " ".join(words[(i + j) % len(words)] + str(j % 7) for j in range(90)) + "\n"
+        first = ranked(prefix_key(tok(opening)["input_ids"], 16, PREFIX_TOKENS), replicas)[0]
+        by_first.setdefault(first, opening)
+        if len(by_first) == 2:
+            break
+    assert len(by_first) == 2, "40 openings all ranked one replica first"
+    before = pool_hits(conv)
+    ids: list[tuple[str, int]] = []  # (request id, tokens of its opening)
+    with client(conv) as c:
+        for opening in by_first.values():
+            shared = len(tok(opening)["input_ids"])
+            for tail in ("Question: what comes first?", "Summarise the document in one line, please.",
+                         "Which word is repeated most often here?"):
+                r = c.post("/v1/completions", json={"model": "ref", "prompt": opening + tail, "max_tokens": 2, "temperature": 0})
+                assert r.status_code == 200, r.text
+                assert r.headers["x-sinkserve-pool"] == "chat"
+                ids.append((r.json()["id"], shared))
+    recs = audit_records(conv, {i for i, _ in ids})
+    assert len(recs) == len(ids), recs
+    for n, (rid, shared) in enumerate(ids):
+        cached = recs[rid]["cached_tokens"]
+        if n % 3 == 0:
+            assert cached < PREFIX_TOKENS, (n, cached)  # the first with this opening finds nothing
+        else:  # every later one: the whole blocks of the shared opening (at least the key's 128 tokens)
+            assert cached >= (shared // 16) * 16 - 16 and cached >= PREFIX_TOKENS, (n, cached, shared)
+    deadline = time.time() + 30
+    while time.time() < deadline:  # pushed every stats_push_interval_s
+        after = pool_hits(conv)
+        if all(after.get(r, 0) - before.get(r, 0) >= 2 * PREFIX_TOKENS for r in replicas):
+            break
+        time.sleep(0.5)
+    assert all(after.get(r, 0) - before.get(r, 0) >= 2 * PREFIX_TOKENS for r in replicas), (before, after, replicas)
 
 
 def test_three_turns_survive_kill_9_of_the_replica_holding_them(conv):

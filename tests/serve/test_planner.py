@@ -277,3 +277,28 @@ def test_a_null_message_content_is_accepted_and_the_schema_says_so():
     assert {"type": "null"} in ChatMessage.model_json_schema()["properties"]["content"]["anyOf"]
     with pytest.raises(ValidationError):
         ChatMessage.model_validate({"role": "user", "content": 5})
+
+
+# ---- prefix affinity ----------------------------------------------------------------------------
+
+
+def test_plan_sets_a_prefix_key_from_the_buckets_block_size_and_window():
+    """Requests sharing their leading whole blocks get one key (the router's rendezvous input); the
+    window and block size are the bucket's; a session's turn carries its session id instead."""
+    from app.prefix_affinity import prefix_key
+
+    p = Planner(PlanSpec(buckets=(_B("short", 1000, 60.0, max_seq_len=1024, block_size=16, prefix_affinity_tokens=64),),
+                         versions=(_V("v1", DEFAULT_MODEL, 1.0),)))
+    system = "You are a careful assistant. Answer from the shared document below. " * 4
+    a = p.plan(CompletionRequest(prompt=system + "What is the first rule?")).request
+    b = p.plan(CompletionRequest(prompt=system + "Name every tool in the shed, please.")).request
+    other = p.plan(CompletionRequest(prompt="A different opening entirely. " * 8 + "What is the first rule?")).request
+    assert len(a.prompt_token_ids) >= 64 and a.prompt_token_ids[:64] == b.prompt_token_ids[:64]
+    assert a.prefix_affinity is not None and a.prefix_affinity == b.prefix_affinity != other.prefix_affinity
+    assert a.prefix_affinity == prefix_key(a.prompt_token_ids, 16, 64) and a.affinity is None
+    assert p.plan(CompletionRequest(prompt="hi")).request.prefix_affinity is None  # under one block
+    off = Planner(PlanSpec(buckets=(_B("short", 1000, 60.0, max_seq_len=1024),), versions=(_V("v1", DEFAULT_MODEL, 1.0),)))
+    assert off.plan(CompletionRequest(prompt=system)).request.prefix_affinity is None  # the pool did not ask
+    conv = Conversation("conv-9", "acme", 0.0, version="v1", kind="completion", token_ids=tuple(range(5, 105)))
+    turn = p.plan(CompletionRequest(prompt=" and then", max_tokens=3), None, "cmpl-y", history=conv).request
+    assert turn.affinity == "conv-9" and turn.prefix_affinity is None
