@@ -23,6 +23,7 @@ from ray import serve
 from app import log_masking
 from app import metrics as m
 from app import openapi
+from app.affinity import routed_replicas
 from app.audit import AuditLog, AuditRecord
 from app.auth import resolve_auth
 from app.conversations import HEADER as CONVERSATION_HEADER
@@ -352,7 +353,12 @@ class Ingress:
                                     self.metrics.failover, self.spec.ingress.replica_wait_s)
 
     def _deployment_ready(self, deployment: str) -> bool:
-        return self._ready_deployments is None or deployment in self._ready_deployments
+        """Whether ``deployment`` has a live replica: the hub lists a ready one, or (its entry can lapse
+        while a loaded replica pushes late) this process's Serve router still lists running replicas. Only
+        when both say none is a call that no replica took refused or moved (app/failover.py)."""
+        if self._ready_deployments is None or deployment in self._ready_deployments:
+            return True
+        return bool(routed_replicas(deployment))
 
     async def _watch_pools(self, interval_s: float = 0.5) -> None:
         """Keep ``_ready_deployments`` current from the hub (pools push their readiness)."""

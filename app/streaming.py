@@ -154,8 +154,9 @@ TIME_LIMIT = "time_limit"  # finish_reason of a generation ended by its pool's s
 
 async def taken_by_replica(call: Any, wait_s: float, pool_ready: Callable[[], bool]) -> bool:
     """Whether a replica took ``call``: True once Serve's router assigned it to one; False when, at a
-    ``wait_s`` deadline, none has and the hub sees no ready replica of the pool -- its only replica
-    (or node) was lost and Serve holds the call until a replacement runs (a minute on a loaded host).
+    ``wait_s`` deadline, none has and ``pool_ready()`` says the pool has no live replica (the ingress:
+    neither the hub nor its own Serve router lists one) -- its only replica (or node) was lost and
+    Serve holds the call until a replacement runs (a minute on a loaded host).
     While the pool is ready (its replicas are busy: Serve queues the call) the wait goes on, one
     ``wait_s`` at a time. A request that no replica took never reached an engine, so it may go
     elsewhere (app/failover.py)::

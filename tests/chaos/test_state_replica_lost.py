@@ -84,3 +84,40 @@ async def test_a_turn_whose_pool_has_no_live_replica_is_refused_in_time_and_the_
         assert r.status_code == 200, r.text
         conv = (await client.get(f"/v1/conversations/{cid}")).json()
         assert len(conv["turns"]) == 2 and conv["turns"][1]["prompt_tokens"] > conv["turns"][0]["prompt_tokens"]
+
+
+class _Router:
+    """What ``app.affinity.routed_replicas`` reads of Serve's router: its running replicas."""
+
+    def __init__(self, n: int) -> None:
+        self.curr_replicas = {f"r{i}": object() for i in range(n)}
+
+
+async def test_a_busy_pool_the_hub_lost_sight_of_is_not_refused_while_serve_routes_to_a_replica(tmp_path, monkeypatch):
+    """The false positive of the drill (docs/cluster.md): the hub's entry for a loaded pool lapsed while
+    its replicas were busy, so a call waiting for one was refused. Serve's router still lists a replica:
+    the call waits and is answered; once the router lists none either, the next call is refused."""
+    from app import affinity
+
+    keys_env(monkeypatch)
+    spec = ingress_spec(StoreArgs(kind="sqlite", data_dir=str(tmp_path / "data")))
+    spec = replace(spec, ingress=spec.ingress.model_copy(update={"replica_wait_s": 0.2}))
+    pool = OrphanedPool(tokens=2)
+    async with running_ingress(spec, pool) as (client, [ingress]):
+        router = _Router(1)
+        for deployment in ingress.pools:  # the same fake pool behind every deployment
+            monkeypatch.setitem(affinity._ROUTERS, deployment, lambda: router)
+        req = {"prompt": "hello", "max_tokens": 2}
+        pool.assigned.clear()  # every replica busy: Serve holds the call ...
+        ingress._ready_deployments = set()  # ... and the hub's entry lapsed
+        answer = asyncio.ensure_future(client.post("/v1/completions", json=req))
+        await asyncio.sleep(1.0)  # five replica_wait_s deadlines pass
+        assert not answer.done(), answer.result().text if answer.done() else ""
+        pool.assigned.set()  # a replica frees up and takes it
+        r = await asyncio.wait_for(answer, 5)
+        assert r.status_code == 200, r.text
+
+        pool.assigned.clear()
+        router.curr_replicas = {}  # the controller dropped the lost replica: Serve's view agrees
+        r = await asyncio.wait_for(client.post("/v1/completions", json=req), 5)
+        assert r.status_code == 503 and "has no live replica" in r.json()["error"]["message"], r.text
