@@ -34,7 +34,17 @@ What the step carries besides float32 caches:
   the attention kernels skip::
 
       table      [ 5 | 9 | 2 | 7 | 4 ]      forced {0} + window {3, 4}; top 1 of candidates {1, 2}: 2
-      attended   [ 5 | 0 | 2 | 7 | 4 ]      the eager path's compacted table [5, 2, 7, 4]: the same tokens The eager forward is the reference: the
+      attended   [ 5 | 0 | 2 | 7 | 4 ]      the eager path's compacted table [5, 2, 7, 4]: the same tokens * **The trained lightning indexer** (``sparse.indexer`` trained; ``engine/lightning.py``): every layer writes
+  the new token's int8 index key beside K/V as ``engine/indexer_runtime.py`` does (``index_key``); a
+  selecting sequence's full-attention layers score its visible tokens' index keys with the projected,
+  weighted index query, keep the forced set and the top ``k`` (``selection_widths``; ties to the lower
+  position, ``indexed_sparse.select_top``'s rule: ``index_select``) and attend exactly those tokens, gathered
+  into a float32 scratch cache (packed ones decoded as the packed attention decodes them)::
+
+      seq_len 100, block 16, protected {0}, window 32, top_k 24: k = 24 + 48 forced
+      attended   tokens 0..15, 68..99 and the 24 best-scoring of 16..67, ascending
+
+The eager forward is the reference: the
 engine calls this only where it computes the same thing (``LlamaForward.decode_kernel_applies``), and
 ``tests/kernels/test_cpu_decode.py`` holds the two together.
 

@@ -117,11 +117,12 @@ def test_the_c_selection_is_select_torchs_ties_included() -> None:
     lower position). The selected positions must be identical."""
     from engine.lightning import quantize_keys
     from sinkserve_kernels import cpu_decode
-    from sinkserve_kernels.indexed_sparse import IndexCache, SeqRows, select_torch
+    from sinkserve_kernels.indexed_sparse import IndexCache, SeqRows, _columns, select_torch
     from sinkserve_kernels.sparse_geometry import forced_tokens
 
     g = torch.Generator().manual_seed(0)
     hi, di, qd, nblocks = 3, 12, 40, 64
+    split = 0  # trials whose threshold score is shared by a chosen and an unchosen token (the tie rule decides)
     for trial in range(240):
         bsz = (4, 16, 64)[trial % 3]
         seq_len = int(torch.randint(2, 10 * bsz, (1,), generator=g))
@@ -142,14 +143,22 @@ def test_the_c_selection_is_select_torchs_ties_included() -> None:
         top = int(torch.randint(1, 4 * bsz, (1,), generator=g))
         k = min(seq_len, top + forced_tokens(forced.nonzero().flatten().tolist(), seq_len, bsz, window))
         iq, iw = (q @ wq.T).view(1, hi, di), (q @ ww.T)[None]
-        slots = select_torch(iq, iw, cache, [SeqRows(0, 1, seq_len, table, forced.repeat_interleave(bsz), k)],
-                             window)[0][0]
+        seq = SeqRows(0, 1, seq_len, table, forced.repeat_interleave(bsz), k)
+        slots = select_torch(iq, iw, cache, [seq], window)[0][0]
         slots = slots[slots >= 0].long()
+        cols, keys, stored = _columns(seq, cache)
+        score = (iw[0][:, None] * (iq[0] @ keys.T).relu()).sum(0)
+        col = torch.arange(cols.numel())
+        cand = stored & (col < seq_len - window) & ~seq.forced_mask[: cols.numel()]
+        chosen = torch.isin(cols, slots)
+        if (cand & chosen).any() and (cand & ~chosen).any():
+            split += score[cand & chosen].min().item() == score[cand & ~chosen].max().item()
         p = torch.arange(nb * bsz)
         where = {int(s): int(x) for x, s in zip(p, table.long()[p // bsz] * bsz + p % bsz) if x < seq_len}
         want = sorted(where[int(s)] for s in slots)
         got = cpu_decode.index_select(q, wq, ww, cache.keys, cache.scale, hi, table, seq_len, forced, window, k)
         assert got.tolist() == want, trial
+    assert split >= 3
 
 
 def test_trained_indexer_on_the_reference_model(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,10 +15,13 @@
  *     k_cache[slot[t]], v_cache[slot[t]] = k, v                (slot < 0: not written)
  *       packed cache: into the 16-bit side pool, where the block has a slot (write_packed, below)
  *     (sparse pool) bounds[block of slot[t]] = min/max with k      (update_bounds, below)
+ *     (trained indexer) index_keys[slot[t]] = int8(Wk . k), scale                (index_key, below)
  *     (importance eviction, full-attention layers) mass[s][j] += block j's largest per-head attention mass
  *                                                                  (block_mass, below)
  *     a = sinkserve_decode_attention(q; the paged cache, window[l])      (decode_attention.c)
  *       packed cache: sinkserve_decode_attention_quant(q; QuantCache, window[l])  (decode_attention_quant.c)
+ *       (trained indexer, a selecting sequence) over its forced + top-k tokens only   (index_select,
+ *       gather_selected, below; then the float32 kernel over the gathered tokens)
  *     h += a W_o^T (+ b);  x = rms_norm(h, post_norm)
  *     gu = x W_gate_up^T (+ b);  m = silu(gate) * up;  h += m W_down^T (+ b)
  *   logits[r] = rms_norm(h[logit_rows[r]], final_norm) lm_head^T
