@@ -87,8 +87,9 @@ def c_step_blockers(config: EngineConfig, facts: DecodeFacts) -> list[str]:
     # Packed KV (int8 / int4 / int2, outlier channels) is carried: csrc/decode_attention_quant.c. So are
     # importance eviction's block scores (decode_step.c block_mass) and a
     # block_bounds sparse pool: the C step keeps the bounds and selects from them (dense inside
-    # sparse.min_context); the trained indexer writes its own index keys beside K/V, which the C step does not.
-    if config.sparse.enabled and config.sparse.indexer != "block_bounds":
+    # sparse.min_context); so is the trained indexer (decode_step.c index_key / index_select: the index keys
+    # written beside K/V, tokens selected by them).
+    if config.sparse.enabled and config.sparse.indexer not in ("block_bounds", "trained"):
         out.append(f"sparse attention ({config.sparse.indexer})")
     if config.sparse.compact:
         out.append("selected memory (sparse.position_mode compact)")

@@ -114,6 +114,21 @@ def test_a_pool_the_c_step_does_not_carry_runs_eager_with_the_reason() -> None:
     assert dict(engine.stats().decode_steps) == {"eager": 2}
 
 
+def test_a_trained_indexer_pool_takes_the_c_step_and_selected_memory_still_does_not() -> None:
+    """``sparse.indexer: trained`` (the reference model ships its indexer) is carried, with and without packed
+    KV (tests/test_indexer_c_step.py holds its tokens to the eager path's); selected memory is still refused,
+    the reason naming it."""
+    from engine.sparse_config import SparseAttention
+
+    model = str(ROOT / "assets" / "reference-model")
+    for kv in ("auto", "int4"):
+        path = decode_path_for(EngineConfig(model=model, kv_cache_dtype=kv,
+                                            sparse=SparseAttention(enabled=True, indexer="trained")))
+        assert path.path == "c_step" and "trained sparse selection" in path.reason, path.reason
+    compact = decode_path_for(EngineConfig(model=model, sparse=SparseAttention(enabled=True, position_mode="compact")))
+    assert compact.path == "eager" and "selected memory (sparse.position_mode compact)" in compact.reason
+
+
 def test_decode_path_and_steps_are_exported_per_pool() -> None:
     snap = {f"pool-{name}": {"kind": "pool", "pool": name, "version": "v1", "replica": "r1",
                              "deployment": f"pool-{name}-v1",

@@ -78,9 +78,10 @@ def generate(config: EngineConfig, prompts: list[list[int]], max_tokens: int, re
 
 
 def against_eager(config: EngineConfig, prompts: list[list[int]], max_tokens: int,
-                  monkeypatch: pytest.MonkeyPatch, threads: int = 1, path: str = "c_step") -> list[tuple[str, int]]:
+                  monkeypatch: pytest.MonkeyPatch, threads: int = 1, path: str = "c_step",
+                  atol: float = 1e-4) -> list[tuple[str, int]]:
     """Run ``config`` on its decode path (``path``: what the engine must have chosen) and eagerly (the
-    reference: no decode step takes the C step); assert equal tokens and logits (1e-4); return the first
+    reference: no decode step takes the C step); assert equal tokens and logits (``atol``); return the first
     run's per-step paths."""
     torch.set_num_threads(threads)
     tokens, logits, steps, engine = generate(config, prompts, max_tokens)
@@ -97,7 +98,7 @@ def against_eager(config: EngineConfig, prompts: list[list[int]], max_tokens: in
         for b, rb in zip(bounds, ref_bounds):
             torch.testing.assert_close(b.packed, rb.packed, rtol=1e-4, atol=1e-4)
     for got, want in zip(logits, ref_logits):
-        assert (torch.stack(got) - torch.stack(want)).abs().max().item() < 1e-4
+        assert (torch.stack(got) - torch.stack(want)).abs().max().item() < atol
     return steps
 
 

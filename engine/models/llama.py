@@ -269,11 +269,12 @@ class LlamaForward(nn.Module):
         of them, and the step does not calibrate outlier channels. A step that scores block importance
         (importance eviction) runs in C too, the scores accumulated there. A sparse
         pool's step (block_bounds) runs in C too: dense inside ``sparse.min_context``, selecting past it
-        (the C step keeps the block bounds current and selects from them). Everything else runs the eager
+        (the C step keeps the block bounds current and selects from them), and so is a trained-indexer
+        pool's (the C step writes the index keys and selects tokens by them). Everything else runs the eager
         forward below, and the runner counts the step as eager."""
         return (self.c_step and rows <= DECODE_KERNEL_MAX_ROWS and rows == ctx.seq_lens.shape[0]
                 and ctx.key_absmax is None
-                and ctx.indexer is None and ctx.selected_memory is None)
+                and ctx.selected_memory is None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         """``input_ids, positions [T]`` -> logits ``[len(logits_indices), vocab]`` (float32). Runs inside
@@ -288,7 +289,8 @@ class LlamaForward(nn.Module):
                                        ctx.sparse_plan,
                                        # [L, S, W]: the C step adds its per-layer scores, summed, into row 0
                                        # (engine/importance.py: pool_layers then sums the rows)
-                                       None if ctx.block_importance is None else ctx.block_importance[0])
+                                       None if ctx.block_importance is None else ctx.block_importance[0],
+                                       ctx.indexer)
         return self.eager_forward(input_ids, positions, logits_indices)
 
     def eager_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:

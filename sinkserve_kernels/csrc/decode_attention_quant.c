@@ -138,6 +138,30 @@ const float *sinkserve_quant_keys(const QuantCache *kv, int32_t blk, int off, in
     return tile;
 }
 
+void sinkserve_quant_token(const QuantCache *kv, int64_t slot, int block, int hkv, int d, float *k, float *v) {
+    const int32_t blk = (int32_t)(slot / block), off = (int)(slot % block), fp = kv->fp_index[blk];
+    if (fp >= 0) { /* a 16-bit block */
+        const int64_t o = ((int64_t)fp * block + off) * hkv * d;
+        memcpy(k, kv->fp_k + o, sizeof(float) * hkv * d);
+        memcpy(v, kv->fp_v + o, sizeof(float) * hkv * d);
+        return;
+    }
+    const int64_t cb = (int64_t)d * kv->bits / 8;
+    const int ng = d / kv->group;
+    float ksc[256], kze[256];
+    for (int hk = 0; hk < hkv; hk++) {
+        key_scales(kv, blk, hkv, hk, d, ksc, kze);
+        dequant_keys(kv, blk, off, 1, block, hkv, hk, d, ksc, kze, k + (int64_t)hk * d);
+        float *vr = v + (int64_t)hk * d; /* the attention's value decode: codes * scale + zero per group */
+        unpack_rows(kv->v_codes + (slot * hkv + hk) * cb, 0, 1, kv->bits, d, vr);
+        const int64_t vo = (slot * hkv + hk) * ng;
+        for (int e = 0; e < ng; e++) {
+            const float a = half_to_float(kv->v_scale[vo + e]), b = half_to_float(kv->v_zero[vo + e]);
+            for (int i = e * kv->group; i < (e + 1) * kv->group; i++) vr[i] = vr[i] * a + b;
+        }
+    }
+}
+
 /* One (sequence, KV head): G <= MAX_GROUP query heads q[g] (stride q_sh) over the keys at positions
  * lo..len-1 of `table`. D is a compile-time constant in the specialised copies below. */
 #define DEFINE_QHEAD(NAME, DCONST)                                                                         \

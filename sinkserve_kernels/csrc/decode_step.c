@@ -15,10 +15,13 @@
  *     k_cache[slot[t]], v_cache[slot[t]] = k, v                (slot < 0: not written)
  *       packed cache: into the 16-bit side pool, where the block has a slot (write_packed, below)
  *     (sparse pool) bounds[block of slot[t]] = min/max with k      (update_bounds, below)
+ *     (trained indexer) index_keys[slot[t]] = int8(Wk . k), scale                (index_key, below)
  *     (importance eviction, full-attention layers) mass[s][j] += block j's largest per-head attention mass
  *                                                                  (block_mass, below)
  *     a = sinkserve_decode_attention(q; the paged cache, window[l])      (decode_attention.c)
  *       packed cache: sinkserve_decode_attention_quant(q; QuantCache, window[l])  (decode_attention_quant.c)
+ *       (trained indexer, a selecting sequence) over its forced + top-k tokens only   (index_select,
+ *       gather_selected, below; then the float32 kernel over the gathered tokens)
  *     h += a W_o^T (+ b);  x = rms_norm(h, post_norm)
  *     gu = x W_gate_up^T (+ b);  m = silu(gate) * up;  h += m W_down^T (+ b)
  *   logits[r] = rms_norm(h[logit_rows[r]], final_norm) lm_head^T
@@ -50,7 +53,11 @@
 #endif
 
 enum { F_IN_NORM, F_POST_NORM, F_QKV_W, F_QKV_B, F_O_W, F_O_B, F_QK_NORM, F_GU_W, F_GU_B, F_DOWN_W, F_DOWN_B,
-       F_K_CACHE, F_V_CACHE, F_WINDOW, F_KV_QUANT, F_BOUNDS, F_QKV_S, F_O_S, F_GU_S, F_DOWN_S, LAYER_FIELDS };
+       F_K_CACHE, F_V_CACHE, F_WINDOW, F_KV_QUANT, F_BOUNDS, F_QKV_S, F_O_S, F_GU_S, F_DOWN_S,
+       /* the trained lightning indexer (sparse.indexer trained): wq [Hi*Di, Hq*D], wk [Di, Hkv*D], ww [Hi, Hq*D]
+        * float32 row-major; the layer's index-key cache: int8 keys [NB, B, Di], float32 scale [NB, B] */
+       F_IX_WQ, F_IX_WK, F_IX_WW, F_IX_KEYS, F_IX_SCALE, LAYER_FIELDS };
+enum { MAX_INDEX_DIM = 1024 }; /* the index-key width Di at most (cpu_decode.py refuses wider) */
 
 int sinkserve_decode_attention(const float *q, int64_t q_st, int64_t q_sh, const float *k_cache, const float *v_cache,
                                const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
@@ -339,6 +346,158 @@ static void select_blocks(const float *q, int hq, int hkv, int d, const float *b
     }
 }
 
+/* The trained indexer's index key of one new token, written as engine/indexer_runtime.py writes it
+ * (engine/lightning.py quantize_keys): ki = Wk . k (k: every KV head of the layer's post-RoPE key), then
+ * symmetric int8 per token, scale = max(|ki|, 1e-8) / 127, code = round-half-even(ki / scale) in [-127, 127].
+ *
+ *   e.g. ki = [0.5, -1.27, 0.3] -> scale 0.01, codes [50, -127, 30] */
+static void index_key(const float *k, int kd, const float *wk, int di, int8_t *codes, float *scale_out) {
+    float ki[MAX_INDEX_DIM], amax = 0.0f;
+    for (int e = 0; e < di; e++) {
+        const float *w = wk + (int64_t)e * kd;
+        float a = 0.0f;
+        for (int i = 0; i < kd; i++) a += k[i] * w[i];
+        ki[e] = a;
+        amax = fabsf(a) > amax ? fabsf(a) : amax;
+    }
+    const float sc = (amax > 1e-8f ? amax : 1e-8f) / 127.0f;
+    for (int e = 0; e < di; e++) {
+        float c = nearbyintf(ki[e] / sc);
+        codes[e] = (int8_t)(c > 127.0f ? 127.0f : c < -127.0f ? -127.0f : c);
+    }
+    *scale_out = sc;
+}
+
+/* The k-th largest of x[0..n) (1 <= k <= n), x reordered: quickselect with a three-way partition (index
+ * scores repeat, e.g. 0 where every head's relu is 0, so a two-way partition would go quadratic). */
+static float kth_largest(float *x, int64_t n, int64_t k) {
+    int64_t lo = 0, hi = n, want = k - 1; /* index in descending order */
+    for (;;) {
+        const float a = x[lo], b = x[lo + (hi - lo) / 2], c = x[hi - 1];
+        const float p = (a > b) == (b > c) ? b : (a > b) == (a > c) ? c : a; /* a median of three */
+        int64_t gt = lo, i = lo, lt = hi; /* [lo, gt) > p, [gt, i) == p, [lt, hi) < p */
+        while (i < lt) {
+            const float v = x[i];
+            if (v > p) { x[i] = x[gt]; x[gt++] = v; i++; }
+            else if (v < p) { x[i] = x[--lt]; x[lt] = v; }
+            else i++;
+        }
+        if (want < gt) hi = gt;
+        else if (want < lt) return p;
+        else lo = lt;
+    }
+}
+
+/* indexed_sparse.select_torch for one decode query of the trained indexer: the positions it attends,
+ * ascending, into pos[]; returns their count (min(k, visible tokens)).
+ *
+ *   iq = Wq . q [Hi, Di], iw = Ww . q [Hi]        (q: every query head, post-RoPE)
+ *   score[p] = sum_h iw[h] * relu(iq[h] . (codes[p] * scale[p]))   over the visible positions p
+ *   visible  p < seq_len and its block is not null
+ *   forced   visible and (in a protected block, or p > pos - window: the newest `window` tokens)
+ *   chosen   the k largest of (forced: +inf, else score), ties to the lower position (select_top's rule)
+ *
+ *   e.g. seq_len 8, block 4, forced block {0}, window 2, k 7: forced 0..3, 6, 7; scores of 4, 5: 0.2, 0.2
+ *   -> one more, the tie goes to position 4 -> pos = [0, 1, 2, 3, 4, 6, 7]
+ *
+ * work: Hi * Di + Hi + Di floats; score, cand: seq_len floats each; state: seq_len bytes. */
+static int index_select(const float *q, int qd, const int64_t *L, int hi, int di, const int32_t *table,
+                        int32_t seq_len, int block, const uint8_t *forced, int window, int32_t k, float *work,
+                        float *score, float *cand, int32_t *pos, uint8_t *state) {
+    const float *wq = PTR(L, F_IX_WQ), *ww = PTR(L, F_IX_WW), *ksc = PTR(L, F_IX_SCALE);
+    const int8_t *codes = (const int8_t *)(intptr_t)L[F_IX_KEYS];
+    float *iq = work, *iw = iq + (int64_t)hi * di, *kf = iw + hi;
+    for (int r = 0; r < hi * di + hi; r++) { /* iq rows, then iw rows: one q . w each */
+        const float *w = r < hi * di ? wq + (int64_t)r * qd : ww + (int64_t)(r - hi * di) * qd;
+        float a = 0.0f;
+        for (int i = 0; i < qd; i++) a += q[i] * w[i];
+        if (r < hi * di) iq[r] = a; else iw[r - hi * di] = a;
+    }
+    /* state[p]: 0 not visible, 1 a candidate (score[p] its score), 2 forced. Not NaN / inf sentinels: the
+     * library builds with -ffast-math, under which the compiler may assume neither occurs. */
+    enum { HIDDEN, CAND, FORCED };
+    const int32_t first_window = seq_len - window; /* p > (seq_len - 1) - window */
+    int64_t n_valid = 0, n_forced = 0, n_cand = 0;
+    for (int32_t p = 0; p < seq_len; p++) {
+        const int32_t blk = table[p / block];
+        if (blk == 0) { state[p] = HIDDEN; continue; }
+        n_valid++;
+        if (forced[p / block] || p >= first_window) { state[p] = FORCED; n_forced++; continue; }
+        const int64_t slot = (int64_t)blk * block + p % block;
+        const int8_t *c = codes + slot * di;
+        for (int e = 0; e < di; e++) kf[e] = (float)c[e] * ksc[slot]; /* dequantized first, as the eager path */
+        float sc = 0.0f;
+        for (int h = 0; h < hi; h++) {
+            const float *qh = iq + (int64_t)h * di;
+            float a = 0.0f;
+            for (int e = 0; e < di; e++) a += qh[e] * kf[e];
+            sc += iw[h] * (a > 0.0f ? a : 0.0f);
+        }
+        state[p] = CAND;
+        score[p] = sc;
+        cand[n_cand++] = sc;
+    }
+    int n = 0;
+    if (k >= n_valid) { /* every visible token */
+        for (int32_t p = 0; p < seq_len; p++)
+            if (state[p] != HIDDEN) pos[n++] = p;
+        return n;
+    }
+    if (n_forced >= k) { /* the forced set alone fills k: its lowest positions (all tie at +inf) */
+        for (int32_t p = 0; p < seq_len && n < k; p++)
+            if (state[p] == FORCED) pos[n++] = p;
+        return n;
+    }
+    const int64_t r = k - n_forced; /* 1 <= r < n_cand */
+    const float thr = kth_largest(cand, n_cand, r);
+    int64_t above = 0;
+    for (int32_t p = 0; p < seq_len; p++) above += state[p] == CAND && score[p] > thr;
+    int64_t tied = r - above; /* ties at the threshold go to the lowest positions */
+    for (int32_t p = 0; p < seq_len; p++)
+        if (state[p] == FORCED || (state[p] == CAND && (score[p] > thr || (score[p] == thr && tied-- > 0))))
+            pos[n++] = p;
+    return n;
+}
+
+/* index_select on its own, for the tests (tests/test_indexer_c_step.py holds it to indexed_sparse.select_torch):
+ * one query's selected positions into pos[] (seq_len entries), their count returned; -5 when di is too wide. */
+int sinkserve_index_select(const float *q, int qd, const float *wq, const float *ww, const int8_t *keys,
+                           const float *key_scale, int hi, int di, const int32_t *table, int32_t seq_len, int block,
+                           const uint8_t *forced, int window, int32_t k, int32_t *pos) {
+    if (di > MAX_INDEX_DIM) return -5;
+    int64_t L[LAYER_FIELDS] = {0};
+    L[F_IX_WQ] = (int64_t)(intptr_t)wq, L[F_IX_WW] = (int64_t)(intptr_t)ww;
+    L[F_IX_KEYS] = (int64_t)(intptr_t)keys, L[F_IX_SCALE] = (int64_t)(intptr_t)key_scale;
+    float *work = malloc(sizeof(float) * ((size_t)hi * di + hi + di + 2 * (size_t)seq_len));
+    uint8_t *state = malloc((size_t)seq_len);
+    if (!work || !state) { free(work), free(state); return -4; }
+    float *score = work + (int64_t)hi * di + hi + di;
+    const int n = index_select(q, qd, L, hi, di, table, seq_len, block, forced, window, k, work, score,
+                               score + seq_len, pos, state);
+    free(work), free(state);
+    return n;
+}
+
+/* The key and value rows of the selected positions into a float32 paged scratch cache whose block 0 is
+ * the null block (never read): token j of the selection at block 1 + j / B, offset j % B, and its table
+ * [1, 2, ..]; attention over it is the float32 kernel's. A packed cache's tokens are decoded as its own
+ * attention decodes them (sinkserve_quant_token). */
+static void gather_selected(const QuantCache *kv, const float *k_cache, const float *v_cache, const int32_t *table,
+                            const int32_t *pos, int n, int block, int hkv, int d, float *gk, float *gv,
+                            int32_t *gtable) {
+    const int64_t row = (int64_t)hkv * d;
+    for (int j = 0; j < n; j++) {
+        const int64_t slot = (int64_t)table[pos[j] / block] * block + pos[j] % block, at = (block + j) * row;
+        if (kv) {
+            sinkserve_quant_token(kv, slot, block, hkv, d, gk + at, gv + at);
+        } else {
+            memcpy(gk + at, k_cache + slot * row, sizeof(float) * row);
+            memcpy(gv + at, v_cache + slot * row, sizeof(float) * row);
+        }
+    }
+    for (int b = 0; b * block < n; b++) gtable[b] = b + 1;
+}
+
 /* engine/importance.py's accumulate for one decode query (importance eviction): the attention mass each
  * held block of the sequence receives, averaged over query heads, added to mass[j] (logical block j). Every
  * held key counts (no window, no sparse selection, no sink: the scores eviction ranks by, whatever the
@@ -432,6 +591,14 @@ typedef struct {
      * full-attention layer; NULL when the step does not score. */
     float *importance;
     int64_t imp_stride;
+    /* The trained indexer (layers' F_IX_* set): Hi heads of Di dims; on a sparse step ix_k [S] each
+     * sequence's selection width (-1: dense), and per thread its scratch (index_select's work, score and
+     * candidate rows, positions; gather_selected's scratch cache and table), ix_len floats/ints apart. */
+    int ix_heads, ix_dim;
+    const int32_t *ix_k;
+    float *ix_scratch;
+    int32_t *ix_pos;
+    int64_t ix_len, ix_cache_len, ix_pos_len;
     float *logits, *h, *x, *qkv, *att, *o, *gu, *act, *cs, *scratch;
     atomic_int rc;
 } Step;
@@ -502,6 +669,9 @@ static void step_job(void *arg, int tid, int nt) {
                     memcpy(v_cache + slot * (int64_t)hkv * d, v, sizeof(float) * hkv * d);
                 }
                 if (bounds) update_bounds(bounds, S->num_blocks, slot, S->block, k, hkv, d);
+                if (L[F_IX_KEYS])
+                    index_key(k, hkv * d, PTR(L, F_IX_WK), S->ix_dim, (int8_t *)(intptr_t)L[F_IX_KEYS] + slot * S->ix_dim,
+                              (float *)(intptr_t)L[F_IX_SCALE] + slot);
             }
         }
         const int window = (int)L[F_WINDOW];
@@ -524,6 +694,30 @@ static void step_job(void *arg, int tid, int nt) {
                     table = sel;
                 }
                 attend(S, kv, k_cache, v_cache, qkv_n, table, s, 1, 0, tid);
+            }
+        } else if (S->forced && S->ix_k && L[F_IX_KEYS] && window == 0) {
+            /* The trained indexer: token-granular selection, then the float32 kernel over the gathered
+             * tokens (ascending positions, the eager path's indexed_sparse_attention). */
+            float *work = S->ix_scratch + (int64_t)tid * S->ix_len;
+            float *score = work + (int64_t)S->ix_heads * S->ix_dim + S->ix_heads + S->ix_dim;
+            float *cand = score + S->ix_pos_len, *gk = cand + S->ix_pos_len, *gv = gk + S->ix_cache_len;
+            int32_t *pos = S->ix_pos + (int64_t)tid * 3 * S->ix_pos_len, *gtable = pos + S->ix_pos_len;
+            uint8_t *state = (uint8_t *)(gtable + S->ix_pos_len);
+            for (int s = a0; s < a1; s++) {
+                const int32_t *table = S->block_tables + (int64_t)s * S->bt_stride;
+                if (S->ix_k[s] < 0) { /* this sequence attends densely this step */
+                    attend(S, kv, k_cache, v_cache, qkv_n, table, s, 1, 0, tid);
+                    continue;
+                }
+                int32_t n = index_select(qkv + (int64_t)S->starts[s] * qkv_n, hq * d, L, S->ix_heads, S->ix_dim, table,
+                                         S->seq_lens[s], S->block, S->forced + (int64_t)s * S->forced_stride,
+                                         S->sparse_window, S->ix_k[s], work, score, cand, pos, state);
+                gather_selected(kv, k_cache, v_cache, table, pos, n, S->block, hkv, d, gk, gv, gtable);
+                const int32_t starts[2] = {S->starts[s], S->starts[s] + 1};
+                const int arc = sinkserve_decode_attention(qkv, qkv_n, d, gk, gv, gtable, 0, &n, starts, 1, hq, hkv, d,
+                                                           S->block, S->scale, 0, NULL, att,
+                                                           S->scratch + S->scratch_len * tid, S->scratch_len);
+                if (arc != 0) atomic_store(&S->rc, arc - 10);
             }
         } else if (a1 > a0) {
             attend(S, kv, k_cache, v_cache, qkv_n, S->block_tables + (int64_t)a0 * S->bt_stride, a0, a1 - a0, window,
@@ -572,7 +766,8 @@ int sinkserve_llama_decode(const int64_t *layers, int num_layers, const float *e
                            const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                            const int32_t *starts, int rows, int64_t num_slots, const int64_t *logit_rows,
                            int n_logits, float *logits, int threads, const uint8_t *forced, int64_t forced_stride,
-                           const int32_t *top_blocks, int sparse_window, float *importance, int64_t imp_stride) {
+                           const int32_t *top_blocks, int sparse_window, float *importance, int64_t imp_stride,
+                           int ix_heads, int ix_dim, const int32_t *ix_k) {
     for (int t = 0; t < rows; t++) {
         if (slots[t] >= num_slots) return -1;
         if (input_ids[t] < 0 || input_ids[t] >= vocab) return -3;
@@ -586,8 +781,23 @@ int sinkserve_llama_decode(const int64_t *layers, int num_layers, const float *e
     float *work = malloc(sizeof(float) * ((size_t)rows * per_row + (size_t)scratch_len * threads));
     int32_t *sel = forced ? malloc(sizeof(int32_t) * (size_t)bt_stride * threads) : NULL;
     float *sel_scratch = forced ? malloc(sizeof(float) * 2 * (size_t)bt_stride * threads) : NULL;
-    if (!work || (forced && (!sel || !sel_scratch))) {
-        free(work), free(sel), free(sel_scratch);
+    /* The trained indexer's per-thread scratch (a sparse step only): index_select's rows over the longest
+     * sequence, and a scratch cache of the widest selection plus the null block. */
+    int64_t ix_len = 0, ix_cache_len = 0, ix_pos_len = 0;
+    float *ix_scratch = NULL;
+    int32_t *ix_pos = NULL;
+    if (forced && ix_k) {
+        if (ix_dim > MAX_INDEX_DIM) { free(work), free(sel), free(sel_scratch); return -5; }
+        int32_t kmax = 1;
+        for (int t = 0; t < rows; t++) kmax = ix_k[t] > kmax ? ix_k[t] : kmax;
+        ix_pos_len = longest;
+        ix_cache_len = ((int64_t)(kmax + block - 1) / block + 1) * block * hkv * d;
+        ix_len = (int64_t)ix_heads * ix_dim + ix_heads + ix_dim + 2 * ix_pos_len + 2 * ix_cache_len;
+        ix_scratch = malloc(sizeof(float) * (size_t)ix_len * threads);
+        ix_pos = malloc(sizeof(int32_t) * 3 * (size_t)ix_pos_len * threads); /* pos, gtable, state */
+    }
+    if (!work || (forced && (!sel || !sel_scratch)) || (forced && ix_k && (!ix_scratch || !ix_pos))) {
+        free(work), free(sel), free(sel_scratch), free(ix_scratch), free(ix_pos);
         return -4;
     }
     Step S = {.layers = layers, .num_layers = num_layers, .hidden = hidden, .inter = inter, .hq = hq, .hkv = hkv,
@@ -598,13 +808,15 @@ int sinkserve_llama_decode(const int64_t *layers, int num_layers, const float *e
               .bt_stride = bt_stride, .scratch_len = scratch_len, .num_blocks = num_slots / block,
               .forced = forced, .forced_stride = forced_stride, .top_blocks = top_blocks,
               .sparse_window = sparse_window, .sel_tables = sel, .sel_scratch = sel_scratch, .logits = logits,
-              .importance = importance, .imp_stride = imp_stride};
+              .importance = importance, .imp_stride = imp_stride, .ix_heads = ix_heads, .ix_dim = ix_dim,
+              .ix_k = ix_k, .ix_scratch = ix_scratch, .ix_pos = ix_pos, .ix_len = ix_len,
+              .ix_cache_len = ix_cache_len, .ix_pos_len = ix_pos_len};
     S.h = work, S.x = S.h + (int64_t)rows * hidden, S.qkv = S.x + (int64_t)rows * hidden;
     S.att = S.qkv + (int64_t)rows * qkv_n, S.o = S.att + (int64_t)rows * hq * d;
     S.gu = S.o + (int64_t)rows * hidden, S.act = S.gu + (int64_t)rows * 2 * inter;
     S.cs = S.act + (int64_t)rows * inter, S.scratch = S.cs + (int64_t)rows * 2 * d;
     atomic_init(&S.rc, 0);
     team_run(step_job, &S, threads);
-    free(work), free(sel), free(sel_scratch);
+    free(work), free(sel), free(sel_scratch), free(ix_scratch), free(ix_pos);
     return atomic_load(&S.rc);
 }

@@ -30,4 +30,9 @@ int sinkserve_decode_attention_quant(const float *q, int64_t q_st, int64_t q_sh,
 const float *sinkserve_quant_keys(const QuantCache *kv, int32_t blk, int off, int n, int block, int hkv, int hk,
                                   int d, float *tile, int64_t *stride);
 
+/* One token's keys and values, every KV head ([hkv, d] floats each), at flat slot `slot`: copied from the
+ * 16-bit side pool, or decoded as the attention above decodes them (outlier channels included). The C
+ * step's trained-indexer attention gathers its selected tokens through this. */
+void sinkserve_quant_token(const QuantCache *kv, int64_t slot, int block, int hkv, int d, float *k, float *v);
+
 #endif
