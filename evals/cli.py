@@ -51,7 +51,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         p.add_argument("--threads", type=int, default=1, help="torch threads per process (1: see evals.arms)")
         p.add_argument("--arms", help="comma-separated arms to run (default all; long-ppl: dense, recompute, "
                                       "recompute_bos, sinks_window, window_only; needle: dense, window_only, "
-                                      "sinks_window, sinks_window_anchor)")
+                                      "sinks_window, sinks_window_anchor; needle --selected-memory: dense (always), "
+                                      "sinks_window, selected_memory)")
         p.add_argument("--kv-cache-dtype", choices=("int8", "int4", "int2"),
                        help="run the KV-storage A/B instead (16-bit vs packed with protection vs packed everything; "
                             "writes <name>_kv_<dtype>.*; evals.kv_quant)")
@@ -303,7 +304,8 @@ def _selected_memory(args: argparse.Namespace) -> EvalResult:
     ctx = A.trained_context(args.model)
     lengths = tuple(float(x) for x in args.selected_memory.split(","))
     return sm.run_selected_needle(args.model, lengths, args.docs or (4 if args.quick else 50), args.chunk or ctx // 8,
-                                  args.top_k or sm.default_top_k(ctx), on_point=write_partial, filler=args.filler)
+                                  args.top_k or sm.default_top_k(ctx), on_point=write_partial, filler=args.filler,
+                                  arms=tuple(args.arms.split(",")) if args.arms else None)
 
 
 def run(args: argparse.Namespace) -> int:

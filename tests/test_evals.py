@@ -163,6 +163,25 @@ def test_selected_memory_needle_dense_reference_inside_the_context(tiny_llama: P
     assert "in context (0.5x)" in printed or "target not measurable" in printed
 
 
+def test_selected_memory_needle_arms_skip_the_control_and_split_by_kind(tiny_llama: Path, tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """``--arms selected_memory``: dense (the reference) and selected memory only, no sliding-window control;
+    each row splits its score into pass-key and fact documents, which add up to the row's total."""
+    run_cli(["eval", "needle", "--quick", "--selected-memory", "2", "--top-k", "128", "--arms", "selected_memory",
+             "--model", str(tiny_llama), "--out", str(tmp_path), "--docs", "3"], capsys)
+    blob = load(tmp_path, "needle_selected_memory")
+    assert [(r["arm"], r["x_context"]) for r in blob["rows"]] == [
+        ("dense", 1.0), ("selected_memory", 1.0), ("selected_memory", 2.0)]
+    for row in blob["rows"]:
+        (pk, pn), (fk, fn) = (map(int, row[f"{kind} correct"].split("/")) for kind in ("passkey", "fact"))
+        assert pn + fn == 3 and pn >= 1 and fn >= 1
+        assert f"{pk + fk}/3" == row["correct"]
+    with pytest.raises(ValueError, match="unknown"):
+        from evals.selected_memory import run_selected_needle
+
+        run_selected_needle(str(tiny_llama), (2.0,), 1, arms=("window_only",))
+
+
 def test_selected_memory_long_ppl_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run_cli(["eval", "long-ppl", "--quick", "--selected-memory", "--top-k", "128", "--model", str(tiny_llama), "--out",
              str(tmp_path)], capsys)
