@@ -124,13 +124,12 @@ def heldout_stream(tokenizer: Any, n_tokens: int, source: str) -> list[int]:
 
 def _prose_heldout_stream(tokenizer: Any, n_tokens: int) -> list[int]:
     """``prose_heldout``: the tail of the ``prose`` tokens that ``sinkserve model train-indexer`` holds out
-    (``training.indexer_data.HELDOUT_FRACTION``), so a trained indexer is scored on text it never saw.
+    (``app.long_docs.PROSE_HELDOUT_FRACTION``), so a trained indexer is scored on text it never saw.
     Not repeated: a stream longer than the tail is refused."""
-    from app.long_docs import prose_text
-    from training.indexer_data import HELDOUT_FRACTION
+    from app.long_docs import PROSE_HELDOUT_FRACTION, prose_text
 
     ids = tokenizer(prose_text(), add_special_tokens=False)["input_ids"]
-    tail = start_ids(tokenizer) + ids[int(len(ids) * (1 - HELDOUT_FRACTION)):]
+    tail = start_ids(tokenizer) + ids[int(len(ids) * (1 - PROSE_HELDOUT_FRACTION)):]
     if len(tail) < n_tokens:
         raise ValueError(f"--text prose_heldout has {len(tail)} tokens for this tokenizer, fewer than --tokens {n_tokens}")
     logger.info("held-out stream: %d tokens from the indexer's held-out prose tail", n_tokens)
