@@ -358,6 +358,12 @@ def _licenses_filler() -> FillerFn:
     return TextFiller(texts)
 
 
+# Share of prose_text's tokens held out (the tail): ``sinkserve model train-indexer`` never trains on it and
+# ``eval long-ppl --text prose_heldout`` scores it. SmolLM2 tokenizes the prose to ~113K tokens, so ~22K
+# held out covers two windows of its 8,192-token context.
+PROSE_HELDOUT_FRACTION = 0.2
+
+
 def prose_text() -> str:
     """English documentation prose every CPython ships: ``pydoc_data.topics`` (the language reference and
     library topics behind ``help()``), topics in sorted order joined by blank lines, so the text is the

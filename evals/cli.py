@@ -51,7 +51,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         p.add_argument("--threads", type=int, default=1, help="torch threads per process (1: see evals.arms)")
         p.add_argument("--arms", help="comma-separated arms to run (default all; long-ppl: dense, recompute, "
                                       "recompute_bos, sinks_window, window_only; needle: dense, window_only, "
-                                      "sinks_window, sinks_window_anchor)")
+                                      "sinks_window, sinks_window_anchor; needle --selected-memory: dense (always), "
+                                      "sinks_window, selected_memory)")
         p.add_argument("--kv-cache-dtype", choices=("int8", "int4", "int2"),
                        help="run the KV-storage A/B instead (16-bit vs packed with protection vs packed everything; "
                             "writes <name>_kv_<dtype>.*; evals.kv_quant)")
@@ -83,8 +84,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                            "eviction at the needle's B%%, C%% budgets, beside dense (writes long_ppl_budget.*; evals.eviction)")
             p.add_argument("--text", default="corpus", choices=TEXT_SOURCES,
                            help="text source: corpus (held out from the reference model's training), licenses, or "
-                                "prose (pydoc_data.topics: English documentation prose shipped with CPython)")
+                                "prose (pydoc_data.topics: English documentation prose shipped with CPython), or "
+                                "prose_heldout (its last 20%%, which train-indexer holds out)")
             p.add_argument("--smooth", type=int, help="moving-average width of the plot (default ctx/2)")
+            p.add_argument("--recall-docs", type=int, help="--sparse: windows of the attention-recall table "
+                           "(default 8; quick 2; 0 skips it: minutes per window on a CPU at an 8K context)")
         else:
             p.add_argument("--docs", type=int, help="documents per point (default 50; quick 4)")
             p.add_argument("--lengths", help="comma-separated multiples of ctx (default 1,2,4,8,16; quick 1,2)")
@@ -279,10 +283,12 @@ def _sparse_ab(args: argparse.Namespace, ctx: int) -> EvalResult:
                              f"got {args.lengths!r}")
         return sparse.run_sparse_needle(args.model, denoms, args.docs or (4 if args.quick else 50), chunk,
                                         length=lengths[0], filler=args.filler)
-    recall = sparse.run_recall(args.model, denoms, docs=2 if args.quick else 8)
-    recall.meta["command"] = "sinkserve eval long-ppl" + _flags(args)
-    write_report(recall, Path(args.out))
-    print(markdown_table(recall.columns, recall.rows))
+    recall_docs = args.recall_docs if args.recall_docs is not None else (2 if args.quick else 8)
+    if recall_docs > 0:
+        recall = sparse.run_recall(args.model, denoms, docs=recall_docs)
+        recall.meta["command"] = "sinkserve eval long-ppl" + _flags(args)
+        write_report(recall, Path(args.out))
+        print(markdown_table(recall.columns, recall.rows))
     tokens = args.tokens or (2 if args.quick else 8) * ctx
     return sparse.run_sparse_long_ppl(args.model, denoms, tokens, chunk, text=args.text)
 
@@ -303,7 +309,8 @@ def _selected_memory(args: argparse.Namespace) -> EvalResult:
     ctx = A.trained_context(args.model)
     lengths = tuple(float(x) for x in args.selected_memory.split(","))
     return sm.run_selected_needle(args.model, lengths, args.docs or (4 if args.quick else 50), args.chunk or ctx // 8,
-                                  args.top_k or sm.default_top_k(ctx), on_point=write_partial, filler=args.filler)
+                                  args.top_k or sm.default_top_k(ctx), on_point=write_partial, filler=args.filler,
+                                  arms=tuple(args.arms.split(",")) if args.arms else None)
 
 
 def run(args: argparse.Namespace) -> int:

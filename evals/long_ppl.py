@@ -61,7 +61,7 @@ class ArmScores:
 # ---------------------------------------------------------------------------------------------- data
 
 
-TEXT_SOURCES = ("corpus", "licenses", "prose")  # --text choices
+TEXT_SOURCES = ("corpus", "licenses", "prose", "prose_heldout")  # --text choices
 
 
 def heldout_texts(source: str) -> list[str]:
@@ -104,6 +104,8 @@ def heldout_stream(tokenizer: Any, n_tokens: int, source: str) -> list[int]:
     A tokenizer that adds BOS gets BOS first and EOS between documents (as the reference model trained);
     one that adds nothing gets the raw text, documents joined by a blank line.
     """
+    if source == "prose_heldout":
+        return _prose_heldout_stream(tokenizer, n_tokens)
     texts = heldout_texts(source)
     ids: list[int] = start_ids(tokenizer)
     sep = [tokenizer.eos_token_id] if ids else tokenizer("\n\n", add_special_tokens=False)["input_ids"]
@@ -118,6 +120,20 @@ def heldout_stream(tokenizer: Any, n_tokens: int, source: str) -> list[int]:
             raise ValueError(f"held-out source {source!r} is empty")
     logger.info("held-out stream: %d tokens from %s", n_tokens, source)
     return ids[:n_tokens]
+
+
+def _prose_heldout_stream(tokenizer: Any, n_tokens: int) -> list[int]:
+    """``prose_heldout``: the tail of the ``prose`` tokens that ``sinkserve model train-indexer`` holds out
+    (``app.long_docs.PROSE_HELDOUT_FRACTION``), so a trained indexer is scored on text it never saw.
+    Not repeated: a stream longer than the tail is refused."""
+    from app.long_docs import PROSE_HELDOUT_FRACTION, prose_text
+
+    ids = tokenizer(prose_text(), add_special_tokens=False)["input_ids"]
+    tail = start_ids(tokenizer) + ids[int(len(ids) * (1 - PROSE_HELDOUT_FRACTION)):]
+    if len(tail) < n_tokens:
+        raise ValueError(f"--text prose_heldout has {len(tail)} tokens for this tokenizer, fewer than --tokens {n_tokens}")
+    logger.info("held-out stream: %d tokens from the indexer's held-out prose tail", n_tokens)
+    return tail[:n_tokens]
 
 
 # ---------------------------------------------------------------------------------------------- arms

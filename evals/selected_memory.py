@@ -49,14 +49,15 @@ def selected_arm(top_k: int = TOP_K, ctx: int = REFERENCE_CTX) -> A.Arm:
 
 
 def run_selected_needle(model: str, lengths: tuple[float, ...], docs: int, chunk: int = 128, top_k: int = TOP_K,
-                        on_point: Callable[[EvalResult], None] | None = None, filler: str | None = None
-                        ) -> EvalResult:
+                        on_point: Callable[[EvalResult], None] | None = None, filler: str | None = None,
+                        arms: tuple[str, ...] | None = None) -> EvalResult:
     """Dense in context, then per length past it the sliding-window control and selected memory, the same
     documents (document ``i`` has the same seed at every length).
 
     The in-context reference length is the length in ``lengths`` that is <= 1 (default 1x): a model that
     cannot retrieve at its own full context (SmolLM2-135M: 0/8 at 1x, 7/8 at 0.5x) is compared where it
-    can."""
+    can. ``arms`` (default all) keeps only the named arms; dense, the reference every ratio divides by,
+    always runs (a 16K-token document costs minutes per arm on a CPU, so a run may skip the control)."""
     from evals.needle import NeedleConfig, _tokenizer, build_docs, run_arm
 
     inside = sorted(m for m in lengths if m <= 1)
@@ -73,6 +74,11 @@ def run_selected_needle(model: str, lengths: tuple[float, ...], docs: int, chunk
     points: list[tuple[A.Arm, float]] = [(A.DENSE, ref), (arm_sm, ref)]
     for m in sorted(past):
         points += [(A.SINKS_WINDOW, m), (arm_sm, m)]
+    if arms is not None:
+        known = {A.DENSE.name, A.SINKS_WINDOW.name, arm_sm.name}
+        if unknown := sorted(set(arms) - known):
+            raise ValueError(f"--arms for --selected-memory: unknown {unknown}; choose from {sorted(known)}")
+        points = [(arm, m) for arm, m in points if arm is A.DENSE or arm.name in arms]
     rows: list[dict] = []
     rate: dict[tuple[str, float], float] = {}
     per_doc: list[dict] = []
@@ -88,12 +94,19 @@ def run_selected_needle(model: str, lengths: tuple[float, ...], docs: int, chunk
         logger.info("selected-memory needle %s L=%gx: %d/%d (%.0fs)", arm.name, m, sum(ok), len(ok), wall)
         rows.append({"arm": arm.name, "L": max(d.n_tokens for d in dset) + cfg.max_new_tokens, "x_context": m,
                      "correct": f"{sum(ok)}/{len(ok)}", "rate": round(rate[(arm.name, m)], 3),
+                     **{f"{kind} correct": _kind_score(dset, ok, kind) for kind in ("passkey", "fact")},
                      "wall s": round(wall, 1), "s / doc": round(wall / len(dset), 2)})
-        per_doc += [{"arm": arm.name, "x_context": m, "doc": d.index, "answer": d.doc.answer, "generated": t[:40],
-                     "correct": o} for d, t, o in zip(dset, texts, ok)]
+        per_doc += [{"arm": arm.name, "x_context": m, "doc": d.index, "kind": d.doc.kind, "answer": d.doc.answer,
+                     "generated": t[:40], "correct": o} for d, t, o in zip(dset, texts, ok)]
         if on_point is not None and (arm, m) != points[-1]:
             on_point(_result(model, ctx, cfg, top_k, rows, rate, per_doc, past, ref, t0, partial=True))
     return _result(model, ctx, cfg, top_k, rows, rate, per_doc, past, ref, t0, partial=False)
+
+
+def _kind_score(dset: list, ok: list[bool], kind: str) -> str:
+    """``correct/n`` over the documents of one kind (``passkey``: a number to recall; ``fact``: a stated fact)."""
+    got = [o for d, o in zip(dset, ok) if d.doc.kind == kind]
+    return f"{sum(got)}/{len(got)}"
 
 
 def _result(model: str, ctx: int, cfg, top_k: int, rows: list[dict], rate: dict, per_doc: list[dict],
@@ -120,7 +133,8 @@ def _result(model: str, ctx: int, cfg, top_k: int, rows: list[dict], rate: dict,
     sp = settings(top_k, ctx)
     return EvalResult(
         name="needle_selected_memory", title="Hint-free needle past the trained context: selected memory vs sliding window",
-        columns=["arm", "L", "x_context", "correct", "rate", "x dense", "wall s", "s / doc"], rows=rows,
+        columns=["arm", "L", "x_context", "correct", "rate", "x dense", "passkey correct", "fact correct", "wall s",
+                 "s / doc"], rows=rows,
         panels=[panel], notes=notes,
         meta={"model": model, "trained_context": ctx, "docs": cfg.docs, "prefill_chunk": cfg.chunk,
               "dense_reference_length": ref, "filler": cfg.filler or "licenses and haystack in turn",

@@ -163,6 +163,55 @@ def test_selected_memory_needle_dense_reference_inside_the_context(tiny_llama: P
     assert "in context (0.5x)" in printed or "target not measurable" in printed
 
 
+def test_sparse_long_ppl_recall_docs_zero_skips_the_recall_table(tiny_llama: Path, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """``--recall-docs 0``: the perplexity A/B alone (the recall table costs minutes per window at 8K)."""
+    run_cli(["eval", "long-ppl", "--quick", "--sparse", "8", "--recall-docs", "0", "--model", str(tiny_llama),
+             "--out", str(tmp_path), "--text", "licenses", "--tokens", "700", "--chunk", "64"], capsys)
+    assert [r["arm"] for r in load(tmp_path, "long_ppl_sparse")["rows"]] == ["dense", "block_bounds_1/8", "random_1/8"]
+    assert not (tmp_path / "sparse_recall.json").exists()
+
+
+def test_prose_heldout_is_the_indexer_training_tail() -> None:
+    """``--text prose_heldout`` streams exactly the prose tokens ``train-indexer`` holds out (after the
+    tokenizer's own lead), and refuses a stream longer than that tail."""
+    from transformers import AutoTokenizer
+
+    from app.long_docs import prose_text
+    from evals import arms as A
+    from evals.long_ppl import heldout_stream, start_ids
+    from training.indexer_data import HELDOUT_FRACTION
+
+    tok = AutoTokenizer.from_pretrained(A.default_model())
+    full = tok(prose_text(), add_special_tokens=False)["input_ids"]
+    lead = start_ids(tok)
+    ids = heldout_stream(tok, 600, "prose_heldout")
+    assert len(ids) == 600 and ids[:len(lead)] == lead
+    assert ids[len(lead):] == full[int(len(full) * (1 - HELDOUT_FRACTION)):][:600 - len(lead)]
+    assert ids[len(lead):] != heldout_stream(tok, 600, "prose")[len(lead):]
+    with pytest.raises(ValueError, match="fewer than"):
+        heldout_stream(tok, len(full), "prose_heldout")
+
+
+def test_selected_memory_needle_arms_skip_the_control_and_split_by_kind(tiny_llama: Path, tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """``--arms selected_memory``: dense (the reference) and selected memory only, no sliding-window control;
+    each row splits its score into pass-key and fact documents, which add up to the row's total."""
+    run_cli(["eval", "needle", "--quick", "--selected-memory", "2", "--top-k", "128", "--arms", "selected_memory",
+             "--model", str(tiny_llama), "--out", str(tmp_path), "--docs", "3"], capsys)
+    blob = load(tmp_path, "needle_selected_memory")
+    assert [(r["arm"], r["x_context"]) for r in blob["rows"]] == [
+        ("dense", 1.0), ("selected_memory", 1.0), ("selected_memory", 2.0)]
+    for row in blob["rows"]:
+        (pk, pn), (fk, fn) = (map(int, row[f"{kind} correct"].split("/")) for kind in ("passkey", "fact"))
+        assert pn + fn == 3 and pn >= 1 and fn >= 1
+        assert f"{pk + fk}/3" == row["correct"]
+    with pytest.raises(ValueError, match="unknown"):
+        from evals.selected_memory import run_selected_needle
+
+        run_selected_needle(str(tiny_llama), (2.0,), 1, arms=("window_only",))
+
+
 def test_selected_memory_long_ppl_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run_cli(["eval", "long-ppl", "--quick", "--selected-memory", "--top-k", "128", "--model", str(tiny_llama), "--out",
              str(tmp_path)], capsys)

@@ -22,13 +22,13 @@ from typing import Any
 
 import torch
 
+from app.long_docs import PROSE_HELDOUT_FRACTION
 from engine.model_store import REFERENCE_MODEL
 
 logger = logging.getLogger(__name__)
 
-# Share of the prose held out (the tail): SmolLM2 tokenizes it to ~110K tokens, so ~22K held out covers two
-# windows of its 8,192-token context for the recall report.
-HELDOUT_FRACTION = 0.2
+# Share of the prose held out (the tail); one value with ``eval long-ppl --text prose_heldout``.
+HELDOUT_FRACTION = PROSE_HELDOUT_FRACTION
 # The reference corpus is large; this many tokens of it are plenty for a few thousand windows.
 REFERENCE_TRAIN_TOKENS = 400_000
 
