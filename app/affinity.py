@@ -30,10 +30,11 @@ session KV store (``engine/session_cache.py``; without one it re-prefills)::
 from __future__ import annotations
 
 import hashlib
-import weakref
 from typing import Any, Sequence
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
+
+from app import router_view  # by reference: Serve pickles this module by value (app/router_view.py says why)
 
 ROUTER_PATH = "app.affinity:SessionAffinityRouter"
 
@@ -87,21 +88,6 @@ def affinity_key(pending: Any) -> str | None:
     return getattr(args[0], "affinity", None) or getattr(args[0], "prefix_affinity", None)
 
 
-# deployment name -> this process's router for it (one per handle; the ingress holds one per pool).
-_ROUTERS: dict[str, "weakref.ReferenceType[Any]"] = {}
-
-
-def routed_replicas(deployment: str) -> int | None:
-    """How many replicas of ``deployment`` this process's Serve router can route to now, or None when no
-    router for it exists here yet (no call made). Serve's controller pushes the running set, and a replica
-    whose actor died is dropped at its first failed call, so this is Serve's own view: the ingress asks
-    it before it believes the StatsHub, whose entry for a live but loaded replica can lapse
-    (``stats_ttl_s``; docs/cluster.md: a false "no live replica" at load ~20)."""
-    ref = _ROUTERS.get(deployment)
-    router = ref() if ref is not None else None
-    return None if router is None else len(router.curr_replicas)
-
-
 class SessionAffinityRouter(PowerOfTwoChoicesRequestRouter):
     """Rendezvous-hash routing for session turns and prefix-keyed requests, power of two choices for the rest."""
 
@@ -113,7 +99,7 @@ class SessionAffinityRouter(PowerOfTwoChoicesRequestRouter):
         self.max_load = max_load
         deployment = getattr(getattr(self, "_deployment_id", None), "name", None)
         if deployment:
-            _ROUTERS[deployment] = weakref.ref(self)
+            router_view.register(deployment, self)
 
     def _loads(self, replicas: Sequence[Any]) -> dict[str, int | None]:
         """Requests each replica held when last probed (Serve's queue-length cache; None: not known)."""

@@ -23,7 +23,6 @@ from ray import serve
 from app import log_masking
 from app import metrics as m
 from app import openapi
-from app.affinity import routed_replicas
 from app.audit import AuditLog, AuditRecord
 from app.auth import resolve_auth
 from app.conversations import HEADER as CONVERSATION_HEADER
@@ -39,6 +38,7 @@ from app.plan_pool import PlanPool
 from app.planner import Planner, largest_default_max_tokens
 from app.request_body import read_body
 from app.replica import data_path_handle, node_address, push_forever, replica_tag
+from app.router_view import routed_replicas
 from app.responses import Choices, Echo
 from app.schemas import (
     ChatCompletionRequest,

@@ -64,3 +64,43 @@ def test_the_threshold_is_a_pool_setting_passed_to_the_router() -> None:
     pool = PoolArgs(name="chat", affinity_max_load=8, engine={"session_kv": {"enabled": True, "path": "/tmp/x"}})
     opts = pool_options(pool, "cpu")
     assert opts["request_router_config"].request_router_kwargs == {"max_load": 8}
+
+
+def test_the_router_serve_pickles_by_value_registers_where_the_ingress_looks() -> None:
+    """Serve cloudpickles the router's module by value (``RequestRouterConfig``) and loads it in the
+    ingress's process. Pickling must work while this process already holds routers, and a router of the
+    loaded copy must register in ``app.router_view``, the module ``Ingress._deployment_ready`` reads, not
+    in a copy of it: a fresh process (where the copy is a new class) counts the replicas Serve gave it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from ray.serve.config import RequestRouterConfig
+
+    from app import router_view
+    from app.affinity import ROUTER_PATH
+
+    held = object.__new__(SessionAffinityRouter)  # a router already live in this process
+    held._replicas = {}
+    router_view.register("pool-held-v1", held)
+    try:
+        config = RequestRouterConfig(request_router_class=ROUTER_PATH, request_router_kwargs={"max_load": 4})
+    finally:
+        router_view._ROUTERS.pop("pool-held-v1", None)
+    loader = """
+import sys
+from types import SimpleNamespace
+from ray import cloudpickle
+cls = cloudpickle.loads(sys.stdin.buffer.read())
+router = object.__new__(cls)
+router._deployment_id = SimpleNamespace(name="pool-x-v1", app_name="sinkserve")
+router.initialize_state(max_load=4)
+router._replicas = {"r1": object(), "r2": object()}
+from app import affinity, router_view
+print(cls is not affinity.SessionAffinityRouter, router.max_load, router_view.routed_replicas("pool-x-v1"),
+      router_view.routed_replicas("pool-never-called-v1"))
+"""
+    out = subprocess.run([sys.executable, "-c", loader], input=config._serialized_request_router_cls,
+                         cwd=Path(__file__).resolve().parents[1], capture_output=True, timeout=120)
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    assert out.stdout.decode().split() == ["True", "4", "2", "None"]

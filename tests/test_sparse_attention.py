@@ -196,6 +196,9 @@ def test_trained_indexer_accounting_and_index_keys_follow_their_blocks(tiny_llam
         return out
 
     runner.backend = type(runner.backend)(**{**runner.backend.__dict__, "indexed_sparse_attention": spy})
+    # The eager decode step, whose selections the spy sees (the C step selects in C: tests/test_indexer_c_step.py
+    # holds the two together).
+    runner.model.c_step = False
     checked = 0
     while engine.has_unfinished():
         before = engine.counters.sparse_attended_tokens_total
