@@ -134,7 +134,7 @@ def masked_store_urls(cfg: dict) -> dict:
     """
     import copy
 
-    from app.store.base import mask_url
+    from engine.urls import mask_url
 
     out = copy.deepcopy(cfg)
     for app in out.get("applications", ()):

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.kv_store import KVStoreCounters, KVStoreUnavailable, safe_key
+from engine.urls import mask_url
 
 logger = logging.getLogger(__name__)
 
@@ -102,19 +103,6 @@ return 0
 _EVICT = _HEAD + """
 return gauges(evict(''))
 """
-
-
-def mask_url(url: str) -> str:
-    """``url`` with any user and password replaced (for logs and errors).
-
-    >>> mask_url("redis://:s3cret@10.0.0.5:6379/0"), mask_url("redis://h:6379/0")
-    ('redis://***@10.0.0.5:6379/0', 'redis://h:6379/0')
-    """
-    scheme, sep, rest = url.partition("://")
-    netloc, slash, path = rest.partition("/")
-    if sep and "@" in netloc:
-        netloc = "***@" + netloc.rpartition("@")[2]
-    return f"{scheme}{sep}{netloc}{slash}{path}"
 
 
 class RedisKVStore:

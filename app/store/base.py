@@ -85,21 +85,6 @@ class Store(Protocol):
         """Release connections."""
 
 
-def mask_url(url: str) -> str:
-    """``url`` with any password (and user name) replaced, for logs and errors.
-
-    >>> mask_url("redis://:s3cret@10.0.0.5:6379/0"), mask_url("redis://bob:pw@h/1"), mask_url("redis://h:6379")
-    ('redis://***@10.0.0.5:6379/0', 'redis://***@h/1', 'redis://h:6379')
-    """
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    netloc, slash, path = rest.partition("/")
-    if "@" in netloc:
-        netloc = "***@" + netloc.rpartition("@")[2]
-    return f"{scheme}://{netloc}{slash}{path}"
-
-
 async def call(fn: Callable[..., T], *args: object) -> T:
     """Run a store call in a worker thread, so a slow disk or network never stalls the event loop."""
     return await asyncio.to_thread(fn, *args)

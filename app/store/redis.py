@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Sequence, TypeVar
 
-from app.store.base import Incr, Limit, Put, StoreError, mask_url
+from app.store.base import Incr, Limit, Put, StoreError
+from engine.urls import mask_url
 
 T = TypeVar("T")
 
