@@ -6,20 +6,19 @@ and counted, and its save is a logged warning -- never a failed turn."""
 from __future__ import annotations
 
 import logging
-import random
 from pathlib import Path
 
 import pytest
 
-from engine import LLMEngine, SamplingParams
+from engine import LLMEngine
 from engine.config_io import engine_config_from_dict
 from engine.kv_store_redis import RedisKVStore
 from engine.kv_store_tiered import TieredKVStore
 from tests.serve.redis_server import kill_redis, redis_server
+from tests.test_session_kv_engine import run, words  # one turn through an engine, and its prompt words
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = str(REPO / "assets/reference-model")
-GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 def make(session_kv: dict | None) -> LLMEngine:
@@ -28,23 +27,6 @@ def make(session_kv: dict | None) -> LLMEngine:
         "model": MODEL, "kv_cache_dtype": "int4", "num_kv_blocks": 48, "max_model_len": 1024,
         "max_num_batched_tokens": 256, "cache_policy": {"eviction_policy": "none"},
         **({"session_kv": {"enabled": True, **session_kv}} if session_kv else {})}))
-
-
-def run(eng: LLMEngine, prompt: list[int], session: str | None) -> tuple[list[int], int]:
-    eng.add_request(None, prompt, GREEDY, session=session)
-    toks: list[int] = []
-    cached = 0
-    while eng.has_unfinished():
-        for out in eng.step():
-            toks += out.token_ids
-            cached = out.cached_tokens or cached
-    eng.check_integrity()
-    return toks, cached
-
-
-def words(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 500) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
