@@ -441,6 +441,11 @@ def _length_fn_from_tokenizer(tokenizer) -> Callable[[str], int]:
     return fn
 
 
+# Where every document's question begins: the text before it is the context a compressor that does not see
+# the question (kvpress's pipeline with ``question=``, a server streaming a long document) compresses.
+QUESTION_MARK = "\n\nQuestion: "
+
+
 def _assemble(parts: dict, filler_words: list[str], depth: float) -> tuple[str, tuple[int, int], tuple[int, int]]:
     k = int(round(len(filler_words) * depth))
     before = " ".join(filler_words[:k])
@@ -453,7 +458,7 @@ def _assemble(parts: dict, filler_words: list[str], depth: float) -> tuple[str, 
     fact_end = len(text)
     if after:
         text += "\n" + after
-    text += "\n\nQuestion: " + parts["question"] + "\nAnswer: " + parts["prefix"]
+    text += QUESTION_MARK + parts["question"] + "\nAnswer: " + parts["prefix"]
     a = parts["fact"].find(parts["answer"])
     answer_span = (fact_start + a, fact_start + a + len(parts["answer"]))
     return text, (fact_start, fact_end), answer_span
@@ -538,6 +543,7 @@ class ProbeDoc:
     doc: LongMemDoc
     n_tokens: int
     fact_last_token: int  # index of the fact's last token in the tokenized prompt
+    question_first_token: int  # index of the first token at or after QUESTION_MARK: the question and answer prefix
 
     @property
     def fact_text(self) -> str:
@@ -558,6 +564,10 @@ def build_probe_docs(tokenizer, n_tokens: int, indices: Sequence[int], *, seed: 
         doc = make_document(template, seed + i, n_tokens, tokenizer=tokenizer, filler=fill, depth=depth)
         enc = tokenizer(doc.prompt, return_offsets_mapping=True)
         fact_end = doc.fact_span[1]
-        last = max(t for t, (s, e) in enumerate(enc["offset_mapping"]) if e > s and s < fact_end)
-        out.append(ProbeDoc(i, doc, len(enc["input_ids"]), last))
+        spans = enc["offset_mapping"]
+        last = max(t for t, (s, e) in enumerate(spans) if e > s and s < fact_end)
+        # a token that straddles the mark (".\n\n") stays with the context, so the question's tokens are whole
+        mark = doc.prompt.rindex(QUESTION_MARK)
+        question = min(t for t, (s, e) in enumerate(spans) if e > s and s >= mark)
+        out.append(ProbeDoc(i, doc, len(enc["input_ids"]), last, question))
     return out

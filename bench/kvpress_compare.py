@@ -83,21 +83,29 @@ def make_press(name: str, ratio: float):  # type: ignore[no-untyped-def]
     raise ValueError(name)
 
 
-def answer(lm, ids, press, max_new_tokens: int) -> tuple[list[int], int]:  # type: ignore[no-untyped-def]
+def answer(lm, ids, press, max_new_tokens: int, split: int | None = None) -> tuple[list[int], int]:  # type: ignore[no-untyped-def]
     """Greedy answer: the prompt but its last token prefilled under ``press`` (compressed as it is written),
     then the last token and the answer decoded over the compressed cache (so no answer token sees the
     dense cache; sinkserve's arm runs the same order). Also returns the tokens the cache holds when the
-    first answer token is computed (the compressed prefix + the last prompt token): measured, not planned."""
+    first answer token is computed (the compressed prefix + the last prompt token): measured, not planned.
+
+    ``split`` (question not in view): only the first ``split`` tokens (the context) are prefilled under
+    the press; the question (``split`` .. the last token) is then appended uncompressed at its own
+    positions, as kvpress's pipeline does with ``question=``."""
     import torch
     from transformers import DynamicCache
 
     cache = DynamicCache()
+    end = ids.shape[1] - 1 if split is None else split
     with torch.inference_mode():
         if press is None:
-            lm(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True)
+            lm(input_ids=ids[:, :end], past_key_values=cache, use_cache=True)
         else:
             with press(lm):
-                lm(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True)
+                lm(input_ids=ids[:, :end], past_key_values=cache, use_cache=True)
+        if end < ids.shape[1] - 1:  # the question, over the compressed context (RoPE at its true positions)
+            lm(input_ids=ids[:, end:-1], past_key_values=cache, use_cache=True,
+               position_ids=torch.arange(end, ids.shape[1] - 1)[None])
         kept = cache.get_seq_length() + 1
         nxt, out = ids[:, -1:], []
         pos = ids.shape[1] - 1
@@ -112,7 +120,17 @@ def answer(lm, ids, press, max_new_tokens: int) -> tuple[list[int], int]:  # typ
     return out, kept
 
 
-def worker(docs_path: str, out_path: str, model: str, budgets: list[int], presses: list[str], threads: int) -> None:
+def press_ratio(budget: int, n: int, compressed: int) -> float:
+    """kvpress's ``compression_ratio`` that keeps ``budget`` % of an ``n``-token prompt's tokens from the
+    ones prefilled before its last token, when only the first ``compressed`` of those go through the press
+    (the rest, the question, stay whole). 2,048 tokens at 25 % keep 512, then the last token runs: in view
+    (2,047 compressed) the ratio is 1 - 512/2,047 = 0.750; with a 19-token question before the last token
+    (2,028 compressed, 493 of them kept) it is 1 - 493/2,028 = 0.757."""
+    return 1 - ((budget / 100) * n - (n - 1 - compressed)) / compressed
+
+
+def worker(docs_path: str, out_path: str, model: str, budgets: list[int], presses: list[str], threads: int,
+           in_view: bool = True) -> None:
     """(kvpress venv) Greedy answers of every press at every budget; writes
     ``{press_budget: {"texts": [...], "kept": [...], "wall_s": s}}`` after each (press, budget)."""
     import torch
@@ -123,6 +141,7 @@ def worker(docs_path: str, out_path: str, model: str, budgets: list[int], presse
     tok = AutoTokenizer.from_pretrained(model)
     lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     ids_of = [torch.tensor([tok(d["prompt"])["input_ids"]]) for d in docs]
+    splits = [None if in_view else d["question_token"] for d in docs]
     for d, ids in zip(docs, ids_of):
         # the same token ids as the engine's arms, or the comparison is not of the same documents
         if ids.shape[1] != d["n_tokens"]:
@@ -132,12 +151,12 @@ def worker(docs_path: str, out_path: str, model: str, budgets: list[int], presse
         for b in budgets if name != "none" else [100]:
             t0 = time.perf_counter()
             texts, kept = [], []
-            for ids in ids_of:
+            for ids, split in zip(ids_of, splits):
                 n = ids.shape[1]
-                # keep B% of the whole prompt's tokens, all of them from the n - 1 prefilled ones
-                press = None if name == "none" else make_press(name, 1 - (b / 100) * n / (n - 1))
+                # keep B% of the whole prompt's tokens, all of them from the ones prefilled under the press
+                press = None if name == "none" else make_press(name, press_ratio(b, n, split or n - 1))
                 try:
-                    ans, k = answer(lm, ids, press, 6)
+                    ans, k = answer(lm, ids, press, 6, None if name == "none" else split)
                     texts.append(tok.decode(ans, skip_special_tokens=True))
                     kept.append(k)
                 except Exception as e:  # noqa: BLE001 - a press that cannot run this model is reported, not fatal
@@ -176,6 +195,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                   "kvpress_compare_<model>)")
     p.add_argument("--out", default=str(ROOT / "docs"))
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--question", choices=("in-view", "not-in-view"), default="in-view",
+                   help="not-in-view: presses and sinkserve's first eviction see the context only; the question "
+                        "follows over the compressed cache (default: in view, kvpress's order with the question "
+                        "in the prompt)")
+    p.add_argument("--stream-chunk", type=int, help="also run sinkserve's importance streamed in chunks of this "
+                                                    "many tokens (eviction between chunks, as a server streams a "
+                                                    "long document)")
     p.add_argument("--worker", nargs=2, metavar=("DOCS", "OUT"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -199,13 +225,15 @@ def make_plan(args: argparse.Namespace) -> Plan:
 def write_docs(dset: list[Any], path: Path) -> None:
     """The documents for the worker: prompt, answer and the engine's token count of each."""
     path.write_text(json.dumps([{"index": d.index, "prompt": d.doc.prompt, "answer": d.doc.answer,
-                                 "n_tokens": d.n_tokens} for d in dset]))
+                                 "n_tokens": d.n_tokens, "question_token": d.question_first_token} for d in dset]))
 
 
 def combine(answers: dict[str, dict[str, Any]], dset: list[Any], ours: Any, budgets: list[int],
-            kv_bytes_per_token: int) -> tuple[list[dict[str, Any]], list[str]]:
+            kv_bytes_per_token: int, in_view: bool = True) -> tuple[list[dict[str, Any]], list[str]]:
     """One table from the worker's answers and sinkserve's ``run_budget_needle`` result, and the verdict
-    notes (importance above every press at each budget; >= 0.8x of sinkserve's dense at 25 %)."""
+    notes: with the question in view, importance above every press at each budget and >= 0.8x of
+    sinkserve's dense at 25 % (issue 37's target); not in view the issue sets no target, so the notes
+    only place importance beside the presses."""
     from app import long_docs
 
     mean_n = sum(d.n_tokens for d in dset) / len(dset)
@@ -234,6 +262,18 @@ def combine(answers: dict[str, dict[str, Any]], dset: list[Any], ours: Any, budg
 
     notes, met = [], True
     dense = rate.get(("sinkserve dense", 100))
+    if not in_view:
+        for b in budgets:
+            ours_b = sorted(((m, v) for (m, bb), v in rate.items() if bb == b and m.startswith("sinkserve importance")),
+                            key=lambda mv: -mv[1])
+            presses = sorted(((m, v) for (m, bb), v in rate.items() if bb == b and m.startswith("kvpress ")),
+                             key=lambda mv: -mv[1])
+            notes.append(f"{b}%: " + ", ".join(f"{m.removeprefix('sinkserve ')} {v:.2f}" for m, v in ours_b)
+                         + " | presses " + ", ".join(f"{m.removeprefix('kvpress ')} {v:.2f}" for m, v in presses)
+                         + (f" | sinkserve dense {dense:.2f}" if dense is not None else ""))
+        notes.insert(0, "question not in view: no target (issue 37 asks for the report); every row compresses "
+                        "before the question is seen")
+        return rows, notes
     for b in budgets:
         imp = rate.get(("sinkserve importance", b))
         presses = [(m, v) for (m, bb), v in rate.items() if bb == b and m.startswith("kvpress ")]
@@ -265,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     budgets = [int(x) for x in args.budgets.split(",")]
     presses = args.presses.split(",")
     if args.worker:
-        worker(args.worker[0], args.worker[1], args.model, budgets, presses, args.threads)
+        worker(args.worker[0], args.worker[1], args.model, budgets, presses, args.threads,
+               in_view=args.question == "in-view")
         return 0
 
     sys.path.insert(0, str(ROOT))
@@ -284,12 +325,19 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     # The two stacks run side by side (one process each, ``--threads`` torch threads each): the same work as
     # one after the other, in about half the wall time on a machine with a core for each.
+    in_view = args.question == "in-view"
     proc = subprocess.Popen([str(py), __file__, "--worker", str(docs_path), str(ans_path), "--model", plan.model,
-                             "--budgets", args.budgets, "--presses", args.presses, "--threads", str(args.threads)],
-                            env={**os.environ, "PYTHONPATH": ""})
+                             "--budgets", args.budgets, "--presses", args.presses, "--threads", str(args.threads),
+                             "--question", args.question], env={**os.environ, "PYTHONPATH": ""})
     try:
         ours = eviction.run_budget_needle(plan.model, tuple(budgets), args.docs, doc_tokens=plan.doc_tokens,
-                                          filler=plan.filler)
+                                          filler=plan.filler, question_in_view=in_view,
+                                          kinds=("dense", "sinks_window", "importance") if in_view else ("dense", "importance"))
+        if args.stream_chunk:
+            streamed = eviction.run_budget_needle(plan.model, tuple(budgets), args.docs, chunk=args.stream_chunk,
+                                                  doc_tokens=plan.doc_tokens, filler=plan.filler, kinds=("importance",))
+            ours.rows.extend({**r, "arm": r["arm"].replace("importance", f"importance streamed {args.stream_chunk}")}
+                             for r in streamed.rows)
     except BaseException:
         proc.kill()
         raise
@@ -299,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     # K and V, every layer and KV head, float32 (both stacks run the model in float32 on CPU)
     kv_bytes = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 4
     answers = json.loads(ans_path.read_text())
-    rows, notes = combine(answers, dset, ours, budgets, kv_bytes)
+    rows, notes = combine(answers, dset, ours, budgets, kv_bytes, in_view)
     # kvpress's greedy answers per document, so a rate can be read back to what the model said
     per_doc = [{"doc": d.index, "answer": d.doc.answer, "prompt_tokens": d.n_tokens,
                 **{k: a["texts"][i][:40] for k, a in answers.items()}} for i, d in enumerate(dset)]
@@ -317,8 +365,15 @@ def main(argv: list[str] | None = None) -> int:
         columns=["method", "budget %", "kept tokens", "KV MiB", "correct", "rate", "x dense", "errors", "wall s"],
         rows=rows, panels=[panel], extra={"per_doc_kvpress": per_doc},
         notes=[*notes,
-               "budget: B% of the whole prompt's tokens kept, chosen from the prompt but its last token (question "
-               "in view); kvpress selects per token and KV head, sinkserve whole 16-token blocks for all heads",
+               ("budget: B% of the whole prompt's tokens kept, chosen from the prompt but its last token (question "
+                "in view)" if in_view else
+                "budget: B% of the whole prompt's tokens kept; question not in view: kvpress compresses the context "
+                "(the tokens before '\\n\\nQuestion: ') under the press, then appends the question uncompressed; "
+                "sinkserve importance prefills up to the shortest document's question, evicts, then runs the "
+                "question, whose own blocks push out as many more (scored with it in view)"
+                + (f"; importance streamed {args.stream_chunk}: the whole prompt in {args.stream_chunk}-token "
+                   "chunks, eviction between chunks" if args.stream_chunk else ""))
+               + "; kvpress selects per token and KV head, sinkserve whole 16-token blocks for all heads",
                "kept tokens: kvpress and transformers dense = the cache's length when the first answer token is "
                "computed (measured, mean over documents); sinkserve = the configured budget (block_budget x 16, "
                "enforced by the engine; from the first decode on a sequence holds at most block_budget + 1 "
@@ -336,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
               "prompt_tokens": f"{min(d.n_tokens for d in dset)}..{max(d.n_tokens for d in dset)}",
               "filler": plan.filler or "held-out fillers in turn", "kvpress": "0.5.5",
               "sinkserve": {k: ours.meta[k] for k in ("prefill_chunk", "local_window", "sinks", "block_size")},
+              "question": args.question,
               "wall_s": round(time.perf_counter() - t0, 1), "load_avg": [round(x, 2) for x in load],
               "niceness": os.nice(0), "threads": args.threads,
               "command": "python bench/kvpress_compare.py " + " ".join(sys.argv[1:] if argv is None else argv)})

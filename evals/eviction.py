@@ -65,10 +65,21 @@ def budget_docs(model: str, docs: int, doc_tokens: int | None = None, chunk: int
 
 
 def run_budget_needle(model: str, budgets: tuple[int, ...], docs: int, chunk: int | None = None,
-                      doc_tokens: int | None = None, filler: str | None = None) -> EvalResult:
+                      doc_tokens: int | None = None, filler: str | None = None, question_in_view: bool = True,
+                      kinds: tuple[str, ...] = ("dense", "sinks_window", "importance")) -> EvalResult:
     """Answer the same ``docs`` documents of ``doc_tokens`` tokens (default ``DOC_FRACTION`` of the trained
-    context: 900 of the reference model's 1,024; ``filler`` as :func:`budget_docs`) under every arm; rates
-    vs dense."""
+    context: 900 of the reference model's 1,024; ``filler`` as :func:`budget_docs`) under the arms of
+    ``kinds``; rates vs dense (when dense is among them).
+
+    Without ``chunk``, one prefill then eviction. ``question_in_view`` False ends that first prefill where
+    the shortest document's question begins, so blocks are first scored and evicted from the context alone
+    (kvpress's pipeline with its ``question=`` argument compresses the same way); the question's own
+    blocks then push out as many more, scored with it in view::
+
+        doc  [sinks|....context....|fact|....context....]["\n\nQuestion: ...? Answer: The code is"]
+        in view      prefill ─────────────────────────────────────────────────────────────┐ evict │ last token
+        not in view  prefill ────────────────────────────────┐ evict │ question ─────────┐ evict │ ...
+    """
     from evals.needle import run_arm
 
     t0 = time.perf_counter()
@@ -79,11 +90,13 @@ def run_budget_needle(model: str, budgets: tuple[int, ...], docs: int, chunk: in
         # The prompt but its last few tokens in one step, then the rest: the first answer token must come
         # from the evicted cache (a whole-prompt step would sample it densely). One document at a time: with
         # several in flight the batch's token budget would split a later prompt before its question arrives.
-        chunk = min(d.n_tokens for d in dset) - 1
+        chunk = min(d.n_tokens if question_in_view else d.question_first_token + 1 for d in dset) - 1
         cfg = dataclasses.replace(cfg, chunk=chunk, max_num_seqs=1)
     chunk = cfg.chunk
     rows, rates = [], {}
     for arm in budget_arms(doc_tokens, budgets):
+        if (arm.name if arm is A.DENSE else arm.name.rsplit("_", 1)[0]) not in kinds:
+            continue
         texts, wall = run_arm(cfg, arm, dset, "1x", progress=False)
         ok = [long_docs.check_answer(t, d.doc.answer) for t, d in zip(texts, dset)]
         rates[arm.name] = sum(ok) / len(ok)
@@ -92,27 +105,32 @@ def run_budget_needle(model: str, budgets: tuple[int, ...], docs: int, chunk: in
             f"{arm.block_budget * A.BLOCK_SIZE}" if arm.eviction == "importance" else f"{A.BLOCK_SIZE + (arm.window or 0)}")
         rows.append({"arm": arm.name, "kept tokens": kept, "correct": f"{sum(ok)}/{len(ok)}",
                      "rate": round(rates[arm.name], 3), "wall s": round(wall, 1)})
-    dense = rates[A.DENSE.name]
+    dense = rates.get(A.DENSE.name)
     for row in rows:
         row["x dense"] = round(row["rate"] / dense, 3) if dense else "-"
     notes = []
     for b in budgets:
-        imp, win = rates[f"importance_{b}"], rates[f"sinks_window_{b}"]
+        imp, win = rates.get(f"importance_{b}"), rates.get(f"sinks_window_{b}")
+        if imp is None or dense is None:
+            continue
         goal = 0.8 if b <= 25 else 0.9
         rel = imp / dense if dense else float("nan")
         notes.append(f"{b}% budget: importance {imp:.2f} = {rel:.2f} x dense (target >= {goal:.1f}: "
-                     f"{'MET' if rel >= goal else 'MISSED'}); sinks + window control {win:.2f}")
+                     f"{'MET' if rel >= goal else 'MISSED'})"
+                     + (f"; sinks + window control {win:.2f}" if win is not None else ""))
     panel = Panel(f"needle retrieval at a fixed KV budget ({doc_tokens}-token documents, no hint)",
                   "KV budget (% of the document's tokens)", "retrieval rate", [
                       Series(kind, [float(b) for b in budgets], [rates[f"{kind}_{b}"] for b in budgets], style)
-                      for kind, style in (("importance", "-o"), ("sinks_window", ":^"))],
-                  hlines=[(dense, "dense")], ylim=(-0.03, 1.03))
+                      for kind, style in (("importance", "-o"), ("sinks_window", ":^")) if kind in kinds],
+                  hlines=[(dense, "dense")] if dense is not None else [], ylim=(-0.03, 1.03))
+    name = "needle_budget" if one_chunk else f"needle_budget_chunk{chunk}"
     return EvalResult(
-        name="needle_budget" if one_chunk else f"needle_budget_chunk{chunk}",
+        name=name if question_in_view or not one_chunk else "needle_budget_question_after",
         title="Needle retrieval at a fixed KV budget: score-driven eviction vs sliding window (no hint)",
         columns=["arm", "kept tokens", "correct", "rate", "x dense", "wall s"], rows=rows, panels=[panel],
         notes=notes,
         meta={"model": model, "trained_context": ctx, "doc_tokens": doc_tokens, "docs": docs, "prefill_chunk": chunk, "max_num_seqs": cfg.max_num_seqs,
+              "question_in_view": question_in_view,
               "local_window": LOCAL_WINDOW, "sinks": list(A.SINK_POSITIONS), "block_size": A.BLOCK_SIZE,
               "anchor": "none", "filler": filler or "held-out fillers in turn", "scores": "attention mass of the last 32 queries of each step (engine/importance.py)",
               "wall_s": round(time.perf_counter() - t0, 1)})

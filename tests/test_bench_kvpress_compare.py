@@ -86,3 +86,73 @@ def test_one_table_and_the_verdict() -> None:
     answers["snapkv_50"] = kv(right, 50)  # a press tying importance is not below it
     _, notes = combine(answers, dset, ours, [25, 50], 1)
     assert notes[0].endswith("MISSED") and "NOT above every press" in notes[2]
+
+
+def test_not_in_view_places_importance_beside_the_presses_without_a_verdict() -> None:
+    dset = _fake(["1234", "Paris", "5678", "Rome"])
+    answers = {"none_100": {"texts": ["1234", "Paris", "5678", "Rome"], "kept": [100] * 4, "wall_s": 1.0},
+               "tova_25": {"texts": ["1234", "x", "y", "z"], "kept": [25] * 4, "wall_s": 1.0}}
+    ours = SimpleNamespace(rows=[
+        {"arm": "dense", "kept tokens": "all", "correct": "4/4", "rate": 1.0, "wall s": 2.0},
+        {"arm": "importance_25", "kept tokens": "32", "correct": "2/4", "rate": 0.5, "wall s": 1.0},
+        {"arm": "importance streamed 128_25", "kept tokens": "32", "correct": "0/4", "rate": 0.0, "wall s": 1.0}])
+    rows, notes = combine(answers, dset, ours, [25], 1, in_view=False)
+    by = {(r["method"], r["budget %"]): r["rate"] for r in rows}
+    assert by[("sinkserve importance streamed 128", 25)] == 0.0 and by[("kvpress tova", 25)] == 0.25
+    assert notes[0].startswith("question not in view: no target")
+    assert notes[1] == "25%: importance 0.50, importance streamed 128 0.00 | presses tova 0.25 | sinkserve dense 1.00"
+    assert not any("MET" in n or "MISSED" in n for n in notes)
+
+
+def test_press_ratio_keeps_the_budget_of_the_whole_prompt() -> None:
+    from bench.kvpress_compare import press_ratio
+
+    # in view: 512 of 2,048 kept, all from the 2,047 prefilled under the press
+    assert round((1 - press_ratio(25, 2048, 2047)) * 2047) == 512
+    # not in view: the 19 question tokens before the last one stay whole; the press keeps 493 of 2,028
+    assert round((1 - press_ratio(25, 2048, 2028)) * 2028) + 19 == 512
+
+
+def test_the_question_starts_where_the_documents_question_mark_is() -> None:
+    from transformers import AutoTokenizer
+
+    model = A.default_model()
+    tok = AutoTokenizer.from_pretrained(model)
+    _, docs, _ = budget_docs(model, 4, 300, filler="prose")
+    for d in docs:
+        ids = tok(d.doc.prompt)["input_ids"]
+        q = d.question_first_token
+        assert 0 < q < d.n_tokens - 3
+        assert tok.decode(ids[q:]).lstrip("\n").startswith("Question: ")  # the question, whole
+        assert "Question:" not in tok.decode(ids[:q])  # and none of it in the context
+        assert d.doc.answer in tok.decode(ids[:q])  # the fact is context
+
+
+def test_a_question_after_the_context_is_answered_over_its_own_positions(tiny_llama: Path) -> None:
+    """answer()'s not-in-view path without a press is the dense greedy answer: the question runs at its
+    true positions over the cache the context left."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from bench.kvpress_compare import answer
+
+    lm = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    ids = torch.randint(3, 200, (1, 40), generator=torch.Generator().manual_seed(0))
+    dense, kept = answer(lm, ids, None, 5)
+    split, kept_split = answer(lm, ids, None, 5, split=30)
+    assert (split, kept_split) == (dense, kept) == (dense, 40)
+
+
+def test_sinkserve_evicts_before_the_question_when_it_is_not_in_view() -> None:
+    from evals.eviction import run_budget_needle
+
+    model = A.default_model()
+    _, docs, _ = budget_docs(model, 2, 300, filler="prose")
+    out = run_budget_needle(model, (50,), 2, doc_tokens=300, filler="prose", question_in_view=False,
+                            kinds=("importance",))
+    # the first prefill ends where the earliest question begins; no dense or control arm was asked for
+    assert out.meta["prefill_chunk"] == min(d.question_first_token for d in docs)
+    assert out.meta["question_in_view"] is False and out.name == "needle_budget_question_after"
+    assert [r["arm"] for r in out.rows] == ["importance_50"] and out.rows[0]["x dense"] == "-"
+    inview = run_budget_needle(model, (50,), 2, doc_tokens=300, filler="prose", kinds=("importance",))
+    assert inview.meta["prefill_chunk"] == min(d.n_tokens for d in docs) - 1 and inview.name == "needle_budget"
