@@ -292,10 +292,10 @@ def combine(answers: dict[str, dict[str, Any]], dset: list[Any], ours: Any, budg
             part += f"; {imp:.2f} / dense {dense:.2f} = {rel:.2f}x (target >= 0.8x: {'MET' if rel >= 0.8 else 'MISSED'})"
         notes.append(part)
     if 25 not in budgets:
-        met = False
         notes.append("25%: not in --budgets, so the 0.8x-of-dense target is not measured")
-    notes.insert(0, "question in view: importance above every kvpress press, and >= 0.8x of dense at 25 %: "
-                    + ("MET" if met else "MISSED"))
+    verdict = ("MET" if met else "MISSED") if 25 in budgets else \
+        ("not measured here (no 25 % budget); above every press: " + ("yes" if met else "NO"))
+    notes.insert(0, "question in view: importance above every kvpress press, and >= 0.8x of dense at 25 %: " + verdict)
     return rows, notes
 
 

@@ -156,3 +156,16 @@ def test_sinkserve_evicts_before_the_question_when_it_is_not_in_view() -> None:
     assert [r["arm"] for r in out.rows] == ["importance_50"] and out.rows[0]["x dense"] == "-"
     inview = run_budget_needle(model, (50,), 2, doc_tokens=300, filler="prose", kinds=("importance",))
     assert inview.meta["prefill_chunk"] == min(d.n_tokens for d in docs) - 1 and inview.name == "needle_budget"
+
+
+def test_a_run_without_the_25_percent_budget_does_not_claim_the_target_missed() -> None:
+    dset = _fake(["1234", "Paris", "5678", "Rome"])
+    answers = {"none_100": {"texts": ["1234", "Paris", "5678", "Rome"], "kept": [100] * 4, "wall_s": 1.0},
+               "tova_50": {"texts": ["1234", "x", "y", "z"], "kept": [50] * 4, "wall_s": 1.0}}
+    ours = SimpleNamespace(rows=[
+        {"arm": "dense", "kept tokens": "all", "correct": "4/4", "rate": 1.0, "wall s": 2.0},
+        {"arm": "importance_50", "kept tokens": "48", "correct": "3/4", "rate": 0.75, "wall s": 1.0}])
+    notes = combine(answers, dset, ours, [50], 1)[1]
+    assert notes[0].endswith("not measured here (no 25 % budget); above every press: yes")
+    answers["tova_50"]["texts"] = ["1234", "Paris", "5678", "Rome"]
+    assert combine(answers, dset, ours, [50], 1)[1][0].endswith("above every press: NO")
