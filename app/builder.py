@@ -15,15 +15,15 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from app.auth import resolve_auth
-from app.hub import StatsHub
-from app.ingress import Ingress
-from app.placement import STATS_HUB_CPUS, app_needs, check_placement, pool_device
-from app.server import LLMServer
-from app.affinity import ROUTER_PATH
+from app.http.auth import resolve_auth
+from app.pool.hub import StatsHub
+from app.http.ingress import Ingress
+from app.pool.placement import STATS_HUB_CPUS, app_needs, check_placement, pool_device
+from app.pool.server import LLMServer
+from app.pool.affinity import ROUTER_PATH
 from app.settings import SINGLE_NODE_STORE, AppArgs, BucketSpec, IngressSpec, PlanSpec, PoolArgs, PoolSpec, VersionSpec, pool_limits
 from engine.limits import EngineLimits, read_model_config
-from engine.model_store import describe, resolve_model
+from engine.worker.model_store import describe, resolve_model
 
 logger = logging.getLogger("sinkserve.builder")
 
@@ -94,7 +94,7 @@ def pool_options(pool: PoolArgs, device: str) -> dict[str, Any]:
         "health_check_period_s": 5.0,
         "health_check_timeout_s": 30.0,
         # A conversation's turns, and requests sharing a prefix, go to the replica holding their blocks
-        # (app/affinity.py; the prefix key is the planner's, from the bucket's prefix_affinity_tokens).
+        # (app/pool/affinity.py; the prefix key is the planner's, from the bucket's prefix_affinity_tokens).
         "request_router_config": RequestRouterConfig(
             request_router_class=ROUTER_PATH, request_router_kwargs={"max_load": pool.affinity_max_load}),
     }
@@ -135,7 +135,7 @@ def build_app(args: AppArgs) -> Application:
     check_cluster_fits(args, cluster, nodes)
     check_store_fits(args, len(nodes))
     gpus = cluster.get("GPU", 0.0)
-    from engine.weights import fingerprint
+    from engine.worker.weights import fingerprint
 
     # Each spec (a name, a .gguf, a directory) resolved once, where the app is built, so the replicas
     # load a directory: a GGUF is converted (once: the cache), a catalog name not in the cache is

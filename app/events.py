@@ -26,7 +26,7 @@ class PassageScore:
 
 @dataclass(frozen=True)
 class PassageReport:
-    """What the planner did with ``sinkserve.passages`` (``app/passages.py``): kept and dropped."""
+    """What the planner did with ``sinkserve.passages`` (``app/plan/passages.py``): kept and dropped."""
 
     scorer: str
     budget: int | None
@@ -51,7 +51,7 @@ class RouteInfo:
     deployment: str
     prompt_tokens: int
     passages: PassageReport | None = None  # only for requests that sent passages
-    conversation: str | None = None  # a conversation turn (app/conversations.py)
+    conversation: str | None = None  # a conversation turn (app/state/conversations.py)
     new_tokens: int | None = None  # of prompt_tokens, what this turn's message added
     policy_version: str | None = None  # the pool's cache policy version (a conversation records it)
 
@@ -87,14 +87,14 @@ class PoolRequest:
     params: SamplingParams
     anchors: tuple[tuple[int, int], ...] = ()
     timeout_s: float | None = None
-    soft_timeout_s: float | None = None  # the ingress ends the stream cleanly here (app/streaming.py)
+    soft_timeout_s: float | None = None  # the ingress ends the stream cleanly here (app/pool/streaming.py)
     # The caller's token-bus inbox (host, port, secret): every delta and any error go there,
-    # one frame per engine message (app/token_bus.py).
+    # one frame per engine message (app/pool/token_bus.py).
     reply_to: tuple[str, int, bytes] | None = None
     # A session's id: the pool's router sends every turn of a session to the same replica
-    # (app/affinity.py), where its earlier turns' blocks sit in the prefix cache.
+    # (app/pool/affinity.py), where its earlier turns' blocks sit in the prefix cache.
     affinity: str | None = None
-    # A request without a session: the hash of its leading KV blocks (app/prefix_affinity.py). The router
+    # A request without a session: the hash of its leading KV blocks (app/plan/prefix_affinity.py). The router
     # ranks replicas by it the same way, so requests sharing a long prefix meet that prefix's cached
     # blocks; ``affinity``, when set, wins.
     prefix_affinity: str | None = None

@@ -4,7 +4,7 @@ sees every replica (labelled by pool and replica).
 
 Two scrapes: ``GET /metrics`` (no key, like the probes) has the operational series -- requests,
 latencies, engine and KV-cache state; ``GET /metrics/tenants`` (an operator key,
-``app/auth.py``) has the per-tenant token and request counters, which say who uses the service
+``app/http/auth.py``) has the per-tenant token and request counters, which say who uses the service
 how much and are nobody else's business."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from prometheus_client.core import (
     InfoMetricFamily,
 )
 
-from engine.stats import SPARSE_TOKEN_BUCKETS
+from engine.core.stats import SPARSE_TOKEN_BUCKETS
 
 PREFIX = "sinkserve_"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -95,11 +95,11 @@ class RequestMetrics:
         self.tenant_requests[t] += 1
 
     def trimmed(self, pool: str, tokens: int) -> None:
-        """Passage tokens a request's budget dropped before prefill (``app/passages.py``)."""
+        """Passage tokens a request's budget dropped before prefill (``app/plan/passages.py``)."""
         self.passage_tokens_trimmed[pool] += tokens
 
     def failover(self, from_pool: str, to_pool: str, reason: str) -> None:
-        """A request moved to another pool because its own had no live engine (app/failover.py)."""
+        """A request moved to another pool because its own had no live engine (app/pool/failover.py)."""
         self.failovers[(from_pool, to_pool, reason)] += 1
 
     def snapshot(self) -> dict[str, Any]:
@@ -138,13 +138,13 @@ ENGINE_STATS: tuple[tuple[str, str, str, str], ...] = (
     # Summed (not averaged) so alerts can take a windowed, replica-weighted perplexity proxy:
     # rate(nll) / rate(generation_tokens). The mean gauge below is lifetime and dilutes a regression.
     ("nll_sum", "generation_nll_total", "counter", "Sum of negative log-likelihood (nats) of generated tokens"),
-    # Sparse attention (engine/sparse.py): attended / context tokens of each sequence's last query per step;
+    # Sparse attention (engine/worker/sparse.py): attended / context tokens of each sequence's last query per step;
     # rate(attended) / rate(context) is the fraction of the context attended over a window.
     ("sparse_attended_tokens_total", "sparse_attended_tokens_sum_total", "counter", "Tokens attended by sequences' last queries (sparse attention configured)"),
     ("sparse_context_tokens_total", "sparse_context_tokens_total", "counter", "Tokens those queries could see (the dense context)"),
     ("sparse_sequence_steps_total", "sparse_sequence_steps_total", "counter", "Sequence-steps that attended sparsely"),
     ("sparse_attended_fraction", "sparse_attended_fraction", "gauge", "Fraction of the context attended in the last step (all scheduled sequences)"),
-    # Session KV (engine/session_cache.py): the store directory as the replica's engine last saw it, and what
+    # Session KV (engine/memory/session_cache.py): the store directory as the replica's engine last saw it, and what
     # session turns restored / saved; re-prefills by reason are sinkserve_session_kv_fallbacks_total{reason}.
     ("session_kv_store_bytes", "session_kv_store_bytes", "gauge", "Bytes in the session KV store (blocks and manifests)"),
     ("session_kv_store_entries", "session_kv_store_entries", "gauge", "Entries in the session KV store"),
@@ -156,7 +156,7 @@ ENGINE_STATS: tuple[tuple[str, str, str, str], ...] = (
     ("session_kv_restored_tokens", "session_kv_restored_tokens_total", "counter", "Tokens of KV restored from the store (not prefilled)"),
     ("session_kv_saves", "session_kv_saves_total", "counter", "Session turns whose KV was saved to the store"),
     ("session_kv_shared_blocks", "session_kv_shared_blocks_total", "counter", "KV blocks a save found already stored (earlier turns, shared prefixes)"),
-    # The pool replica's own counters, beside the engine's (app/token_bus.py).
+    # The pool replica's own counters, beside the engine's (app/pool/token_bus.py).
     ("token_bus_frames", "token_bus_frames_total", "counter", "Token-bus frames sent to ingress replicas"),
     ("token_bus_deltas", "token_bus_deltas_total", "counter", "Token deltas sent on the token bus (deltas / frames = streams per frame)"),
     ("engine_restarts_died", "engine_restarts_died_total", "counter", "Engine processes restarted in their replica after they died"),
@@ -247,7 +247,7 @@ class SnapshotCollector:
             labels=labels + ["policy_version"],
         )
         info = InfoMetricFamily(PREFIX + "pool", "Pool replica settings", labels=labels)
-        # engine/decode_path.py: the pool's decode step (decided once at start-up) and what ran each decode step.
+        # engine/worker/decode_path.py: the pool's decode step (decided once at start-up) and what ran each decode step.
         dpath = GaugeMetricFamily(PREFIX + "decode_path", "The decode step this pool replica runs (1 on its path: "
                                   "c_step, eager or triton)", labels=labels + ["path"])
         dsteps = CounterMetricFamily(PREFIX + "decode_steps", "Decode steps by the path that ran them",

@@ -4,7 +4,7 @@ Only what sinkserve can honour is accepted; unknown OpenAI fields are ignored (c
 while out-of-range values are refused with the field named. Request models are strict: ``1.5`` is
 not an ``n``, ``false`` is not a token id and ``"yes"`` is not a boolean (ints still pass as floats).
 What OpenAI lacks lives in the ``sinkserve`` extension object: anchors to pin, a session id, a pool
-override, retrieved passages to trim to a token budget (``app/passages.py``).
+override, retrieved passages to trim to a token budget (``app/plan/passages.py``).
 """
 
 from __future__ import annotations
@@ -61,14 +61,14 @@ class SinkserveExtension(BaseModel):
     anchors: list[Anchor] = Field(default_factory=list, max_length=256)
     session_id: str | None = Field(None, max_length=256)  # pins the model version only (no server state)
     # A server-side conversation (POST /v1/conversations): the request carries only the new turn;
-    # the X-Sinkserve-Conversation header may name it instead (app/conversations.py).
+    # the X-Sinkserve-Conversation header may name it instead (app/state/conversations.py).
     conversation_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,128}$")
     pool: str | None = None  # force a bucket (it must still fit); for debugging and A/B checks
     ignore_eos: bool = False
     # KV blocks this request may hold on a pool with ``eviction_policy: importance`` (None: the pool's
     # ``block_budget``; more than it, or a pool without score-driven eviction, is a 400 naming this field).
     kv_budget_blocks: int | None = Field(None, ge=1)
-    # Retrieval-augmented requests (app/passages.py): passages scored against the question, the best
+    # Retrieval-augmented requests (app/plan/passages.py): passages scored against the question, the best
     # kept within passage_budget tokens (None: keep all), placed at the prompt's "{passages}"
     # placeholder or ahead of the chat's system / last user message.
     passages: list[Passage] | None = Field(None, min_length=1)
@@ -95,7 +95,7 @@ class JsonSchemaFormat(BaseModel):
 
 class ResponseFormat(BaseModel):
     """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` or ``json_schema``,
-    enforced by a grammar mask in the sampler (engine/grammar.py)."""
+    enforced by a grammar mask in the sampler (engine/worker/grammar.py)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
     type: Literal["text", "json_object", "json_schema"]
@@ -112,7 +112,7 @@ class _RequestBase(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
-    # None: completions get OpenAI's 16; chat gets what is left of the pool's context (app/planner.py).
+    # None: completions get OpenAI's 16; chat gets what is left of the pool's context (app/plan/planner.py).
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name; wins over max_tokens
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -230,7 +230,7 @@ class ChatMessage(BaseModel):
     # ``null`` (an assistant message that only calls tools) is the empty string here; the schema says
     # ``null`` is accepted (schemathesis' negative data sent it and expected a 400).
     content: Annotated[str, WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "null"}], "default": ""})] = ""
-    tool_calls: list[ToolCallModel] | None = None  # assistant messages (app/tools.py renders them)
+    tool_calls: list[ToolCallModel] | None = None  # assistant messages (app/plan/tools.py renders them)
     tool_call_id: str | None = Field(None, max_length=256)  # tool messages: the call answered
     name: str | None = Field(None, max_length=64)
 
@@ -250,7 +250,7 @@ class ChatCompletionRequest(_RequestBase):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    # Tool calling (app/tools.py checks the functions and the choice, 400 naming the field):
+    # Tool calling (app/plan/tools.py checks the functions and the choice, 400 naming the field):
     # OpenAI's ``{"type": "function", "function": {"name", "description", "parameters"}}`` objects.
     tools: list[dict[str, Any]] | None = Field(None, max_length=128)
     tool_choice: str | dict[str, Any] | None = None

@@ -85,22 +85,22 @@ class PoolArgs(_Strict):
     max_ongoing_requests: int = Field(64, gt=0)
     max_queued_requests: int = Field(128, ge=-1)
     # A session's turn leaves the replica its rendezvous rank prefers once that replica holds this many
-    # requests, for the least loaded one (with engine.session_kv on, the turn's KV follows it from the
-    # store; app/affinity.py). None: it stays until Serve refuses it (max_ongoing + max_queued).
+    # requests, for the least loaded one (with engine.memory.session_kv on, the turn's KV follows it from the
+    # store; app/pool/affinity.py). None: it stays until Serve refuses it (max_ongoing + max_queued).
     affinity_max_load: int | None = Field(None, gt=0)
     # Requests without a session go to the replica a hash of their first this many prompt tokens (whole
     # KV blocks of engine.block_size) prefers, so requests sharing a system prompt or document meet its
-    # cached blocks (app/prefix_affinity.py). Needs affinity_max_load: one popular prefix would otherwise
+    # cached blocks (app/plan/prefix_affinity.py). Needs affinity_max_load: one popular prefix would otherwise
     # queue every request on one replica. None (the default): power of two choices.
     prefix_affinity_tokens: int | None = Field(None, gt=0)
     num_cpus: float = Field(0.1, ge=0)  # the replica (scheduler, KV bookkeeping; the model at TP=1)
     worker_num_cpus: float = Field(0.1, ge=0)  # each tensor-parallel worker
     # Custom Ray resources each replica asks for (a TP replica: its bundle 0, so STRICT_PACK puts all its
     # ranks on that node too): where it may run, e.g. {sinkserve_pool: 1} on a cluster whose worker
-    # nodes offer sinkserve_pool (app/cluster.py). Empty: any node.
+    # nodes offer sinkserve_pool (app/cli/local_cluster.py). Empty: any node.
     resources: dict[str, float] = Field(default_factory=dict)
     # An engine that holds work and has not stepped for this long is hung: killed and restarted, its
-    # requests answered 503 (engine/engine_process.py). Above the longest step a pool can take.
+    # requests answered 503 (engine/frontend/engine_process.py). Above the longest step a pool can take.
     engine_watchdog_s: float = Field(60.0, gt=0)
     engine: dict[str, Any] = Field(default_factory=dict)
 
@@ -178,16 +178,16 @@ class IngressArgs(_Strict):
     # An SSE comment (": keep-alive") after this many seconds without an event, so gateways with a
     # read timeout (often 5-60 s) do not cut a stream whose prefill or queueing is slow.
     keepalive_s: float = Field(2.0, gt=0)
-    # Larger request bodies are refused with 413 before they are parsed (app/request_body.py).
+    # Larger request bodies are refused with 413 before they are parsed (app/http/request_body.py).
     max_body_bytes: int = Field(8 * 1024 * 1024, gt=0)
     # Parsing, tokenizing and planning run on this many threads per replica, off the event loop, with
-    # at most plan_max_waiting more waiting (then 503); app/plan_pool.py.
+    # at most plan_max_waiting more waiting (then 503); app/plan/plan_pool.py.
     plan_threads: int = Field(2, ge=1)
     plan_max_waiting: int = Field(64, ge=0)
     # A request that no replica of its pool has taken after this many seconds, while the stats hub sees
     # no ready replica of that pool (its only replica's node was lost; Serve holds the call until a
     # replacement runs, a minute on a loaded host), stops waiting: it fails over to another pool that
-    # fits it, or gets a 503 with Retry-After naming the pool (app/streaming.py, app/failover.py).
+    # fits it, or gets a 503 with Retry-After naming the pool (app/pool/streaming.py, app/pool/failover.py).
     replica_wait_s: float = Field(3.0, gt=0)
 
     @field_validator("resources")
@@ -206,7 +206,7 @@ def _check_resources(v: dict[str, float], field: str) -> dict[str, float]:
 
 
 class StoreArgs(_Strict):
-    """Where sessions, tenant token counters and jobs live (``app/store/``)."""
+    """Where sessions, tenant token counters and jobs live (``app/state/``)."""
 
     kind: Literal["sqlite", "redis"] = "sqlite"
     # sqlite: the file is <data_dir>/sinkserve.sqlite3 (WAL mode); every ingress replica on the node shares it.
@@ -230,7 +230,7 @@ class TenantArgs(_Strict):
 
 
 class QuotaArgs(_Strict):
-    """How tenant quotas behave when the store is down (``quotas:`` in the yaml; app/quotas.py)."""
+    """How tenant quotas behave when the store is down (``quotas:`` in the yaml; app/state/quotas.py)."""
 
     # true: a limited tenant's request is refused (503, Retry-After) while the store cannot reserve
     # its tokens; false (the default): it is let through and the log says so. Unlimited tenants are
@@ -243,13 +243,13 @@ SINGLE_NODE_STORE = ("store: kind 'sqlite' keeps conversations, quotas and jobs 
 
 
 class SessionArgs(_Strict):
-    """Server-side conversations (``app/conversations.py``); ``sessions:`` in the yaml."""
+    """Server-side conversations (``app/state/conversations.py``); ``sessions:`` in the yaml."""
 
     ttl_s: float = Field(7 * 86400.0, gt=0)  # a session unused this long is forgotten
 
 
 class JobsArgs(_Strict):
-    """The asynchronous job API (``app/jobs.py``): which pool runs jobs and how much of it they may take."""
+    """The asynchronous job API (``app/state/jobs.py``): which pool runs jobs and how much of it they may take."""
 
     pool: str | None = None  # None: the pool with the largest prompt bound
     # Of each replica's sequence slots (engine.max_num_seqs), the share jobs may hold at once (at least one).
@@ -261,7 +261,7 @@ class JobsArgs(_Strict):
 
 
 class AuditArgs(_Strict):
-    """The request audit log (``app/audit.py``): JSON lines; never the API key."""
+    """The request audit log (``app/http/audit.py``): JSON lines; never the API key."""
 
     path: str | None = None  # None: no audit log
     include_text: bool = False  # prompt and output text in each record
@@ -283,13 +283,13 @@ class AppArgs(_Strict):
         ]
     )
     stats_push_interval_s: float = Field(1.0, gt=0)
-    # A replica that has not pushed its snapshot for this long stops counting as ready (app/hub.py): how
+    # A replica that has not pushed its snapshot for this long stops counting as ready (app/pool/hub.py): how
     # soon the ingress learns a pool has no live replica (failover, replica_wait_s) and /readyz shows it.
     # Many push intervals: on a 2-core host at load 20-28 pushes were late by more than 5 s, and a 5 s
     # TTL flipped live pools to "not ready" (18 of 242 Locust requests refused, docs/cluster.md).
     stats_ttl_s: float = Field(15.0, gt=0)
     store: StoreArgs = StoreArgs()
-    # Quotas by tenant name; API keys name their tenant (app/auth.py). A tenant not listed has none.
+    # Quotas by tenant name; API keys name their tenant (app/http/auth.py). A tenant not listed has none.
     tenants: dict[str, TenantArgs] = Field(default_factory=dict)
     sessions: SessionArgs = SessionArgs()
     audit: AuditArgs = AuditArgs()
@@ -386,7 +386,7 @@ def check_limits(args: AppArgs) -> None:
     """Every pool's limits for every model version it serves (``pool_limits``): the build-time refusals,
     run by ``sinkserve serve`` before Serve starts so a bad value is one line, not a traceback."""
     from engine.errors import ModelLoadError
-    from engine.model_store import resolve_model
+    from engine.worker.model_store import resolve_model
 
     for pool in args.pools:
         for v in args.versions:
@@ -426,7 +426,7 @@ class VersionSpec:
     name: str
     model: str
     weight: float
-    # The model's weights fingerprint (engine/weights.py: from its SHA256SUMS manifest), or None.
+    # The model's weights fingerprint (engine/worker/weights.py: from its SHA256SUMS manifest), or None.
     fingerprint: str | None = None
     # The model class of its config.json (LlamaForCausalLM, AttnResForCausalLM, ...), or None.
     architecture: str | None = None
@@ -440,7 +440,7 @@ class PoolSpec:
     version: str
     engine: EngineConfig
     stats_push_interval_s: float = 1.0
-    # The job pool's replicas run queued jobs (app/jobs.py), at most job_slots at once; 0: none.
+    # The job pool's replicas run queued jobs (app/state/jobs.py), at most job_slots at once; 0: none.
     job_slots: int = 0
     jobs: JobsArgs = JobsArgs()
     store: StoreArgs | None = None

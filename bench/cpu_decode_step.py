@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.throughput import build_model
     from bench.tp_cpu import decode_input
     from engine import EngineConfig
-    from engine.model_runner import ModelRunner
+    from engine.worker.model_runner import ModelRunner
 
     batches = [int(b) for b in args.batch.split(",")]
     n = args.threads_ab

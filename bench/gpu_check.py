@@ -341,7 +341,7 @@ def find_real_model(arg: str | None) -> tuple[str | None, str]:
         if (path / "config.json").is_file():
             return str(path.resolve()), f"--model {arg}"
         try:
-            from engine.model_store import resolve_model  # a .gguf, or a directory holding one
+            from engine.worker.model_store import resolve_model  # a .gguf, or a directory holding one
 
             return resolve_model(arg, fetch=False, fallback=False), f"--model {arg}"
         except ImportError:
@@ -349,9 +349,9 @@ def find_real_model(arg: str | None) -> tuple[str | None, str]:
         except Exception as exc:  # noqa: BLE001 - report why, do not fail the check
             return None, f"--model {arg}: {exc}"
     try:
-        from engine.model_store import resolve_model
+        from engine.worker.model_store import resolve_model
     except ImportError:
-        return None, (f"no model cache in this checkout (engine.model_store) to find {REAL_MODEL_NAME!r}; "
+        return None, (f"no model cache in this checkout (engine.worker.model_store) to find {REAL_MODEL_NAME!r}; "
                       f"pass --model /path/to/SmolLM2-135M-Instruct")
     try:
         return resolve_model(REAL_MODEL_NAME, fetch=False, fallback=False), f"model cache name {REAL_MODEL_NAME}"

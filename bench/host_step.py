@@ -5,7 +5,7 @@ sequences holding 1K, 8K and 32K tokens, at batch 1 and batch 8, in two pool con
 
 * ``dense``: no eviction, fp32 KV, ``max_model_len`` raised past the trained context (1,024 tokens) to
   33K. The engine allows a ``max_model_len`` above ``max_position_embeddings`` for default RoPE
-  (``engine.architectures.validate_for_engine`` refuses it only for dynamic RoPE); the logits past 1K are
+  (``engine.worker.architectures.validate_for_engine`` refuses it only for dynamic RoPE); the logits past 1K are
   meaningless, but this bench measures the host, not the model.
 * ``long``: serve_configs/prod.yaml's long pool -- packed int4 KV (block size 64) with the 16-bit side pool,
   sliding-window eviction with protected positions 0-3 and the sink/system roles, sparse attention with
@@ -138,7 +138,7 @@ def engine_config(pool: str, batch: int, context: int, decode_steps: int) -> Any
     """The ``EngineConfig`` of ``pool`` sized for ``batch`` sequences of ``context + decode_steps`` tokens."""
     from engine import EngineConfig
     from engine.cache_policy import CachePolicy
-    from engine.sparse_config import SparseAttention
+    from engine.worker.sparse_config import SparseAttention
 
     total = context + decode_steps + 64
     if pool == "dense":

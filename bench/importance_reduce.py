@@ -1,6 +1,6 @@
 """How the importance score pools attention over heads: the question-in-view needle at a fixed budget.
 
-``engine/importance.py`` scores a block by the attention mass the step's last 32 queries put on it,
+``engine/worker/importance.py`` scores a block by the attention mass the step's last 32 queries put on it,
 *averaged* over query heads and summed over layers. A paged cache evicts one block for every layer and
 head at once, so a block that a few retrieval heads need and the rest ignore is diluted by the average.
 This bench answers the same documents as ``bench/kvpress_compare.py`` (``evals.eviction.budget_docs``:
@@ -9,7 +9,7 @@ each pooling, one run, and writes a table::
 
     mean      mass averaged over the query heads (the engine's rule before this A/B)
     headmax   per layer, the largest mass any query head puts on the block (queries averaged; the
-              engine's rule since: engine/importance.py)
+              engine's rule since: engine/worker/importance.py)
 
     python -m bench.importance_reduce --model smollm2-135m-instruct --docs 12 --doc-tokens 2048 \
         --filler prose --budget 25 --reduce mean,headmax --out docs/importance_reduce.md
@@ -32,7 +32,7 @@ if str(REPO) not in sys.path:
 
 from app import long_docs  # noqa: E402
 from bench.report import emit  # noqa: E402
-from engine import importance  # noqa: E402
+from engine.worker import importance  # noqa: E402
 from sinkserve_kernels.block_sparse import gather_blocks  # noqa: E402
 
 ENGINE_ACCUMULATE = importance.accumulate
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     from evals import arms as A
     from evals import eviction
     from evals.needle import run_arm
-    from engine.model_store import resolve_model
+    from engine.worker.model_store import resolve_model
 
     model = str(resolve_model(args.model))
 

@@ -12,7 +12,7 @@ cost +25 % perplexity at a 25 % budget (docs/retention.md). Candidates, each pat
 Measured per rule: long-stream perplexity at 25 % / 50 % (chunked prefill, eviction between chunks: the
 question-not-in-view setting) and the needle at 25 % with the question in view (one prefill, then
 eviction) and streamed in 128-token chunks (question not in view). ``m_b`` is the step's attention mass of
-block ``b`` from the last 32 queries (engine/importance.py).
+block ``b`` from the last 32 queries (engine/worker/importance.py).
 
     python -m bench.importance_score --rules sum,mean,decay:0.5,decay:0.8,max --out docs/importance_score
 """
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from engine import retention
+from engine.memory import retention
 
 Rule = Callable[[list[float], Sequence[float]], None]
 
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     A.setup_torch(1)
-    from engine.model_store import resolve_model
+    from engine.worker.model_store import resolve_model
 
     model = str(resolve_model(args.model or "reference", fallback=False))
     ctx = A.trained_context(model)
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     t0 = time.perf_counter()
     from bench.importance_reduce import ENGINE_ACCUMULATE, REDUCES
-    from engine import importance
+    from engine.worker import importance
 
     for name, pooling in [(r, p) for r in args.rules.split(",") for p in args.poolings.split(",")]:
         retention.accumulate_importance = make_rule(name)

@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from engine import EngineConfig, LLMEngine, SamplingParams
-    from engine.model_store import resolve_model
+    from engine.worker.model_store import resolve_model
     from evals.long_ppl import heldout_stream
 
     torch.set_num_threads(args.threads)

@@ -6,7 +6,7 @@ scale folds into a per-block copy of the query, the zero into one bias per block
 token and group, so ``sum_t p[t] v[t, c] = (p * s[:, g]) @ code[:, c] + p @ z[:, g]`` (the scale folds into
 the softmax weights). 16-bit blocks enter as codes with scale 1 and zero 0.
 
-``split`` (the product, ``sinkserve_kernels.reference.paged_attention_quant``): each sequence's blocks split by
+``split`` (the product, ``sinkserve_kernels.torch_kernels.paged_attention_quant``): each sequence's blocks split by
 precision once per step; a layer dequantizes only the packed part and runs SDPA.
 
 Measured with this script on the 2-core shared host, load ~6 (32 sequences of 100-750 tokens, 64-token
@@ -46,12 +46,12 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from sinkserve_kernels import cpu_attention, reference  # noqa: E402
+from sinkserve_kernels import cpu_attention, torch_kernels  # noqa: E402
 from sinkserve_kernels.kv_quant import QuantKVCache  # noqa: E402
 from sinkserve_kernels.workspace import workspace  # noqa: E402
 
 
-def folded_attention(query: torch.Tensor, cache: QuantKVCache, g: reference.Gather, mask: torch.Tensor,
+def folded_attention(query: torch.Tensor, cache: QuantKVCache, g: torch_kernels.Gather, mask: torch.Tensor,
                      scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The folded decode (module docstring): ``query [S, Hq, D]`` over the blocks ``g`` gathers, ``mask
     [S, 1, 1, W * B]`` -> ``[S, Hq, D]``."""
@@ -147,13 +147,13 @@ def _step(bits: int, seed: int = 0):
         fp += [row[0]] + row[max(0, length - 128) // bs:]
     cache = QuantKVCache.allocate(nb, len(fp) + 1, bs, h, d, bits=bits, group_size=16, dtype=torch.float32)
     k, v = torch.randn(nb, bs, h, d), torch.randn(nb, bs, h, d)
-    reference.quantize_into(cache, torch.arange(nb), k, v)
+    torch_kernels.quantize_into(cache, torch.arange(nb), k, v)
     for slot, blk in enumerate(sorted(set(fp))):
         cache.fp_index[blk] = slot
         cache.fp_k[slot], cache.fp_v[slot] = k[blk], v[blk]
     bt, sl = torch.tensor(tables, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
     qsl = torch.arange(s + 1, dtype=torch.int32)
-    return cache, bt, sl, qsl, reference.plan_attention(bt, sl, qsl, bs)
+    return cache, bt, sl, qsl, torch_kernels.plan_attention(bt, sl, qsl, bs)
 
 
 def _cpu_ms(fn, reps: int = 40) -> float:
@@ -172,14 +172,14 @@ def main() -> int:
     scale = 32 ** -0.5
     for bits in (8, 4, 2):
         cache, bt, sl, qsl, plan = _step(bits)
-        split = lambda: reference.paged_attention_quant(q, cache, bt, sl, qsl, scale, plan=plan)  # noqa: E731
+        split = lambda: torch_kernels.paged_attention_quant(q, cache, bt, sl, qsl, scale, plan=plan)  # noqa: E731
         folded = lambda: folded_attention(q, cache, plan.decode, plan.decode_mask, scale)  # noqa: E731
         err = float((folded() - split()).abs().max())
         line = f"int{bits}: split {_cpu_ms(split):.2f} ms, folded {_cpu_ms(folded):.2f} ms"
         if cpu_attention.load() is not None:  # the cpu backend's C kernels (the product on CPU)
             cplan = cpu_attention.plan(bt, sl, qsl, cache.block_size)
             c = lambda: cpu_attention.paged_attention_quant(q, cache, bt, sl, qsl, scale, plan=cplan)  # noqa: E731
-            k_deq, v_deq = reference.dequantize_cache(cache)
+            k_deq, v_deq = torch_kernels.dequantize_cache(cache)
             fp = lambda: cpu_attention.paged_attention(q, k_deq, v_deq, bt, sl, qsl, scale, plan=cplan)  # noqa: E731
             err = max(err, float((c() - split()).abs().max()))
             line += f", C {_cpu_ms(c):.2f} ms (16-bit C kernel on the same keys: {_cpu_ms(fp):.2f} ms)"

@@ -4,7 +4,7 @@ sequences one fixed KV budget admits (``python -m bench.kv_memory [--out docs/kv
 Everything is counted: codes, scales, outlier channels, and every 16-bit block (sinks, the residual window,
 the block being written), which holds a side-pool slot *and* its packed storage. Which blocks are 16-bit
 comes from the engine's own scheduler and block manager run over the sequence (pure Python, exact);
-bytes per block come from ``engine.kv_budget`` (``tests/test_kv_quant_engine.py`` checks that they equal
+bytes per block come from ``engine.memory.kv_budget`` (``tests/test_kv_quant_engine.py`` checks that they equal
 the tensors the model runner allocates), and for the reference model the allocation is also measured
 (dummy weights, bf16, the runner's tensors summed). No torch forward runs: this measures memory, not
 accuracy. Pure arithmetic: it runs in seconds on any CPU.
@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.report import emit
-from engine import kv_budget
-from engine.block_manager import BlockManager
+from engine.memory import kv_budget
+from engine.memory.block_manager import BlockManager
 from engine.cache_policy import CachePolicy
-from engine.retention import blocks_of
+from engine.memory.retention import blocks_of
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.core.scheduler import Scheduler
 from engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ def measured_reference_bytes(dtype: str, blocks: int) -> int | None:
     """The reference model's runner, dummy weights in bf16: the bytes its KV tensors really occupy."""
     try:
         from engine.config import DEFAULT_MODEL, EngineConfig
-        from engine.model_runner import ModelRunner
+        from engine.worker.model_runner import ModelRunner
     except ImportError:  # no torch
         return None
     cfg = EngineConfig(model=DEFAULT_MODEL, load_format="dummy", dtype="bfloat16", block_size=64,

@@ -209,7 +209,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def make_plan(args: argparse.Namespace) -> Plan:
     """Resolve ``--model`` (an eval of a model that is not there must fail, not measure the reference model
     instead: no fallback), the document length and the report name."""
-    from engine.model_store import resolve_model
+    from engine.worker.model_store import resolve_model
     from evals import arms as A
     from evals.eviction import DOC_FRACTION
 
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     sys.path.insert(0, str(ROOT))
-    from engine.model_runner import read_model_shape
+    from engine.worker.model_runner import read_model_shape
     from evals import arms as A
     from evals import eviction
     from evals.report import EvalResult, Panel, Series, write_report

@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from engine.model_store import resolve_model
+    from engine.worker.model_store import resolve_model
 
     model = Path(resolve_model(args.model))
     torch.set_num_threads(args.threads)

@@ -25,7 +25,7 @@ def start_local_app(args: dict[str, Any], key: str, ready_timeout_s: float = 120
     from ray import serve
 
     from app.builder import build_app
-    from app.cli_serve import haproxy_env
+    from app.cli.serve import haproxy_env
 
     os.environ["SINKSERVE_API_KEYS"] = key
     # The same environment `sinkserve serve` sets; Serve reads it when Ray starts, so before ray.init.

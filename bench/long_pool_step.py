@@ -9,7 +9,7 @@ step: the same sequence, the same cache, interleaved); the configurations of a m
 first and then step round-robin, so a load change on a shared host reaches every row alike. The time of ``ModelRunner.execute`` (the
 runner's KV ops -- packing, eviction rotations -- plus the forward) and of the whole ``LLMEngine.step``
 (scheduling, sampling, detokenization on top) is taken per step. A row whose C-step side ran eagerly says
-so (a step in which a sequence selects blocks, past ``min_context``, runs eager: engine/decode_path.py).
+so (a step in which a sequence selects blocks, past ``min_context``, runs eager: engine/worker/decode_path.py).
 
 Contexts: the short pool at 1K tokens, the long pool at 1K, at its largest in-context length (the model's
 context less the steps) and, with ``--past``, at that many tokens (past the context: eviction + sparse
@@ -71,7 +71,7 @@ def pool_config(model_dir: str, pool: str, tokens: int):  # type: ignore[no-unty
     which sizes the long pool's 16-bit side pool), with a cache sized for ``tokens``."""
     from engine import EngineConfig
     from engine.cache_policy import CachePolicy
-    from engine.sparse_config import SparseAttention
+    from engine.worker.sparse_config import SparseAttention
 
     blocks = -(-tokens // EngineConfig().block_size) + 16
     if pool == "importance":  # the long pool's int4 KV, score-driven eviction: window 512, 64 blocks held
@@ -109,7 +109,7 @@ class Probe:
                                generator=torch.Generator().manual_seed(context)).tolist()
         self.row = Row(name, pool, context)
         execute = runner.execute
-        chosen = model.c_step  # the pool's decision (engine/decode_path.py)
+        chosen = model.c_step  # the pool's decision (engine/worker/decode_path.py)
         self.n, self.side = 0, None  # decode steps so far; the side of this engine step's decode (None: none)
 
         def spy(inp):  # type: ignore[no-untyped-def]
@@ -161,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from engine.model_store import resolve_model
-    from engine.model_runner import read_model_shape
+    from engine.worker.model_store import resolve_model
+    from engine.worker.model_runner import read_model_shape
 
     torch.set_num_threads(args.threads)
     steal = StealMeter()

@@ -26,7 +26,7 @@ def make_variant(src: Path, dst: Path, break_layers: list[int]) -> list[str]:
     the tensors changed."""
     from safetensors.torch import load_file, save_file
 
-    from engine.weights import write_manifest
+    from engine.worker.weights import write_manifest
 
     if dst.exists():
         shutil.rmtree(dst)

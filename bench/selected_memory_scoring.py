@@ -19,7 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from engine import selected_memory as sm  # noqa: E402
+from engine.worker import selected_memory as sm  # noqa: E402
 from evals import arms as A  # noqa: E402
 from app import long_docs  # noqa: E402
 from evals import selected_memory as esm  # noqa: E402
@@ -48,7 +48,7 @@ def main() -> int:
     real_ctx, real_canon = sm.StepContext, sm.canonical_queries
     for name in ("position-free (product)", "stored positions"):
         if name.startswith("stored"):
-            import engine.model_runner as mr
+            import engine.worker.model_runner as mr
 
             mr.selected_memory = type("M", (), {"StepContext": StoredPositions})  # the runner builds this one
             sm.canonical_queries = lambda q, q_pos, distance, inv_freq: q  # noqa: E731

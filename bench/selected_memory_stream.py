@@ -33,8 +33,8 @@ import torch  # noqa: E402
 from bench.host import cpu_name  # noqa: E402
 from bench.importance_stream import stream_ids  # noqa: E402
 from engine import CachePolicy, EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from engine import selected_memory as sm  # noqa: E402
-from engine.rope import rotate_keys  # noqa: E402
+from engine.worker import selected_memory as sm  # noqa: E402
+from engine.worker.rope import rotate_keys  # noqa: E402
 from evals import arms as A  # noqa: E402
 from evals import selected_memory as esm  # noqa: E402
 from sinkserve_kernels import block_sparse as bs  # noqa: E402

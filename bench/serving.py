@@ -67,7 +67,7 @@ def max_tokens_for(prompt_index: int, mode: str, max_tokens: int) -> int:
 
 async def run_inprocess(model: str, prompts: list[str], conc: int, max_tokens: int, mode: str) -> tuple[list[float], list[float]]:
     from engine.config import EngineConfig
-    from engine.async_engine import AsyncLLMEngine
+    from engine.frontend.async_engine import AsyncLLMEngine
     from engine.sampling_params import SamplingParams
 
     eng = AsyncLLMEngine(EngineConfig(model=model, **ENGINE))

@@ -29,8 +29,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from engine import CachePolicy, EngineConfig, LLMEngine, SamplingParams
-from engine.session_kv import Manifest
-from engine.session_kv_config import SessionKV
+from engine.memory.session_kv import Manifest
+from engine.memory.session_kv_config import SessionKV
 
 REPO = Path(__file__).resolve().parent.parent
 

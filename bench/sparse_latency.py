@@ -31,8 +31,8 @@ import torch  # noqa: E402
 
 from bench.host import cpu_name  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.model_runner import ModelInput, ModelRunner  # noqa: E402
-from engine.sparse_config import SparseAttention  # noqa: E402
+from engine.worker.model_runner import ModelInput, ModelRunner  # noqa: E402
+from engine.worker.sparse_config import SparseAttention  # noqa: E402
 from sinkserve_kernels import block_sparse  # noqa: E402
 
 logger = logging.getLogger("bench.sparse_latency")

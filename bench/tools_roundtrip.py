@@ -19,7 +19,7 @@ end), then, with the client:
   questions ``auto`` answers with a call, greedy and at temperature 1 -- what a model that never learnt
   the format does with it.
 
-``--model`` takes any of the project's model specs (``engine/model_store.py``: a cache name such as
+``--model`` takes any of the project's model specs (``engine/worker/model_store.py``: a cache name such as
 ``smollm2-135m-instruct``, the default; a Hugging Face directory; a GGUF). It is resolved here, without the
 app's fallback to the reference model, so a model missing from the cache stops the run instead of
 benchmarking the wrong weights.
@@ -118,8 +118,8 @@ def run(client, runs: int, max_tokens: int) -> dict:
 
 
 def resolve(spec: str) -> Path:
-    """The model directory ``spec`` names (``engine.model_store.resolve_model``, no reference fallback)."""
-    from engine.model_store import resolve_model
+    """The model directory ``spec`` names (``engine.worker.model_store.resolve_model``, no reference fallback)."""
+    from engine.worker.model_store import resolve_model
 
     return Path(resolve_model(spec, fallback=False))
 
@@ -133,7 +133,7 @@ def grafted_model(model: Path, tmp: Path) -> Path:
     against its manifest before loading and the original's lists the original template."""
     from transformers import AutoTokenizer
 
-    from engine.weights import MANIFEST_NAME, add_to_manifest
+    from engine.worker.weights import MANIFEST_NAME, add_to_manifest
     from tests.serve.tiny_model import TOOLS_TEMPLATE
 
     out = tmp / "grafted"
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL,
-                    help="a model cache name, Hugging Face directory or GGUF (engine/model_store.py)")
+                    help="a model cache name, Hugging Face directory or GGUF (engine/worker/model_store.py)")
     ap.add_argument("--config", type=Path, default=REPO / "serve_configs" / "local.yaml")
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=96)

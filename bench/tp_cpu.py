@@ -1,6 +1,6 @@
 """Tensor parallelism on this CPU: per-token decode time of the model at TP=2 against TP=1, side by side.
 
-Each TP=2 rank is its own process (as a Ray TP worker is), joined the way ``app.tp_executor`` joins them
+Each TP=2 rank is its own process (as a Ray TP worker is), joined the way ``app.pool.tp_executor`` joins them
 (``deepspeed.init_distributed`` over gloo, DeepSpeed's shared-memory all-reduce when it is built), and
 runs the same decode steps as the TP=1 process: a batch of ``B`` sequences, each with ``--context``
 tokens cached. This is the step alone -- no Ray round trip, no scheduler -- so it is the best case for
@@ -29,7 +29,7 @@ from bench.report import emit  # noqa: E402
 
 def decode_input(batch: int, context: int, block_size: int):  # type: ignore[no-untyped-def]
     """One decode step: ``batch`` sequences at position ``context``, each on its own blocks (from block 1)."""
-    from engine.model_runner import ModelInput
+    from engine.worker.model_runner import ModelInput
 
     nb = -(-(context + 1) // block_size)
     inp = ModelInput([], [], [], [], [], [0], [])
@@ -51,12 +51,12 @@ def rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace) -
 
     torch.set_num_threads(args.threads)
     from engine import EngineConfig
-    from engine.model_runner import ModelRunner
+    from engine.worker.model_runner import ModelRunner
 
     if world_size > 1:
         import deepspeed
 
-        from app.tp_executor import dist_env
+        from app.pool.tp_executor import dist_env
 
         os.environ.update(dist_env(rank, world_size, port, "cpu", 0))
         deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
@@ -77,7 +77,7 @@ def rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace) -
 
 def run(world_size: int, args: argparse.Namespace) -> dict[int, tuple[float, float]]:
     """Start ``world_size`` rank processes; ``{batch: (min ms, median ms)}`` per step."""
-    from app.tp_executor import free_port
+    from app.pool.tp_executor import free_port
 
     port = free_port()
     argv = [sys.executable, "-m", "bench.tp_cpu", "--rank-of", str(world_size), "--port", str(port)] + args.passthrough

@@ -1,5 +1,18 @@
 """sinkserve engine: paged KV cache with sink/anchor-protected retention, continuous batching, streaming.
 
+Packages by layer; a layer imports only from the layers below it and the shared modules at this level
+(``tests/test_imports.py`` checks it)::
+
+    frontend   engine process + client, async engine, grammar admission           (engine/frontend/)
+       |
+    core       LLMEngine step loop, scheduler, input/output processing, executor  (engine/core/)
+       |
+    worker     model runner, decode path, attention, sparse, weights, sampling    (engine/worker/)
+       |
+    memory     block manager, retention, KV codec and budget, session KV stores   (engine/memory/)
+
+    shared: config, config_io, limits, cache_policy, sampling_params, sequence, outputs, isolation, errors
+
 Names are imported lazily so the pure-Python modules (block manager, retention, scheduler) can be used
 without importing torch.
 """
@@ -10,10 +23,10 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "AsyncLLMEngine": "engine.async_engine",
-    "EngineClient": "engine.engine_client",
-    "EngineStats": "engine.stats",
-    "LLMEngine": "engine.engine",
+    "AsyncLLMEngine": "engine.frontend.async_engine",
+    "EngineClient": "engine.frontend.engine_client",
+    "EngineStats": "engine.core.stats",
+    "LLMEngine": "engine.core.engine",
     "CachePolicy": "engine.cache_policy",
     "EngineConfig": "engine.config",
     "DEFAULT_MODEL": "engine.config",

@@ -12,7 +12,7 @@ Layout of one sequence's cache under ``sliding_window`` (block granular, block_s
 
 Under ``importance`` a sequence holds at most ``block_budget`` blocks: when it holds more, the blocks
 outside the protection set and the window with the lowest running attention score (a decayed sum:
-``engine.retention.IMPORTANCE_DECAY``) go first (block granular, see ``engine/retention.py``; block_size 4, window 8, block_budget 5)::
+``engine.memory.retention.IMPORTANCE_DECAY``) go first (block granular, see ``engine/memory/retention.py``; block_size 4, window 8, block_budget 5)::
 
     logical blocks:  [ 0 ][ 1 ][ 2 ][ 3 ][ 4 ][ 5 ][ 6 ]
     importance:       sink  0.9  0.1  0.4  0.2 [ window  ]

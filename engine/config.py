@@ -11,13 +11,14 @@ from dataclasses import dataclass, field, replace
 
 from engine.cache_policy import CachePolicy
 from engine.errors import ConfigError
-from engine.model_store import DEFAULT_MODEL, REPO_ROOT  # the one source of model paths and names
-from engine.session_kv_config import SessionKV
-from engine.sparse_config import SparseAttention
+from engine.worker.model_store import DEFAULT_MODEL, REPO_ROOT  # the one source of model paths and names
+from engine.memory.session_kv_config import SessionKV
+from engine.worker.sparse_config import SparseAttention
+from sinkserve_kernels.backend import available_backends, is_cuda, resolve_backend  # the kernels own their backends; the config names one
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 # Linear weights as loaded ("float32": the checkpoint's values in ``dtype``) or on the int8 grid, symmetric per
-# output channel (engine/weight_quant.py; the C decode step reads them as int8).
+# output channel (engine/worker/weight_quant.py; the C decode step reads them as int8).
 WEIGHT_DTYPES = ("float32", "int8")  # and "auto": resolve_weight_dtype
 LOAD_FORMATS = ("auto", "dummy")
 # Which forward runs the model (engine/models/registry.py): "auto" native where one exists, else transformers.
@@ -37,13 +38,8 @@ DEFAULT_KV_VALUE_GROUP = 64
 DEFAULT_INT2_OUTLIER_CHANNELS = 8
 
 __all__ = ["CachePolicy", "EngineConfig", "SparseAttention", "DEFAULT_MODEL", "WEIGHT_DTYPES", "resolve_dtype", "resolve_weight_dtype",
-           "resolve_attention_backend", "KV_CACHE_DTYPES", "kv_value_group_size", "kv_outlier_channels",
+           "resolve_backend", "is_cuda", "KV_CACHE_DTYPES", "kv_value_group_size", "kv_outlier_channels",
            "validate_kv_cache_for_model"]
-
-
-def is_cuda(device: str) -> bool:
-    """Whether ``device`` names a CUDA device (``"cuda"`` or ``"cuda:N"``)."""
-    return device == "cuda" or device.startswith("cuda:")
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
@@ -61,15 +57,6 @@ def resolve_weight_dtype(weight_dtype: str, device: str, tensor_parallel_size: i
     if weight_dtype != "auto":
         return weight_dtype
     return "float32" if is_cuda(device) or tensor_parallel_size > 1 else "int8"
-
-
-def resolve_attention_backend(backend: str, device: str) -> str:
-    """``"auto"``: the Triton kernels on CUDA, the ``cpu`` backend (the torch reference with a C decode
-    attention kernel, ``sinkserve_kernels/cpu_attention.py``) anywhere else. Follows the configured device, never
-    the machine: ``device="cpu"`` on a GPU host must not get GPU kernels."""
-    if backend != "auto":
-        return backend
-    return "triton" if is_cuda(device) else "cpu"
 
 
 @dataclass(frozen=True)
@@ -90,14 +77,14 @@ class EngineConfig:
       (the host is shared with everything else, so "total" would be the wrong base there).
 
     Each device reads exactly one of the two fractions; both are capped at what ``max_num_seqs``
-    full-length sequences could use (``engine.kv_budget``).
+    full-length sequences could use (``engine.memory.kv_budget``).
     """
 
     model: str = DEFAULT_MODEL
     dtype: str = "auto"
     # "int8": the linear weights (q|k|v, o, gate|up, down, lm_head) quantized symmetric per output channel at
     # load; every path computes with the same dequantized values, the CPU C decode step reads 1-byte codes
-    # (engine/weight_quant.py, docs/int8_weights.md). Tensor parallelism 1 only (a row-parallel shard would
+    # (engine/worker/weight_quant.py, docs/int8_weights.md). Tensor parallelism 1 only (a row-parallel shard would
     # see only part of its output channel). "auto": int8 on CPU at TP 1, else float32 (resolve_weight_dtype).
     weight_dtype: str = "float32"
     device: str = "cpu"
@@ -136,18 +123,21 @@ class EngineConfig:
     # Torch backend only.
     kv_outlier_channels: int | None = None
     # 16-bit side-pool blocks; None: sized from max_num_seqs, the residual window, the sinks and the
-    # step's new blocks (engine.kv_budget.fp_pool_blocks).
+    # step's new blocks (engine.memory.kv_budget.fp_pool_blocks).
     kv_fp_pool_blocks: int | None = None
-    # Sparse attention for long sequences: indexer, top_k, forced set (engine/sparse_config.py).
+    # Sparse attention for long sequences: indexer, top_k, forced set (engine/worker/sparse_config.py).
     sparse: SparseAttention = field(default_factory=SparseAttention)
-    # Session KV: a session's blocks saved at the end of each turn, restored on any engine (engine/session_cache.py).
+    # Session KV: a session's blocks saved at the end of each turn, restored on any engine (engine/memory/session_cache.py).
     session_kv: SessionKV = field(default_factory=SessionKV)
 
     def __post_init__(self) -> None:
         if not (self.device == "cpu" or is_cuda(self.device)):
             raise ConfigError("device", f"must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         object.__setattr__(self, "dtype", resolve_dtype(self.dtype, self.device))
-        object.__setattr__(self, "attention_backend", resolve_attention_backend(self.attention_backend, self.device))
+        object.__setattr__(self, "attention_backend", resolve_backend(self.attention_backend, self.device))
+        if self.attention_backend not in available_backends():
+            raise ConfigError("attention_backend", f"unknown attention backend {self.attention_backend!r}; choose "
+                                                   f"'auto' or one of {available_backends()}")
         if self.dtype not in DTYPES:
             raise ConfigError("dtype", f"must be 'auto' or one of {list(DTYPES)}, got {self.dtype!r}")
         object.__setattr__(self, "weight_dtype", resolve_weight_dtype(self.weight_dtype, self.device,
@@ -224,10 +214,10 @@ class EngineConfig:
 
     def with_model_resolved(self) -> "EngineConfig":
         """This config with ``model`` resolved to the Hugging Face directory it names
-        (``engine/model_store.py``): a name from the model cache, a ``.gguf`` (converted once into the
+        (``engine/worker/model_store.py``): a name from the model cache, a ``.gguf`` (converted once into the
         cache), a directory holding one, or a directory as given (made absolute). What the engine
         loads; a spec that names no model raises ``ModelLoadError``."""
-        from engine.model_store import resolve_model
+        from engine.worker.model_store import resolve_model
 
         model = resolve_model(self.model)
         return self if model == self.model else replace(self, model=model)

@@ -17,8 +17,8 @@ from typing import Any
 from engine.cache_policy import CachePolicy
 from engine.config import EngineConfig
 from engine.errors import ConfigError
-from engine.session_kv_config import SessionKV
-from engine.sparse_config import SparseAttention
+from engine.memory.session_kv_config import SessionKV
+from engine.worker.sparse_config import SparseAttention
 
 
 def _check_keys(cls: type, d: Mapping[str, Any], prefix: str) -> None:

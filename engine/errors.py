@@ -74,7 +74,7 @@ class EngineDeadError(SinkserveError):
 
 class EngineUnavailableError(EngineDeadError):
     """A request arrived at an engine that had died already: it never reached it, so another pool may
-    take it (app/failover.py)."""
+    take it (app/pool/failover.py)."""
 
 
 class GGUFReadError(ModelLoadError):

@@ -32,7 +32,7 @@ class RequestOutput:
 
 def concat_optional(a: Seq | None, b: Seq | None) -> Seq | None:
     """``a + b`` where either may be absent (None): None only when both are. Lists or tuples; merging two
-    deltas (here and in ``app.streaming``) concatenates their optional per-token fields with it."""
+    deltas (here and in ``app.pool.streaming``) concatenates their optional per-token fields with it."""
     if a is None:
         return b
     return a if b is None else a + b

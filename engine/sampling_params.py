@@ -16,7 +16,7 @@ MAX_LOGIT_BIAS = 300  # entries; OpenAI documents no cap, an unbounded map would
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """A grammar the sampled tokens must follow (``engine/grammar.py`` compiles it with xgrammar).
+    """A grammar the sampled tokens must follow (``engine/worker/grammar.py`` compiles it with xgrammar).
 
     ``kind`` is ``"json_object"`` (any JSON object) or ``"json_schema"`` (``schema``: the JSON schema,
     serialized, so the params stay hashable and cheap to pickle).
@@ -47,7 +47,7 @@ class SamplingParams:
     ignore_eos: bool = False
     # Teacher-forced scoring: stream the log-probability of every prompt token given its prefix.
     prompt_logprobs: bool = False
-    # Choices per request. The engine runs one sequence per request; callers fan out (app/server.py).
+    # Choices per request. The engine runs one sequence per request; callers fan out (app/pool/server.py).
     n: int = 1
     # Alternatives reported with each sampled token's log-prob (0: none).
     top_logprobs: int = 0

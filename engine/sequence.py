@@ -56,7 +56,7 @@ class Sequence:
     quant_cursor: int = 0
     # Prompt tokens (from index 1) whose log-probability was already reported; survives preemption.
     num_prompt_logprobs: int = 0
-    # Session KV (engine/session_cache.py): the conversation this request is a turn of, or None.
+    # Session KV (engine/memory/session_cache.py): the conversation this request is a turn of, or None.
     session: str | None = None
 
     def __post_init__(self) -> None:

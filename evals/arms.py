@@ -28,7 +28,7 @@ import torch
 
 from engine import CachePolicy, EngineConfig, LLMEngine
 from engine.config import DEFAULT_MODEL
-from engine.sparse_config import SparseAttention
+from engine.worker.sparse_config import SparseAttention
 from sinkserve_kernels import block_sparse as bs
 
 logger = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ def default_model() -> str:
 
 def trained_context(model: str | Path) -> int:
     """The context the model was trained on (``engine.limits.trained_context`` of its config.json)."""
-    from engine.model_runner import read_model_shape
+    from engine.worker.model_runner import read_model_shape
 
     return read_model_shape(str(model)).trained_context
 

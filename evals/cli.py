@@ -14,7 +14,7 @@ protected arm (sinks [+ anchor]) / the unprotected arm (window only) on the same
 are the A/B run and print the difference. Without either flag every arm runs (the A/B table is included).
 Defaults follow the model's trained context ``ctx``: window ``ctx/2``, prefill chunk ``window/4``;
 ``--quick`` shrinks everything for a smoke run (window ``ctx/8``, short streams, 4 documents).
-``retrieval`` compares passages trimmed by ``app/passages.py`` with the untrimmed prompt and an oracle
+``retrieval`` compares passages trimmed by ``app/plan/passages.py`` with the untrimmed prompt and an oracle
 (``evals/retrieval.py``); it has no window and no with/without arms.
 """
 
@@ -319,7 +319,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     # A name, a .gguf or a directory holding one -> the Hugging Face directory every eval reads; an eval
     # of a model that is not there must fail, not measure the reference model instead.
-    from engine.model_store import resolve_model
+    from engine.worker.model_store import resolve_model
 
     typed = {key: getattr(args, key) for key in ("model", "baseline") if getattr(args, key, None)}
     for key, value in typed.items():

@@ -132,7 +132,7 @@ def run_budget_needle(model: str, budgets: tuple[int, ...], docs: int, chunk: in
         meta={"model": model, "trained_context": ctx, "doc_tokens": doc_tokens, "docs": docs, "prefill_chunk": chunk, "max_num_seqs": cfg.max_num_seqs,
               "question_in_view": question_in_view,
               "local_window": LOCAL_WINDOW, "sinks": list(A.SINK_POSITIONS), "block_size": A.BLOCK_SIZE,
-              "anchor": "none", "filler": filler or "held-out fillers in turn", "scores": "attention mass of the last 32 queries of each step (engine/importance.py)",
+              "anchor": "none", "filler": filler or "held-out fillers in turn", "scores": "attention mass of the last 32 queries of each step (engine/worker/importance.py)",
               "wall_s": round(time.perf_counter() - t0, 1)})
 
 

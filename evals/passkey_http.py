@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from engine.limits import read_model_config, trained_context
 
-    from engine.model_store import resolve_model
+    from engine.worker.model_store import resolve_model
 
     typed = args.model
     args.model = str(resolve_model(typed, fallback=False))

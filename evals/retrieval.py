@@ -15,7 +15,7 @@ Arms (every arm answers the same items, greedy, scored like the needle eval by
 :func:`evals.long_docs.check_answer`)::
 
     untrimmed     every passage, in the shuffled order
-    trimmed@B     app.passages (BM25, the request path's code) keeps the best passages within B tokens
+    trimmed@B     app.plan.passages (BM25, the request path's code) keeps the best passages within B tokens
     oracle        only the passage that holds the fact
 
 The engine runs in-process (``LLMEngine``, no eviction) on the reference model by default. Prompts
@@ -137,7 +137,7 @@ def build_item(tokenizer: Any, cfg: RetrievalConfig, index: int, mix: float) -> 
 def arm_prompt(tokenizer: Any, item: Item, arm: str) -> tuple[str, bool]:
     """The prompt one arm sends for ``item`` (built by the request path's ``trim_passages``) and
     whether the fact passage is in it."""
-    from app.passages import trim_passages
+    from app.plan.passages import trim_passages
     from app.schemas import CompletionRequest
 
     if arm == "oracle":
@@ -163,7 +163,7 @@ def run_retrieval(cfg: RetrievalConfig, progress: bool = True) -> EvalResult:
     ctx = A.trained_context(cfg.model)
     items = {m: [build_item(tok, cfg, i, m) for i in tqdm(range(cfg.docs), desc=f"items {m:g}x", leave=False,
                                                        disable=not progress)] for m in cfg.mixes}
-    from app.passages import bm25_scores
+    from app.plan.passages import bm25_scores
 
     bm25_scores("warm", ["up"])  # the first call imports bm25s; keep that out of trim_ms
     prompts: dict[tuple[float, str], list[tuple[str, bool]]] = {}
@@ -268,7 +268,7 @@ def summarize(cfg: RetrievalConfig, ctx: int, rows: list[dict[str, Any]], items:
         "model": cfg.model, "trained_context": ctx, "mixes": mixes, "docs_per_point": cfg.docs,
         "templates": [t.name for t in long_docs.HELDOUT_TEMPLATES], "fillers": list(long_docs.HELDOUT_FILLERS),
         "passage_tokens": cfg.passage_tokens, "passages_per_document": cfg.doc_passages, "budgets": list(cfg.budgets),
-        "scorer": "bm25 (bm25s, app/passages.py)", "max_new_tokens": cfg.max_new_tokens, "wall_s_total": round(wall, 1),
+        "scorer": "bm25 (bm25s, app/plan/passages.py)", "max_new_tokens": cfg.max_new_tokens, "wall_s_total": round(wall, 1),
     }
     columns = list(rows[0]) if rows else []
     return EvalResult("retrieval", "Retrieval-augmented answering: trimmed vs untrimmed vs oracle passages",

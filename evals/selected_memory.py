@@ -19,7 +19,7 @@ import logging
 import time
 from typing import Callable
 
-from engine.sparse_config import SparseAttention
+from engine.worker.sparse_config import SparseAttention
 from evals import arms as A
 from app import long_docs
 from evals.report import EvalResult, Panel, Series

@@ -31,9 +31,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine import lightning
+from engine.worker import lightning
 from engine.limits import derived_local_window
-from engine.sparse_config import INDEXER_WEIGHTS, SparseAttention
+from engine.worker.sparse_config import INDEXER_WEIGHTS, SparseAttention
 from evals import arms as A
 from app import long_docs
 from evals.report import EvalResult, Panel, Series

@@ -117,7 +117,7 @@ def _system_span_resolves(model: str, chat: Chat) -> bool:
     the tokenizer's chat delimiters among its special tokens)."""
     from transformers import AutoTokenizer
 
-    from engine.input_processor import InputProcessor
+    from engine.core.input_processor import InputProcessor
 
     tok = AutoTokenizer.from_pretrained(model)
     ids = list(tok(chat.prompt)["input_ids"])

@@ -41,7 +41,7 @@ def main():
     import ray
     from ray import serve
     from app.builder import build_app
-    from app.cli_serve import haproxy_env
+    from app.cli.serve import haproxy_env
     os.environ["SINKSERVE_API_KEYS"] = KEY
     os.environ["PYTHONPATH"] = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     os.environ.update(haproxy_env(stats_port=free_port(), metrics_port=free_port()))

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import httpx
 
-from app.cluster import LocalCluster, local_layout, port_free
+from app.cli.local_cluster import LocalCluster, local_layout, port_free
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "node-loss-drill-key"

@@ -150,7 +150,7 @@ def label_of(cmd: str) -> str | None:
     if cmd.startswith("ray::ServeReplica:"):
         # ray::ServeReplica:<app>:<deployment>, with ".<method>" appended while a call runs
         return cmd.split()[0].split(":")[-1].split(".")[0]
-    if "engine.engine_process" in cmd:
+    if "engine.frontend.engine_process" in cmd:
         return "engine-process"
     if cmd.startswith("ray::TPWorkerActor"):
         return "tp-worker"

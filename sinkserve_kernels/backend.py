@@ -8,15 +8,20 @@ A backend is two pure functions over the paged layout (``sinkserve_kernels/layou
                     window=None, sinks=None)                        -> [T, Hq, D]
 
 ``window`` (a sliding-window layer's width) and ``sinks`` (``[Hq]`` learned sink logits) are per layer
-and keyword arguments of every attention entry point (``sinkserve_kernels/reference.py`` defines them).
+and keyword arguments of every attention entry point (``sinkserve_kernels/torch_kernels.py`` defines them).
 
-``torch`` (``sinkserve_kernels/reference.py``) is the exact reference and runs everywhere; ``cpu``
+``torch`` (``sinkserve_kernels/torch_kernels.py``) is the exact reference and runs everywhere; ``cpu``
 (``sinkserve_kernels/cpu_attention.py``) is the reference with its decode attention in a small C kernel (what
 ``auto`` picks on CPU; the reference when no C compiler is there); ``triton`` runs the
 Triton kernels (CUDA, or the CPU interpreter with ``TRITON_INTERPRET=1``), imported only when asked
 for, so a CPU install never needs a working Triton compiler. A backend may also supply
 ``warm_up(shapes)``: compile every kernel configuration its launchers can pick for the engine's model,
 so no request pays a JIT compile.
+
+The engine names its backend in ``EngineConfig.attention_backend`` and takes it from :func:`get_backend`
+(``"auto"`` follows the configured device: Triton on CUDA, ``cpu`` elsewhere); the engine depends on this
+package, never the other way round, so a name or device this package cannot run is a
+:class:`BackendError`, which the engine reports as its ``attention_backend`` setting.
 """
 
 from __future__ import annotations
@@ -62,15 +67,15 @@ class AttentionBackend:
 def torch_backend() -> AttentionBackend:
     from sinkserve_kernels import block_sparse as bs
     from sinkserve_kernels import indexed_sparse as ix
-    from sinkserve_kernels import reference
+    from sinkserve_kernels import torch_kernels
 
-    return AttentionBackend("torch", reference.write_kv, reference.paged_attention,
-                            write_kv_quant=reference.write_kv_quant,
-                            paged_attention_quant=reference.paged_attention_quant,
-                            quantize_blocks=reference.quantize_fp_slots, plan=reference.plan_attention,
+    return AttentionBackend("torch", torch_kernels.write_kv, torch_kernels.paged_attention,
+                            write_kv_quant=torch_kernels.write_kv_quant,
+                            paged_attention_quant=torch_kernels.paged_attention_quant,
+                            quantize_blocks=torch_kernels.quantize_fp_slots, plan=torch_kernels.plan_attention,
                             block_sparse_attention=functools.partial(
                                 bs.block_sparse_attention, attend=bs.attend_gather,
-                                paged=bs.PagedDecode(reference.paged_attention, reference.paged_attention_quant)),
+                                paged=bs.PagedDecode(torch_kernels.paged_attention, torch_kernels.paged_attention_quant)),
                             indexed_sparse_attention=functools.partial(ix.indexed_sparse_attention,
                                                                        select=ix.select_torch, attend=ix.attend_torch))
 
@@ -118,3 +123,45 @@ def triton_backend() -> AttentionBackend:
 # name -> zero-argument factory
 BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": torch_backend, "cpu": cpu_backend,
                                                         "triton": triton_backend}
+
+
+class BackendError(ValueError):
+    """A backend name, or a backend on a device, that this package cannot run."""
+
+
+def is_cuda(device: str) -> bool:
+    """Whether ``device`` names a CUDA device (``"cuda"`` or ``"cuda:N"``)."""
+    return device == "cuda" or device.startswith("cuda:")
+
+
+def resolve_backend(name: str, device: str) -> str:
+    """``"auto"``: the Triton kernels on CUDA, the ``cpu`` backend (the torch reference with a C decode
+    attention kernel, ``sinkserve_kernels/cpu_attention.py``) anywhere else. Follows the configured device,
+    never the machine: ``device="cpu"`` on a GPU host must not get GPU kernels."""
+    if name != "auto":
+        return name
+    return "triton" if is_cuda(device) else "cpu"
+
+
+def available_backends() -> list[str]:
+    return sorted(BACKENDS)
+
+
+def get_backend(name: str, device: str = "cpu") -> AttentionBackend:
+    """The backend ``name`` (``"auto"`` follows ``device``, not the machine); an unknown name, or Triton on a
+    CPU device where Triton compiles for CUDA, is a :class:`BackendError` that says what to use instead."""
+    name = resolve_backend(name, device)
+    if name not in BACKENDS:
+        raise BackendError(f"unknown attention backend {name!r}; choose one of {available_backends()}")
+    backend = BACKENDS[name]()
+    if name == "triton" and not is_cuda(device):
+        # On a CUDA host Triton compiles for the GPU and its launchers refuse CPU tensors, so an engine left at
+        # device="cpu" would load its weights and fail at the first step; say so before anything loads.
+        # (Imported after the backend: importing sinkserve_kernels._triton is what sets the interpreter on a CPU host.)
+        from sinkserve_kernels import _triton
+
+        if not _triton.interpreting():
+            raise BackendError(f"'triton' on device {device!r} runs only in Triton's CPU interpreter "
+                               "(TRITON_INTERPRET=1); this host compiles Triton for CUDA: use device='cuda' with "
+                               "attention_backend 'triton', or 'cpu' / 'torch' on device 'cpu'")
+    return backend

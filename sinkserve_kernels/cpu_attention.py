@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sinkserve_kernels import reference
+from sinkserve_kernels import torch_kernels
 from sinkserve_kernels.cpu_lib import load
 
 __all__ = ["CpuPlan", "load", "paged_attention", "paged_attention_quant", "plan", "quant_cache_args", "quant_kernel_ok"]
@@ -52,12 +52,12 @@ class CpuPlan:
     lens: torch.Tensor  # [S] int32
     starts: torch.Tensor  # [S + 1] int32
     longest: int
-    _full: reference.AttentionPlan | None = field(default=None, repr=False)
+    _full: torch_kernels.AttentionPlan | None = field(default=None, repr=False)
     _scratch: torch.Tensor | None = field(default=None, repr=False)
 
-    def full(self) -> reference.AttentionPlan:
+    def full(self) -> torch_kernels.AttentionPlan:
         if self._full is None:
-            self._full = reference.plan_attention(*self.args)
+            self._full = torch_kernels.plan_attention(*self.args)
         return self._full
 
     def scratch(self, numel: int) -> torch.Tensor:
@@ -109,16 +109,16 @@ def decode_rows(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, window: int | None = None,
                     sinks: torch.Tensor | None = None, plan: CpuPlan | None = None) -> torch.Tensor:
-    """``sinkserve_kernels.reference.paged_attention`` with the one-token segments computed by the C kernel."""
+    """``sinkserve_kernels.torch_kernels.paged_attention`` with the one-token segments computed by the C kernel."""
     plan = plan or globals()["plan"](block_tables, seq_lens, query_start_loc, k_cache.shape[1], window)
     if not _kernel_ok(query, k_cache, v_cache):
-        return reference.paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+        return torch_kernels.paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                                          window, sinks, plan=plan.full())
     if plan.decode_only:
         out = torch.empty(query.shape, dtype=query.dtype)
     else:  # prefill segments through the reference; the decode rows are overwritten below
-        prefill_only = reference.AttentionPlan(None, None, None, plan.full().prefill)
-        out = reference._paged_attention(query, lambda g: reference._gather_fp(k_cache, v_cache, g), prefill_only,
+        prefill_only = torch_kernels.AttentionPlan(None, None, None, plan.full().prefill)
+        out = torch_kernels._paged_attention(query, lambda g: torch_kernels._gather_fp(k_cache, v_cache, g), prefill_only,
                                          scale, sinks).contiguous()
     decode_rows(query, k_cache, v_cache, plan, scale, window, sinks, out)
     return out
@@ -188,17 +188,17 @@ def decode_rows_quant(query: torch.Tensor, cache, plan: CpuPlan, scale: float, w
 def paged_attention_quant(query: torch.Tensor, cache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                           query_start_loc: torch.Tensor, scale: float, window: int | None = None,
                           sinks: torch.Tensor | None = None, plan: CpuPlan | None = None) -> torch.Tensor:
-    """``sinkserve_kernels.reference.paged_attention_quant`` with the one-token segments computed by the C kernel
+    """``sinkserve_kernels.torch_kernels.paged_attention_quant`` with the one-token segments computed by the C kernel
     (prefill segments dequantize on gather, as in the reference)."""
     plan = plan or globals()["plan"](block_tables, seq_lens, query_start_loc, cache.block_size, window)
     if not _quant_kernel_ok(query, cache):
-        return reference.paged_attention_quant(query, cache, block_tables, seq_lens, query_start_loc, scale,
+        return torch_kernels.paged_attention_quant(query, cache, block_tables, seq_lens, query_start_loc, scale,
                                                window=window, sinks=sinks, plan=plan.full())
     if plan.decode_only:
         out = torch.empty(query.shape, dtype=query.dtype)
     else:  # prefill segments through the reference; the decode rows are overwritten below
-        prefill_only = reference.AttentionPlan(None, None, None, plan.full().prefill)
-        out = reference._paged_attention(query, lambda g: reference._gather_quant(cache, g, query.dtype), prefill_only,
+        prefill_only = torch_kernels.AttentionPlan(None, None, None, plan.full().prefill)
+        out = torch_kernels._paged_attention(query, lambda g: torch_kernels._gather_quant(cache, g, query.dtype), prefill_only,
                                          scale, sinks).contiguous()
     decode_rows_quant(query, cache, plan, scale, window, sinks, out)
     return out

@@ -11,7 +11,7 @@ What the step carries besides float32 caches:
 * **Packed KV** (``kv_cache_dtype`` int8 / int4 / int2, outlier key channels included): a layer's
   ``sinkserve_kernels.kv_quant.QuantKVCache`` goes to C as ``csrc/quant_cache.h``'s ``QuantCache`` (the CPU
   backend's struct, ``sinkserve_kernels.cpu_attention.quant_cache_args``). The new token's K/V land where the eager
-  path writes them (``reference.write_kv_quant``: its block's 16-bit side-pool slot) and attention runs
+  path writes them (``torch_kernels.write_kv_quant``: its block's 16-bit side-pool slot) and attention runs
   through the backend's packed kernel (``csrc/decode_attention_quant.c``), the same routine the eager
   step's attention calls. Packing full blocks stays in the model runner's KV ops, before the forward, so
   it happens identically whichever path runs the step::
@@ -25,7 +25,7 @@ What the step carries besides float32 caches:
   finds its bounds current.
 * **Importance scores** (``cache_policy.eviction_policy`` importance): on a step that scores, every
   full-attention layer adds each held block's largest per-head attention mass to the runner's accumulator, as
-  ``engine.importance.accumulate`` does eagerly (all held keys, max over query heads; the packed keys
+  ``engine.worker.importance.accumulate`` does eagerly (all held keys, max over query heads; the packed keys
   decoded by the attention's own routine), and the runner hands the row to the scheduler whichever path ran.
 * **Sparse decode** (``block_bounds``): a step whose ``SparsePlan`` selects for some sequence passes the
   plan (forced blocks, ``top_blocks``, local window); on each full-attention layer the C step scores the
@@ -34,8 +34,8 @@ What the step carries besides float32 caches:
   the attention kernels skip::
 
       table      [ 5 | 9 | 2 | 7 | 4 ]      forced {0} + window {3, 4}; top 1 of candidates {1, 2}: 2
-      attended   [ 5 | 0 | 2 | 7 | 4 ]      the eager path's compacted table [5, 2, 7, 4]: the same tokens * **The trained lightning indexer** (``sparse.indexer`` trained; ``engine/lightning.py``): every layer writes
-  the new token's int8 index key beside K/V as ``engine/indexer_runtime.py`` does (``index_key``); a
+      attended   [ 5 | 0 | 2 | 7 | 4 ]      the eager path's compacted table [5, 2, 7, 4]: the same tokens * **The trained lightning indexer** (``sparse.indexer`` trained; ``engine/worker/lightning.py``): every layer writes
+  the new token's int8 index key beside K/V as ``engine/worker/indexer_runtime.py`` does (``index_key``); a
   selecting sequence's full-attention layers score its visible tokens' index keys with the projected,
   weighted index query, keep the forced set and the top ``k`` (``selection_widths``; ties to the lower
   position, ``indexed_sparse.select_top``'s rule: ``index_select``) and attend exactly those tokens, gathered
@@ -52,7 +52,7 @@ The linear weights and ``lm_head`` are copied once into the C step's packed layo
 rows, transposed: ``sinkserve_pack_linear`` in decode_step.c), which lets a batch of rows run as a
 register-tiled GEMM instead of one dot product per row and output. The copy costs one more float32 copy
 of those weights (logged); the eager forward (prefill, mixed steps) keeps using the originals. With int8
-weights (``EngineConfig.weight_dtype``, ``engine/weight_quant.py``) the model holds its weights on the int8
+weights (``EngineConfig.weight_dtype``, ``engine/worker/weight_quant.py``) the model holds its weights on the int8
 grid with one scale per output row beside each; the panels then hold the int8 codes (a quarter of the
 bytes, ``sinkserve_pack_linear_i8``) and the step widens them to float32 in registers and applies the
 row's scale to the finished sum, so it matches the eager forward over the dequantized weights up to
@@ -119,7 +119,7 @@ def pack_linear_i8(codes: torch.Tensor) -> torch.Tensor:
 
 def pack_weight(w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """A linear weight as the C step reads it: float32 panels, or, with per-row ``scale`` (int8 weights,
-    ``engine.weight_quant``), int8 panels of the codes ``w`` holds on its grid."""
+    ``engine.worker.weight_quant``), int8 panels of the codes ``w`` holds on its grid."""
     if scale is None:
         return pack_linear(w)
     codes = torch.round(w.float() / scale[:, None]).clamp_(-127, 127).to(torch.int8)  # weight_quant.codes_of
@@ -166,7 +166,7 @@ class DecodeStep:
 
     def _bind(self, kv_caches: list, bounds: list | None, indexer=None) -> None:
         """Point the table at the runner's caches (float32 pairs or packed ``QuantKVCache``), the sparse
-        block bounds and the trained indexer's weights and index-key caches (``engine.indexer_runtime.
+        block bounds and the trained indexer's weights and index-key caches (``engine.worker.indexer_runtime.
         IndexerState``). The runner's list objects change when it re-allocates; a packed cache's outlier
         channels are set once after calibration: either re-binds."""
         first = kv_caches[0]
@@ -218,8 +218,8 @@ class DecodeStep:
         indexer's per-layer ``BlockBounds`` (kept current on every write), or None; ``sparse_plan``: the
         step's ``sinkserve_kernels.block_sparse.SparsePlan`` when some sequence selects (needs ``block_bounds``);
         ``block_importance``: importance eviction's ``[S, W]`` float32 accumulator, to which every
-        full-attention layer adds each held block's largest per-head attention mass (``engine.importance.accumulate``'s);
-        ``indexer``: the trained lightning indexer's ``engine.indexer_runtime.IndexerState`` (sparse.indexer
+        full-attention layer adds each held block's largest per-head attention mass (``engine.worker.importance.accumulate``'s);
+        ``indexer``: the trained lightning indexer's ``engine.worker.indexer_runtime.IndexerState`` (sparse.indexer
         trained; then ``block_bounds`` is None): every layer writes the new token's index key, and on a sparse
         step each selecting sequence attends its forced + top-k tokens (``selection_widths``)."""
         self._bind(kv_caches, block_bounds, indexer)

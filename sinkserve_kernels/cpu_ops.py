@@ -17,7 +17,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from sinkserve_kernels import reference
+from sinkserve_kernels import torch_kernels
 from sinkserve_kernels.cpu_lib import load
 
 
@@ -59,10 +59,10 @@ def add_rms_norm(h: torch.Tensor, r: torch.Tensor, weight: torch.Tensor | None, 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """``sinkserve_kernels.reference.write_kv`` (slots < 0 skipped) in one pass over strided ``[T, Hkv, D]`` keys/values."""
+    """``sinkserve_kernels.torch_kernels.write_kv`` (slots < 0 skipped) in one pass over strided ``[T, Hkv, D]`` keys/values."""
     if not (_fast(key, value, k_cache, v_cache) and k_cache.is_contiguous() and v_cache.is_contiguous()
             and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()):
-        reference.write_kv(key, value, k_cache, v_cache, slot_mapping)
+        torch_kernels.write_kv(key, value, k_cache, v_cache, slot_mapping)
         return
     t, hkv, d = key.shape
     if k_cache.shape[2:] != (hkv, d) or v_cache.shape != k_cache.shape:
@@ -76,12 +76,12 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 def write_kv_quant(key: torch.Tensor, value: torch.Tensor, cache, slot_mapping: torch.Tensor) -> None:
-    """``sinkserve_kernels.reference.write_kv_quant`` in one pass: tokens of 16-bit-resident blocks land in their side-pool
+    """``sinkserve_kernels.torch_kernels.write_kv_quant`` in one pass: tokens of 16-bit-resident blocks land in their side-pool
     slots (through ``cache.fp_index``), tokens of packed blocks and slots < 0 are skipped."""
     if not (_fast(key, value, cache.fp_k, cache.fp_v) and cache.fp_k.is_contiguous() and cache.fp_v.is_contiguous()
             and cache.fp_index.dtype == torch.int32 and cache.fp_index.is_contiguous()
             and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()):
-        reference.write_kv_quant(key, value, cache, slot_mapping)
+        torch_kernels.write_kv_quant(key, value, cache, slot_mapping)
         return
     t, hkv, d = key.shape
     if cache.fp_k.shape[2:] != (hkv, d) or cache.fp_v.shape != cache.fp_k.shape or slot_mapping.shape != (t,):

@@ -1,4 +1,4 @@
-"""Token-sparse attention driven by a trained lightning indexer (``engine/lightning.py``).
+"""Token-sparse attention driven by a trained lightning indexer (``engine/worker/lightning.py``).
 
 Per query token: indexer scores over every visible cached token (``score = sum_h w_h relu(qi_h . ki)``,
 the index keys ``ki`` in their own paged int8 cache, same block ids as K/V), then the top
@@ -15,7 +15,7 @@ the forced set::
 
 Backends share the semantics (tested for identical selections): torch scores with
 ``lightning.scores``-equivalent einsums and selects with one stable sort per row chunk (ties -> lower
-position, as ``reference.topk_select``); Triton runs ``sinkserve_kernels.indexer.indexer_topk`` (radix select,
+position, as ``torch_kernels.topk_select``); Triton runs ``sinkserve_kernels.indexer.indexer_topk`` (radix select,
 bounded memory) and ``sinkserve_kernels.sparse_attention``.
 """
 

@@ -141,7 +141,7 @@ def indexer_scores(
     num_cols: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Scores ``[T, N]`` fp32 for every packed query token; same semantics as ``reference.indexer_scores``.
+    """Scores ``[T, N]`` fp32 for every packed query token; same semantics as ``torch_kernels.indexer_scores``.
 
     Materializes all ``T x N`` scores: use ``indexer_topk`` for long prefills. ``out`` (optional ``[T, N]``
     fp32) receives the result.

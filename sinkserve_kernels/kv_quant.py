@@ -101,7 +101,7 @@ class QuantKVCache:
     ) -> "QuantKVCache":
         """Allocate an empty cache; every block starts quantized (``fp_index == -1``).
 
-        ``bits`` 2 (four codes a byte, ``reference.pack_codes``) is read by the torch reference only, as are
+        ``bits`` 2 (four codes a byte, ``torch_kernels.pack_codes``) is read by the torch reference only, as are
         ``outlier_channels`` (their indices start as channels ``0..O-1``; the engine calibrates them).
         ``fp_index`` may be passed to share one block -> 16-bit slot map between the layers of a model.
         """
@@ -254,7 +254,7 @@ def _launch_quantize(
         return
     if cache.bits not in (8, 4) or cache.outlier_idx is not None:
         raise ValueError("the Triton kernels read int8 / int4 without outlier channels; int2 and outlier "
-                         "channels run on the torch reference (sinkserve_kernels.reference)")
+                         "channels run on the torch reference (sinkserve_kernels.torch_kernels)")
     check_device(src_k, cache.k_codes)
     d, g = cache.head_dim, cache.group_size
     if d // 2 != next_pow2(d // 2):
@@ -329,7 +329,7 @@ def paged_attention_quant(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``paged_attention`` over a quantized cache: codes are dequantized in registers, 16-bit blocks read as
-    is (``window``, ``sinks`` as in ``sinkserve_kernels.reference.paged_attention``)."""
+    is (``window``, ``sinks`` as in ``sinkserve_kernels.torch_kernels.paged_attention``)."""
     return launch_paged_attention(
         query, cache.source(), block_tables, seq_lens, query_start_loc, scale, num_splits, out, window, sinks
     )

@@ -3,7 +3,7 @@
 This is the ``torch`` backend's path and the reference of the ``cpu`` backend's C kernel
 (``sinkserve_kernels/csrc/decode_attention_quant.c``, which reads the codes in place and is what ``auto`` runs on CPU).
 
-A decode step's compact gather (``reference.Gather``) mixes both kinds of block in logical order, and
+A decode step's compact gather (``torch_kernels.Gather``) mixes both kinds of block in logical order, and
 dequantizing it whole decodes the 16-bit blocks' stale codes too, then overwrites them (a scatter). Key
 order does not matter to a single-token query (RoPE is already in the keys; the mask says what is
 visible), so this module reorders each sequence's blocks: its packed blocks first, then its 16-bit ones,
@@ -42,14 +42,14 @@ from sinkserve_kernels.workspace import workspace
 
 if TYPE_CHECKING:
     from sinkserve_kernels.kv_quant import QuantKVCache
-    from sinkserve_kernels.reference import Gather
+    from sinkserve_kernels.torch_kernels import Gather
 
 
 def unpack_codes_into(pool: torch.Tensor, ids: torch.Tensor, bits: int, out: torch.Tensor, name: str) -> None:
     """Codes of blocks ``ids`` of ``pool [NB, B, H, D * bits / 8]`` unpacked into the float tensor ``out``
     (any strides, shape ``[..., D]`` with the leading dims covering ``len(ids) x B x H``), without scales.
 
-    The ``P = 8 / bits`` codes of a byte are channels ``c + j * D / P`` (``reference.pack_codes``), so
+    The ``P = 8 / bits`` codes of a byte are channels ``c + j * D / P`` (``torch_kernels.pack_codes``), so
     part ``j`` of every byte fills the channel slice ``j * D/P : (j + 1) * D/P`` of ``out``.
     """
     n = int(ids.numel())

@@ -1,6 +1,6 @@
 """Triton paged attention over ragged batches, plus a Triton ``write_kv``.
 
-Same signatures and semantics as ``sinkserve_kernels.reference.paged_attention`` / ``write_kv``:
+Same signatures and semantics as ``sinkserve_kernels.torch_kernels.paged_attention`` / ``write_kv``:
 
 * queries of all sequences are packed on one token axis; ``query_start_loc`` marks the sequences;
 * keys/values are read through ``block_tables`` from ``[num_blocks, block_size, Hkv, D]`` caches;
@@ -553,7 +553,7 @@ def launch_paged_attention(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run the paged-attention kernel over any ``KVSource`` (16-bit or quantized). Returns ``[T, Hq, D]``.
-    ``window``: sliding-window layer; ``sinks [Hq]``: learned sink logits (``sinkserve_kernels.reference``)."""
+    ``window``: sliding-window layer; ``sinks [Hq]``: learned sink logits (``sinkserve_kernels.torch_kernels``)."""
     check_device(query, kv.k, block_tables)
     num_tokens, hq, d = query.shape
     if d != kv.head_dim:
@@ -606,7 +606,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of packed queries ``[T, Hq, D]`` over paged caches; returns ``[T, Hq, D]``.
 
-    Drop-in for ``sinkserve_kernels.reference.paged_attention`` (``window``, ``sinks`` as there). ``num_splits``
+    Drop-in for ``sinkserve_kernels.torch_kernels.paged_attention`` (``window``, ``sinks`` as there). ``num_splits``
     forces the split-KV path (``None`` picks it from shapes: only when tokens x KV heads cannot fill the
     GPU). ``out`` (optional, like ``query``) receives the result.
     """
@@ -655,7 +655,7 @@ def write_kv(
 ) -> None:
     """Scatter new keys/values ``[T, Hkv, D]`` into the caches at flat slots; slots < 0 are skipped.
 
-    Drop-in for ``sinkserve_kernels.reference.write_kv`` (values are cast to the cache dtype).
+    Drop-in for ``sinkserve_kernels.torch_kernels.write_kv`` (values are cast to the cache dtype).
     """
     check_device(key, k_cache)
     plain_source(k_cache, v_cache)  # validates shape/contiguity

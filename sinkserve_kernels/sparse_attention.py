@@ -238,7 +238,7 @@ def sparse_attention(
 ) -> torch.Tensor:
     """Attention of ``query [T, Hq, D]`` over its selected ``slots [T, K]`` of 16-bit paged caches.
 
-    Same semantics as ``reference.sparse_attention``; ``out`` (optional, like ``query``) receives the result.
+    Same semantics as ``torch_kernels.sparse_attention``; ``out`` (optional, like ``query``) receives the result.
     """
     return _launch(query, plain_source(k_cache, v_cache), slots, scale, num_splits, out)
 

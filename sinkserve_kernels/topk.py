@@ -183,7 +183,7 @@ def topk_select(
     forced_mask: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Top-``k`` slots per query row with the forced set; same semantics as ``reference.topk_select``.
+    """Top-``k`` slots per query row with the forced set; same semantics as ``torch_kernels.topk_select``.
 
     ``out`` (optional ``[T, k]`` int32) receives the result; every element is written.
     """

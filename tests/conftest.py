@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 # The suite never downloads a model and never reads the user's model cache: a catalog name that a
-# test resolves falls back to the embedded reference model (engine/model_store.py). Set before any
+# test resolves falls back to the embedded reference model (engine/worker/model_store.py). Set before any
 # test (and any Ray worker a test starts) reads them.
 os.environ["SINKSERVE_OFFLINE"] = "1"
 os.environ["SINKSERVE_MODEL_CACHE"] = tempfile.mkdtemp(prefix="sinkserve-test-models-")

@@ -1,7 +1,7 @@
 """Every supported architecture served exactly: greedy tokens equal transformers' and logits within 1e-4
 (float32), on tiny random configs the other tests do not use: sliding windows shorter than the prompt
 (window 64, ~200-token prompts), hybrid full/sliding layers, tied embeddings, per-layer and scaled RoPE,
-partial rotary and gpt-oss's learned sinks (``engine/architectures.py``)."""
+partial rotary and gpt-oss's learned sinks (``engine/worker/architectures.py``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.architectures import (
+from engine.worker.architectures import (
     LayerAttention,
     check_hook_window,
     layer_inv_freqs,
@@ -20,7 +20,7 @@ from engine.architectures import (
     validate_for_engine,
 )
 from engine.errors import ConfigError
-from engine.rope import rotate_keys
+from engine.worker.rope import rotate_keys
 from tests.test_engine_equivalence import MAX_TOKENS, reference, run_engine
 from tests.tiny_models import VOCAB, build_model
 

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine import CachePolicy, EngineConfig, LLMEngine, SamplingParams
-from engine.sparse_config import SparseAttention
+from engine.worker.sparse_config import SparseAttention
 from engine.attnres import AttnResConfig, AttnResForCausalLM
 from engine.attnres.modeling import DepthMix, DepthSources
 from tests.streaming_reference import streaming_logits, streaming_logits_via_attention
@@ -215,7 +215,7 @@ def test_transformers_path_tensor_parallel_2_equals_1(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from app.tp_executor import free_port
+    from app.pool.tp_executor import free_port
 
     model = build_model(tmp_path / "m", "attnres_block", seed=5, layers=3)
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
@@ -290,7 +290,7 @@ def test_native_forward_equals_the_transformers_path_under_cache_features(attnre
 
 def test_dummy_weights_build_the_native_shapes(attnres: Path) -> None:
     """``load_format="dummy"`` makes every tensor the checkpoint has, pseudo-queries included."""
-    from engine.executor import LocalExecutor
+    from engine.core.executor import LocalExecutor
 
     dummy = LocalExecutor(EngineConfig(model=str(attnres), load_format="dummy", num_kv_blocks=16)).runner.model
     loaded = LocalExecutor(EngineConfig(model=str(attnres), num_kv_blocks=16)).runner.model

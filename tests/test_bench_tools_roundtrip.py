@@ -10,7 +10,7 @@ import pytest
 from bench.tools_roundtrip import DEFAULT_MODEL, grafted_model, report, resolve
 from engine.config import DEFAULT_MODEL as REFERENCE_MODEL
 from engine.errors import ModelLoadError
-from engine.weights import MANIFEST_NAME, verify_model_dir
+from engine.worker.weights import MANIFEST_NAME, verify_model_dir
 
 
 def test_model_spec_is_resolved_without_falling_back_to_the_reference_model():
@@ -26,7 +26,7 @@ def test_grafted_copy_has_a_tool_template_and_passes_verification(tmp_path):
     manifest lists the original template, so the grafted server failed to load (digest mismatch)."""
     from transformers import AutoTokenizer
 
-    from app.tools import template_supports_tools
+    from app.plan.tools import template_supports_tools
 
     model = Path(REFERENCE_MODEL)
     before = (model / MANIFEST_NAME).read_text()

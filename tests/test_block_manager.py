@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from engine.block_manager import BlockManager
+from engine.memory.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -18,7 +18,7 @@ def seq(tokens: list[int], rid: str = "r") -> Sequence:
 
 def test_bookkeeping_modules_do_not_import_torch() -> None:
     code = (
-        "import sys; import engine.block_manager, engine.scheduler, engine.retention, engine.cache_policy;"
+        "import sys; import engine.memory.block_manager, engine.core.scheduler, engine.memory.retention, engine.cache_policy;"
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine
-from engine.block_manager import BlockManager, apply_table_ops
+from engine.memory.block_manager import BlockManager, apply_table_ops
 from engine.cache_policy import CachePolicy
-from engine.retention import blocks_of
+from engine.memory.retention import blocks_of
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.core.scheduler import Scheduler
 from engine.sequence import Sequence
-from engine.sparse_config import SparseAttention
-from engine.step_inputs import BlockTables, tables_from_lists
+from engine.worker.sparse_config import SparseAttention
+from engine.worker.step_inputs import BlockTables, tables_from_lists
 
 
 def test_table_ops_name_exact_rows_and_block_ids() -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from app.canary import Evidence, decide, step_weights, steps_for, with_weights
-from app.planner import reweighted
+from app.cli.canary_gate import Evidence, decide, step_weights, steps_for, with_weights
+from app.plan.planner import reweighted
 from app.settings import PlanSpec, VersionSpec
 
 
@@ -62,7 +62,7 @@ def test_variant_maker_breaks_exactly_the_named_layers(tmp_path):
 
     from bench.make_model_variant import make_variant
     from engine.config import DEFAULT_MODEL
-    from engine.weights import fingerprint, verify_model_dir
+    from engine.worker.weights import fingerprint, verify_model_dir
 
     changed = make_variant(__import__("pathlib").Path(DEFAULT_MODEL), tmp_path / "broken", [2, 5])
     assert changed == ["model.layers.2.self_attn.o_proj.weight", "model.layers.5.self_attn.o_proj.weight"]

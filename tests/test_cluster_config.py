@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from app.cli_serve import validate_apps
-from app.cluster import (HEAD_RESOURCE, NODE_MARK_ENV, POOL_RESOURCE, LocalCluster, cluster_config, kill_marked,
+from app.cli.serve import validate_apps
+from app.cli.local_cluster import (HEAD_RESOURCE, NODE_MARK_ENV, POOL_RESOURCE, LocalCluster, cluster_config, kill_marked,
                          local_layout, marked_pids)
-from app.placement import PlacementError, app_needs, check_placement, pack_replicas
+from app.pool.placement import PlacementError, app_needs, check_placement, pack_replicas
 from app.settings import AppArgs
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""One function decides each pool's decode step (``engine.decode_path``): checked for every pool of every
+"""One function decides each pool's decode step (``engine.worker.decode_path``): checked for every pool of every
 config in ``serve_configs/``, logged once per engine, exported per pool, and what ran each step counted."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.metrics import render
-from app.placement import pool_device
+from app.pool.placement import pool_device
 from app.settings import AppArgs
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.config_io import engine_config_from_dict
-from engine.decode_path import DECODE_PATHS, decode_path_for
+from engine.worker.decode_path import DECODE_PATHS, decode_path_for
 from engine.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +50,7 @@ def model_dir(spec: str) -> str:
     """The directory a config's model spec names, as the app resolves it at build time, offline: a catalog
     name not in the model cache falls back to the reference model, as ``sinkserve serve`` does (the
     catalog's SmolLM2 is a Llama-family model like it, so the decision is the same)."""
-    from engine.model_store import resolve_model
+    from engine.worker.model_store import resolve_model
 
     return resolve_model(spec, fetch=False, fallback=True)
 
@@ -118,7 +118,7 @@ def test_a_trained_indexer_pool_takes_the_c_step_and_selected_memory_still_does_
     """``sparse.indexer: trained`` (the reference model ships its indexer) is carried, with and without packed
     KV (tests/test_indexer_c_step.py holds its tokens to the eager path's); selected memory is still refused,
     the reason naming it."""
-    from engine.sparse_config import SparseAttention
+    from engine.worker.sparse_config import SparseAttention
 
     model = str(ROOT / "assets" / "reference-model")
     for kv in ("auto", "int4"):

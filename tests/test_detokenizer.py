@@ -1,4 +1,4 @@
-"""Incremental stop-string matching (engine/detokenizer.py): stops are found across token boundaries,
+"""Incremental stop-string matching (engine/core/detokenizer.py): stops are found across token boundaries,
 the released text equals the old whole-output search on random cases, and the work per token does
 not grow with the output."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from engine.detokenizer import IncrementalDetokenizer, Tail
+from engine.core.detokenizer import IncrementalDetokenizer, Tail
 from tests.tiny_models import build_tokenizer
 
 TOK = build_tokenizer()  # byte-level: token id == byte value below 252

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.attention_backends import get_backend
+from sinkserve_kernels.backend import get_backend
 from engine.errors import ConfigError
-from engine.model_runner import ModelInput
-from engine.sampler import SamplerOutput
+from engine.worker.model_runner import ModelInput
+from engine.worker.sampler import SamplerOutput
 
 
 @pytest.fixture
@@ -52,7 +52,7 @@ def test_triton_on_a_cpu_device_is_refused_where_triton_compiles_for_cuda(tiny_l
 def test_device_and_memory_fields_are_validated_by_name() -> None:
     for kwargs, field in (({"device": "gpu"}, "device"), ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
                           ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization"), ({"dtype": "fp8"}, "dtype"),
-                          ({"load_format": "pt"}, "load_format")):
+                          ({"load_format": "pt"}, "load_format"), ({"attention_backend": "flash"}, "attention_backend")):
         with pytest.raises(ConfigError) as err:
             EngineConfig(**kwargs)
         assert err.value.field == field
@@ -96,7 +96,7 @@ def test_driver_of_a_cuda_engine_never_touches_cuda(monkeypatch: pytest.MonkeyPa
 
 
 def test_cpu_runner_sizes_kv_after_loading_and_warm_up_is_a_no_op(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine.executor import LocalExecutor
+    from engine.core.executor import LocalExecutor
     from sinkserve_kernels import _triton
 
     # Triton on a CPU device needs the interpreter (refused on a CUDA host, test above): set here as on a CPU host.
@@ -114,8 +114,8 @@ def test_cpu_runner_sizes_kv_after_loading_and_warm_up_is_a_no_op(tiny_llama: Pa
 def test_cuda_runner_warms_up_its_backend_for_the_model_shape(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from dataclasses import replace
 
-    from engine.attention_backends import AttentionBackend
-    from engine.executor import LocalExecutor
+    from sinkserve_kernels.backend import AttentionBackend
+    from engine.core.executor import LocalExecutor
 
     ex = LocalExecutor(EngineConfig(model=str(tiny_llama), num_kv_blocks=8))
     calls: list[tuple] = []
@@ -131,7 +131,7 @@ def test_cuda_runner_warms_up_its_backend_for_the_model_shape(tiny_llama: Path, 
 
 
 def test_profile_input_is_the_largest_step(tiny_llama: Path) -> None:
-    from engine.executor import LocalExecutor
+    from engine.core.executor import LocalExecutor
 
     ex = LocalExecutor(EngineConfig(model=str(tiny_llama), num_kv_blocks=8, max_num_seqs=3, max_num_batched_tokens=50))
     inp = ex.runner.profile_input()
@@ -143,8 +143,8 @@ def test_profile_input_is_the_largest_step(tiny_llama: Path) -> None:
 
 
 def test_dummy_weights_use_the_paged_attention_and_the_config_shape(tiny_llama: Path) -> None:
-    from engine import attention
-    from engine.executor import LocalExecutor
+    from engine.worker import attention
+    from engine.core.executor import LocalExecutor
 
     # The transformers path (the native one is tested in test_native_models.py).
     ex = LocalExecutor(EngineConfig(model=str(tiny_llama), load_format="dummy", num_kv_blocks=16,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.engine_process import EngineProcess
+from engine.frontend.engine_process import EngineProcess
 from engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError
 from tests.engine_streams import collect
 

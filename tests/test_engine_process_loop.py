@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from engine import engine_process as ep
+from engine.frontend import engine_process as ep
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -78,7 +78,7 @@ def test_first_and_last_delta_at_once_the_rest_merged_within_the_interval(monkey
     conn = FakeConn()
     engine = FakeEngine(clock, conn, tokens)
     monkeypatch.setattr(ep, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
-    monkeypatch.setattr("engine.engine.LLMEngine", lambda config: engine)
+    monkeypatch.setattr("engine.core.engine.LLMEngine", lambda config: engine)
     monkeypatch.setattr(ep, "STREAM_INTERVAL_S", 4 * STEP_S)
     conn.incoming.put(ep.AddRequest("r", (1, 2, 3), SamplingParams(max_tokens=tokens)))
     runner = threading.Thread(target=ep.serve_engine, args=(conn,), daemon=True)

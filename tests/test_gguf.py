@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine import gguf_import, model_cache, model_store, weights
+from engine.worker import gguf_import, model_cache, model_store, weights
 from engine.errors import GGUFReadError, ModelLoadError
 from tests.tiny_gguf import CHAT_TEMPLATE, write_gguf
 

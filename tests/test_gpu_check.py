@@ -100,7 +100,7 @@ def test_the_report_goes_under_out_on_a_device_machine(monkeypatch: pytest.Monke
 
 
 def test_engine_imports_without_ray_or_deepspeed() -> None:
-    code = ("import sys, engine.engine, engine.executor, engine.model_runner, engine.sampler, sinkserve_kernels.backend; "
+    code = ("import sys, engine.core.engine, engine.core.executor, engine.worker.model_runner, engine.worker.sampler, sinkserve_kernels.backend; "
             "bad = sorted(m for m in ('ray', 'deepspeed') if m in sys.modules); assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 

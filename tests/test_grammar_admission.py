@@ -1,4 +1,4 @@
-"""Grammar compilation before admission (engine/grammar_admission.py): compiled off the step on one
+"""Grammar compilation before admission (engine/frontend/grammar_admission.py): compiled off the step on one
 thread, refused with a reason naming the problem when it fails, runs too long, or waits too long."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import time
 import pytest
 
 from engine.errors import InvalidRequestError
-from engine.grammar import GrammarBackend
-from engine.grammar_admission import GrammarAdmission
+from engine.worker.grammar import GrammarBackend
+from engine.frontend.grammar_admission import GrammarAdmission
 from engine.sampling_params import StructuredOutput
 from tests.tiny_models import build_tokenizer
 
@@ -112,9 +112,9 @@ def test_tp_front_bounds_abandoned_compiles_too(tiny_llama, monkeypatch) -> None
     import asyncio
 
     from engine import EngineConfig, SamplingParams
-    from engine import async_engine
-    from engine.async_engine import AsyncLLMEngine
-    from engine.grammar_admission import MAX_ABANDONED
+    from engine.frontend import async_engine
+    from engine.frontend.async_engine import AsyncLLMEngine
+    from engine.frontend.grammar_admission import MAX_ABANDONED
 
     monkeypatch.setattr(async_engine, "COMPILE_TIMEOUT_S", 0.2)
     eng = AsyncLLMEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=64, block_size=16))

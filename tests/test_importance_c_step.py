@@ -1,6 +1,6 @@
 """Importance eviction on the C decode step: a pool with ``cache_policy.eviction_policy: importance`` takes the C
-step (``engine.decode_path``), whose full-attention layers add each held block's attention mass to the
-runner's accumulator (decode_step.c ``block_mass``) as ``engine.importance.accumulate`` does eagerly. Against
+step (``engine.worker.decode_path``), whose full-attention layers add each held block's attention mass to the
+runner's accumulator (decode_step.c ``block_mass``) as ``engine.worker.importance.accumulate`` does eagerly. Against
 the all-eager run: the same greedy tokens, logits within 1e-4, the same block scores every step (float
 tolerance) and the same eviction decisions (request, evicted token ranges, freed block ids), at 1 and 2
 threads, over float32 and packed KV; the decode-step counter says the C step ran."""
@@ -14,7 +14,7 @@ import torch
 
 import engine.models.llama as llama
 from engine import CachePolicy, EngineConfig
-from engine.decode_path import decode_path_for
+from engine.worker.decode_path import decode_path_for
 from sinkserve_kernels.cpu_lib import load
 from tests.test_long_pool_step import REFERENCE_MODEL, generate
 from tests.tiny_models import build_model

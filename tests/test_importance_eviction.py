@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from engine import CachePolicy, EngineConfig, LLMEngine, SamplingParams
-from engine.block_manager import BlockManager
+from engine.memory.block_manager import BlockManager
 from engine.config_io import engine_config_from_dict
 from engine.errors import ConfigError
-from engine.importance import accumulate, pool_layers
-from engine.retention import blocks_of, first_window_block, importance_victims
-from engine.scheduler import Scheduler
+from engine.worker.importance import accumulate, pool_layers
+from engine.memory.retention import blocks_of, first_window_block, importance_victims
+from engine.core.scheduler import Scheduler
 from engine.sequence import Sequence
 
 
@@ -140,7 +140,7 @@ def test_budget_holds_over_packed_kv_and_sparse_attention(tiny_llama: Path, stor
     """Importance eviction composed with a packed KV cache (scores read quantized blocks, kept blocks are
     rotated in packed form) and with block-sparse attention (evicted blocks drop out of the selection):
     the stream stays within its budget, the cache stays consistent, protected blocks stay."""
-    from engine.sparse_config import SparseAttention
+    from engine.worker.sparse_config import SparseAttention
 
     budget, window, bs = 12, 16, 4
     extra: dict = {"kv_cache_dtype": storage} if storage != "sparse" else {
@@ -203,7 +203,7 @@ def test_tp2_scores_all_heads_and_evicts_what_tp1_evicts(tiny_llama: Path) -> No
         two = run(engine)
         # DeepSpeed's shared-memory all-reduce files are unlinked once both ranks mapped them (they
         # leaked 64 MiB of /dev/shm per rank per TP start), and the all-reduce above still worked.
-        from app.tp_executor import shm_allreduce_buffer
+        from app.pool.tp_executor import shm_allreduce_buffer
 
         env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(engine.executor.port)}
         assert not [r for r in (0, 1) if Path(shm_allreduce_buffer(r, env)).exists()]
@@ -247,7 +247,7 @@ def test_http_extension_carries_the_budget_and_errors_name_it() -> None:
     from pydantic import ValidationError
 
     from app.errors import APIError
-    from app.planner import sampling_params
+    from app.plan.planner import sampling_params
     from app.schemas import CompletionRequest
     from engine.errors import InvalidRequestError
 

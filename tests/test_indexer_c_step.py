@@ -1,5 +1,5 @@
 """The trained lightning indexer (``sparse.indexer: trained``) on the C decode step: every layer writes the new
-token's int8 index key as ``engine/indexer_runtime.py`` does (decode_step.c ``index_key``), and past
+token's int8 index key as ``engine/worker/indexer_runtime.py`` does (decode_step.c ``index_key``), and past
 ``sparse.min_context`` each full-attention layer scores the sequence's index keys with the projected,
 weighted index query, keeps the forced set (protected blocks, local window) and the top-k tokens
 (``index_select``: ``indexed_sparse.select_top``'s ties) and attends exactly those tokens. Against the
@@ -13,6 +13,7 @@ other tokens, would fail)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -20,11 +21,12 @@ import torch
 from safetensors.torch import save_file
 
 from engine.cache_policy import CachePolicy
-from engine.decode_path import decode_path_for
-from engine.sparse_config import INDEXER_WEIGHTS, SparseAttention
+from engine.worker.decode_path import decode_path_for
+from engine.worker.sparse_config import INDEXER_WEIGHTS, SparseAttention
 from sinkserve_kernels.cpu_lib import load
 from tests.test_long_pool_step import PROTECTED, REFERENCE_MODEL, against_eager, generate, long_pool
-from tests.tiny_models import build_model
+from tests.test_native_models import LLAMA3_ROPE, YARN_ROPE
+from tests.tiny_models import build_model, with_indexer_weights
 
 pytestmark = [pytest.mark.skipif(load() is None, reason="no C compiler: the eager forward runs"),
               pytest.mark.usefixtures("one_thread")]  # tests/conftest.py
@@ -36,7 +38,7 @@ SMOLLM2 = Path.home() / ".cache" / "sinkserve" / "models" / "smollm2-135m-instru
 def odd_indexed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tests/test_long_pool_step.py's odd-shaped model (5 query heads of 8 on one KV head, 128 positions)
     with a random indexer (3 heads of 12 dims) saved as ``indexer.safetensors``, loaded by the engine's own
-    loader (``engine.lightning.LightningIndexer.load``)."""
+    loader (``engine.worker.lightning.LightningIndexer.load``)."""
     path = build_model(tmp_path_factory.mktemp("models") / "odd", "llama", seed=5, max_pos=128, hidden_size=40,
                        num_attention_heads=5, num_key_value_heads=1, intermediate_size=100)
     g = torch.Generator().manual_seed(6)
@@ -115,7 +117,7 @@ def test_the_c_selection_is_select_torchs_ties_included() -> None:
     on random index caches: 16/64/4-token blocks, null (evicted) blocks, protected blocks, windows, widths
     past the visible tokens, and integer-valued keys and unit scales so scores tie often (ties go to the
     lower position). The selected positions must be identical."""
-    from engine.lightning import quantize_keys
+    from engine.worker.lightning import quantize_keys
     from sinkserve_kernels import cpu_decode
     from sinkserve_kernels.indexed_sparse import IndexCache, SeqRows, _columns, select_torch
     from sinkserve_kernels.sparse_geometry import forced_tokens
@@ -186,3 +188,25 @@ def test_trained_indexer_on_smollm2(kv: str, monkeypatch: pytest.MonkeyPatch) ->
     # order), and the index scores' rounding differs too, hence 3e-4; the tokens must be equal.
     steps = against_eager(config, [prompt], 24, monkeypatch, atol=3e-4)
     assert {p for p, _ in steps} == {"c_step"} and min(n for _, n in steps) > 256
+
+
+@pytest.mark.parametrize("family,over", [
+    ("llama", dict(tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE)),
+    ("qwen3", dict(rope_parameters=YARN_ROPE)),
+])
+def test_trained_indexer_with_scaled_rope_tied_embeddings_and_q_k_norms(family: str, over: dict, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shapes the indexer's tests above were not built for: Llama3-scaled RoPE with tied embeddings, and
+    Qwen3's q/k norms with YaRN; a random indexer (2 heads x 16), int4 KV with 2 outlier channels. One prompt
+    opens with the tokenizer's BOS id and one does not; both decode past the 128-token context (the window
+    evicts, the protected block stays) and the longer one selects from its first step."""
+    base = build_model(tmp_path / "m", family, seed=7, max_pos=128, **over)
+    model = with_indexer_weights(base, tmp_path / "ix", heads=2, dim=16, seed=8)
+    config = indexed_pool(model, "int4", 24, 64, 16, kv_outlier_channels=2)
+    assert decode_path_for(config).path == "c_step"
+    rng = torch.Generator().manual_seed(34)
+    bos = json.loads((model / "config.json").read_text())["bos_token_id"]
+    prompts = [[bos, *torch.randint(0, 250, (89,), generator=rng).tolist()],
+               torch.randint(0, 250, (30,), generator=rng).tolist()]
+    steps = against_eager(config, prompts, 60, monkeypatch)
+    assert {p for p, _ in steps} == {"c_step"} and max(n for _, n in steps) > 128

@@ -9,8 +9,8 @@ import threading
 import pytest
 
 from app.errors import APIError
-from app.plan_pool import PlanPool
-from app.request_body import read_body
+from app.plan.plan_pool import PlanPool
+from app.http.request_body import read_body
 
 
 class FakeRequest:

@@ -13,8 +13,9 @@ import pytest
 
 from app.errors import APIError
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine import detokenizer, grammar, sampler
-from engine.async_engine import AsyncLLMEngine
+from engine.core import detokenizer
+from engine.worker import grammar, sampler
+from engine.frontend.async_engine import AsyncLLMEngine
 from engine.errors import RequestFailedError
 from engine.sampling_params import StructuredOutput
 

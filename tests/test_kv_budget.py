@@ -1,4 +1,4 @@
-"""KV budget arithmetic (``engine.kv_budget``): measured after the weights load, vLLM's
+"""KV budget arithmetic (``engine.memory.kv_budget``): measured after the weights load, vLLM's
 ``gpu_memory_utilization`` on CUDA, a fraction of available host memory on CPU. Fake numbers, no GPU."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine.errors import ConfigError
-from engine.kv_budget import (GiB, MemoryProfile, blocks_for_budget, bounds_bytes_per_block, cpu_budget_bytes,
+from engine.memory.kv_budget import (GiB, MemoryProfile, blocks_for_budget, bounds_bytes_per_block, cpu_budget_bytes,
                               gpu_budget_bytes, kv_bytes_per_block)
 
 # Llama-3-8B: 32 layers, 8 KV heads of 128, bf16, 16-token blocks -> 2 MiB per block (128 KiB per token)

@@ -13,8 +13,8 @@ from engine import CachePolicy, EngineConfig, LLMEngine, SamplingParams
 from engine.config import validate_kv_cache_for_model
 from engine.config_io import engine_config_from_dict
 from engine.errors import ConfigError
-from engine.rope import rotate_keys
-from sinkserve_kernels import reference
+from engine.worker.rope import rotate_keys
+from sinkserve_kernels import torch_kernels
 from sinkserve_kernels.kv_quant import QuantKVCache
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -90,11 +90,11 @@ def test_packed_pool_is_allocated_at_its_packed_size(tiny_llama: Path, tmp_path:
     full = make(tiny_llama)
     q4 = make(tiny_llama, kv_cache_dtype="int4", kv_fp_pool_blocks=8)
     runner = q4.executor.runner
-    # Allocated tensors == the budget arithmetic (engine.kv_budget), codes + scales + side pool.
+    # Allocated tensors == the budget arithmetic (engine.memory.kv_budget), codes + scales + side pool.
     assert runner.kv_allocated_bytes() == q4.kv_bytes_total
     assert full.executor.runner.kv_allocated_bytes() == full.kv_bytes_total
     # Sparse attention's key bounds ride beside every block id and are paid for in the same arithmetic.
-    from engine.sparse_config import SparseAttention
+    from engine.worker.sparse_config import SparseAttention
 
     for kw in ({}, {"kv_cache_dtype": "int4", "kv_fp_pool_blocks": 8}):
         sp = make(tiny_llama, sparse=SparseAttention(enabled=True, top_k=16, min_context=64), **kw)
@@ -197,13 +197,13 @@ def test_rotating_a_packed_key_block_matches_packing_the_rotated_keys() -> None:
     cache = QuantKVCache.allocate(3, 1, b, h, d, bits=8, group_size=8, dtype=torch.float32)
     k = torch.randn(1, b, h, d)
     v = torch.randn(1, b, h, d)
-    reference.quantize_into(cache, torch.tensor([1]), k, v)
+    torch_kernels.quantize_into(cache, torch.tensor([1]), k, v)
     inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
     shift = torch.tensor([12])
     before_v = cache.v_codes[1].clone()
-    kd, _ = reference.dequantize_blocks(cache, torch.tensor([1]))
-    reference.requantize_keys(cache, torch.tensor([1]), rotate_keys(kd, shift, inv_freq))
-    got, _ = reference.dequantize_blocks(cache, torch.tensor([1]))
+    kd, _ = torch_kernels.dequantize_blocks(cache, torch.tensor([1]))
+    torch_kernels.requantize_keys(cache, torch.tensor([1]), rotate_keys(kd, shift, inv_freq))
+    got, _ = torch_kernels.dequantize_blocks(cache, torch.tensor([1]))
     want = rotate_keys(k, shift, inv_freq)
     # Two roundings (pack, then re-pack after the rotation): within 2 int8 steps of the per-channel range.
     step = (want.amax(1) - want.amin(1)) / 255
@@ -257,10 +257,10 @@ def test_planted_outlier_channels_kept_16bit_cut_the_error() -> None:
             cache = QuantKVCache.allocate(nb, 1, b, h, d, bits=bits, group_size=16, dtype=torch.float32, outlier_channels=kept)
             if kept:
                 cache.outlier_idx = planted.repeat(1, h, 1)
-            reference.quantize_into(cache, ids, k, v)
-            _, v_deq = reference.dequantize_cache(cache)
-            want = reference.paged_attention(q, full_k, v_deq, tables, lens, qsl, d ** -0.5)
-            got = reference.paged_attention_quant(q, cache, tables, lens, qsl, d ** -0.5)
+            torch_kernels.quantize_into(cache, ids, k, v)
+            _, v_deq = torch_kernels.dequantize_cache(cache)
+            want = torch_kernels.paged_attention(q, full_k, v_deq, tables, lens, qsl, d ** -0.5)
+            got = torch_kernels.paged_attention_quant(q, cache, tables, lens, qsl, d ** -0.5)
             errors[bits, kept] = float((got - want).norm() / want.norm())
     for bits in (8, 4, 2):
         assert errors[bits, 2] < 0.25 * errors[bits, 0], errors
@@ -287,7 +287,7 @@ def test_calibration_finds_planted_outlier_channels(tmp_path: Path) -> None:
 
 
 async def test_engine_process_streams_the_quantized_engine_tokens(tiny_llama: Path) -> None:
-    from engine.engine_process import EngineProcess
+    from engine.frontend.engine_process import EngineProcess
     from tests.engine_streams import collect
 
     config = EngineConfig(model=str(tiny_llama), num_kv_blocks=64, block_size=4, kv_cache_dtype="int4",

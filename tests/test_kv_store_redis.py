@@ -9,10 +9,10 @@ import pytest
 
 from engine.config_io import session_kv_from_dict
 from engine.errors import ConfigError
-from engine.kv_store import DirectoryKVStore, KVStore, KVStoreUnavailable
-from engine.kv_store_redis import RedisKVStore
-from engine.kv_store_tiered import TieredKVStore, open_kv_store
-from engine.session_kv_config import SessionKV
+from engine.memory.kv_store import DirectoryKVStore, KVStore, KVStoreUnavailable
+from engine.memory.kv_store_redis import RedisKVStore
+from engine.memory.kv_store_tiered import TieredKVStore, open_kv_store
+from engine.memory.session_kv_config import SessionKV
 from tests.serve.redis_server import redis_server
 
 

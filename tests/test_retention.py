@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import CachePolicy, EngineConfig, LLMEngine, SamplingParams
 from engine.errors import ConfigError, ProtectionCapError
-from engine.retention import blocks_to_evict, first_window_block, resolve_protected_positions, rotation_shifts
+from engine.memory.retention import blocks_to_evict, first_window_block, resolve_protected_positions, rotation_shifts
 from tests.streaming_reference import streaming_logits
 
 

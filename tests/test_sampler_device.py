@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampler import Sampler, SeqSampling, sample
+from engine.worker.sampler import Sampler, SeqSampling, sample
 from engine.sampling_params import SamplingParams
 
 HOT = SamplingParams(temperature=1.0)

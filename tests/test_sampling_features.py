@@ -1,5 +1,5 @@
 """Issue 20's sampling fields: penalties, logit bias, top logprobs, grammar masks (xgrammar), the
-fields' validation, and n copies of one prompt prefilled once (engine/scheduler.py)."""
+fields' validation, and n copies of one prompt prefilled once (engine/core/scheduler.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import InvalidRequestError
-from engine.sampler import Sampler, SeqSampling
+from engine.worker.sampler import Sampler, SeqSampling
 from engine.sampling_params import StructuredOutput
 from tests.tiny_models import VOCAB, build_tokenizer
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from engine.block_manager import BlockManager
+from engine.memory.block_manager import BlockManager
 from engine.cache_policy import CachePolicy
-from engine.retention import blocks_of
+from engine.memory.retention import blocks_of
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 
 

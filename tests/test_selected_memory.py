@@ -1,4 +1,4 @@
-"""Selected memory past the trained context (``sparse.position_mode: compact``, engine/selected_memory.py):
+"""Selected memory past the trained context (``sparse.position_mode: compact``, engine/worker/selected_memory.py):
 the re-positioned attention equals attention computed from scratch with the keys rotated at their new
 positions, the forced set is always selected, the bounds are position-free, and the engine streams past
 the trained context with prefix caching and preemption giving the same tokens; config errors name the field."""
@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from engine import CachePolicy, EngineConfig, LLMEngine, SamplingParams
-from engine import selected_memory as sm
+from engine.worker import selected_memory as sm
 from engine.config_io import engine_config_from_dict
 from engine.errors import ConfigError, PromptTooLongError
-from engine.rope import rotate_keys
-from engine.sparse_config import SparseAttention, policy_version
+from engine.worker.rope import rotate_keys
+from engine.worker.sparse_config import SparseAttention, policy_version
 from sinkserve_kernels import block_sparse as bs
 
 
@@ -183,7 +183,7 @@ def test_yaml_log_and_version(tiny_llama: Path, caplog) -> None:
     cfg = engine_config_from_dict({"model": str(tiny_llama), "block_size": 16, "num_kv_blocks": 64, "sparse": {
         "enabled": True, "top_k": 64, "min_context": 128, "local_window": 32, "position_mode": "compact"}})
     assert cfg.sparse.compact
-    with caplog.at_level(logging.INFO, logger="engine.engine"):
+    with caplog.at_level(logging.INFO, logger="engine.core.engine"):
         engine = LLMEngine(cfg)
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert "position_mode compact" in text and "selected memory" in text and "trained context of 512" in text

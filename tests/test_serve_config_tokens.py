@@ -2,7 +2,7 @@
 every pool of every ``serve_configs/*.yaml`` that runs on CPU is built as the app builds it
 (``tests/test_decode_path.py``'s ``pool_configs``: the pool's own ``engine:`` settings, limits derived from
 the model), on small models, and decoded greedily past the model's context where the pool evicts (to the
-edge of it where it does not); the path it takes (C step or eager, what ``engine.decode_path`` chose) must
+edge of it where it does not); the path it takes (C step or eager, what ``engine.worker.decode_path`` chose) must
 give the eager reference's tokens and logits (1e-4), at 1 and 2 threads, and the decode-step counter must
 say that path ran.
 
@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from engine import EngineConfig
-from engine.decode_path import decode_path_for
+from engine.worker.decode_path import decode_path_for
 from tests.test_decode_path import model_dir, pool_configs
 from tests.test_long_pool_step import REFERENCE_MODEL, against_eager
 from tests.tiny_models import build_model

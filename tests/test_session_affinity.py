@@ -1,4 +1,4 @@
-"""The pool's session router (app/affinity.py): a turn goes to the replica its rendezvous rank prefers,
+"""The pool's session router (app/pool/affinity.py): a turn goes to the replica its rendezvous rank prefers,
 and past the pool's ``affinity_max_load`` to the least loaded replica instead (which restores the
 session's KV from the store), configured from the yaml's pool settings."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from app.affinity import SessionAffinityRouter, ranked
+from app.pool.affinity import SessionAffinityRouter, ranked
 from app.builder import pool_options
 from app.events import PoolRequest
 from app.settings import PoolArgs
@@ -69,7 +69,7 @@ def test_the_threshold_is_a_pool_setting_passed_to_the_router() -> None:
 def test_the_router_serve_pickles_by_value_registers_where_the_ingress_looks() -> None:
     """Serve cloudpickles the router's module by value (``RequestRouterConfig``) and loads it in the
     ingress's process. Pickling must work while this process already holds routers, and a router of the
-    loaded copy must register in ``app.router_view``, the module ``Ingress._deployment_ready`` reads, not
+    loaded copy must register in ``app.pool.router_view``, the module ``Ingress._deployment_ready`` reads, not
     in a copy of it: a fresh process (where the copy is a new class) counts the replicas Serve gave it."""
     import subprocess
     import sys
@@ -77,8 +77,8 @@ def test_the_router_serve_pickles_by_value_registers_where_the_ingress_looks() -
 
     from ray.serve.config import RequestRouterConfig
 
-    from app import router_view
-    from app.affinity import ROUTER_PATH
+    from app.pool import router_view
+    from app.pool.affinity import ROUTER_PATH
 
     held = object.__new__(SessionAffinityRouter)  # a router already live in this process
     held._replicas = {}
@@ -96,7 +96,7 @@ router = object.__new__(cls)
 router._deployment_id = SimpleNamespace(name="pool-x-v1", app_name="sinkserve")
 router.initialize_state(max_load=4)
 router._replicas = {"r1": object(), "r2": object()}
-from app import affinity, router_view
+from app.pool import affinity, router_view
 print(cls is not affinity.SessionAffinityRouter, router.max_load, router_view.routed_replicas("pool-x-v1"),
       router_view.routed_replicas("pool-never-called-v1"))
 """

@@ -13,7 +13,7 @@ import pytest
 
 from engine import CachePolicy, EngineConfig, LLMEngine, SamplingParams
 from engine.errors import ConfigError, InvalidRequestError
-from engine.session_kv_config import SessionKV
+from engine.memory.session_kv_config import SessionKV
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = str(REPO / "assets/reference-model")
@@ -71,7 +71,7 @@ def test_int4_blocks_round_trip_bit_exactly(conversation, tmp_path) -> None:
     """Every stored block loaded into another engine and read back gives the same bytes."""
     b = make(conversation["store"])
     store = b.session_kv.store
-    man = __import__("engine.session_kv", fromlist=["Manifest"]).Manifest.from_json(store.get_manifest("conv-1"))
+    man = __import__("engine.memory.session_kv", fromlist=["Manifest"]).Manifest.from_json(store.get_manifest("conv-1"))
     assert any(k.endswith("-q") for k in man.keys) and any(k.endswith("-f") for k in man.keys)
     payloads = [store.get_block(k) for k in man.keys]
     bm = b.block_manager
@@ -87,7 +87,7 @@ def test_another_policy_re_prefills_and_says_why(conversation, caplog, tmp_path)
 
     store = shutil.copytree(conversation["store"], tmp_path / "copy")  # its save replaces the manifest
     b = make(store, residual_window=64)  # another protection set: another policy version
-    with caplog.at_level(logging.WARNING, logger="engine.session_cache"):
+    with caplog.at_level(logging.WARNING, logger="engine.memory.session_cache"):
         toks, cached = run(b, conversation["t2"], "conv-1")
     assert cached == 0 and b.stats().session_kv_fallbacks == (("policy", 1),)
     assert "KV not restored (policy: saved under policy" in caplog.text
@@ -112,7 +112,7 @@ def test_a_shared_system_prompt_is_stored_once(tmp_path) -> None:
     assert after.session_kv_shared_blocks - before.session_kv_shared_blocks == 2
     files = sorted(p.name for p in (tmp_path / "b").rglob("*-*"))
     manifests = [eng.session_kv.store.get_manifest(s) for s in ("conv-a", "conv-b")]
-    from engine.session_kv import Manifest
+    from engine.memory.session_kv import Manifest
 
     ka, kb = (Manifest.from_json(m).keys for m in manifests)
     assert ka[:2] == kb[:2] and ka[2] != kb[2]
@@ -120,7 +120,7 @@ def test_a_shared_system_prompt_is_stored_once(tmp_path) -> None:
 
 
 def test_a_restore_that_fails_midway_leaks_nothing_and_the_turn_re_prefills(conversation, monkeypatch) -> None:
-    from engine import kv_block_codec
+    from engine.memory import kv_block_codec
 
     real = kv_block_codec.write_block
     calls = []
@@ -146,14 +146,14 @@ def test_a_save_that_fails_is_counted_and_the_turn_still_answers(conversation, t
     """A disk error while saving (not a store outage): the answer is what re-prefilling gives, the engine's
     books stay whole, the failure is logged with its reason and counted; nothing was stored, so the next
     engine re-prefills the turn (``no_manifest``)."""
-    from engine.kv_store import DirectoryKVStore
+    from engine.memory.kv_store import DirectoryKVStore
 
     def broken(self, key, data):
         raise OSError("No space left on device")
 
     monkeypatch.setattr(DirectoryKVStore, "put_block", broken)
     a = make(tmp_path)
-    with caplog.at_level(logging.ERROR, logger="engine.session_cache"):
+    with caplog.at_level(logging.ERROR, logger="engine.memory.session_cache"):
         toks, cached = run(a, conversation["t2"], "conv-2")
     assert toks == conversation["refill"] and cached == 0
     assert a.stats().session_kv_save_failures == (("error", 1),) and a.stats().session_kv_saves == 0

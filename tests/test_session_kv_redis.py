@@ -12,8 +12,8 @@ import pytest
 
 from engine import LLMEngine
 from engine.config_io import engine_config_from_dict
-from engine.kv_store_redis import RedisKVStore
-from engine.kv_store_tiered import TieredKVStore
+from engine.memory.kv_store_redis import RedisKVStore
+from engine.memory.kv_store_tiered import TieredKVStore
 from tests.serve.redis_server import kill_redis, redis_server
 from tests.test_session_kv_engine import run, words  # one turn through an engine, and its prompt words
 
@@ -52,7 +52,7 @@ def test_a_turn_saved_to_redis_is_restored_by_another_engine(conversation, tmp_p
 
         r = redis.Redis.from_url(url)
         assert len(r.keys("app1:kv:b:*")) == 4 and r.exists("app1:kv:m:conv-1")
-        from engine.session_kv import Manifest
+        from engine.memory.session_kv import Manifest
 
         turn1_keys = set(Manifest.from_json(r.get("app1:kv:m:conv-1")).keys)
         assert int(r.get("app1:kv:bytes")) == sa.session_kv_store_bytes == sa.session_kv_store_bytes_written
@@ -82,7 +82,7 @@ def test_tiered_restores_across_both_tiers(conversation, tmp_path) -> None:
         on_disk = sorted(p.name for p in (tmp_path / "kv" / "b").rglob("*") if p.is_file())
         assert in_redis and on_disk and all(k.endswith("-q") for k in in_redis) and all(k.endswith("-f") for k in on_disk)
         assert r.exists("sinkserve:kv:m:conv-1") and not list((tmp_path / "kv" / "m").iterdir())
-        from engine.session_kv import Manifest
+        from engine.memory.session_kv import Manifest
 
         assert sorted(Manifest.from_json(r.get("sinkserve:kv:m:conv-1")).keys) == sorted(in_redis + on_disk)
         toks, cached = run(make(cfg), conversation["t2"], "conv-1")
@@ -96,7 +96,7 @@ def test_redis_down_re_prefills_says_why_and_never_fails_the_turn(conversation, 
         run(a, conversation["t1"], "conv-1")
         kill_redis(url)
         b = make(cfg)
-        with caplog.at_level(logging.WARNING, logger="engine.session_cache"):
+        with caplog.at_level(logging.WARNING, logger="engine.memory.session_cache"):
             toks, cached = run(b, conversation["t2"], "conv-1")
         assert toks == conversation["refill"] and cached == 0
         assert b.stats().session_kv_fallbacks == (("store_unavailable", 1),)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from app.conversations import Conversation, Turn
-from app.planner import Planner
+from app.state.conversations import Conversation, Turn
+from app.plan.planner import Planner
 from app.schemas import ChatCompletionRequest
 from app.settings import BucketSpec, PlanSpec, PoolArgs, PoolSpec, VersionSpec
 
@@ -29,7 +29,7 @@ def pool_spec(store: Path | None) -> PoolSpec:
 
 
 async def replica(spec: PoolSpec):
-    from app.server import LLMServer
+    from app.pool.server import LLMServer
 
     server = object.__new__(LLMServer)
     await server.__init__(spec)

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.kv_store import DirectoryKVStore, EvictionIndex
-from engine.session_kv import Manifest, block_key, chain_keys, context_key, plan_restore
+from engine.memory.block_manager import BlockManager
+from engine.memory.kv_store import DirectoryKVStore, EvictionIndex
+from engine.memory.session_kv import Manifest, block_key, chain_keys, context_key, plan_restore
 
 
 class Clock:
@@ -134,8 +134,8 @@ def test_block_manager_releases_a_restore_that_failed_and_holds_local_hits_meanw
 def test_pure_modules_do_not_import_torch() -> None:
     import subprocess
 
-    code = ("import sys, engine.session_kv, engine.kv_store, engine.session_kv_config, engine.session_cache, "
-            "engine.kv_store_redis, engine.kv_store_tiered; "
+    code = ("import sys, engine.memory.session_kv, engine.memory.kv_store, engine.memory.session_kv_config, engine.memory.session_cache, "
+            "engine.memory.kv_store_redis, engine.memory.kv_store_tiered; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=os.getcwd(), check=True)
     assert out.stdout.strip() == "False"

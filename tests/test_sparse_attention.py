@@ -1,6 +1,6 @@
 """Sparse attention in the engine: configuration errors name their field, a budget covering the context
 is dense attention, the block bounds follow their blocks through prefill, decode, eviction rotations,
-copies and quantization, the forced set is what engine/sparse.py says, and the stats report it."""
+copies and quantization, the forced set is what engine/worker/sparse.py says, and the stats report it."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from engine import CachePolicy, EngineConfig, LLMEngine, SamplingParams
-from engine import sparse as sp
+from engine.worker import sparse as sp
 from engine.config_io import engine_config_from_dict
 from engine.errors import ConfigError
-from engine.sparse_config import SparseAttention
+from engine.worker.sparse_config import SparseAttention
 from sinkserve_kernels import block_sparse
 from tests.tiny_models import with_indexer_weights
 
@@ -73,7 +73,7 @@ def test_budget_covering_the_context_equals_dense(tiny_llama: Path) -> None:
 
 
 def test_attended_tokens_match_the_kernel_selection(tiny_llama: Path) -> None:
-    """The engine's accounting (engine/sparse.py) agrees with what the kernels select at decode."""
+    """The engine's accounting (engine/worker/sparse.py) agrees with what the kernels select at decode."""
     engine = _engine(tiny_llama, SparseAttention(enabled=True, top_k=48, min_context=32, local_window=40))
     engine.add_request("r", rand_prompt(260, 2), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
                        anchors=[(100, 110)])
@@ -138,7 +138,7 @@ def test_block_bounds_follow_blocks_through_eviction_and_quantization(tiny_llama
 def test_start_up_log_names_the_sparse_settings_and_the_protection_set(tiny_llama: Path, caplog) -> None:
     import logging
 
-    with caplog.at_level(logging.INFO, logger="engine.engine"):
+    with caplog.at_level(logging.INFO, logger="engine.core.engine"):
         engine = _engine(tiny_llama, SparseAttention(enabled=True, top_k=64, min_context=128, local_window=32),
                          cache_policy=CachePolicy(protected_positions=(0, 1, 2, 3)))
     line = next(r.getMessage() for r in caplog.records if "sparse attention on" in r.getMessage())
@@ -172,9 +172,9 @@ def test_trained_indexer_covering_budget_equals_dense_and_small_budget_selects(t
 
 
 def test_trained_indexer_accounting_and_index_keys_follow_their_blocks(tiny_llama: Path, tmp_path: Path) -> None:
-    """Decode selects top_k + forced tokens exactly as engine/sparse.py counts them, and the index-key cache
+    """Decode selects top_k + forced tokens exactly as engine/worker/sparse.py counts them, and the index-key cache
     holds quantize(Wk . k) of the keys stored in the same blocks, through eviction rotations."""
-    from engine.lightning import quantize_keys
+    from engine.worker.lightning import quantize_keys
     from sinkserve_kernels import indexed_sparse
 
     model = _with_indexer(tiny_llama, tmp_path)

@@ -1,4 +1,4 @@
-"""The token bus (app/token_bus.py) and the ingress side of a bus stream (app.streaming.bus_stream),
+"""The token bus (app/pool/token_bus.py) and the ingress side of a bus stream (app.pool.streaming.bus_stream),
 without Ray: a real TCP inbox and outbox on loopback in one event loop."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 
 from app.errors import APIError
 from app.events import TokenDelta
-from app.streaming import bus_stream
-from app.token_bus import TokenInbox, TokenOutbox
+from app.pool.streaming import bus_stream
+from app.pool.token_bus import TokenInbox, TokenOutbox
 
 
 def delta(text: str, n: int, finished: bool = False) -> TokenDelta:
@@ -225,7 +225,7 @@ def test_silent_connections_are_dropped_and_pickled_frames_never_unpickled(monke
     import pickle
     import struct
 
-    import app.token_bus as bus
+    import app.pool.token_bus as bus
 
     monkeypatch.setattr(bus, "HANDSHAKE_S", 0.2)
 

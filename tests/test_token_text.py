@@ -1,11 +1,11 @@
-"""Logprob tokens as text with their bytes (engine/detokenizer.py: TokenText), as OpenAI reports them."""
+"""Logprob tokens as text with their bytes (engine/core/detokenizer.py: TokenText), as OpenAI reports them."""
 
 from __future__ import annotations
 
 import pytest
 
 from engine.config import DEFAULT_MODEL
-from engine.detokenizer import TokenText, token_bytes, token_text
+from engine.core.detokenizer import TokenText, token_bytes, token_text
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Tool calling without a server (app/tools.py): the mode a request asks for, the prompt on templates
+"""Tool calling without a server (app/plan/tools.py): the mode a request asks for, the prompt on templates
 with and without a tool format, the grammar, Hermes parsing, and the streamed deltas reassembled."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import json
 import pytest
 
 from app.errors import APIError
-from app.planner import Planner, sampling_params
-from app.responses import Choices
+from app.plan.planner import Planner, sampling_params
+from app.http.responses import Choices
 from app.events import RouteInfo, TokenDelta
 from app.schemas import ChatCompletionRequest
 from app.settings import BucketSpec, PlanSpec, VersionSpec
-from app.tools import (ToolMode, ToolStream, parse_hermes, parse_output, render_tool_chat, required_schema,
+from app.plan.tools import (ToolMode, ToolStream, parse_hermes, parse_output, render_tool_chat, required_schema,
                        template_supports_tools, tool_grammar, tool_mode)
 from engine.config import DEFAULT_MODEL
 

@@ -1,10 +1,10 @@
-"""Tensor-parallel worker environment (``app.tp_executor``), computed without Ray or a GPU."""
+"""Tensor-parallel worker environment (``app.pool.tp_executor``), computed without Ray or a GPU."""
 
 from __future__ import annotations
 
 import pytest
 
-from app.tp_executor import dist_backend, dist_env, local_rank, visible_gpu_count
+from app.pool.tp_executor import dist_backend, dist_env, local_rank, visible_gpu_count
 
 
 @pytest.mark.parametrize("rank", [0, 1, 3])

@@ -14,9 +14,9 @@ import torch
 
 from app.cli import main as cli
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine import weights as W
-from engine.model_store import cache_root, is_complete, resolve_model
-from engine.sparse_config import INDEXER_WEIGHTS, SparseAttention
+from engine.worker import weights as W
+from engine.worker.model_store import cache_root, is_complete, resolve_model
+from engine.worker.sparse_config import INDEXER_WEIGHTS, SparseAttention
 from training import indexer_checkpoint as ckpt
 from training.train_indexer import forced_set
 

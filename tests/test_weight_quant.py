@@ -1,4 +1,4 @@
-"""int8 weights (``EngineConfig.weight_dtype = "int8"``, engine/weight_quant.py): the quantization and the C
+"""int8 weights (``EngineConfig.weight_dtype = "int8"``, engine/worker/weight_quant.py): the quantization and the C
 step's int8 panels round-trip exactly, the config refuses what it cannot run naming the field, and an int8
 engine computes with the int8-grid weights on every path (the C decode step against the eager forward:
 tests/test_long_pool_step.py)."""
@@ -12,7 +12,7 @@ import torch
 from app.settings import PoolArgs
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import ConfigError
-from engine.weight_quant import LINEAR_WEIGHTS, codes_of, dequantize_rows, quantize_rows
+from engine.worker.weight_quant import LINEAR_WEIGHTS, codes_of, dequantize_rows, quantize_rows
 from sinkserve_kernels import cpu_decode
 from sinkserve_kernels.cpu_lib import load
 

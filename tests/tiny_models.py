@@ -30,7 +30,7 @@ from transformers import (
 )
 
 from engine.attnres import AttnResConfig, AttnResForCausalLM
-from engine.detokenizer import bytes_to_unicode
+from engine.core.detokenizer import bytes_to_unicode
 
 VOCAB = 256
 
@@ -106,14 +106,14 @@ def build_model(path: Path, family: str = "llama", seed: int = 0, layers: int = 
 
 
 def with_indexer_weights(model: Path, out: Path, heads: int = 2, dim: int = 16, seed: int = 0) -> Path:
-    """A copy of ``model`` at ``out`` with random lightning-indexer weights (``engine/lightning.py``)."""
+    """A copy of ``model`` at ``out`` with random lightning-indexer weights (``engine/worker/lightning.py``)."""
     import json
     import shutil
 
     import torch
     from safetensors.torch import save_file
 
-    from engine.sparse_config import INDEXER_WEIGHTS
+    from engine.worker.sparse_config import INDEXER_WEIGHTS
 
     shutil.copytree(model, out)
     cfg = json.loads((out / "config.json").read_text())

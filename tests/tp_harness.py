@@ -1,6 +1,6 @@
 """A tensor-parallel executor over plain processes, for tests that need TP without starting Ray.
 
-Each rank is the production worker class (``app.tp_executor.TPWorkerActor``: same env rendezvous, same
+Each rank is the production worker class (``app.pool.tp_executor.TPWorkerActor``: same env rendezvous, same
 DeepSpeed AutoTP sharding, same ``ModelRunner``) in a spawned process that runs the commands it is
 piped; only the transport differs from ``RayTPExecutor``.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import multiprocessing as mp
 from typing import Any
 
-from app.tp_executor import TPWorkerActor, free_port
+from app.pool.tp_executor import TPWorkerActor, free_port
 
 
 def _serve_rank(config: Any, rank: int, world_size: int, port: int, conn: Any) -> None:
@@ -29,7 +29,7 @@ def _serve_rank(config: Any, rank: int, world_size: int, port: int, conn: Any) -
 
 
 class ProcessTPExecutor:
-    """``engine.executor.Executor`` over ``config.tensor_parallel_size`` spawned processes."""
+    """``engine.core.executor.Executor`` over ``config.tensor_parallel_size`` spawned processes."""
 
     def __init__(self, config: Any) -> None:
         ctx = mp.get_context("spawn")

@@ -9,9 +9,9 @@ import torch
 
 
 def main(rank: int, world: int, port: int, model: str, out: str, model_impl: str = "auto") -> None:
-    from app.tp_executor import TPWorkerActor
+    from app.pool.tp_executor import TPWorkerActor
     from engine import EngineConfig
-    from engine.model_runner import ModelInput
+    from engine.worker.model_runner import ModelInput
 
     torch.set_num_threads(1)
     worker = TPWorkerActor(EngineConfig(model=model, block_size=4, num_kv_blocks=32, model_impl=model_impl),

@@ -5,7 +5,7 @@
                       same ``--out`` continues from it
     <out stem>.loss.jsonl   one JSON line per step: {"step", "kl", "ema", "lr", "wall_s"} (the loss curve)
 
-Neither name matches a pattern of the weight manifest (``engine/weights.py``), so a checkpoint left beside
+Neither name matches a pattern of the weight manifest (``engine/worker/weights.py``), so a checkpoint left beside
 a model's weights never makes its verification fail.
 """
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from app.long_docs import PROSE_HELDOUT_FRACTION
-from engine.model_store import REFERENCE_MODEL
+from engine.worker.model_store import REFERENCE_MODEL
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ def render_card(weights: Path) -> str:
     minutes = int(meta["wall_s"]) / 60
     lines = [
         "### Lightning indexer (`indexer.safetensors`)", "",
-        f"A trained indexer for `sparse: {{indexer: trained}}` (`engine/lightning.py`, DeepSeek-V3.2's DSA indexer): "
+        f"A trained indexer for `sparse: {{indexer: trained}}` (`engine/worker/lightning.py`, DeepSeek-V3.2's DSA indexer): "
         f"per layer {meta['heads']} heads x {meta['dim']} dims reading the layer's own query and key (after RoPE); "
         "`score[t, p] = sum_h w[t, h] relu(qi[t, h] . ki[p])` with `qi = Wq q`, `w = Ww q` (weights from the query "
         f"side), `ki = Wk k`; {n_params:,} parameters ({weights.stat().st_size // 1024} KiB, float32), index keys "

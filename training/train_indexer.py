@@ -1,4 +1,4 @@
-"""Train a lightning indexer (``engine/lightning.py``) for a frozen model: DeepSeek-V3.2's dense warm-up
+"""Train a lightning indexer (``engine/worker/lightning.py``) for a frozen model: DeepSeek-V3.2's dense warm-up
 stage, where per layer a small indexer learns to reproduce the model's own attention distribution.
 
 Per training window (``seq_len`` tokens of ``training/indexer_data.py``'s train stream: the reference
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from engine import lightning
+from engine.worker import lightning
 from engine.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ def forced_set(model_dir: str, block_size: int | None = None) -> ForcedSet:
     for SmolLM2)."""
     from engine.config import EngineConfig
     from engine.limits import derive_limits, read_model_config
-    from engine.sparse_config import SparseAttention
+    from engine.worker.sparse_config import SparseAttention
 
     model_cfg = read_model_config(model_dir)
     if not model_cfg:
@@ -124,7 +124,7 @@ def targets(q: torch.Tensor, k: torch.Tensor, scale: float, cand: torch.Tensor, 
 
 
 class Indexer(torch.nn.Module):
-    """Trainable per-layer ``wq, wk, ww`` (``engine.lightning.LightningIndexer`` once saved)."""
+    """Trainable per-layer ``wq, wk, ww`` (``engine.worker.lightning.LightningIndexer`` once saved)."""
 
     def __init__(self, layers: int, q_in: int, k_in: int, heads: int, dim: int, seed: int):
         super().__init__()
@@ -264,9 +264,9 @@ def train(s: TrainSettings, progress: bool = True) -> TrainResult:
     from safetensors.torch import save_file
     from tqdm import tqdm
 
-    from engine import weights as W
+    from engine.worker import weights as W
     from engine.limits import read_model_config, trained_context
-    from engine.sparse_config import INDEXER_WEIGHTS
+    from engine.worker.sparse_config import INDEXER_WEIGHTS
     from training import indexer_checkpoint as ckpt
     from training.indexer_report import write_card
     from training.indexer_data import consecutive_windows, load_text, windows
@@ -408,7 +408,7 @@ def settings_from_args(args: argparse.Namespace, model_dir: str) -> TrainSetting
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m training.train_indexer MODEL [options]`` (the same as ``sinkserve model train-indexer``)."""
-    from engine.model_store import resolve_model
+    from engine.worker.model_store import resolve_model
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_arguments(p)

@@ -3,7 +3,7 @@
 Importing this package registers ``model_type: attnres_llama`` with ``AutoConfig`` and
 ``AutoModelForCausalLM`` (no remote code), so a checkpoint directory like ``assets/reference-model``
 with ``"architectures": ["AttnResForCausalLM"]`` loads with ``AutoModelForCausalLM.from_pretrained``
-in plain transformers and in the engine (``engine/model_runner.py`` imports this package).
+in plain transformers and in the engine (``engine/worker/model_runner.py`` imports this package).
 """
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ class AttnResForward(LlamaForward):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         """``input_ids, positions [T]`` -> logits ``[len(logits_indices), vocab]`` (float32), inside an
-        ``engine.attention.forward_context`` like ``LlamaForward``."""
+        ``engine.worker.attention.forward_context`` like ``LlamaForward``."""
         s = self.spec
         eps, hd = s.rms_norm_eps, s.head_dim
         t, dtype = input_ids.shape[0], self.embed.dtype

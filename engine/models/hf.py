@@ -1,5 +1,5 @@
 """The transformers-module path: any architecture transformers can build, attention through the engine's
-hook (``engine.attention`` registers ``paged_attention_forward`` as an attention implementation).
+hook (``engine.worker.attention`` registers ``paged_attention_forward`` as an attention implementation).
 
 The fallback for architectures without a native forward (``engine.models.registry``); tensor
 parallelism here is DeepSpeed AutoTP.
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine import attention
+from engine.worker import attention
 from engine.errors import ModelLoadError
 
 

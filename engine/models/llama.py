@@ -1,9 +1,9 @@
 """Native forward of the Llama family (Llama, Mistral, Qwen2, Qwen3): plain tensor ops over fused weights.
 
-One decoder layer on the packed token axis ``T`` of a ragged step (``engine/model_runner.py``)::
+One decoder layer on the packed token axis ``T`` of a ragged step (``engine/worker/model_runner.py``)::
 
     h [T, hidden] ── RMSNorm ── x @ W_qkv^T (+ b) ──┬─ q [T, Hq, D] ─ (q_norm) ─ RoPE ─┐
-         │                                          ├─ k [T, Hkv, D] ─ (k_norm) ─ RoPE ─┤ engine.attention.
+         │                                          ├─ k [T, Hkv, D] ─ (k_norm) ─ RoPE ─┤ engine.worker.attention.
          │                                          └─ v [T, Hkv, D] ───────────────────┤ attend_tokens
          │                                                                              ▼  (paged KV cache)
          ├──────────────────── + ◀── all-reduce ◀── o @ W_o^T ◀──────────── o [T, Hq*D]
@@ -12,7 +12,7 @@ One decoder layer on the packed token axis ``T`` of a ragged step (``engine/mode
 
 ``W_qkv`` is ``[q_proj; k_proj; v_proj]`` and ``W_gate_up`` is ``[gate_proj; up_proj]`` stacked on the
 output axis at load time (one GEMM each instead of three and two). Attention goes through the same
-code transformers models reach through their hook (``engine.attention.attend_tokens``, which
+code transformers models reach through their hook (``engine.worker.attention.attend_tokens``, which
 ``paged_attention_forward`` calls after its layout transposes), with the layer
 object in the role of the transformers module (``layer_idx``, ``sliding_window``, ``scaling``), so a
 feature added there (quantized KV, windows, sinks, sparse selection) runs on both paths.
@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import attention
-from engine.architectures import attention_layout
+from engine.worker import attention
+from engine.worker.architectures import attention_layout
 from sinkserve_kernels import cpu_decode, cpu_ops
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -121,7 +121,7 @@ class LlamaSpec:
 
 class Rope(nn.Module):
     """Rotary embedding: ``inv_freq`` and the attention scaling exactly as transformers computes them (a
-    ``rotary_emb`` submodule with an ``inv_freq`` buffer, where ``engine.architectures.layer_inv_freqs``
+    ``rotary_emb`` submodule with an ``inv_freq`` buffer, where ``engine.worker.architectures.layer_inv_freqs``
     finds the table that eviction rotations of cached keys use)."""
 
     def __init__(self, cfg: Any, device: torch.device) -> None:
@@ -182,7 +182,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, spec: LlamaSpec, layer_idx: int, config: Any, tensors: dict[str, torch.Tensor | None],
                  rank_heads: int, rank_kv_heads: int) -> None:
         super().__init__()
-        # Read by engine.attention.attend_tokens, as on a transformers attention module.
+        # Read by engine.worker.attention.attend_tokens, as on a transformers attention module.
         self.layer_idx = layer_idx
         self.config = config
         self.head_dim = spec.head_dim
@@ -228,7 +228,7 @@ class LlamaForward(nn.Module):
         heads, kv_heads = spec.num_heads // world_size, spec.num_kv_heads // world_size
         self.layers = nn.ModuleList(self._layer(i, get, heads, kv_heads) for i in range(spec.num_layers))
         self._decode_kernel: cpu_decode.DecodeStep | None = None  # built on the first step it applies to
-        # The pool's decode path is the C step (engine/decode_path.py decides; the model runner sets it).
+        # The pool's decode path is the C step (engine/worker/decode_path.py decides; the model runner sets it).
         self.c_step = False
         self.ran_c_step = False  # whether the last forward ran as the C step
 
@@ -264,7 +264,7 @@ class LlamaForward(nn.Module):
 
     def decode_kernel_applies(self, ctx: attention.ForwardContext, rows: int) -> bool:
         """Whether this step runs as one C call (``sinkserve_kernels/cpu_decode.py``): the engine chose the C step for
-        this pool (``c_step``, set by the model runner from ``engine.decode_path.choose_decode_path``, which
+        this pool (``c_step``, set by the model runner from ``engine.worker.decode_path.choose_decode_path``, which
         holds every per-pool condition), every sequence decodes one token, at most ``DECODE_KERNEL_MAX_ROWS``
         of them, and the step does not calibrate outlier channels. A step that scores block importance
         (importance eviction) runs in C too, the scores accumulated there. A sparse
@@ -278,7 +278,7 @@ class LlamaForward(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         """``input_ids, positions [T]`` -> logits ``[len(logits_indices), vocab]`` (float32). Runs inside
-        an ``engine.attention.forward_context`` (the paged KV metadata of the step)."""
+        an ``engine.worker.attention.forward_context`` (the paged KV metadata of the step)."""
         ctx = attention.current_context()
         self.ran_c_step = ctx is not None and self.decode_kernel_applies(ctx, input_ids.shape[0])
         if self.ran_c_step:
@@ -288,7 +288,7 @@ class LlamaForward(nn.Module):
                                        ctx.query_start_loc, logits_indices, ctx.kv_caches, ctx.block_bounds,
                                        ctx.sparse_plan,
                                        # [L, S, W]: the C step adds its per-layer scores, summed, into row 0
-                                       # (engine/importance.py: pool_layers then sums the rows)
+                                       # (engine/worker/importance.py: pool_layers then sums the rows)
                                        None if ctx.block_importance is None else ctx.block_importance[0],
                                        ctx.indexer)
         return self.eager_forward(input_ids, positions, logits_indices)
@@ -332,6 +332,6 @@ class LlamaForward(nn.Module):
 
     @staticmethod
     def attend(layer: DecoderLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """The engine's attention on the packed token axis (``engine.attention.attend_tokens``, which the
+        """The engine's attention on the packed token axis (``engine.worker.attention.attend_tokens``, which the
         transformers hook ``paged_attention_forward`` also runs): ``[T, H, D]`` in, ``[T, Hq, D]`` out."""
         return attention.attend_tokens(layer, q, k, v, layer.scaling, layer.sliding_window)

@@ -1,5 +1,5 @@
 /* Decode attention over the paged KV cache, float32, one thread: the CPU backend's kernel
- * (sinkserve_kernels/cpu_attention.py builds and calls it; sinkserve_kernels/reference.py is the ground truth).
+ * (sinkserve_kernels/cpu_attention.py builds and calls it; sinkserve_kernels/torch_kernels.py is the ground truth).
  *
  * For every sequence s whose query segment is one token (query_start_loc[s+1] - query_start_loc[s] == 1)
  * and every KV head, the G = Hq / Hkv query heads of that KV head read the sequence's keys straight from

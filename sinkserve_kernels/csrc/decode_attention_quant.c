@@ -1,6 +1,6 @@
 /* Decode attention over a packed (quantized) paged KV cache, float32 arithmetic, one thread: the CPU
  * backend's kernel for kv_cache_dtype int8 / int4 / int2 (sinkserve_kernels/cpu_attention.py builds and calls it;
- * sinkserve_kernels/reference.py's paged_attention_quant is the ground truth).
+ * sinkserve_kernels/torch_kernels.py's paged_attention_quant is the ground truth).
  *
  * Same semantics as decode_attention.c (one-token query segments only; null blocks skipped; sliding
  * window lo = max(0, seq_len - window); learned sinks in the denominator; GQA; no visible key -> zeros),

@@ -98,7 +98,7 @@ typedef int8_t vi8_u __attribute__((vector_size(PW), aligned(1)));
 static inline vf vload(const float *p) { return *(const vf_u *)p; }
 
 /* int8 weights (weight_dtype int8): the same panels of int8 codes, W[o][i] = code[o][i] * scale[o]
- * (symmetric, per output row; engine/weight_quant.py). A panel vector is PW bytes, widened to PW floats
+ * (symmetric, per output row; engine/worker/weight_quant.py). A panel vector is PW bytes, widened to PW floats
  * in registers (vpmovsxbd + vcvtdq2ps, written as intrinsics:
  * GCC's __builtin_convertvector of a char vector compiled to 16 scalar conversions) and multiplied like a float32 one; the row's scale is
  * applied once to the finished sum: y[o] = scale[o] * sum_i x[i] * code[o][i]. Exact integers times x
@@ -346,8 +346,8 @@ static void select_blocks(const float *q, int hq, int hkv, int d, const float *b
     }
 }
 
-/* The trained indexer's index key of one new token, written as engine/indexer_runtime.py writes it
- * (engine/lightning.py quantize_keys): ki = Wk . k (k: every KV head of the layer's post-RoPE key), then
+/* The trained indexer's index key of one new token, written as engine/worker/indexer_runtime.py writes it
+ * (engine/worker/lightning.py quantize_keys): ki = Wk . k (k: every KV head of the layer's post-RoPE key), then
  * symmetric int8 per token, scale = max(|ki|, 1e-8) / 127, code = round-half-even(ki / scale) in [-127, 127].
  *
  *   e.g. ki = [0.5, -1.27, 0.3] -> scale 0.01, codes [50, -127, 30] */
@@ -498,7 +498,7 @@ static void gather_selected(const QuantCache *kv, const float *k_cache, const fl
     for (int b = 0; b * block < n; b++) gtable[b] = b + 1;
 }
 
-/* engine/importance.py's accumulate for one decode query (importance eviction): the attention mass each
+/* engine/worker/importance.py's accumulate for one decode query (importance eviction): the attention mass each
  * held block of the sequence receives, averaged over query heads, added to mass[j] (logical block j). Every
  * held key counts (no window, no sparse selection, no sink: the scores eviction ranks by, whatever the
  * layer's attention then reads), keys read where the attention kernels read them (float32 cache, or
@@ -515,7 +515,7 @@ static void block_mass(const float *q, int hq, int hkv, int d, int block, float 
     float tile[TILE];
     const int g_per = hq / hkv, nb = (seq_len + block - 1) / block, chunk = TILE / d;
     const int64_t cap = seq_len;
-    /* This layer's score per block: the largest mass any query head puts on it (engine/importance.py). */
+    /* This layer's score per block: the largest mass any query head puts on it (engine/worker/importance.py). */
     float *lmax = calloc((size_t)(nb > 0 ? nb : 1), sizeof(float));
     if (!lmax) return;
     for (int hk = 0; hk < hkv; hk++) {
@@ -681,7 +681,7 @@ static void step_job(void *arg, int tid, int nt) {
                            S->block_tables + (int64_t)s * S->bt_stride, S->seq_lens[s],
                            S->importance + (int64_t)s * S->imp_stride, S->scratch + S->scratch_len * tid);
         /* Sparse selection on full-attention layers only (a sliding-window layer is bounded by its window),
-         * as engine/attention.py decides; a sequence whose top_blocks is < 0 attends densely. */
+         * as engine/worker/attention.py decides; a sequence whose top_blocks is < 0 attends densely. */
         if (S->forced && bounds && window == 0) {
             int32_t *sel = S->sel_tables + (int64_t)tid * S->bt_stride;
             float *prob = S->sel_scratch + (int64_t)tid * 2 * S->bt_stride;

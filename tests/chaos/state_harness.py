@@ -18,7 +18,7 @@ import httpx
 
 from app.events import PoolRequest, TokenDelta
 from app.settings import REPO_ROOT, BucketSpec, IngressArgs, IngressSpec, PlanSpec, QuotaArgs, StoreArgs, TenantArgs, VersionSpec
-from app.token_bus import TokenOutbox
+from app.pool.token_bus import TokenOutbox
 
 MODEL = str(REPO_ROOT / "assets/reference-model")
 KEY, ACME_KEY, OPERATOR_KEY = "chaos-key", "chaos-acme", "chaos-operator"
@@ -76,7 +76,7 @@ def ingress_spec(store: StoreArgs, tenants: dict[str, TenantArgs] | None = None,
 
 
 def _local_class() -> type:
-    from app.ingress import Ingress
+    from app.http.ingress import Ingress
 
     class Local(Ingress):
         """The ingress outside Serve: its shutdown is awaited by the harness, not left to the GC."""
@@ -107,7 +107,7 @@ class _ReplicaContext:
 async def running_ingress(spec: IngressSpec, pool: FakePool, replicas: int = 1) -> AsyncIterator[tuple[httpx.AsyncClient, list[Any]]]:
     """``replicas`` ingress replicas sharing ``spec``'s store (requests go round-robin), and an
     HTTP client for them. ``SINKSERVE_API_KEYS`` / ``SINKSERVE_OPERATOR_KEYS`` must be set."""
-    from app.ingress import Ingress, api
+    from app.http.ingress import Ingress, api
 
     base = Ingress.__bases__[0]  # the class under Serve's ASGI wrapper
     objs = []

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from app.errors import APIError
 from engine import EngineConfig, SamplingParams
-from engine.engine_process import EngineProcess
+from engine.frontend.engine_process import EngineProcess
 from engine.errors import InvalidRequestError
-from engine.grammar_admission import COMPILE_TIMEOUT_S
+from engine.frontend.grammar_admission import COMPILE_TIMEOUT_S
 from engine.sampling_params import StructuredOutput
 from tests.chaos.conftest import record
 

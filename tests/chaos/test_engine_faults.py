@@ -13,7 +13,7 @@ import pytest
 
 from app.errors import APIError
 from engine import EngineConfig, SamplingParams
-from engine.engine_process import EngineProcess
+from engine.frontend.engine_process import EngineProcess
 from engine.errors import EngineDeadError, RequestFailedError
 
 HEALTHY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -91,7 +91,7 @@ def test_a_pool_replica_replaces_a_hung_engine_and_counts_it(tiny_llama: Path, f
     """The TP = 1 replica (LLMServer, outside Serve): the watchdog kills the hung engine process, the
     replica starts a new one and counts the restart in its stats (``sinkserve_engine_watchdog_restarts_total``);
     while it restarts the pool reports not ready; afterwards requests succeed again."""
-    from app.server import LLMServer
+    from app.pool.server import LLMServer
     from app.settings import PoolArgs, PoolSpec
     from app.events import PoolRequest
 
@@ -140,13 +140,13 @@ def test_a_pool_replica_replaces_a_hung_engine_and_counts_it(tiny_llama: Path, f
 
 def test_a_killed_engine_process_is_replaced_and_requests_meanwhile_may_fail_over(tiny_llama: Path) -> None:
     """The engine process killed (SIGKILL) under a pool replica: requests that arrive before the new one
-    is up get 503 type "unavailable" (what app/failover.py moves to another pool), the replica reports
+    is up get 503 type "unavailable" (what app/pool/failover.py moves to another pool), the replica reports
     not ready, starts a new engine process and counts it (engine_restarts_died)."""
     import os
     import signal
 
     from app.events import PoolRequest
-    from app.server import LLMServer
+    from app.pool.server import LLMServer
     from app.settings import PoolArgs, PoolSpec
 
     spec = PoolSpec(pool=PoolArgs(name="short"), version="v1", engine=config(tiny_llama))

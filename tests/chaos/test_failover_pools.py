@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from app import failover
+from app.pool import failover
 from app.errors import APIError
 from app.events import PoolRequest, RouteInfo, RoutePlan
-from app.failover import fallback_plans, stream_with_failover
+from app.pool.failover import fallback_plans, stream_with_failover
 from app.settings import BucketSpec, PoolArgs, PoolSpec
 from engine import EngineConfig, SamplingParams
 from tests.chaos.conftest import record
@@ -45,7 +45,7 @@ async def direct_stream_plan(server, plan: RoutePlan, inbox, **_):
 
 
 def test_killing_the_short_engine_under_load_fails_over_to_long(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from app.server import LLMServer
+    from app.pool.server import LLMServer
 
     monkeypatch.setattr(failover, "stream_plan", direct_stream_plan)
     engine = EngineConfig(model=str(tiny_llama), num_kv_blocks=128, block_size=16)

@@ -42,7 +42,7 @@ def base(tmp_path_factory: pytest.TempPathFactory):
     from ray import serve
 
     from bench.local_app import start_local_app
-    from engine.weights import write_manifest
+    from engine.worker.weights import write_manifest
     from tests.serve.conftest import app_args
     from tests.serve.tiny_model import make_tiny_model
 

@@ -42,7 +42,7 @@ class TrackingPool(FakePool):
 
 async def _gone_client(body: dict[str, Any], spec_version: str) -> BaseException | None:
     """Drive the ingress's ASGI app as a server whose client has left once the handler returns."""
-    from app.ingress import api
+    from app.http.ingress import api
 
     raw = json.dumps(body).encode()
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": spec_version}, "http_version": "1.1",

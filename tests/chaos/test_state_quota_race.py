@@ -12,7 +12,7 @@ import asyncio
 
 import pytest
 
-from app.quotas import DAY, window_key
+from app.state.quotas import DAY, window_key
 from app.settings import StoreArgs, TenantArgs
 from tests.chaos.state_harness import ACME_KEY, FakePool, ingress_spec, keys_env, running_ingress, statuses
 from tests.serve.redis_server import redis_server
@@ -90,7 +90,7 @@ async def test_reconciled_at_the_end_aborted_before_first_token_charged_refused_
 
 class _Down:
     def __getattr__(self, name):
-        from app.store import StoreError
+        from app.state import StoreError
 
         def fail(*a, **k):
             raise StoreError("down", "down")

@@ -87,7 +87,7 @@ async def test_a_turn_whose_pool_has_no_live_replica_is_refused_in_time_and_the_
 
 
 class _Router:
-    """What ``app.router_view.routed_replicas`` reads of Serve's router: its running replicas."""
+    """What ``app.pool.router_view.routed_replicas`` reads of Serve's router: its running replicas."""
 
     def __init__(self, n: int) -> None:
         self.curr_replicas = {f"r{i}": object() for i in range(n)}
@@ -97,7 +97,7 @@ async def test_a_busy_pool_the_hub_lost_sight_of_is_not_refused_while_serve_rout
     """The false positive of the drill (docs/cluster.md): the hub's entry for a loaded pool lapsed while
     its replicas were busy, so a call waiting for one was refused. Serve's router still lists a replica:
     the call waits and is answered; once the router lists none either, the next call is refused."""
-    from app import router_view
+    from app.pool import router_view
 
     keys_env(monkeypatch)
     spec = ingress_spec(StoreArgs(kind="sqlite", data_dir=str(tmp_path / "data")))

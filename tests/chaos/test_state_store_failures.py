@@ -17,7 +17,7 @@ import json
 import pytest
 
 from app.settings import StoreArgs
-from app.store import StoreError
+from app.state import StoreError
 from tests.chaos.state_harness import FakePool, ingress_spec, keys_env, running_ingress, sse_events
 
 

@@ -31,7 +31,7 @@ import httpx
 import pytest
 import yaml
 
-from app.cluster import LocalCluster, local_layout, port_free
+from app.cli.local_cluster import LocalCluster, local_layout, port_free
 
 REPO = Path(__file__).resolve().parents[2]
 KEY = "cluster-test-key"
@@ -45,7 +45,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("SINKSERVE_CLUSTER_TEST") != "1",
 def free_layout_ports() -> tuple[int, int]:
     """(port base, HTTP port) with every port of the layout free."""
     for _ in range(50):
-        # Below the ephemeral port range (app.cluster.DEFAULT_PORT_BASE says why).
+        # Below the ephemeral port range (app.cli.local_cluster.DEFAULT_PORT_BASE says why).
         base, http = random.randrange(20000, 32000, 400), random.randrange(10000, 19990, 10)
         if all(port_free(p) for p in local_layout(base, http).all_ports):
             return base, http

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sinkserve_kernels import block_sparse as bs
-from sinkserve_kernels import reference
+from sinkserve_kernels import torch_kernels
 from sinkserve_kernels.kv_quant import QuantKVCache
 from tests.kernels.kernel_cases import make_batch
 
@@ -36,7 +36,7 @@ def test_update_bounds_tracks_writes_and_resets_reused_blocks() -> None:
     slots = torch.cat([torch.arange(2 * BS, 3 * BS), torch.arange(3 * BS, 3 * BS + 6)])
     for chunk in (slots[:20], slots[20:21], slots[21:22]):
         key = torch.randn(len(chunk), 2, 8, generator=g)
-        reference.write_kv(key, key, k_cache, k_cache.clone(), chunk)
+        torch_kernels.write_kv(key, key, k_cache, k_cache.clone(), chunk)
         bs.update_bounds(bounds, key, chunk, BS)
     torch.testing.assert_close(bounds.kmin[2], k_cache[2].amin(0))
     torch.testing.assert_close(bounds.kmax[3], k_cache[3, :6].amax(0))
@@ -69,11 +69,11 @@ def test_top_k_covering_the_context_is_dense_attention(quant: bool) -> None:
     if quant:
         cache = QuantKVCache.allocate(b.k_cache.shape[0], 1, BS, 2, 32, bits=8, group_size=16, dtype=torch.float32,
                                       device="cpu")
-        reference.quantize_into(cache, torch.arange(b.k_cache.shape[0]), b.k_cache, b.v_cache)
-        kv, dense = cache, reference.paged_attention_quant(b.query, cache, b.block_tables, b.seq_lens,
+        torch_kernels.quantize_into(cache, torch.arange(b.k_cache.shape[0]), b.k_cache, b.v_cache)
+        kv, dense = cache, torch_kernels.paged_attention_quant(b.query, cache, b.block_tables, b.seq_lens,
                                                            b.query_start_loc, 0.2)
     else:
-        kv, dense = (b.k_cache, b.v_cache), reference.paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables,
+        kv, dense = (b.k_cache, b.v_cache), torch_kernels.paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables,
                                                                       b.seq_lens, b.query_start_loc, 0.2)
     out = bs.block_sparse_attention(b.query, kv, _bounds_of(b.k_cache), b.block_tables, b.seq_lens,
                                     b.query_start_loc, plan, 0.2)
@@ -93,7 +93,7 @@ def test_sparse_selection_attends_only_selected_blocks() -> None:
     width = max(p.shape[1] for p in parts)
     slots = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=-1) for p in parts])
     assert int((slots >= 0).sum(1).max()) < 200  # a true subset of the 300 / 260 positions
-    ref = reference.sparse_attention(b.query, b.k_cache, b.v_cache, slots, 0.2)
+    ref = torch_kernels.sparse_attention(b.query, b.k_cache, b.v_cache, slots, 0.2)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     for s in sel:  # each group: <= forced (protected + window/diagonal blocks) + 2 selected
         assert int(s.sum(1).max()) <= 1 + 2 + 2 + -(-bs.PREFILL_GROUP // BS) + 1
@@ -121,7 +121,7 @@ def test_prefill_groups_split_at_the_group_size(n: int) -> None:
                                  torch.tensor([seq_len - n + a]), torch.tensor([seq_len - n + z - 1]), 3, 16, BS, 0.2)
         assert torch.equal(sel[0][i], alone[0]), i
     slots = bs.selection_slots(torch.arange(seq_len - n, seq_len), table, sel[0], seq_len, BS, group)
-    torch.testing.assert_close(out, reference.sparse_attention(b.query, b.k_cache, b.v_cache, slots, 0.2),
+    torch.testing.assert_close(out, torch_kernels.sparse_attention(b.query, b.k_cache, b.v_cache, slots, 0.2),
                                atol=1e-5, rtol=1e-5)
 
 
@@ -138,7 +138,7 @@ def test_paged_decode_equals_the_gather_path(quant: bool, backend: str) -> None:
     if quant:
         kv = QuantKVCache.allocate(b.k_cache.shape[0], 1, BS, 2, 32, bits=8, group_size=16, dtype=torch.float32,
                                    device="cpu")
-        reference.quantize_into(kv, torch.arange(b.k_cache.shape[0]), b.k_cache, b.v_cache)
+        torch_kernels.quantize_into(kv, torch.arange(b.k_cache.shape[0]), b.k_cache, b.v_cache)
     else:
         kv = (b.k_cache, b.v_cache)
     bounds = _bounds_of(b.k_cache)
@@ -152,11 +152,11 @@ def test_paged_decode_equals_the_gather_path(quant: bool, backend: str) -> None:
 
 
 def test_compact_mode_keeps_its_smaller_prefill_group() -> None:
-    from engine.sparse_config import COMPACT_PREFILL_GROUP, SparseAttention
+    from engine.worker.sparse_config import COMPACT_PREFILL_GROUP, SparseAttention
 
     from types import SimpleNamespace
 
-    from engine import sparse_runtime
+    from engine.worker import sparse_runtime
 
     # Resolved budgets, as the engine passes them (engine/limits.py fills a config's None values).
     resolved = dict(top_k=64, min_context=128, local_window=32)
@@ -179,7 +179,7 @@ def test_triton_path_matches_torch_path(quant: bool, device) -> None:
     if quant:
         kv = QuantKVCache.allocate(b.k_cache.shape[0], 1, BS, 2, 32, bits=8, group_size=16, dtype=torch.float32,
                                    device=device)
-        reference.quantize_into(kv, torch.arange(b.k_cache.shape[0], device=device), b.k_cache, b.v_cache)
+        torch_kernels.quantize_into(kv, torch.arange(b.k_cache.shape[0], device=device), b.k_cache, b.v_cache)
     else:
         kv = (b.k_cache, b.v_cache)
     bounds = _bounds_of(b.k_cache)

@@ -1,4 +1,4 @@
-"""The ``cpu`` backend's C decode-attention kernel against the torch reference (``sinkserve_kernels/reference.py``)."""
+"""The ``cpu`` backend's C decode-attention kernel against the torch reference (``sinkserve_kernels/torch_kernels.py``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sinkserve_kernels import cpu_attention, reference
+from sinkserve_kernels import cpu_attention, torch_kernels
 from sinkserve_kernels.backend import BACKENDS
 from sinkserve_kernels.cpu_lib import load_source
 from tests.kernels.kernel_cases import check, make_batch
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(cpu_attention.load() is None, reason="no C compi
 def _both(b, window=None, sinks=None, plan=None):
     scale = b.query.shape[-1] ** -0.5
     args = (b.query, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc, scale)
-    ref = reference.paged_attention(*args, window=window, sinks=sinks)
+    ref = torch_kernels.paged_attention(*args, window=window, sinks=sinks)
     out = cpu_attention.paged_attention(*args, window=window, sinks=sinks, plan=plan)
     return out, ref
 
@@ -103,7 +103,7 @@ def _call(lib, b, window=None, sinks=None, scratch_len=None, d=None) -> tuple[in
 def _check_build(build, b, window=None, sinks=None, name="cpu decode_attention builds"):
     rc, out = _call(_lib(build), b, window, sinks)
     assert rc == 0
-    ref = reference.paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc,
+    ref = torch_kernels.paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc,
                                     b.query.shape[-1] ** -0.5, window=window, sinks=sinks)
     check(f"{name} ({build})", out, ref, torch.float32)
 
@@ -176,7 +176,7 @@ def test_refused_arguments(build):
     m = make_batch([1, 3, 1, 2, 1], [30, 12, 70, 40, 5], 8, 2, 32, seed=2)
     rc, out = _call(lib, m)
     assert rc == 0 and torch.isnan(out[1:4]).all() and torch.isnan(out[5:7]).all()
-    ref = reference.paged_attention(m.query, m.k_cache, m.v_cache, m.block_tables, m.seq_lens, m.query_start_loc,
+    ref = torch_kernels.paged_attention(m.query, m.k_cache, m.v_cache, m.block_tables, m.seq_lens, m.query_start_loc,
                                     32 ** -0.5)
     decode_rows = [0, 4, 7]  # the one-token segments, around the prefill ones
     check(f"cpu decode_attention builds ({build})", out[decode_rows], ref[decode_rows], torch.float32)

@@ -1,5 +1,5 @@
 """The ``cpu`` backend's packed-KV decode kernel (``sinkserve_kernels/csrc/decode_attention_quant.c``) against the torch
-reference ``sinkserve_kernels.reference.paged_attention_quant``, on caches in the exact layout of ``sinkserve_kernels/kv_quant.py``:
+reference ``sinkserve_kernels.torch_kernels.paged_attention_quant``, on caches in the exact layout of ``sinkserve_kernels/kv_quant.py``:
 int8 / int4 / int2 codes, per-channel key and per-token value scales, outlier key channels, and sequences
 that mix 16-bit side-pool blocks with packed ones."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sinkserve_kernels import cpu_attention, reference
+from sinkserve_kernels import cpu_attention, torch_kernels
 from sinkserve_kernels.kv_quant import QuantKVCache
 from tests.kernels.kernel_cases import check, make_batch, rel_err
 
@@ -30,7 +30,7 @@ def _cache(b, bits: int, outliers: int, fp_blocks: list[int], group: int = 8, dt
         per_head = [torch.randperm(d, generator=torch.Generator().manual_seed(hh))[:outliers].sort().values
                     for hh in range(h)]
         cache.outlier_idx = torch.stack(per_head)[None]
-    reference.quantize_into(cache, torch.arange(nb), b.k_cache, b.v_cache)
+    torch_kernels.quantize_into(cache, torch.arange(nb), b.k_cache, b.v_cache)
     for slot, block in enumerate(fp_blocks):
         cache.fp_index[block] = slot
         cache.fp_k[slot] = b.k_cache[block].to(dtype)
@@ -47,7 +47,7 @@ def _mixed(b, bits: int, outliers: int, **kw) -> QuantKVCache:
 
 def _both(b, cache, window=None, sinks=None, plan=None):
     args = (b.query, cache, b.block_tables, b.seq_lens, b.query_start_loc, b.query.shape[-1] ** -0.5)
-    ref = reference.paged_attention_quant(*args, window=window, sinks=sinks)
+    ref = torch_kernels.paged_attention_quant(*args, window=window, sinks=sinks)
     out = cpu_attention.paged_attention_quant(*args, window=window, sinks=sinks, plan=plan)
     return out, ref
 
@@ -87,7 +87,7 @@ def test_outlier_channels_are_read():
     b.k_cache[..., [3, 20]] *= 25.0
     cache = _cache(b, 2, 2, [])
     cache.outlier_idx = torch.tensor([[[3, 20], [3, 20]]])
-    reference.quantize_into(cache, torch.arange(cache.num_blocks), b.k_cache, b.v_cache)
+    torch_kernels.quantize_into(cache, torch.arange(cache.num_blocks), b.k_cache, b.v_cache)
     out, ref = _both(b, cache)
     check("cpu decode_attention_quant outliers", out, ref, torch.float32)
     cache.outlier_idx, cache.k_outlier = None, None
@@ -114,13 +114,13 @@ def test_decode_does_not_take_the_reference_path(monkeypatch):
     """One path per feature: a decode-only step over a float32 packed cache never calls the torch decode."""
     b = make_batch([1] * 3, [20, 64, 50], 4, 2, 32, block_size=16, seed=2)
     cache = _mixed(b, 4, 0)
-    want = reference.paged_attention_quant(b.query, cache, b.block_tables, b.seq_lens, b.query_start_loc, 32 ** -0.5)
+    want = torch_kernels.paged_attention_quant(b.query, cache, b.block_tables, b.seq_lens, b.query_start_loc, 32 ** -0.5)
 
     def refuse(*args, **kwargs):
         raise AssertionError("torch packed decode called")
 
-    monkeypatch.setattr(reference, "paged_attention_quant", refuse)
-    monkeypatch.setattr(reference, "_gather_quant", refuse)
+    monkeypatch.setattr(torch_kernels, "paged_attention_quant", refuse)
+    monkeypatch.setattr(torch_kernels, "_gather_quant", refuse)
     out = cpu_attention.paged_attention_quant(b.query, cache, b.block_tables, b.seq_lens, b.query_start_loc,
                                               32 ** -0.5)
     check("cpu decode_attention_quant", out, want, torch.float32)

@@ -13,7 +13,7 @@ import torch
 
 import engine.models.llama as llama
 from engine import EngineConfig
-from engine.model_runner import ModelInput, ModelRunner
+from engine.worker.model_runner import ModelInput, ModelRunner
 from sinkserve_kernels import cpu_decode
 from sinkserve_kernels.cpu_lib import load
 from tests.test_engine_equivalence import prompts, reference, run_engine

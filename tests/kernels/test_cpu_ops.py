@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sinkserve_kernels import cpu_ops, reference
+from sinkserve_kernels import cpu_ops, torch_kernels
 from sinkserve_kernels.cpu_lib import load
 
 pytestmark = pytest.mark.skipif(load() is None, reason="no C compiler: the torch ops run")
@@ -35,7 +35,7 @@ def test_write_kv_matches_reference_and_checks_slots():
     caches = [torch.randn(4, 16, 2, 8, generator=g) for _ in range(2)]
     ref = [c.clone() for c in caches]
     cpu_ops.write_kv(k, v, *caches, slots)
-    reference.write_kv(k, v, *ref, slots)
+    torch_kernels.write_kv(k, v, *ref, slots)
     assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])
     with pytest.raises(IndexError):
         cpu_ops.write_kv(k, v, *caches, torch.tensor([0, 1, 2, 3, 4, 64]))
@@ -57,7 +57,7 @@ def test_write_kv_quant_matches_reference_and_checks_slots():
     before = cache.fp_k.clone()
     slots = torch.tensor([17, 40, -1, 70, 95, 31])  # blocks 1, 2 (packed), -, 4, 5, 1
     cpu_ops.write_kv_quant(k, v, cache, slots)
-    reference.write_kv_quant(k, v, want, slots)
+    torch_kernels.write_kv_quant(k, v, want, slots)
     assert torch.equal(cache.fp_k, want.fp_k) and torch.equal(cache.fp_v, want.fp_v)
     assert not torch.equal(cache.fp_k, before)
     assert torch.equal(cache.fp_k[2, 1], k[0]) and torch.equal(cache.fp_v[1, 15], v[4])

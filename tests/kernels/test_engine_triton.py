@@ -119,7 +119,7 @@ def triton_engine_configs_without_a_device(paths: list[Path], root: Path = ROOT)
 
 def test_every_triton_engine_the_device_check_runs_names_its_device(tmp_path: Path) -> None:
     """The kernel tests and ``bench/gpu_check.py`` run compiled on a CUDA host, where a Triton engine left at
-    the default ``device="cpu"`` is refused (``engine.attention_backends.get_backend``): each such
+    the default ``device="cpu"`` is refused (``sinkserve_kernels.backend.get_backend``): each such
     ``EngineConfig`` must pass ``device`` (the ``device`` fixture, or the check's plan). Checked on the source,
     so it holds on a CPU host too, where the interpreter would run the engine either way."""
     paths = sorted((ROOT / "tests" / "kernels").glob("*.py")) + sorted((ROOT / "bench").glob("*.py"))

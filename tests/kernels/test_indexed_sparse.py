@@ -1,5 +1,5 @@
 """The trained indexer's token-sparse attention (sinkserve_kernels/indexed_sparse.py): the torch selection equals the
-reference indexer + top-k (sinkserve_kernels/reference.py), the Triton indexer + top-k kernels select exactly the same
+reference indexer + top-k (sinkserve_kernels/torch_kernels.py), the Triton indexer + top-k kernels select exactly the same
 slots (interpreter on CPU), the forced set is always in and never counted against top_k, and a budget
 covering the context is dense attention."""
 
@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.lightning import quantize_keys
+from engine.worker.lightning import quantize_keys
 from sinkserve_kernels import block_sparse as bs
 from sinkserve_kernels import indexed_sparse as ix
-from sinkserve_kernels import reference
+from sinkserve_kernels import torch_kernels
 from sinkserve_kernels.kv_quant import QuantKVCache
 from tests.kernels.kernel_cases import make_batch
 
@@ -53,8 +53,8 @@ def test_torch_selection_equals_reference_indexer_and_topk() -> None:
         qsl = torch.tensor([0, r1 - r0])
         forced_mask = plan.forced[s : s + 1, :nb].repeat_interleave(BS, 1)
         k = sel[s].shape[1]
-        scores = reference.indexer_scores(iq[r0:r1], iw[r0:r1], cache.keys, bt, lens, qsl, cache.scale, nb * BS)
-        ref = reference.topk_select(scores, k, bt, lens, qsl, BS, 24, forced_mask)
+        scores = torch_kernels.indexer_scores(iq[r0:r1], iw[r0:r1], cache.keys, bt, lens, qsl, cache.scale, nb * BS)
+        ref = torch_kernels.topk_select(scores, k, bt, lens, qsl, BS, 24, forced_mask)
         assert torch.equal(sel[s], ref), s
     # Forced set never counted against top_k: the decode row of seq 0 holds block 0 (16), the window (24)
     # and exactly 40 more tokens.
@@ -91,11 +91,11 @@ def test_budget_covering_the_context_is_dense_attention(quant: bool) -> None:
     if quant:
         kv = QuantKVCache.allocate(b.k_cache.shape[0], 1, BS, 2, 32, bits=8, group_size=16, dtype=torch.float32,
                                    device="cpu")
-        reference.quantize_into(kv, torch.arange(b.k_cache.shape[0]), b.k_cache, b.v_cache)
-        dense = reference.paged_attention_quant(b.query, kv, b.block_tables, b.seq_lens, b.query_start_loc, 0.2)
+        torch_kernels.quantize_into(kv, torch.arange(b.k_cache.shape[0]), b.k_cache, b.v_cache)
+        dense = torch_kernels.paged_attention_quant(b.query, kv, b.block_tables, b.seq_lens, b.query_start_loc, 0.2)
     else:
         kv = (b.k_cache, b.v_cache)
-        dense = reference.paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables, b.seq_lens,
+        dense = torch_kernels.paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables, b.seq_lens,
                                           b.query_start_loc, 0.2)
     out = ix.indexed_sparse_attention(b.query, kv, iq, iw, cache, b.block_tables, b.seq_lens, b.query_start_loc,
                                       plan, 0.2)
@@ -112,7 +112,7 @@ def test_sparse_output_is_attention_over_the_selected_tokens_only() -> None:
     width = max(s.shape[1] for s in sel)
     slots = torch.cat([torch.nn.functional.pad(s, (0, width - s.shape[1]), value=-1) for s in sel])
     assert int((slots >= 0).sum(1).max()) <= 16 + 16 + 32 < 200
-    ref = reference.sparse_attention(b.query, b.k_cache, b.v_cache, slots, 0.2)
+    ref = torch_kernels.sparse_attention(b.query, b.k_cache, b.v_cache, slots, 0.2)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
@@ -152,12 +152,12 @@ def test_batched_selection_equals_each_sequence_alone(budget: int, monkeypatch) 
                          sel[s].shape[1])
         alone = ix.select_torch(iq[r0:r1], iw[r0:r1], cache, [seq], 24)[0]
         assert torch.equal(sel[s], alone), s
-        scores = reference.indexer_scores(iq[r0:r1], iw[r0:r1], cache.keys, b.block_tables[s : s + 1, :nb],
+        scores = torch_kernels.indexer_scores(iq[r0:r1], iw[r0:r1], cache.keys, b.block_tables[s : s + 1, :nb],
                                           torch.tensor([n]), torch.tensor([0, r1 - r0]), cache.scale, nb * BS)
-        ref = reference.topk_select(scores, sel[s].shape[1], b.block_tables[s : s + 1, :nb], torch.tensor([n]),
+        ref = torch_kernels.topk_select(scores, sel[s].shape[1], b.block_tables[s : s + 1, :nb], torch.tensor([n]),
                                     torch.tensor([0, r1 - r0]), BS, 24, seq.forced_mask[None])
         assert torch.equal(sel[s], ref), s
     width = max(s.shape[1] for s in sel)
     slots = torch.cat([torch.nn.functional.pad(s, (0, width - s.shape[1]), value=-1) for s in sel])
-    torch.testing.assert_close(out, reference.sparse_attention(b.query, b.k_cache, b.v_cache, slots, 0.2),
+    torch.testing.assert_close(out, torch_kernels.sparse_attention(b.query, b.k_cache, b.v_cache, slots, 0.2),
                                atol=1e-5, rtol=1e-5)

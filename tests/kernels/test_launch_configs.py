@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sinkserve_kernels import paged_attention as pa
-from sinkserve_kernels.reference import paged_attention as ref_paged_attention
+from sinkserve_kernels.torch_kernels import paged_attention as ref_paged_attention
 
 
 def consts_of(kernel: str, configs: list[pa.KernelConfig]) -> list[dict]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sinkserve_kernels import packed_decode, reference
+from sinkserve_kernels import packed_decode, torch_kernels
 from sinkserve_kernels.kv_quant import QuantKVCache
 from sinkserve_kernels.workspace import Workspace
 from tests.kernels.kernel_cases import make_batch, rel_err
@@ -16,7 +16,7 @@ def _decode_plan(tables: list[list[int]], lens: list[int], block_size: int, wind
     bt = torch.tensor(tables, dtype=torch.int32)
     sl = torch.tensor(lens, dtype=torch.int32)
     qsl = torch.arange(len(lens) + 1, dtype=torch.int32)
-    return reference.plan_attention(bt, sl, qsl, block_size, window)
+    return torch_kernels.plan_attention(bt, sl, qsl, block_size, window)
 
 
 def test_split_gather_puts_each_rows_packed_blocks_first_then_its_16bit_slots() -> None:
@@ -52,7 +52,7 @@ def _cache(b, bits: int, outliers: int, fp_blocks: list[int]) -> QuantKVCache:
                                   outlier_channels=outliers)
     if outliers:
         cache.outlier_idx = torch.tensor([[[1, 9, 17, 30][:outliers]] * h])
-    reference.quantize_into(cache, torch.arange(nb), b.k_cache, b.v_cache)
+    torch_kernels.quantize_into(cache, torch.arange(nb), b.k_cache, b.v_cache)
     for slot, block in enumerate(fp_blocks):
         cache.fp_index[block] = slot
         cache.fp_k[slot] = b.k_cache[block]
@@ -70,10 +70,10 @@ def test_folded_scale_variant_equals_dequantize_then_attend(bits: int, outliers:
     tables = b.block_tables.tolist()
     used = [[blk for blk in row[: -(-n // 16)] if blk] for row, n in zip(tables, b.seq_lens.tolist())]
     cache = _cache(b, bits, outliers, sorted(set(used[0]) | {used[2][0], used[2][-1]}))
-    k_deq, v_deq = reference.dequantize_cache(cache)
+    k_deq, v_deq = torch_kernels.dequantize_cache(cache)
     scale, sinks = 32 ** -0.5, torch.linspace(-2.0, 3.0, 8)
-    plan = reference.plan_attention(b.block_tables, b.seq_lens, b.query_start_loc, 16)
-    want = reference.paged_attention(b.query, k_deq, v_deq, b.block_tables, b.seq_lens, b.query_start_loc, scale,
+    plan = torch_kernels.plan_attention(b.block_tables, b.seq_lens, b.query_start_loc, 16)
+    want = torch_kernels.paged_attention(b.query, k_deq, v_deq, b.block_tables, b.seq_lens, b.query_start_loc, scale,
                                      sinks=sinks, plan=plan)
     got = folded_attention(b.query, cache, plan.decode, plan.decode_mask, scale, sinks)
     assert rel_err(got, want) < 1e-6
@@ -89,24 +89,24 @@ def test_packed_decode_equals_dequantize_then_attend(bits: int, outliers: int, w
     used = [[blk for blk in row[: -(-n // 16)] if blk] for row, n in zip(tables, b.seq_lens.tolist())]
     fp_blocks = sorted(set(used[0]) | {r[0] for r in used[2:]} | {r[-1] for r in used[2:]})
     cache = _cache(b, bits, outliers, fp_blocks)
-    k_deq, v_deq = reference.dequantize_cache(cache)
+    k_deq, v_deq = torch_kernels.dequantize_cache(cache)
     scale = 32 ** -0.5
     kw = dict(window=20, sinks=torch.linspace(-2.0, 3.0, 8)) if window_sinks else {}
     args = (b.block_tables, b.seq_lens, b.query_start_loc, scale)
-    want = reference.paged_attention(b.query, k_deq, v_deq, *args, **kw)
-    got = reference.paged_attention_quant(b.query, cache, *args, **kw)
+    want = torch_kernels.paged_attention(b.query, k_deq, v_deq, *args, **kw)
+    got = torch_kernels.paged_attention_quant(b.query, cache, *args, **kw)
     assert rel_err(got, want) < 1e-6
     # Decode-only: the whole batch is one decode group.
     q1 = b.query[:3]
     sl, bt, qsl = b.seq_lens[:3], b.block_tables[:3], torch.arange(4, dtype=torch.int32)
-    want = reference.paged_attention(q1, k_deq, v_deq, bt, sl, qsl, scale, **kw)
-    assert rel_err(reference.paged_attention_quant(q1, cache, bt, sl, qsl, scale, **kw), want) < 1e-6
+    want = torch_kernels.paged_attention(q1, k_deq, v_deq, bt, sl, qsl, scale, **kw)
+    assert rel_err(torch_kernels.paged_attention_quant(q1, cache, bt, sl, qsl, scale, **kw), want) < 1e-6
 
 
 def test_split_gather_is_built_once_per_plan_and_rebuilt_when_fp_index_changes() -> None:
     b = make_batch([1, 1], [40, 70], 4, 2, 32, 16, seed=3)
     cache = _cache(b, 4, 0, [int(b.block_tables[0, 0])])
-    plan = reference.plan_attention(b.block_tables, b.seq_lens, b.query_start_loc, 16)
+    plan = torch_kernels.plan_attention(b.block_tables, b.seq_lens, b.query_start_loc, 16)
     first = packed_decode.split_gather(plan, plan.decode, plan.decode_mask, cache)
     assert packed_decode.split_gather(plan, plan.decode, plan.decode_mask, cache) is first
     # Moving a block to the 16-bit pool (as the runner's "dequantize" op does) must change the split.
@@ -115,10 +115,10 @@ def test_split_gather_is_built_once_per_plan_and_rebuilt_when_fp_index_changes()
     cache.fp_k[0], cache.fp_v[0] = b.k_cache[block], b.v_cache[block]
     second = packed_decode.split_gather(plan, plan.decode, plan.decode_mask, cache)
     assert second is not first and block not in second.packed.tolist()
-    k_deq, v_deq = reference.dequantize_cache(cache)
+    k_deq, v_deq = torch_kernels.dequantize_cache(cache)
     args = (b.block_tables, b.seq_lens, b.query_start_loc, 32 ** -0.5)
-    want = reference.paged_attention(b.query, k_deq, v_deq, *args)
-    assert rel_err(reference.paged_attention_quant(b.query, cache, *args, plan=plan), want) < 1e-6
+    want = torch_kernels.paged_attention(b.query, k_deq, v_deq, *args)
+    assert rel_err(torch_kernels.paged_attention_quant(b.query, cache, *args, plan=plan), want) < 1e-6
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
@@ -127,7 +127,7 @@ def test_unpack_codes_into_strided_output_equals_unpack_codes(bits: int) -> None
     ids = torch.tensor([5, 0, 3, 3])
     out = torch.full((2, 3, 4, 2, 32), float("nan"))[:, 1:]  # strided over the leading dim
     packed_decode.unpack_codes_into(pool, ids, bits, out, "t")
-    want = reference.unpack_codes(pool[ids], bits).float().view(2, 2, 4, 2, 32)
+    want = torch_kernels.unpack_codes(pool[ids], bits).float().view(2, 2, 4, 2, 32)
     assert torch.equal(out, want)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sinkserve_kernels import reference
+from sinkserve_kernels import torch_kernels
 from sinkserve_kernels.indexer import indexer_scores, indexer_topk, rows_per_chunk
 from sinkserve_kernels.topk import topk_select
 from tests.kernels.kernel_cases import check, make_batch
@@ -41,7 +41,7 @@ def test_indexer_scores_match_reference(key_dtype: str, device: torch.device) ->
     b, q, w, keys, scale = _indexer_inputs(device, key_dtype)
     out = torch.full((q.shape[0], b.block_tables.shape[1] * BS), float("nan"), device=device)
     got = indexer_scores(q, w, keys, b.block_tables, b.seq_lens, b.query_start_loc, idx_k_scale=scale, out=out)
-    ref = reference.indexer_scores(q, w, keys, b.block_tables, b.seq_lens, b.query_start_loc, idx_k_scale=scale)
+    ref = torch_kernels.indexer_scores(q, w, keys, b.block_tables, b.seq_lens, b.query_start_loc, idx_k_scale=scale)
     visible = torch.isfinite(ref)
     assert torch.equal(torch.isfinite(got), visible)  # -inf exactly where invisible, nothing left NaN
     assert (got[~visible] == float("-inf")).all()
@@ -59,13 +59,13 @@ def _positions(b) -> torch.Tensor:
 @pytest.mark.parametrize("k,window", [(6, 3), (16, 4), (100, 8)], ids=["k6", "k16", "k_gt_len"])
 def test_topk_matches_reference_and_keeps_forced(k: int, window: int, device: torch.device) -> None:
     b, q, w, keys, _ = _indexer_inputs(device, "fp32", seed=2)
-    scores = reference.indexer_scores(q, w, keys, b.block_tables, b.seq_lens, b.query_start_loc)
+    scores = torch_kernels.indexer_scores(q, w, keys, b.block_tables, b.seq_lens, b.query_start_loc)
     n = scores.shape[1]
     forced = torch.zeros(len(SEQ_LENS), n, dtype=torch.bool, device=device)
     forced[:, :2] = True  # two attention sinks
     out = torch.full((q.shape[0], k), -7, dtype=torch.int32, device=device)  # poison: -7 is never written
     got = topk_select(scores, k, b.block_tables, b.seq_lens, b.query_start_loc, BS, window, forced, out=out)
-    ref = reference.topk_select(scores, k, b.block_tables, b.seq_lens, b.query_start_loc, BS, window, forced)
+    ref = torch_kernels.topk_select(scores, k, b.block_tables, b.seq_lens, b.query_start_loc, BS, window, forced)
     assert torch.equal(got, ref)
 
     # Properties, independent of the reference: slots map back to visible positions <= the query's own,
@@ -91,7 +91,7 @@ def test_topk_ties_and_all_forced_rows(device: torch.device) -> None:
     b = make_batch([3], [40], 2, 1, 64, BS, device=device, seed=5)
     scores = torch.ones(3, b.block_tables.shape[1] * BS, device=device)
     got = topk_select(scores, 8, b.block_tables, b.seq_lens, b.query_start_loc, BS, window=2)
-    ref = reference.topk_select(scores, 8, b.block_tables, b.seq_lens, b.query_start_loc, BS, window=2)
+    ref = torch_kernels.topk_select(scores, 8, b.block_tables, b.seq_lens, b.query_start_loc, BS, window=2)
     assert torch.equal(got, ref)
 
 
@@ -104,8 +104,8 @@ def test_indexer_topk_chunks_rows_within_budget(device: torch.device) -> None:
     forced[:, 0] = True
     got = indexer_topk(q, w, keys, b.block_tables, b.seq_lens, b.query_start_loc, 10, window=4, forced_mask=forced,
                        memory_budget_bytes=budget)  # fmt: skip
-    scores = reference.indexer_scores(q, w, keys, b.block_tables, b.seq_lens, b.query_start_loc)
-    ref = reference.topk_select(scores, 10, b.block_tables, b.seq_lens, b.query_start_loc, BS, 4, forced)
+    scores = torch_kernels.indexer_scores(q, w, keys, b.block_tables, b.seq_lens, b.query_start_loc)
+    ref = torch_kernels.topk_select(scores, 10, b.block_tables, b.seq_lens, b.query_start_loc, BS, 4, forced)
     assert torch.equal(got, ref)
 
 
@@ -118,6 +118,6 @@ def test_topk_2048_over_long_rows(device: torch.device) -> None:
     forced[:, :4] = True
     out = torch.full((2, 2048), -7, dtype=torch.int32, device=device)
     got = topk_select(scores, 2048, b.block_tables, b.seq_lens, b.query_start_loc, BS, 64, forced, out=out)
-    ref = reference.topk_select(scores, 2048, b.block_tables, b.seq_lens, b.query_start_loc, BS, 64, forced)
+    ref = torch_kernels.topk_select(scores, 2048, b.block_tables, b.seq_lens, b.query_start_loc, BS, 64, forced)
     assert torch.equal(got, ref)
     assert (got >= 0).sum().item() == 2 * 2048

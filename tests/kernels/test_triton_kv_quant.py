@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sinkserve_kernels import reference
+from sinkserve_kernels import torch_kernels
 from sinkserve_kernels.kv_quant import (
     QuantKVCache,
     bytes_per_block,
@@ -67,10 +67,10 @@ def test_quantize_kernel_matches_torch_quantizer(bits: int, device: torch.device
     cache = QuantKVCache.allocate(6, 1, bs, hkv, d, bits=bits, group_size=gs, device=device)
     dst = torch.tensor([4, 1, 5], device=device)
     quantize_write_kv(k.reshape(-1, hkv, d), v.reshape(-1, hkv, d), cache, dst, torch.arange(n, device=device) * bs)
-    kc, ks, kz, vc, vs, vz = reference.quantize_blocks(k, v, bits, gs)
+    kc, ks, kz, vc, vs, vz = torch_kernels.quantize_blocks(k, v, bits, gs)
     k_codes, v_codes = cache.k_codes[dst], cache.v_codes[dst]
     if bits == 4:
-        k_codes, v_codes = reference.unpack_int4(k_codes), reference.unpack_int4(v_codes)
+        k_codes, v_codes = torch_kernels.unpack_int4(k_codes), torch_kernels.unpack_int4(v_codes)
     assert torch.equal(k_codes.float(), kc) and torch.equal(v_codes.float(), vc)
     assert torch.equal(cache.k_scale[dst].float(), ks) and torch.equal(cache.k_zero[dst].float(), kz)
     assert torch.equal(cache.v_scale[dst].float(), vs) and torch.equal(cache.v_zero[dst].float(), vz)
@@ -81,11 +81,11 @@ def test_quantize_kernel_matches_torch_quantizer(bits: int, device: torch.device
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quant_attention_matches_reference_on_dequantized_cache(bits: int, num_splits: int | None, device) -> None:
     b, cache = _quantized_batch(bits, torch.float32, device)
-    k_deq, v_deq = reference.dequantize_cache(cache)
+    k_deq, v_deq = torch_kernels.dequantize_cache(cache)
     scale = b.query.shape[-1] ** -0.5
     out = paged_attention_quant(b.query, cache, b.block_tables, b.seq_lens, b.query_start_loc, scale,
                                 num_splits=num_splits, out=poisoned_like(b.query))  # fmt: skip
-    ref = reference.paged_attention(b.query, k_deq, v_deq, b.block_tables, b.seq_lens, b.query_start_loc, scale)
+    ref = torch_kernels.paged_attention(b.query, k_deq, v_deq, b.block_tables, b.seq_lens, b.query_start_loc, scale)
     check(f"paged_attention_int{bits}", out, ref, torch.float32)
 
 
@@ -96,7 +96,7 @@ def test_quantization_error_vs_16bit(bits: int, protected: str, device: torch.de
     scale = b.query.shape[-1] ** -0.5
     out = paged_attention_quant(b.query, cache, b.block_tables, b.seq_lens, b.query_start_loc, scale)
     f32 = [t.float() for t in (b.query, b.k_cache, b.v_cache)]
-    ref16 = reference.paged_attention(f32[0], f32[1], f32[2], b.block_tables, b.seq_lens, b.query_start_loc, scale)
+    ref16 = torch_kernels.paged_attention(f32[0], f32[1], f32[2], b.block_tables, b.seq_lens, b.query_start_loc, scale)
     err = rel_err(out.float(), ref16)
     key = (f"int{bits}_vs_16bit_{protected}", "bfloat16")
     MAX_ERRORS[key] = max(MAX_ERRORS.get(key, 0.0), err)
@@ -121,9 +121,9 @@ def test_fp_window_lifecycle(device: torch.device) -> None:
     qsl = torch.tensor([0, 1], dtype=torch.int32, device=device)
     q = torch.randn(1, 2, d, generator=g).to(device)
     out = paged_attention_quant(q, cache, tables, seq_lens, qsl, d**-0.5, out=poisoned_like(q))
-    k_deq, v_deq = reference.dequantize_cache(cache)
+    k_deq, v_deq = torch_kernels.dequantize_cache(cache)
     assert torch.equal(k_deq[2, :4], key[16:].to(cache.fp_k.dtype).float())  # the 16-bit tail is stored as is
-    check("paged_attention_int8", out, reference.paged_attention(q, k_deq, v_deq, tables, seq_lens, qsl, d**-0.5),
+    check("paged_attention_int8", out, torch_kernels.paged_attention(q, k_deq, v_deq, tables, seq_lens, qsl, d**-0.5),
           torch.float32)  # fmt: skip
     dense_k = torch.zeros(4, bs, hkv, d, device=device)
     dense_v = torch.zeros(4, bs, hkv, d, device=device)
@@ -176,15 +176,15 @@ def test_quant_attention_window_and_sinks(num_splits: int | None, device) -> Non
     # A sliding-window layer with learned sinks over a quantized cache: the Triton kernel and the torch
     # quantized reference both equal the plain reference on the dequantized cache.
     b, cache = _quantized_batch(8, torch.float32, device)
-    k_deq, v_deq = reference.dequantize_cache(cache)
+    k_deq, v_deq = torch_kernels.dequantize_cache(cache)
     scale, window = b.query.shape[-1] ** -0.5, 20
     sinks = torch.linspace(-2.0, 3.0, b.query.shape[1], device=device)
     args = (b.block_tables, b.seq_lens, b.query_start_loc, scale)
-    want = reference.paged_attention(b.query, k_deq, v_deq, *args, window=window, sinks=sinks)
+    want = torch_kernels.paged_attention(b.query, k_deq, v_deq, *args, window=window, sinks=sinks)
     out = paged_attention_quant(b.query, cache, *args, window=window, sinks=sinks, num_splits=num_splits,
                                 out=poisoned_like(b.query))
     check("paged_attention_int8_window_sinks", out, want, torch.float32)
-    check("paged_attention_int8_window_sinks", reference.paged_attention_quant(b.query, cache, *args, window=window,
+    check("paged_attention_int8_window_sinks", torch_kernels.paged_attention_quant(b.query, cache, *args, window=window,
                                                                               sinks=sinks), want, torch.float32)
     # The window changes the result (70 and 60 tokens > 20), so the test would see a kernel ignoring it.
-    assert rel_err(reference.paged_attention(b.query, k_deq, v_deq, *args, sinks=sinks), want) > 1e-2
+    assert rel_err(torch_kernels.paged_attention(b.query, k_deq, v_deq, *args, sinks=sinks), want) > 1e-2

@@ -7,8 +7,8 @@ import zlib
 import pytest
 import torch
 
-from engine.attention_backends import get_backend
-from sinkserve_kernels import reference
+from sinkserve_kernels.backend import get_backend
+from sinkserve_kernels import torch_kernels
 from sinkserve_kernels.paged_attention import paged_attention, write_kv
 from tests.kernels.kernel_cases import check, make_batch, poisoned_like
 
@@ -32,7 +32,7 @@ def _run(name: str, dtype: torch.dtype, device: torch.device, num_splits: int | 
                           num_splits=num_splits, out=out)  # fmt: skip
     assert got.data_ptr() == out.data_ptr()
     f32 = [t.float() for t in (b.query, b.k_cache, b.v_cache)]
-    ref = reference.paged_attention(f32[0], f32[1], f32[2], b.block_tables, b.seq_lens, b.query_start_loc, scale)
+    ref = torch_kernels.paged_attention(f32[0], f32[1], f32[2], b.block_tables, b.seq_lens, b.query_start_loc, scale)
     kernel = "paged_attention" if num_splits is None else "paged_attention_split"
     check(kernel, got.float(), ref, dtype)
 
@@ -53,7 +53,7 @@ def test_non_power_of_two_gqa_ratio(device: torch.device) -> None:
     b = make_batch([1, 4], [9, 4], 3, 1, 64, 16, torch.float32, device=device, seed=3)
     got = paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc, 0.125,
                           out=poisoned_like(b.query))  # fmt: skip
-    ref = reference.paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc, 0.125)
+    ref = torch_kernels.paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc, 0.125)
     check("paged_attention", got, ref, torch.float32)
 
 
@@ -79,7 +79,7 @@ def test_write_kv_matches_reference(cache_dtype: torch.dtype, device: torch.devi
     slots[[0, 7]] = -1  # tokens whose KV must not be stored
     slots = slots.to(device)
     want_k, want_v = k_cache.clone(), v_cache.clone()
-    reference.write_kv(key, value, want_k, want_v, slots)
+    torch_kernels.write_kv(key, value, want_k, want_v, slots)
     write_kv(key, value, k_cache, v_cache, slots)
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
 
@@ -95,7 +95,7 @@ def test_head_dim_not_power_of_two(device: torch.device) -> None:
     b = make_batch([1, 3], [30, 20], 4, 2, 96, 16, torch.float32, device=device, seed=6)
     got = paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc, 0.1,
                           out=poisoned_like(b.query))  # fmt: skip
-    ref = reference.paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc, 0.1)
+    ref = torch_kernels.paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc, 0.1)
     check("paged_attention", got, ref, torch.float32)
 
 
@@ -142,7 +142,7 @@ def test_sliding_window_and_sinks_match_reference(name: str, num_splits: int | N
     sink = torch.randn(hq, generator=torch.Generator().manual_seed(1)).mul(3).to(device) if sinks else None
     got = paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc, d**-0.5,
                           window=window, sinks=sink, num_splits=num_splits, out=poisoned_like(b.query))
-    ref = reference.paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc,
+    ref = torch_kernels.paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc,
                                     d**-0.5, window=window, sinks=sink)
     check("paged_attention_window" + ("_sinks" if sinks else ""), got, ref, torch.float32)
     # The reference against attention written out per token: the window and the sink term are what they say.
@@ -155,12 +155,12 @@ def test_sinks_without_window_and_with_no_visible_key(device: torch.device) -> N
     sink = torch.tensor([0.5, -2.0, 4.0, 0.0], device=device)
     got = paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc, 0.2,
                           sinks=sink, out=poisoned_like(b.query))
-    ref = reference.paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc, 0.2,
+    ref = torch_kernels.paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc, 0.2,
                                     sinks=sink)
     check("paged_attention_sinks", got, ref, torch.float32)
     torch.testing.assert_close(ref, _dense(b, 0.2, None, sink), atol=1e-5, rtol=1e-5)
     # A large sink takes weight from every key: the output shrinks towards zero.
-    big = reference.paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc, 0.2,
+    big = torch_kernels.paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc, 0.2,
                                     sinks=torch.full((4,), 30.0, device=device))
     assert big.abs().max() < 1e-6 < ref.abs().max()
     b.block_tables[0, :] = 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sinkserve_kernels import reference
+from sinkserve_kernels import torch_kernels
 from sinkserve_kernels.indexer import indexer_topk
 from sinkserve_kernels.kv_quant import QuantKVCache, quantize_write_kv
 from sinkserve_kernels.paged_attention import paged_attention
@@ -21,7 +21,7 @@ def _slots(b, k: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     n = b.block_tables.shape[1] * BS
     scores = torch.randn(b.query.shape[0], n, generator=g).to(b.query.device)
-    slots = reference.topk_select(scores, k, b.block_tables, b.seq_lens, b.query_start_loc, BS, window=4)
+    slots = torch_kernels.topk_select(scores, k, b.block_tables, b.seq_lens, b.query_start_loc, BS, window=4)
     return slots
 
 
@@ -37,7 +37,7 @@ def test_sparse_attention_matches_reference(hq: int, hkv: int, d: int, dtype: to
     slots[1] = -1  # a row with nothing selected returns zeros
     out = sparse_attention(b.query, b.k_cache, b.v_cache, slots, d**-0.5, out=poisoned_like(b.query))
     f32 = [t.float() for t in (b.query, b.k_cache, b.v_cache)]
-    ref = reference.sparse_attention(f32[0], f32[1], f32[2], slots, d**-0.5)
+    ref = torch_kernels.sparse_attention(f32[0], f32[1], f32[2], slots, d**-0.5)
     check("sparse_attention", out.float(), ref, dtype)
     assert torch.equal(out[1].float(), torch.zeros_like(ref[1]))
 
@@ -46,7 +46,7 @@ def test_sparse_split_matches_reference(device: torch.device) -> None:
     b = make_batch([1, 1], [70, 33], 4, 1, 64, BS, device=device, seed=9)
     slots = _slots(b, 40, seed=9)
     out = sparse_attention(b.query, b.k_cache, b.v_cache, slots, 0.125, num_splits=3, out=poisoned_like(b.query))
-    check("sparse_attention_split", out, reference.sparse_attention(b.query, b.k_cache, b.v_cache, slots, 0.125),
+    check("sparse_attention_split", out, torch_kernels.sparse_attention(b.query, b.k_cache, b.v_cache, slots, 0.125),
           torch.float32)  # fmt: skip
 
 
@@ -64,8 +64,8 @@ def test_sparse_attention_quant_matches_reference(bits: int, device: torch.devic
     cache.fp_k[0], cache.fp_v[0] = b.k_cache[sink], b.v_cache[sink]
     slots = _slots(b, 20, seed=bits)
     out = sparse_attention_quant(b.query, cache, slots, d**-0.5, out=poisoned_like(b.query))
-    k_deq, v_deq = reference.dequantize_cache(cache)
-    check(f"sparse_attention_int{bits}", out, reference.sparse_attention(b.query, k_deq, v_deq, slots, d**-0.5),
+    k_deq, v_deq = torch_kernels.dequantize_cache(cache)
+    check(f"sparse_attention_int{bits}", out, torch_kernels.sparse_attention(b.query, k_deq, v_deq, slots, d**-0.5),
           torch.float32)  # fmt: skip
 
 

@@ -111,11 +111,11 @@ def test_engine_stats_behind_used_metrics_are_produced():
     """A metric only has samples if the engine (or the pool replica) reports its stats key."""
     from dataclasses import fields
 
-    from engine.stats import EngineStats
+    from engine.core.stats import EngineStats
 
     used = set().union(*(promql_names(e).metrics for _, e in ALL_EXPRS))
     engine_keys = {f.name for f in fields(EngineStats)}  # what engine.stats() reports
-    pool_source = (ROOT / "app" / "server.py").read_text()  # what the pool replica adds to it
+    pool_source = (ROOT / "app" / "pool" / "server.py").read_text()  # what the pool replica adds to it
     for key, name, kind, _ in m.ENGINE_STATS:
         if m.PREFIX + name in used:
             assert key in engine_keys or re.search(rf'"{key}"', pool_source), \

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from app.cli import main as cli_main
-from engine import weights as W
+from engine.worker import weights as W
 from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.errors import ModelLoadError
 
@@ -111,7 +111,7 @@ def test_malformed_manifest_names_the_line(tmp_path, line, problem):
 def test_no_manifest_warns_or_refuses_when_required(tmp_path, monkeypatch, caplog):
     d = _fake_model(tmp_path)
     monkeypatch.delenv(W.REQUIRE_ENV, raising=False)
-    with caplog.at_level(logging.WARNING, logger="engine.weights"):
+    with caplog.at_level(logging.WARNING, logger="engine.worker.weights"):
         assert W.verify_model_dir(d) is None
     assert "weights not verified" in caplog.text
     assert W.fingerprint(d) is None
@@ -163,7 +163,7 @@ def model_copy(tmp_path) -> Path:
 
 
 def _load(model_dir: Path):
-    from engine.model_runner import ModelRunner
+    from engine.worker.model_runner import ModelRunner
 
     return ModelRunner(EngineConfig(model=str(model_dir), num_kv_blocks=4), num_kv_blocks=4)
 

@@ -61,7 +61,7 @@ def wait_ready(base: str, timeout_s: float, what: str, poll_s: float = 0.5, requ
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    from engine.weights import write_manifest
+    from engine.worker.weights import write_manifest
     from tests.serve.tiny_model import make_tiny_model
 
     model = make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
@@ -94,10 +94,10 @@ def server(tiny_model):
     from ray import serve
 
     from app.builder import build_app
-    from app.cli_serve import haproxy_env
+    from app.cli.serve import haproxy_env
 
     os.environ["SINKSERVE_API_KEYS"] = f"{API_KEY},{LIMITED_KEY},{ACME_KEY}:acme,{FREE_KEY}:free"
-    # Operator keys (app/auth.py): the suite forces pools, pins the weight-0 version and reads
+    # Operator keys (app/http/auth.py): the suite forces pools, pins the weight-0 version and reads
     # /metrics/tenants with these; ACME_KEY and LIMITED_KEY are plain tenant keys.
     os.environ["SINKSERVE_OPERATOR_KEYS"] = f"{API_KEY},{FREE_KEY}:free"
     os.environ["PYTHONPATH"] = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"

@@ -136,8 +136,8 @@ def test_requests_sharing_a_long_prefix_meet_its_cached_blocks_on_one_replica(co
         pytest.skip("store-independent: runs once, on the SQLite deployment")
     from transformers import AutoTokenizer
 
-    from app.affinity import ranked
-    from app.prefix_affinity import prefix_key
+    from app.pool.affinity import ranked
+    from app.plan.prefix_affinity import prefix_key
 
     tok = AutoTokenizer.from_pretrained(REPO / "assets/reference-model")
     replicas = list(pool_replicas("pool-chat-v1", 2))
@@ -185,7 +185,7 @@ def test_three_turns_survive_kill_9_of_the_replica_holding_them(conv):
     re-prefilled from the store on the other replica. Turn 2 hit the prefix cache of turn 1's replica."""
     from transformers import AutoTokenizer
 
-    from app.affinity import ranked
+    from app.pool.affinity import ranked
     from app.long_docs import HELDOUT_TEMPLATES, check_answer, make_document
 
     tok = AutoTokenizer.from_pretrained(REPO / "assets/reference-model")

@@ -1,4 +1,4 @@
-"""Failover between pools (app/failover.py), without a cluster: which pools can take a request, and
+"""Failover between pools (app/pool/failover.py), without a cluster: which pools can take a request, and
 when a request moves (its pool down or unavailable before the first token), counted; when it does not
 (overloaded, started, nowhere to go)."""
 
@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 
-from app import failover
+from app.pool import failover
 from app.errors import APIError
 from app.events import PoolRequest, RouteInfo, RoutePlan, TokenDelta
-from app.failover import fallback_plans, stream_with_failover
+from app.pool.failover import fallback_plans, stream_with_failover
 from app.settings import BucketSpec
 from engine.errors import EngineDeadError, EngineUnavailableError
 from engine.sampling_params import SamplingParams

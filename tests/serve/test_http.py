@@ -359,7 +359,7 @@ def test_handle_call_streams(server):
 
 
 def test_models_and_metrics_show_the_verified_weights_fingerprint(client, server, tiny_model):
-    from engine.weights import fingerprint
+    from engine.worker.weights import fingerprint
 
     want = fingerprint(tiny_model)
     assert want is not None and len(want) == 16
@@ -403,7 +403,7 @@ def test_tp1_pools_step_the_engine_in_a_child_process(server):
     assert short["engine_pid"] != short["pid"]
     os.kill(short["engine_pid"], 0)  # alive (same machine)
     with open(f"/proc/{short['engine_pid']}/cmdline", "rb") as f:
-        assert b"engine.engine_process" in f.read()
+        assert b"engine.frontend.engine_process" in f.read()
     long = serve.get_deployment_handle("pool-long-v1", app_name="sinkserve").info.remote().result()
     assert (long["engine_pid"] == long["pid"]) == (long["tensor_parallel_size"] > 1)
 

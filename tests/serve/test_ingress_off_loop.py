@@ -1,5 +1,5 @@
 """Bounded work (issue 43 item 3): every request body the ingress parses and validates is parsed on
-its planning threads (app/plan_pool.py), never on the event loop -- a /v1/jobs body as much as a
+its planning threads (app/plan/plan_pool.py), never on the event loop -- a /v1/jobs body as much as a
 /v1/completions one (each up to ``max_body_bytes`` of JSON). A real ingress without Ray
 (tests/chaos/state_harness.py)."""
 

@@ -10,8 +10,8 @@ from pydantic import ValidationError
 from app.errors import APIError, from_validation_error
 from app.events import PassageReport, PassageScore
 from app.metrics import RequestMetrics, render
-from app.passages import PLACEHOLDER, SEPARATOR, bm25_scores, select_within_budget
-from app.planner import Planner
+from app.plan.passages import PLACEHOLDER, SEPARATOR, bm25_scores, select_within_budget
+from app.plan.planner import Planner
 from app.schemas import ChatCompletionRequest, CompletionRequest, RouteInfoModel
 from app.settings import BucketSpec, IngressArgs, PlanSpec, VersionSpec
 from engine.config import DEFAULT_MODEL

@@ -3,7 +3,7 @@
 import pytest
 
 from app.errors import APIError
-from app.planner import RateLimiter, TokenBucket, pick_bucket, pick_version, session_draw
+from app.plan.planner import RateLimiter, TokenBucket, pick_bucket, pick_version, session_draw
 from app.settings import BucketSpec, VersionSpec
 
 BUCKETS = (BucketSpec("long", 8192, 300.0), BucketSpec("short", 2048, 60.0))
@@ -72,13 +72,13 @@ def test_rate_limiter_per_key_429():
 
 
 def test_planner_encode_gives_the_tokenizers_own_ids():
-    """app.planner.encode calls a fast tokenizer's backend directly; the ids must be the tokenizer's
+    """app.plan.planner.encode calls a fast tokenizer's backend directly; the ids must be the tokenizer's
     (less the BOS it would add before a text that starts with one: the rendered chat does)."""
     from pathlib import Path
 
     from transformers import AutoTokenizer
 
-    from app.planner import encode, render_chat
+    from app.plan.planner import encode, render_chat
 
     tok = AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[2] / "assets" / "reference-model",
                                         local_files_only=True)
@@ -101,8 +101,8 @@ def test_one_bos_whether_or_not_the_text_has_it(ref, tmp_path):
 
     from transformers import AutoTokenizer
 
-    from app.planner import encode
-    from engine.input_processor import InputProcessor
+    from app.plan.planner import encode
+    from engine.core.input_processor import InputProcessor
     from tests.tiny_models import build_tokenizer
 
     if ref:
@@ -124,7 +124,7 @@ def test_one_bos_whether_or_not_the_text_has_it(ref, tmp_path):
 
 # ---- the Planner on the reference model's tokenizer (what every ingress replica runs) ------------
 
-from app.planner import Planner  # noqa: E402
+from app.plan.planner import Planner  # noqa: E402
 from app.schemas import ChatCompletionRequest, CompletionRequest  # noqa: E402
 from app.settings import BucketSpec as _B, PlanSpec, VersionSpec as _V  # noqa: E402
 from engine.config import DEFAULT_MODEL  # noqa: E402
@@ -193,7 +193,7 @@ def test_pinned_version_outside_its_bucket_is_404_and_canary_on_one_bucket_redra
 
 # ---- conversation turns -------------------------------------------------------------------------
 
-from app.conversations import Conversation  # noqa: E402
+from app.state.conversations import Conversation  # noqa: E402
 
 
 def turn_planner(long_evicts: bool) -> Planner:
@@ -245,7 +245,7 @@ def test_turn_refuses_n_and_a_changed_endpoint():
 def test_chat_default_max_tokens_is_capped_by_the_pool():
     """Issue 42: a chat without max_tokens on an evicting pool (limit ~1M) gets the pool's cap, not the
     rest of max_stream_tokens; a prompt that leaves less gets what it leaves; a set max_tokens wins."""
-    from app.planner import default_max_tokens
+    from app.plan.planner import default_max_tokens
     from app.schemas import ChatCompletionRequest, CompletionRequest
 
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": ""}])
@@ -259,7 +259,7 @@ def test_chat_default_max_tokens_is_capped_by_the_pool():
 def test_models_card_default_is_what_the_pool_gives():
     """/v1/models lists per pool the largest default a chat gets: the cap, or the pool's limit less a
     one-token prompt where that is smaller (a 512-token pool does not give a 1024-token default)."""
-    from app.planner import largest_default_max_tokens
+    from app.plan.planner import largest_default_max_tokens
 
     assert largest_default_max_tokens(BucketSpec("long", 8192, 300.0, max_seq_len=1 << 20, default_max_tokens=1024)) == 1024
     assert largest_default_max_tokens(BucketSpec("s", 500, 60.0, max_seq_len=512, default_max_tokens=1024)) == 511
@@ -285,7 +285,7 @@ def test_a_null_message_content_is_accepted_and_the_schema_says_so():
 def test_plan_sets_a_prefix_key_from_the_buckets_block_size_and_window():
     """Requests sharing their leading whole blocks get one key (the router's rendezvous input); the
     window and block size are the bucket's; a session's turn carries its session id instead."""
-    from app.prefix_affinity import prefix_key
+    from app.plan.prefix_affinity import prefix_key
 
     p = Planner(PlanSpec(buckets=(_B("short", 1000, 60.0, max_seq_len=1024, block_size=16, prefix_affinity_tokens=64),),
                          versions=(_V("v1", DEFAULT_MODEL, 1.0),)))

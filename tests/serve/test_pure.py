@@ -4,7 +4,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
-from app.auth import AuthConfigError, ensure_key_file, resolve_auth
+from app.http.auth import AuthConfigError, ensure_key_file, resolve_auth
 from app.metrics import RequestMetrics, ready_pools, render
 from app.settings import AppArgs
 
@@ -107,7 +107,7 @@ def test_render_parses_and_labels():
 
 
 def test_render_sparse_attention_histogram_per_pool():
-    from engine.stats import EngineCounters, SPARSE_TOKEN_BUCKETS
+    from engine.core.stats import EngineCounters, SPARSE_TOKEN_BUCKETS
 
     c = EngineCounters()
     for attended, visible in ((100, 400), (300, 3000), (5000, 20000)):
@@ -186,7 +186,7 @@ def test_pool_options_place_tp_workers():
 async def test_coalesced_merges_only_what_piled_up():
     import asyncio
 
-    from app.streaming import coalesced
+    from app.pool.streaming import coalesced
     from app.events import TokenDelta
 
     def d(i, fin=False):
@@ -230,7 +230,7 @@ async def test_coalesced_merges_only_what_piled_up():
 
 
 async def test_coalesced_propagates_errors():
-    from app.streaming import coalesced
+    from app.pool.streaming import coalesced
 
     async def bad():
         raise ValueError("boom")
@@ -244,7 +244,7 @@ async def test_coalesced_propagates_errors():
 async def test_check_health_fails_when_engine_loop_died():
     from engine.errors import EngineDeadError
 
-    from app.server import LLMServer
+    from app.pool.server import LLMServer
 
     class DeadEngine:
         def check_health(self):
@@ -258,7 +258,7 @@ async def test_check_health_fails_when_engine_loop_died():
 
 
 def test_data_path_handles_go_over_grpc():
-    from app.replica import data_path_handle
+    from app.pool.replica import data_path_handle
 
     class FakeHandle:
         def __init__(self, opts=None):
@@ -294,7 +294,7 @@ def test_build_refuses_an_app_the_cluster_cannot_place(monkeypatch):
     import yaml
 
     from app import builder
-    from app.placement import PlacementError
+    from app.pool.placement import PlacementError
     from tests.serve.conftest import REPO
 
     args = yaml.safe_load((REPO / "serve_configs" / "prod.yaml").read_text())["applications"][0]["args"]

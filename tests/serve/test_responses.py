@@ -1,9 +1,9 @@
-"""app/responses.py without Ray: n choices from interleaved deltas, echo, usage, stream chunks."""
+"""app/http/responses.py without Ray: n choices from interleaved deltas, echo, usage, stream chunks."""
 
 from __future__ import annotations
 
 from app.events import RouteInfo, TokenDelta
-from app.responses import Choices, Echo
+from app.http.responses import Choices, Echo
 from app.schemas import ChatCompletionRequest, CompletionRequest
 
 INFO = RouteInfo("cmpl-1", "short", "v1", "pool-short-v1", 3)

@@ -6,11 +6,11 @@ import multiprocessing as mp
 
 import pytest
 
-from app.conversations import Conversation, ConversationStore, Turn, chat_continuation
+from app.state.conversations import Conversation, ConversationStore, Turn, chat_continuation
 from app.errors import APIError
-from app.quotas import Quotas
+from app.state.quotas import Quotas
 from app.settings import StoreArgs, TenantArgs
-from app.store import StoreError, open_store
+from app.state import StoreError, open_store
 from tests.serve.redis_server import redis_server
 
 
@@ -238,7 +238,7 @@ def test_owner_checked_delete_guarded_commit_move_and_purge(store):
 
 def test_sqlite_purges_expired_rows_in_batches(tmp_path):
     now = [1000.0]
-    from app.store.sqlite import SQLiteStore
+    from app.state.sqlite import SQLiteStore
 
     s = SQLiteStore(tmp_path, clock=lambda: now[0])
     for i in range(5):
@@ -257,8 +257,8 @@ async def test_the_background_purge_drains_expired_rows_and_outlives_a_failing_s
     import asyncio
     import logging
 
-    from app.store.base import purge_forever
-    from app.store.sqlite import SQLiteStore
+    from app.state.base import purge_forever
+    from app.state.sqlite import SQLiteStore
 
     now = [1000.0]
     s = SQLiteStore(tmp_path, clock=lambda: now[0])
@@ -316,7 +316,7 @@ def test_conversations_round_trip_and_tenant_isolation(store):
 def test_chat_continuation_matches_the_whole_rendering():
     from transformers import AutoTokenizer
 
-    from engine.model_store import resolve_model
+    from engine.worker.model_store import resolve_model
 
     tok = AutoTokenizer.from_pretrained(resolve_model("reference"))
     first = [{"role": "user", "content": "hi"}]
@@ -330,7 +330,7 @@ def test_chat_continuation_matches_the_whole_rendering():
 # ---- jobs ---------------------------------------------------------------------------------------
 
 from app.events import PoolRequest, TokenDelta  # noqa: E402
-from app.jobs import JobQueue, JobRunner  # noqa: E402
+from app.state.jobs import JobQueue, JobRunner  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -339,7 +339,7 @@ def _preq(n: int = 3) -> PoolRequest:
 
 
 def test_job_requeued_once_after_its_replica_stops_then_failed_with_reason(store, monkeypatch):
-    import app.jobs as jobs
+    import app.state.jobs as jobs
 
     monkeypatch.setattr(jobs, "LEASE_S", 0.05)
     q = JobQueue(store)
@@ -438,7 +438,7 @@ async def test_job_lease_renewal_errors_do_not_orphan_its_generation(store, monk
     its result and charge are stored once the store answers."""
     import asyncio
 
-    import app.jobs as jobs
+    import app.state.jobs as jobs
 
     monkeypatch.setattr(jobs, "RENEW_S", 0.02)
     quotas = Quotas(store, {"acme": TenantArgs(tokens_per_minute=10**6)})

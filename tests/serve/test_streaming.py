@@ -9,8 +9,8 @@ import pytest
 
 from app.errors import APIError
 from app.events import PoolRequest, RouteInfo, RoutePlan, TokenDelta
-from app.streaming import stream_plan
-from app.token_bus import TokenInbox, TokenOutbox
+from app.pool.streaming import stream_plan
+from app.pool.token_bus import TokenInbox, TokenOutbox
 from engine.sampling_params import SamplingParams
 
 
@@ -160,7 +160,7 @@ def test_engine_errors_map_to_one_edge_type():
 
 async def test_replica_lost_mid_stream_ends_it_with_a_503_naming_it(bus):
     """The replica (or its node) dies after some deltas: the client gets them, then one 503 that says
-    so (an SSE error event before [DONE], app/ingress.py) -- never a 500, never a hang -- and the call is
+    so (an SSE error event before [DONE], app/http/ingress.py) -- never a 500, never a hang -- and the call is
     not sent again (the stream had started)."""
     from ray.exceptions import ActorDiedError
 
@@ -221,7 +221,7 @@ async def test_a_call_no_replica_takes_while_the_pool_has_none_ready_is_a_503_na
     """Issue 40 item 2: the pool's only replica's node was lost; Serve would hold the call until a
     replacement runs (a minute). Once the hub sees no ready replica, the call is cancelled within
     replica_wait_s and the client gets a 503 with Retry-After naming the pool (failover's trigger)."""
-    from app.streaming import NO_REPLICA_RETRY_AFTER_S
+    from app.pool.streaming import NO_REPLICA_RETRY_AFTER_S
 
     inbox, outbox = bus
     pool = HeldPool(outbox, [delta(1, fin=True)])

@@ -18,7 +18,7 @@ if os.environ.get("SINKSERVE_CHAOS_INJECT") == "1":
     import time
 
     sys.path.insert(0, os.environ["SINKSERVE_CHAOS_REPO"])
-    from engine import detokenizer, output_processor
+    from engine.core import detokenizer, output_processor
 
     _update = detokenizer.IncrementalDetokenizer.update
 
