@@ -1,5 +1,5 @@
 """``sinkserve`` command line: a thin dispatcher. Each subcommand lives in its own small module
-exposing ``add_parser(subparsers)`` and ``run(args) -> int`` (``cli_serve`` here; ``cli_generate``
+exposing ``add_parser(subparsers)`` and ``run(args) -> int`` (``serve`` here; ``generate``
 is the engine's one-shot generation command)."""
 
 from __future__ import annotations
