@@ -94,7 +94,7 @@ class PoolRequest:
     # A session's id: the pool's router sends every turn of a session to the same replica
     # (app/pool/affinity.py), where its earlier turns' blocks sit in the prefix cache.
     affinity: str | None = None
-    # A request without a session: the hash of its leading KV blocks (app/plan/prefix_affinity.py). The router
+    # A request without a session: the hash of its leading KV blocks (app/pool/prefix_affinity.py). The router
     # ranks replicas by it the same way, so requests sharing a long prefix meet that prefix's cached
     # blocks; ``affinity``, when set, wins.
     prefix_affinity: str | None = None

@@ -90,7 +90,7 @@ class PoolArgs(_Strict):
     affinity_max_load: int | None = Field(None, gt=0)
     # Requests without a session go to the replica a hash of their first this many prompt tokens (whole
     # KV blocks of engine.block_size) prefers, so requests sharing a system prompt or document meet its
-    # cached blocks (app/plan/prefix_affinity.py). Needs affinity_max_load: one popular prefix would otherwise
+    # cached blocks (app/pool/prefix_affinity.py). Needs affinity_max_load: one popular prefix would otherwise
     # queue every request on one replica. None (the default): power of two choices.
     prefix_affinity_tokens: int | None = Field(None, gt=0)
     num_cpus: float = Field(0.1, ge=0)  # the replica (scheduler, KV bookkeeping; the model at TP=1)

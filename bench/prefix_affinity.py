@@ -5,7 +5,7 @@
 
 One application, the reference model (assets/reference-model), two pools of 2 replicas each that differ
 only in routing: ``aff`` sets ``prefix_affinity_tokens`` (requests without a session ranked by a hash of
-their first 128 tokens, app/plan/prefix_affinity.py) and ``p2c`` does not (Serve's power of two choices). Each
+their first 128 tokens, app/pool/prefix_affinity.py) and ``p2c`` does not (Serve's power of two choices). Each
 round makes ``--docs`` fresh openings (a ~600-token "document" each) with ``--tails`` distinct questions
 each, shuffles the requests once, and sends that same sequence, one request at a time, streamed, to each
 pool; the pool order alternates per round. Per request: TTFT at the client (request sent to the first

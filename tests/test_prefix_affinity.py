@@ -1,4 +1,4 @@
-"""Prefix affinity (app/plan/prefix_affinity.py, app/pool/affinity.py): requests without a session are ranked by a hash
+"""Prefix affinity (app/pool/prefix_affinity.py, app/pool/affinity.py): requests without a session are ranked by a hash
 of their leading KV blocks, with the pool's spill-over; a session id wins; the setting is validated."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from app.pool.affinity import SessionAffinityRouter, affinity_key, ranked
 from app.builder import bucket_spec
 from app.events import PoolRequest
-from app.plan.prefix_affinity import prefix_key
+from app.pool.prefix_affinity import prefix_key
 from app.settings import PoolArgs, pool_limits
 from engine import SamplingParams
 from engine.config import DEFAULT_MODEL

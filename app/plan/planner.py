@@ -25,7 +25,7 @@ from app.state.conversations import Conversation, chat_continuation
 from app.errors import APIError
 from app.events import PoolRequest, RouteInfo, RoutePlan
 from app.plan.passages import Trimmed, pinned_token_ranges, trim_passages
-from app.plan.prefix_affinity import prefix_key
+from app.pool.prefix_affinity import prefix_key
 from app.schemas import (ChatCompletionRequest, CompletionRequest, TokenizeChatRequest, TokenizeResponse, TokenRange,
                          new_request_id)
 from app.settings import BucketSpec, PlanSpec, VersionSpec, pool_deployment_name

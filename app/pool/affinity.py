@@ -8,7 +8,7 @@ dies, Serve drops it from the set and the session moves to the next replica, whe
 re-prefilled from the token ids the store keeps (``app/state/conversations.py``). A request without a session
 is ranked the same way by its prefix key when the pool sets ``prefix_affinity_tokens``: a hash of its
 leading KV blocks, so requests sharing a system prompt or document meet its cached blocks
-(``app/plan/prefix_affinity.py``: the key, and why a stateless hash rather than SGLang's per-replica radix
+(``app/pool/prefix_affinity.py``: the key, and why a stateless hash rather than SGLang's per-replica radix
 tree). A session id wins over a prefix key. Requests with neither (prefix affinity off, or a prompt
 shorter than one block) use Serve's power-of-two-choices. Worked example (scores invented)::
 
@@ -81,7 +81,7 @@ def affinity_order(ranking: Sequence[str], loads: dict[str, int | None], max_loa
 
 def affinity_key(pending: Any) -> str | None:
     """The key a pending Serve request is routed by (its first argument is a ``PoolRequest``): its
-    session id, else its prefix key (``app/plan/prefix_affinity.py``), else None (power of two choices)."""
+    session id, else its prefix key (``app/pool/prefix_affinity.py``), else None (power of two choices)."""
     args = getattr(pending, "args", None) or ()
     if not args:
         return None

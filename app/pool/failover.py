@@ -30,6 +30,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 from app.errors import APIError
 from app.events import RouteInfo, RoutePlan, TokenDelta
 from app.settings import BucketSpec, pool_deployment_name
+from app.pool.prefix_affinity import prefix_key
 from app.pool.streaming import stream_plan
 from app.pool.token_bus import TokenInbox
 
@@ -46,7 +47,8 @@ def pool_unavailable(e: APIError) -> bool:
 
 
 def fallback_plans(plan: RoutePlan, buckets: Sequence[BucketSpec], deployments: Sequence[str]) -> list[RoutePlan]:
-    """The same request in every other pool that can serve it, smallest bucket first."""
+    """The same request in every other pool that can serve it, smallest bucket first, with the routing key
+    that pool's router expects."""
     info = plan.info
     out = []
     for b in sorted(buckets, key=lambda b: b.max_prompt_tokens):
@@ -55,7 +57,13 @@ def fallback_plans(plan: RoutePlan, buckets: Sequence[BucketSpec], deployments: 
             continue
         if b.versions is not None and info.version not in b.versions:
             continue
-        out.append(replace(plan, info=replace(info, pool=b.name, deployment=name)))
+        req = plan.request
+        if req.affinity is None:
+            # A prefix key hashes the first pool's whole blocks up to its prefix_affinity_tokens; this pool may
+            # cut other blocks, or route without one. (A session's key is the same in every pool.)
+            req = replace(req, prefix_affinity=prefix_key(req.prompt_token_ids, b.block_size,
+                                                          b.prefix_affinity_tokens))
+        out.append(replace(plan, info=replace(info, pool=b.name, deployment=name), request=req))
     return out
 
 

@@ -137,7 +137,7 @@ def test_requests_sharing_a_long_prefix_meet_its_cached_blocks_on_one_replica(co
     from transformers import AutoTokenizer
 
     from app.pool.affinity import ranked
-    from app.plan.prefix_affinity import prefix_key
+    from app.pool.prefix_affinity import prefix_key
 
     tok = AutoTokenizer.from_pretrained(REPO / "assets/reference-model")
     replicas = list(pool_replicas("pool-chat-v1", 2))

@@ -34,6 +34,29 @@ def test_fallbacks_are_the_other_pools_that_hold_the_prompt_smallest_first() -> 
     assert moved.request == plan("short", 30).request  # the same tokens and sampling, another pool
 
 
+def test_a_moved_request_carries_the_prefix_key_of_the_pool_it_moves_to() -> None:
+    """short hashes its first 32 tokens (two 16-token blocks), mid its first 128 (two 64-token blocks); long
+    has no prefix affinity. A session's key goes unchanged."""
+    from dataclasses import replace
+
+    from app.pool.prefix_affinity import prefix_key
+
+    buckets = (BucketSpec("short", 200, 60.0, prefix_affinity_tokens=32),
+               BucketSpec("mid", 300, 60.0, block_size=64, prefix_affinity_tokens=128),
+               BucketSpec("long", 400, 120.0))
+    ids = tuple(range(150))
+    p = plan("short", 150)
+    p = replace(p, request=replace(p.request, prefix_affinity=prefix_key(ids, 16, 32)))
+    mid, long = fallback_plans(p, buckets, DEPLOYMENTS)
+    assert (mid.info.pool, long.info.pool) == ("mid", "long")
+    assert mid.request.prefix_affinity == prefix_key(ids, 64, 128) != p.request.prefix_affinity
+    assert prefix_key(ids[:128] + (7,) * 22, 64, 128) == mid.request.prefix_affinity  # tokens past 128 do not count
+    assert long.request.prefix_affinity is None
+    assert replace(mid.request, prefix_affinity=None) == replace(p.request, prefix_affinity=None)
+    session = replace(p, request=replace(p.request, affinity="conv-1"))
+    assert {f.request.prefix_affinity for f in fallback_plans(session, buckets, DEPLOYMENTS)} == {p.request.prefix_affinity}
+
+
 def delta(text: str) -> TokenDelta:
     return TokenDelta(text, (1,), None, True, "stop", 3, 1)
 

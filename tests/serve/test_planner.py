@@ -285,7 +285,7 @@ def test_a_null_message_content_is_accepted_and_the_schema_says_so():
 def test_plan_sets_a_prefix_key_from_the_buckets_block_size_and_window():
     """Requests sharing their leading whole blocks get one key (the router's rendezvous input); the
     window and block size are the bucket's; a session's turn carries its session id instead."""
-    from app.plan.prefix_affinity import prefix_key
+    from app.pool.prefix_affinity import prefix_key
 
     p = Planner(PlanSpec(buckets=(_B("short", 1000, 60.0, max_seq_len=1024, block_size=16, prefix_affinity_tokens=64),),
                          versions=(_V("v1", DEFAULT_MODEL, 1.0),)))
