@@ -7,7 +7,11 @@ Every sequence of the batch decodes one token over ``context`` cached tokens in 
 ``portable`` column is the working tree's source built with ``-mno-avx512f`` (the path a CPU without
 AVX-512 runs). Outputs of the builds are compared before timing.
 
+``--kv int8|int4|int2`` times the packed-cache kernel (``csrc/decode_attention_quant.c``) instead: every
+block packed (value group 16, no 16-bit blocks), the same shapes.
+
     python -m bench.cpu_decode_attention --out docs/cpu_decode_attention.md
+    python -m bench.cpu_decode_attention --kv int4 --old-rev HEAD   # the packed kernel, HEAD vs working tree
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ from bench.report import emit  # noqa: E402
 from sinkserve_kernels.cpu_lib import load_source  # noqa: E402
 
 SOURCE = "sinkserve_kernels/csrc/decode_attention.c"
+QUANT_SOURCE = "sinkserve_kernels/csrc/decode_attention_quant.c"
+CSRC = REPO_ROOT / "sinkserve_kernels" / "csrc"  # quant_cache.h, for a source built from a temporary file
+VALUE_GROUP = 16
 # the last revision before the AVX-512 rewrite (two passes, one horizontal sum per key and head)
 OLD_REV = "791bb6a9c110"
 
@@ -57,7 +64,34 @@ def make_inputs(batch: int, context: int, hkv: int, group: int, d: int, block: i
                 out=torch.empty(batch, hq, d), hq=hq, hkv=hkv, d=d, block=block)
 
 
+def make_quant_inputs(batch: int, context: int, hkv: int, group: int, d: int, block: int, bits: int) -> dict:
+    """``make_inputs`` with the K/V packed into a ``QuantKVCache`` of ``bits`` (every block packed)."""
+    from sinkserve_kernels import torch_kernels
+    from sinkserve_kernels.kv_quant import QuantKVCache
+
+    x = make_inputs(batch, context, hkv, group, d, block)
+    nb = x["k"].shape[0]
+    cache = QuantKVCache.allocate(nb, 1, block, hkv, d, bits=bits, group_size=VALUE_GROUP, dtype=torch.float32)
+    torch_kernels.quantize_into(cache, torch.arange(nb), x.pop("k"), x.pop("v"))
+    return {**x, "cache": cache}
+
+
+def call_quant(lib, x: dict) -> None:  # type: ignore[no-untyped-def]
+    import ctypes
+
+    from sinkserve_kernels.cpu_attention import quant_cache_args
+
+    kv = quant_cache_args(x["cache"])
+    rc = lib.sinkserve_decode_attention_quant(
+        x["q"].data_ptr(), x["q"].stride(0), x["q"].stride(1), ctypes.byref(kv), x["tables"].data_ptr(),
+        x["tables"].stride(0), x["lens"].data_ptr(), x["starts"].data_ptr(), x["lens"].shape[0], x["hq"], x["hkv"],
+        x["d"], x["block"], x["d"] ** -0.5, 0, None, x["out"].data_ptr())
+    assert rc == 0, rc
+
+
 def call(lib, x: dict) -> None:  # type: ignore[no-untyped-def]
+    if "cache" in x:
+        return call_quant(lib, x)
     rc = lib.sinkserve_decode_attention(
         x["q"].data_ptr(), x["q"].stride(0), x["q"].stride(1), x["k"].data_ptr(), x["v"].data_ptr(),
         x["tables"].data_ptr(), x["tables"].stride(0), x["lens"].data_ptr(), x["starts"].data_ptr(),
@@ -78,19 +112,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--old-rev", default=OLD_REV, help="git revision of the old source")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--kv", choices=("fp", "int8", "int4", "int2"), default="fp",
+                    help="the float32 cache's kernel (default) or the packed cache's at these bits")
     args = ap.parse_args(argv)
 
-    old_src = subprocess.run(["git", "show", f"{args.old_rev}:{SOURCE}"], cwd=REPO_ROOT, check=True,
+    source = SOURCE if args.kv == "fp" else QUANT_SOURCE
+    old_src = subprocess.run(["git", "show", f"{args.old_rev}:{source}"], cwd=REPO_ROOT, check=True,
                              capture_output=True, text=True).stdout
-    new_src = (REPO_ROOT / SOURCE).read_text()
-    libs = {"old": load_source(old_src), "new": load_source(new_src),
-            "portable": load_source(new_src, ("-mno-avx512f",))}
+    new_src = (REPO_ROOT / source).read_text()
+    inc = ("-I", str(CSRC))
+    libs = {"old": load_source(old_src, inc), "new": load_source(new_src, inc),
+            "portable": load_source(new_src, (*inc, "-mno-avx512f"))}
     load = [uptime()]
     rows = []
     for d in (int(x) for x in args.head_dim.split(",")):
         for context in (int(x) for x in args.context.split(",")):
             for batch in (int(x) for x in args.batch.split(",")):
-                x = make_inputs(batch, context, args.kv_heads, args.group, d, args.block)
+                x = make_inputs(batch, context, args.kv_heads, args.group, d, args.block) if args.kv == "fp" else \
+                    make_quant_inputs(batch, context, args.kv_heads, args.group, d, args.block, int(args.kv[3:]))
                 outs = {}
                 for name, lib in libs.items():
                     call(lib, x)
@@ -111,11 +150,12 @@ def main(argv: list[str] | None = None) -> int:
                 del x
     load.append(uptime())
     lines = [
-        "# CPU decode attention: the kernel alone, old vs new source",
+        "# CPU decode attention: the kernel alone, old vs new source"
+        + ("" if args.kv == "fp" else f" (packed {args.kv} cache)"),
         "",
         f"`python -m bench.cpu_decode_attention {' '.join(sys.argv[1:] if argv is None else argv)}` on "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {cpu_name()}, {os.cpu_count()} CPUs shared with other "
-        f"jobs (load averages {load[0]} before, {load[1]} after), one thread. old: `{SOURCE}` at "
+        f"jobs (load averages {load[0]} before, {load[1]} after), one thread. old: `{source}` at "
         f"{args.old_rev}; new: the working tree's; portable: new built with `-mno-avx512f`; all with "
         f"`cc -O3 -march=native -ffast-math`. {args.kv_heads} KV heads x {args.group} query heads, block "
         f"{args.block}, one decode token per sequence at `context` cached tokens, {args.rounds} rounds x "

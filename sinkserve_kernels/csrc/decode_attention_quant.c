@@ -116,6 +116,26 @@ static inline void dequant_keys(const QuantCache *kv, int32_t blk, int off, int 
     }
 }
 
+/* Values of n tokens from flat token row tok (consecutive tokens of one block), KV head hk, decoded into
+ * tile[j * D + c]: codes times their token's per-group scale plus zero (fp16, widened per channel first so
+ * the last loop runs over D contiguous floats). The one value decode: the attention below and
+ * sinkserve_quant_token read values here. */
+static inline void dequant_values(const QuantCache *kv, int64_t tok, int n, int hkv, int hk, int D, float *tile) {
+    const int64_t cb = (int64_t)D * kv->bits / 8;
+    const int ng = D / kv->group, G = kv->group;
+    float vsc[256], vze[256];
+    unpack_rows(kv->v_codes + (tok * hkv + hk) * cb, (int64_t)hkv * cb, n, kv->bits, D, tile);
+    for (int j = 0; j < n; j++) {
+        float *vr = tile + j * D;
+        const int64_t vo = ((tok + j) * hkv + hk) * ng;
+        for (int e = 0; e < ng; e++) {
+            const float a = half_to_float(kv->v_scale[vo + e]), b = half_to_float(kv->v_zero[vo + e]);
+            for (int i = 0; i < G; i++) { vsc[e * G + i] = a; vze[e * G + i] = b; }
+        }
+        for (int i = 0; i < D; i++) vr[i] = vr[i] * vsc[i] + vze[i];
+    }
+}
+
 static inline void key_scales(const QuantCache *kv, int32_t blk, int hkv, int hk, int D, float *ksc, float *kze) {
     const int64_t so = ((int64_t)blk * hkv + hk) * D;
     for (int i = 0; i < D; i++) {
@@ -146,19 +166,11 @@ void sinkserve_quant_token(const QuantCache *kv, int64_t slot, int block, int hk
         memcpy(v, kv->fp_v + o, sizeof(float) * hkv * d);
         return;
     }
-    const int64_t cb = (int64_t)d * kv->bits / 8;
-    const int ng = d / kv->group;
     float ksc[256], kze[256];
     for (int hk = 0; hk < hkv; hk++) {
         key_scales(kv, blk, hkv, hk, d, ksc, kze);
         dequant_keys(kv, blk, off, 1, block, hkv, hk, d, ksc, kze, k + (int64_t)hk * d);
-        float *vr = v + (int64_t)hk * d; /* the attention's value decode: codes * scale + zero per group */
-        unpack_rows(kv->v_codes + (slot * hkv + hk) * cb, 0, 1, kv->bits, d, vr);
-        const int64_t vo = (slot * hkv + hk) * ng;
-        for (int e = 0; e < ng; e++) {
-            const float a = half_to_float(kv->v_scale[vo + e]), b = half_to_float(kv->v_zero[vo + e]);
-            for (int i = e * kv->group; i < (e + 1) * kv->group; i++) vr[i] = vr[i] * a + b;
-        }
+        dequant_values(kv, slot, 1, hkv, hk, d, v + (int64_t)hk * d);
     }
 }
 
@@ -171,13 +183,10 @@ static void NAME(const float *q, int64_t q_sh, const QuantCache *kv, const int32
     enum { DM = DCONST > 0 ? DCONST : 256 };                                                               \
     const int D = DCONST > 0 ? DCONST : d_rt;                                                              \
     const int chunk_max = TILE_FLOATS / D < MAX_CHUNK ? TILE_FLOATS / D : MAX_CHUNK;                       \
-    const int64_t cb = (int64_t)D * kv->bits / 8;   /* code bytes of one token-head row */                \
-    const int ng = D / kv->group, G = kv->group;                                                           \
     const int64_t f_stride = (int64_t)hkv * D;      /* floats between two tokens of a 16-bit block */     \
-    const int64_t c_stride = (int64_t)hkv * cb;     /* bytes between two tokens of a packed block */      \
     float qs[MAX_GROUP][DM], acc[MAX_GROUP][DM], m[MAX_GROUP], l[MAX_GROUP];                               \
     float s[MAX_GROUP][MAX_CHUNK];                                                                         \
-    float kt[TILE_FLOATS], vt[TILE_FLOATS], ksc[DM], kze[DM], vsc[DM], vze[DM];                            \
+    float kt[TILE_FLOATS], vt[TILE_FLOATS], ksc[DM], kze[DM];                                              \
     for (int g = 0; g < g_n; g++) {                                                                        \
         for (int i = 0; i < D; i++) { qs[g][i] = q[g * q_sh + i] * scale; acc[g][i] = 0.0f; }              \
         m[g] = sinks ? sinks[g] : 0.0f;                                                                    \
@@ -200,19 +209,8 @@ static void NAME(const float *q, int64_t q_sh, const QuantCache *kv, const int32
                 const int64_t fo = (((int64_t)slot * block + pos % block) * hkv + hk) * D;                 \
                 kp = kv->fp_k + fo; vp = kv->fp_v + fo; ks = f_stride;                                     \
             } else {                                                                                       \
-                const int64_t co = (tok * hkv + hk) * cb;                                                  \
                 dequant_keys(kv, blk, pos % block, n, block, hkv, hk, D, ksc, kze, kt);                    \
-                unpack_rows(kv->v_codes + co, c_stride, n, kv->bits, D, vt);                               \
-                for (int j = 0; j < n; j++) {                                                              \
-                    float *vr = vt + j * D;                                                                \
-                    const int64_t vo = ((tok + j) * hkv + hk) * ng;                                        \
-                    for (int e = 0; e < ng; e++) {                                                         \
-                        const float a = half_to_float(kv->v_scale[vo + e]);                                \
-                        const float b = half_to_float(kv->v_zero[vo + e]);                                 \
-                        for (int i = 0; i < G; i++) { vsc[e * G + i] = a; vze[e * G + i] = b; }            \
-                    }                                                                                      \
-                    for (int i = 0; i < D; i++) vr[i] = vr[i] * vsc[i] + vze[i];                           \
-                }                                                                                          \
+                dequant_values(kv, tok, n, hkv, hk, D, vt);                                                \
                 kp = kt; vp = vt; ks = D;                                                                  \
             }                                                                                              \
             for (int j = 0; j < n; j++) {                                                                  \
