@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ours = eviction.run_budget_needle(plan.model, tuple(budgets), args.docs, doc_tokens=plan.doc_tokens,
                                           filler=plan.filler, question_in_view=in_view,
-                                          kinds=("dense", "sinks_window", "importance") if in_view else ("dense", "importance"))
+                                          kinds=eviction.KINDS if in_view else ("dense", "importance"))
         if args.stream_chunk:
             streamed = eviction.run_budget_needle(plan.model, tuple(budgets), args.docs, chunk=args.stream_chunk,
                                                   doc_tokens=plan.doc_tokens, filler=plan.filler, kinds=("importance",))

@@ -37,16 +37,22 @@ LOCAL_WINDOW = 64
 DOC_FRACTION = 900 / 1024  # document length / trained context: 900 tokens on the reference model
 
 
-def budget_arms(doc_tokens: int, budgets: tuple[int, ...]) -> list[A.Arm]:
-    """Dense, then per budget (percent of ``doc_tokens``) the sliding-window control and importance."""
-    out = [A.DENSE]
+KINDS = ("dense", "sinks_window", "importance")
+
+
+def budget_arms(doc_tokens: int, budgets: tuple[int, ...], kinds: tuple[str, ...] = KINDS) -> list[A.Arm]:
+    """Dense, then per budget (percent of ``doc_tokens``) the sliding-window control and importance; only
+    the arms of ``kinds``."""
+    out = [A.DENSE] if "dense" in kinds else []
     for b in budgets:
         kept = doc_tokens * b // 100
         blocks = max(1, round(kept / A.BLOCK_SIZE))
-        out.append(dataclasses.replace(A.SINKS_WINDOW, name=f"sinks_window_{b}", label=f"sinks + window, {b}%",
-                                       window=max(A.BLOCK_SIZE, (blocks - 1) * A.BLOCK_SIZE)))
-        out.append(dataclasses.replace(A.SINKS_WINDOW, name=f"importance_{b}", label=f"importance, {b}%",
-                                       eviction="importance", block_budget=blocks, window=LOCAL_WINDOW))
+        if "sinks_window" in kinds:
+            out.append(dataclasses.replace(A.SINKS_WINDOW, name=f"sinks_window_{b}", label=f"sinks + window, {b}%",
+                                           window=max(A.BLOCK_SIZE, (blocks - 1) * A.BLOCK_SIZE)))
+        if "importance" in kinds:
+            out.append(dataclasses.replace(A.SINKS_WINDOW, name=f"importance_{b}", label=f"importance, {b}%",
+                                           eviction="importance", block_budget=blocks, window=LOCAL_WINDOW))
     return out
 
 
@@ -66,7 +72,7 @@ def budget_docs(model: str, docs: int, doc_tokens: int | None = None, chunk: int
 
 def run_budget_needle(model: str, budgets: tuple[int, ...], docs: int, chunk: int | None = None,
                       doc_tokens: int | None = None, filler: str | None = None, question_in_view: bool = True,
-                      kinds: tuple[str, ...] = ("dense", "sinks_window", "importance")) -> EvalResult:
+                      kinds: tuple[str, ...] = KINDS) -> EvalResult:
     """Answer the same ``docs`` documents of ``doc_tokens`` tokens (default ``DOC_FRACTION`` of the trained
     context: 900 of the reference model's 1,024; ``filler`` as :func:`budget_docs`) under the arms of
     ``kinds``; rates vs dense (when dense is among them).
@@ -90,13 +96,11 @@ def run_budget_needle(model: str, budgets: tuple[int, ...], docs: int, chunk: in
         # The prompt but its last few tokens in one step, then the rest: the first answer token must come
         # from the evicted cache (a whole-prompt step would sample it densely). One document at a time: with
         # several in flight the batch's token budget would split a later prompt before its question arrives.
-        chunk = min(d.n_tokens if question_in_view else d.question_first_token + 1 for d in dset) - 1
+        chunk = min(d.n_tokens - 1 if question_in_view else d.question_first_token for d in dset)
         cfg = dataclasses.replace(cfg, chunk=chunk, max_num_seqs=1)
     chunk = cfg.chunk
     rows, rates = [], {}
-    for arm in budget_arms(doc_tokens, budgets):
-        if (arm.name if arm is A.DENSE else arm.name.rsplit("_", 1)[0]) not in kinds:
-            continue
+    for arm in budget_arms(doc_tokens, budgets, kinds):
         texts, wall = run_arm(cfg, arm, dset, "1x", progress=False)
         ok = [long_docs.check_answer(t, d.doc.answer) for t, d in zip(texts, dset)]
         rates[arm.name] = sum(ok) / len(ok)
