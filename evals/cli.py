@@ -60,6 +60,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
             p.add_argument("--kv-budget", metavar="B,C", help="fixed-memory A/B instead: dense vs sinks + window vs "
                            "importance eviction keeping B%%, C%% of ~900-token documents (writes needle_budget.*; "
                            "evals.eviction; --chunk defaults to the whole document)")
+            p.add_argument("--question", choices=("in-view", "not-in-view"), default="in-view",
+                           help="--kv-budget: not-in-view evicts once before the question is prefilled, as a "
+                                "compressor that does not see it (writes needle_budget_question_after.*)")
             p.add_argument("--selected-memory", metavar="L,M", help="hint-free needle past the trained context "
                            "instead: dense at 1x vs sinks + window vs selected memory (sparse.position_mode compact) "
                            "at L, M x ctx; a length <= 1 sets where dense is measured in context (default 1x; e.g. 0.5,2) (writes "
@@ -340,7 +343,8 @@ def run(args: argparse.Namespace) -> int:
         from evals import eviction
 
         result = eviction.run_budget_needle(args.model, tuple(int(x) for x in args.kv_budget.split(",")),
-                                            args.docs or (4 if args.quick else 50), args.chunk, filler=args.filler)
+                                            args.docs or (4 if args.quick else 50), args.chunk, filler=args.filler,
+                                            question_in_view=args.question == "in-view")
     elif getattr(args, "selected_memory", None):
         result = _selected_memory(args)
     elif getattr(args, "sparse", None):

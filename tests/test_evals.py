@@ -137,6 +137,21 @@ def test_kv_budget_needle_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest
     assert "25% budget: importance" in printed and ("MET" in printed or "MISSED" in printed)
 
 
+def test_kv_budget_needle_with_the_question_not_in_view(tiny_llama: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """``--kv-budget --question not-in-view``: the first prefill stops where the earliest question begins, so
+    the first eviction sees the context only."""
+    from evals.eviction import budget_docs
+
+    run_cli(["eval", "needle", "--quick", "--kv-budget", "25", "--question", "not-in-view", "--model",
+             str(tiny_llama), "--out", str(tmp_path), "--docs", "2"], capsys)
+    blob = load(tmp_path, "needle_budget_question_after")
+    _, docs, _ = budget_docs(str(tiny_llama), 2)
+    assert blob["meta"]["question_in_view"] is False
+    assert blob["meta"]["prefill_chunk"] == min(d.question_first_token for d in docs) < min(d.n_tokens for d in docs) - 1
+    assert [r["arm"] for r in blob["rows"]] == ["dense", "sinks_window_25", "importance_25"]
+
+
 def test_selected_memory_needle_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``--selected-memory``: dense at 1x, then per length the sliding-window control and selected memory
     on documents past the (tiny) model's trained context, with a met/missed line per length."""
