@@ -7,8 +7,10 @@ Every sequence of the batch decodes one token over ``context`` cached tokens in 
 ``portable`` column is the working tree's source built with ``-mno-avx512f`` (the path a CPU without
 AVX-512 runs). Outputs of the builds are compared before timing.
 
-``--kv int8|int4|int2`` times the packed-cache kernel (``csrc/decode_attention_quant.c``) instead: every
-block packed (value group 16, no 16-bit blocks), the same shapes.
+``--kv int8|int4|int2`` times the packed-cache entry (``sinkserve_decode_attention_quant``) instead: every
+block packed (value group 16, no 16-bit blocks), the same shapes. Before the one attention core (issue 39)
+that entry lived in ``csrc/decode_attention_quant.c`` and the float32 one took a score scratch; an old
+revision is built from its own ``csrc`` and called with its own signature.
 
     python -m bench.cpu_decode_attention --out docs/cpu_decode_attention.md
     python -m bench.cpu_decode_attention --kv int4 --old-rev HEAD   # the packed kernel, HEAD vs working tree
@@ -21,6 +23,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,8 +38,8 @@ from bench.report import emit  # noqa: E402
 from sinkserve_kernels.cpu_lib import load_source  # noqa: E402
 
 SOURCE = "sinkserve_kernels/csrc/decode_attention.c"
-QUANT_SOURCE = "sinkserve_kernels/csrc/decode_attention_quant.c"
-CSRC = REPO_ROOT / "sinkserve_kernels" / "csrc"  # quant_cache.h, for a source built from a temporary file
+OLD_QUANT_SOURCE = "sinkserve_kernels/csrc/decode_attention_quant.c"  # before the one core
+CSRC = REPO_ROOT / "sinkserve_kernels" / "csrc"  # its headers, for a source built from a temporary file
 VALUE_GROUP = 16
 # the last revision before the AVX-512 rewrite (two passes, one horizontal sum per key and head)
 OLD_REV = "791bb6a9c110"
@@ -60,7 +63,6 @@ def make_inputs(batch: int, context: int, hkv: int, group: int, d: int, block: i
                 tables=perm.view(batch, per).contiguous(),
                 lens=torch.full((batch,), context, dtype=torch.int32),
                 starts=torch.arange(batch + 1, dtype=torch.int32),
-                scratch=torch.empty(context * min(group, 16)),
                 out=torch.empty(batch, hq, d), hq=hq, hkv=hkv, d=d, block=block)
 
 
@@ -92,12 +94,39 @@ def call_quant(lib, x: dict) -> None:  # type: ignore[no-untyped-def]
 def call(lib, x: dict) -> None:  # type: ignore[no-untyped-def]
     if "cache" in x:
         return call_quant(lib, x)
+    # a revision before the one core takes a score scratch: longest span x min(G, 16) floats
+    scratch = (x.setdefault("scratch", torch.empty(int(x["lens"].max()) * min(x["hq"] // x["hkv"], 16))),) \
+        if getattr(lib, "takes_scratch", False) else ()
     rc = lib.sinkserve_decode_attention(
         x["q"].data_ptr(), x["q"].stride(0), x["q"].stride(1), x["k"].data_ptr(), x["v"].data_ptr(),
         x["tables"].data_ptr(), x["tables"].stride(0), x["lens"].data_ptr(), x["starts"].data_ptr(),
         x["lens"].shape[0], x["hq"], x["hkv"], x["d"], x["block"], x["d"] ** -0.5, 0, None, x["out"].data_ptr(),
-        x["scratch"].data_ptr(), x["scratch"].numel())
+        *[a for t in scratch for a in (t.data_ptr(), t.numel())])
     assert rc == 0, rc
+
+
+def old_build(rev: str, kv: str, tmp: Path, flags: tuple[str, ...] = ()):  # type: ignore[no-untyped-def]
+    """The kernel's source at ``rev`` built with that revision's headers (written under ``tmp``); a float32
+    entry that still takes the score scratch gets its own argument types (``takes_scratch``)."""
+    def show(path: str) -> str:
+        return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=REPO_ROOT, check=True, capture_output=True,
+                              text=True).stdout
+
+    names = subprocess.run(["git", "ls-tree", "--name-only", rev, "sinkserve_kernels/csrc/"], cwd=REPO_ROOT,
+                           check=True, capture_output=True, text=True).stdout.split()
+    for name in names:
+        if name.endswith(".h"):
+            (tmp / Path(name).name).write_text(show(name))
+    source = OLD_QUANT_SOURCE if kv != "fp" and OLD_QUANT_SOURCE in names else SOURCE
+    src = show(source)
+    lib = load_source(src, ("-I", str(tmp), *flags))
+    if kv == "fp" and "int64_t scratch_len" in src:
+        import ctypes
+
+        fn = lib.sinkserve_decode_attention
+        fn.argtypes = [*fn.argtypes, ctypes.c_void_p, ctypes.c_int64]
+        lib.takes_scratch = True
+    return lib
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,17 +141,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--old-rev", default=OLD_REV, help="git revision of the old source")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--no-avx512", action="store_true",
+                    help="build old and new with -mno-avx512f too (the portable paths against each other)")
     ap.add_argument("--kv", choices=("fp", "int8", "int4", "int2"), default="fp",
                     help="the float32 cache's kernel (default) or the packed cache's at these bits")
     args = ap.parse_args(argv)
 
-    source = SOURCE if args.kv == "fp" else QUANT_SOURCE
-    old_src = subprocess.run(["git", "show", f"{args.old_rev}:{source}"], cwd=REPO_ROOT, check=True,
-                             capture_output=True, text=True).stdout
+    source = SOURCE
     new_src = (REPO_ROOT / source).read_text()
     inc = ("-I", str(CSRC))
-    libs = {"old": load_source(old_src, inc), "new": load_source(new_src, inc),
-            "portable": load_source(new_src, (*inc, "-mno-avx512f"))}
+    flags = ("-mno-avx512f",) if args.no_avx512 else ()
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = {"old": old_build(args.old_rev, args.kv, Path(tmp), flags), "new": load_source(new_src, (*inc, *flags)),
+                "portable": load_source(new_src, (*inc, "-mno-avx512f"))}
     load = [uptime()]
     rows = []
     for d in (int(x) for x in args.head_dim.split(",")):
@@ -155,9 +186,9 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"`python -m bench.cpu_decode_attention {' '.join(sys.argv[1:] if argv is None else argv)}` on "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {cpu_name()}, {os.cpu_count()} CPUs shared with other "
-        f"jobs (load averages {load[0]} before, {load[1]} after), one thread. old: `{source}` at "
+        f"jobs (load averages {load[0]} before, {load[1]} after), one thread. old: the kernel's source at "
         f"{args.old_rev}; new: the working tree's; portable: new built with `-mno-avx512f`; all with "
-        f"`cc -O3 -march=native -ffast-math`. {args.kv_heads} KV heads x {args.group} query heads, block "
+        f"`cc -O3 -march=native -ffast-math`{' -mno-avx512f (old and new too)' if args.no_avx512 else ''}. {args.kv_heads} KV heads x {args.group} query heads, block "
         f"{args.block}, one decode token per sequence at `context` cached tokens, {args.rounds} rounds x "
         f"{args.reps} calls per build, the builds alternating. Microseconds per call, min / median.",
         "",

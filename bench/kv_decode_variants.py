@@ -19,7 +19,7 @@ blocks, 8 query / 2 KV heads, D = 32, 1 thread, median CPU time of one layer's c
 In the engine (``bench/throughput.py``, 32 concurrent, 2 threads, load ~5.5) the folded variant gave int4
 0.46x of 16-bit throughput.
 
-``C`` (the ``cpu`` backend, what ``auto`` runs on CPU; ``sinkserve_kernels/csrc/decode_attention_quant.c``) reads the
+``C`` (the ``cpu`` backend, what ``auto`` runs on CPU; ``sinkserve_kernels/csrc/decode_attention.c``, then ``decode_attention_quant.c``) reads the
 codes in place, and beside it the 16-bit C kernel on the same (dequantized) keys. One run, load ~4.3
 (2026-12-01 16:11 UTC):
 

@@ -6,10 +6,10 @@ SDPA, whose CPU kernel is tuned for long query blocks, not one query row. ``csrc
 reads each key and value once, straight from the blocks the table names, with one query token per
 sequence (see its header for the exact semantics: null blocks, sliding windows, sinks).
 
-A packed cache (``kv_cache_dtype`` int8 / int4 / int2) is decoded the same way by
-``csrc/decode_attention_quant.c``: for each block the table names it reads either the 16-bit side-pool
-block or the packed codes with their scales (and the outlier key channels' 16-bit copies), decoding a
-chunk of tokens at a time into a small tile, with an online softmax. The torch path it replaces
+A packed cache (``kv_cache_dtype`` int8 / int4 / int2) goes through the same file's one online-softmax
+core: for each block the table names it reads either the 16-bit side-pool block in place or the packed
+codes with their scales (and the outlier key channels' 16-bit copies), decoding a chunk of tokens at a
+time into a small tile. The torch path it replaces
 (``sinkserve_kernels/packed_decode.py``: gather split by precision, dequantize, SDPA; ~25 torch ops per layer)
 stays the reference and the ``torch`` backend's path::
 
@@ -42,28 +42,21 @@ __all__ = ["CpuPlan", "load", "paged_attention", "paged_attention_quant", "plan"
 @dataclass
 class CpuPlan:
     """The step's metadata for one sliding window, read once per step and shared by every layer: int32
-    copies of the tables and lengths in the layout the kernel reads, the longest context (sizing the
-    score scratch), whether every sequence decodes one token (then the kernel does the whole layer), and
-    the reference plan, built only when a layer needs it (prefill segments, quantized KV)."""
+    copies of the tables and lengths in the layout the kernel reads, whether every sequence decodes one
+    token (then the kernel does the whole layer), and the reference plan, built only when a layer needs it
+    (prefill segments, quantized KV)."""
 
     args: tuple
     decode_only: bool
     tables: torch.Tensor  # [S, W] int32, contiguous
     lens: torch.Tensor  # [S] int32
     starts: torch.Tensor  # [S + 1] int32
-    longest: int
     _full: torch_kernels.AttentionPlan | None = field(default=None, repr=False)
-    _scratch: torch.Tensor | None = field(default=None, repr=False)
 
     def full(self) -> torch_kernels.AttentionPlan:
         if self._full is None:
             self._full = torch_kernels.plan_attention(*self.args)
         return self._full
-
-    def scratch(self, numel: int) -> torch.Tensor:
-        if self._scratch is None or self._scratch.numel() < numel:
-            self._scratch = torch.empty(max(1, numel), dtype=torch.float32)
-        return self._scratch
 
 
 def plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, block_size: int,
@@ -74,7 +67,7 @@ def plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: to
     return CpuPlan((block_tables, seq_lens, query_start_loc, block_size, window),
                    decode_only=int(query_start_loc[num]) == num,
                    tables=block_tables.to(torch.int32).contiguous(), lens=lens,
-                   starts=query_start_loc.to(torch.int32).contiguous(), longest=int(lens.max()) if num else 0)
+                   starts=query_start_loc.to(torch.int32).contiguous())
 
 
 def _kernel_ok(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -91,8 +84,6 @@ def decode_rows(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     assert lib is not None and out.is_contiguous()
     _, hq, d = query.shape
     _, block, hkv, _ = k_cache.shape
-    span = min(plan.longest, window) if window is not None else plan.longest
-    scratch = plan.scratch(span * min(hq // hkv, 16))
     sink_ptr = None
     if sinks is not None:
         sinks = sinks.to(torch.float32).contiguous()
@@ -100,8 +91,7 @@ def decode_rows(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     rc = lib.sinkserve_decode_attention(  # signature: sinkserve_kernels/cpu_lib.py
         query.data_ptr(), query.stride(0), query.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
         plan.tables.data_ptr(), plan.tables.stride(0), plan.lens.data_ptr(), plan.starts.data_ptr(),
-        plan.lens.shape[0], hq, hkv, d, block, float(scale), window or 0, sink_ptr, out.data_ptr(),
-        scratch.data_ptr(), scratch.numel())
+        plan.lens.shape[0], hq, hkv, d, block, float(scale), window or 0, sink_ptr, out.data_ptr())
     if rc != 0:
         raise RuntimeError(f"decode attention kernel refused its arguments (code {rc})")
 
@@ -125,7 +115,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 class QuantCacheArgs(ctypes.Structure):
-    """``csrc/decode_attention_quant.c``'s ``QuantCache``: one layer's packed cache as the kernel reads it."""
+    """``csrc/decode_attention.h``'s ``QuantCache``: one layer's packed cache as the kernel reads it."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero",
                                                       "fp_k", "fp_v", "fp_index", "outlier_idx", "k_outlier")]
@@ -133,7 +123,7 @@ class QuantCacheArgs(ctypes.Structure):
 
 
 def quant_cache_args(cache) -> QuantCacheArgs:
-    """One layer's ``sinkserve_kernels.kv_quant.QuantKVCache`` as ``csrc/quant_cache.h``'s ``QuantCache``: the addresses
+    """One layer's ``sinkserve_kernels.kv_quant.QuantKVCache`` as ``csrc/decode_attention.h``'s ``QuantCache``: the addresses
     of its tensors (which the caller keeps alive and in place) and its bits, value group and outlier count."""
     o = 0 if cache.outlier_idx is None else int(cache.outlier_idx.shape[-1])
     return QuantCacheArgs(cache.k_codes.data_ptr(), cache.v_codes.data_ptr(), cache.k_scale.data_ptr(),
@@ -168,7 +158,7 @@ def _quant_kernel_ok(query: torch.Tensor, cache) -> bool:
 def decode_rows_quant(query: torch.Tensor, cache, plan: CpuPlan, scale: float, window: int | None,
                       sinks: torch.Tensor | None, out: torch.Tensor) -> None:
     """``decode_rows`` over a packed cache (``sinkserve_kernels.kv_quant.QuantKVCache``): each block is read where it
-    lives, the 16-bit side pool or the packed codes with their scales (``csrc/decode_attention_quant.c``)."""
+    lives, the 16-bit side pool or the packed codes with their scales (``csrc/decode_attention.c``'s core)."""
     lib = load()
     assert lib is not None and out.is_contiguous()
     _, hq, d = query.shape

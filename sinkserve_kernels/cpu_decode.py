@@ -9,10 +9,10 @@ SiLU, down, biases), the final norm and ``lm_head`` -- to C.
 What the step carries besides float32 caches:
 
 * **Packed KV** (``kv_cache_dtype`` int8 / int4 / int2, outlier key channels included): a layer's
-  ``sinkserve_kernels.kv_quant.QuantKVCache`` goes to C as ``csrc/quant_cache.h``'s ``QuantCache`` (the CPU
+  ``sinkserve_kernels.kv_quant.QuantKVCache`` goes to C as ``csrc/decode_attention.h``'s ``QuantCache`` (the CPU
   backend's struct, ``sinkserve_kernels.cpu_attention.quant_cache_args``). The new token's K/V land where the eager
   path writes them (``torch_kernels.write_kv_quant``: its block's 16-bit side-pool slot) and attention runs
-  through the backend's packed kernel (``csrc/decode_attention_quant.c``), the same routine the eager
+  through the backend's attention core (``csrc/decode_attention.c``), the same routine the eager
   step's attention calls. Packing full blocks stays in the model runner's KV ops, before the forward, so
   it happens identically whichever path runs the step::
 
@@ -85,7 +85,7 @@ _K, _V, _Q, _B = (FIELDS.index(f) for f in ("k_cache", "v_cache", "kv_quant", "b
 _IX = FIELDS.index("ix_wq")  # ix_wq, ix_wk, ix_ww, ix_keys, ix_scale
 MAX_INDEX_DIM = 1024  # decode_step.c's
 ERRORS = {-1: "a slot past the KV cache", -3: "a token id past the vocabulary", -4: "out of memory",
-          -11: "attention scratch too small", -12: "head_dim out of the kernel's range",
+          -12: "head_dim out of the kernel's range",
           -13: "packed KV bits not 8, 4 or 2", -14: "a value group that does not divide head_dim",
           -5: f"an index-key width past {MAX_INDEX_DIM}"}
 

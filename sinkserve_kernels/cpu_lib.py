@@ -32,7 +32,7 @@ CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-pthread")
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
     "sinkserve_decode_attention": ([_p, _i64, _i64, _p, _p, _p, _i64, _p, _p, _i32, _i32, _i32, _i32, _i32, _f32,
-                                    _i32, _p, _p, _p, _i64], ctypes.c_int),
+                                    _i32, _p, _p], ctypes.c_int),
     "sinkserve_decode_attention_quant": ([_p, _i64, _i64, _p, _p, _i64, _p, _p, _i32, _i32, _i32, _i32, _i32, _f32,
                                           _i32, _p, _p], ctypes.c_int),
     "sinkserve_rms_norm": ([_p, _i64, _p, _p, _i64, _i32, _f32], None),

@@ -1,7 +1,7 @@
 """Decode attention over a packed KV cache on the torch path (CPU): each sequence's keys are gathered
 *split by precision* once per step, so a layer decodes only the packed blocks and copies the 16-bit ones.
 This is the ``torch`` backend's path and the reference of the ``cpu`` backend's C kernel
-(``sinkserve_kernels/csrc/decode_attention_quant.c``, which reads the codes in place and is what ``auto`` runs on CPU).
+(``sinkserve_kernels/csrc/decode_attention.c``, whose core reads the codes in place and is what ``auto`` runs on CPU).
 
 A decode step's compact gather (``torch_kernels.Gather``) mixes both kinds of block in logical order, and
 dequantizing it whole decodes the 16-bit blocks' stale codes too, then overwrites them (a scatter). Key

@@ -84,7 +84,7 @@ def c_step_blockers(config: EngineConfig, facts: DecodeFacts) -> list[str]:
         out.append(f"attention backend {facts.backend}")
     if facts.head_dim > C_STEP_MAX_HEAD_DIM:
         out.append(f"head_dim {facts.head_dim} > {C_STEP_MAX_HEAD_DIM}")
-    # Packed KV (int8 / int4 / int2, outlier channels) is carried: csrc/decode_attention_quant.c. So are
+    # Packed KV (int8 / int4 / int2, outlier channels) is carried: csrc/decode_attention.c. So are
     # importance eviction's block scores (decode_step.c block_mass) and a
     # block_bounds sparse pool: the C step keeps the bounds and selects from them (dense inside
     # sparse.min_context); so is the trained indexer (decode_step.c index_key / index_select: the index keys

@@ -1,9 +1,22 @@
-/* Decode attention over the paged KV cache, float32, one thread: the CPU backend's kernel
- * (sinkserve_kernels/cpu_attention.py builds and calls it; sinkserve_kernels/torch_kernels.py is the ground truth).
+/* Decode attention over the paged KV cache, one thread: the CPU backend's kernel and the C decode step's
+ * (sinkserve_kernels/cpu_attention.py and decode_step.c call it; sinkserve_kernels/torch_kernels.py is the
+ * ground truth). One core for both caches the engine keeps:
  *
- * For every sequence s whose query segment is one token (query_start_loc[s+1] - query_start_loc[s] == 1)
- * and every KV head, the G = Hq / Hkv query heads of that KV head read the sequence's keys straight from
- * the cache blocks its table names -- no gathered copy, no mask tensor:
+ *   float32 cache   k_cache / v_cache [num_blocks, B, Hkv, D], every block read in place
+ *   packed cache    one layer's QuantCache (int8 / int4 / int2; sinkserve_kernels/kv_quant.py's layout):
+ *     fp_index[blk] >= 0  -> 16-bit block: fp_k / fp_v [NF, B, H, D] float32, slot fp_index[blk], in place
+ *     fp_index[blk] <  0  -> packed block: codes k_codes / v_codes [NB, B, H, D * bits / 8] uint8,
+ *                            keys   x = code * k_scale[blk, h, c] + k_zero[blk, h, c]      (per channel)
+ *                            values x = code * v_scale[blk, t, h, c / G] + v_zero[...]     (per token, G channels)
+ *                            scales / zeros fp16; outlier key channels (optional): key channel
+ *                            outlier_idx[h, o] of token t is k_outlier[blk, t, h, o] (float32), not its code
+ *
+ *     byte c of a token-head row holds (torch_kernels.pack_codes):
+ *       int8: channel c                     int4: bits 3..0 channel c, bits 7..4 channel c + D/2
+ *       int2: bits 2i+1..2i channel c + i * D/4   (i = 0..3)
+ *
+ * Semantics, for every sequence s whose query segment is one token (query_start_loc[s+1] -
+ * query_start_loc[s] == 1) and every KV head, the G = Hq / Hkv query heads of that KV head:
  *
  *     keys of s:  positions lo .. seq_len-1, block = table[s][pos / B], slot pos % B
  *                 lo = max(0, seq_len - window) for a sliding-window layer (window <= 0: 0)
@@ -12,92 +25,274 @@
  *     when sinks are given);  out[h] = sum_j p_j v_j;  no visible key -> zeros
  *
  * Sequences with longer segments (prefill chunks) are skipped: their rows are left to the caller.
- * Layouts: q [T, Hq, D] with strides (q_st, q_sh, 1); caches contiguous [num_blocks, B, Hkv, D]; out
- * contiguous [T, Hq, D]; block_tables int32 [S, bt_stride]. Returns 0, -1 (scratch_len under the longest
- * visible span times min(G, 16)) or -2 (D over 256).
+ * Layouts: q [T, Hq, D] with strides (q_st, q_sh, 1); every cache tensor contiguous; out contiguous
+ * [T, Hq, D]; block_tables int32 [S, bt_stride].
  *
- * Two builds of the same semantics (tests/kernels/test_cpu_attention.py runs both against the reference):
- *   AVX-512, D a multiple of 16 (below): one pass per sequence over every head, online softmax, the next
- *     block prefetched; ~1.5-2x the portable path with the cache in L2/L3, ~2-4x from DRAM
- *     (bench/cpu_decode_attention.py, docs/cpu_decode_attention.md).
- *   portable C (head_*), any CPU and any D <= 256: two passes per (sequence, KV head): scores into the
- *     scratch row, then max / exp / sum, then the weighted sum of values (in registers: D is a constant
- *     in the 32/64/128 copies). */
+ * One per-sequence driver (decode_rows) hands each sequence to one of two loops with the same semantics
+ * (tests/kernels/test_cpu_attention*.py run both builds against the reference):
+ *
+ *   the online-softmax core (head_*), any CPU, any D <= 256, either cache: per (sequence, KV head, up to
+ *     16 query heads), a chunk of up to TILE_FLOATS / D tokens of one block at a time -- read in place
+ *     (float32 and 16-bit blocks) or decoded into two small tiles (packed blocks) -- scored, then
+ *
+ *       m' = max(m, max_j s_j);  a = exp(m - m');  acc = a * acc + sum_j exp(s_j - m') v_j
+ *       l = a * l + sum_j exp(s_j - m');  with sinks m, l start at (sink, 1), else at the first chunk
+ *
+ *     so no score scratch sized by the context is needed, and a chunk's keys and values are read while
+ *     in cache. D is a constant in the 32/64/128 copies.
+ *   the AVX-512 path (seq512), float32 cache with D a multiple of 16 on a CPU that has it: one pass per
+ *     sequence over every head, the next block prefetched; ~1.5-2x the core with the cache in L2/L3,
+ *     ~2-4x from DRAM (bench/cpu_decode_attention.py, docs/cpu_decode_attention.md). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define MAX_GROUP 16 /* query heads per KV head handled in registers; larger groups loop over chunks */
+#include "decode_attention.h"
+
+#define MAX_GROUP 16      /* query heads per KV head handled in registers; larger groups loop over chunks */
+#define TILE_FLOATS 2048  /* one decoded key (or value) tile: chunk = TILE_FLOATS / D tokens */
+#define MAX_CHUNK 128     /* tokens per chunk at most (the score rows s[]): D = 4, 8 fill half a tile or less */
+
+/* Where a decode query's keys and values live: a float32 paged cache (kv NULL) or a packed one. */
+typedef struct {
+    const float *k_cache, *v_cache;
+    const QuantCache *kv;
+} KVSource;
+
+/* ---- packed blocks: the one decode of codes into floats ----------------------------------------------- */
+
+static inline float half_to_float(uint16_t h) {
+#if defined(__F16C__) && defined(__FLT16_MAX__)
+    _Float16 f;
+    memcpy(&f, &h, sizeof f);
+    return (float)f;
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400u)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3ffu) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+/* Codes of n token rows (row stride `stride` bytes) into tile[j * D + c] as floats, no scales. */
+static inline void unpack_rows(const uint8_t *codes, int64_t stride, int n, int bits, int D, float *tile) {
+    if (bits == 8) {
+        for (int j = 0; j < n; j++) {
+            const uint8_t *r = codes + j * stride;
+            float *t = tile + j * D;
+            for (int c = 0; c < D; c++) t[c] = (float)r[c];
+        }
+    } else if (bits == 4) {
+        const int h = D / 2;
+        for (int j = 0; j < n; j++) {
+            const uint8_t *r = codes + j * stride;
+            float *t = tile + j * D;
+            for (int c = 0; c < h; c++) {
+                t[c] = (float)(r[c] & 15);
+                t[c + h] = (float)(r[c] >> 4);
+            }
+        }
+    } else {
+        const int qd = D / 4;
+        for (int j = 0; j < n; j++) {
+            const uint8_t *r = codes + j * stride;
+            float *t = tile + j * D;
+            for (int c = 0; c < qd; c++) {
+                t[c] = (float)(r[c] & 3);
+                t[c + qd] = (float)((r[c] >> 2) & 3);
+                t[c + 2 * qd] = (float)((r[c] >> 4) & 3);
+                t[c + 3 * qd] = (float)(r[c] >> 6);
+            }
+        }
+    }
+}
+
+/* Keys of n tokens of packed block blk (from offset off), KV head hk, decoded into tile[j * D + c]: codes
+ * times the block's per-channel scales (ksc, kze: float, already read) plus zeros, the outlier channels
+ * in 16 bits. The one key decode: the attention below and the C step's block importance read keys here. */
+static inline void dequant_keys(const QuantCache *kv, int32_t blk, int off, int n, int block, int hkv, int hk, int D,
+                                const float *ksc, const float *kze, float *tile) {
+    const int64_t cb = (int64_t)D * kv->bits / 8, tok = (int64_t)blk * block + off;
+    unpack_rows(kv->k_codes + (tok * hkv + hk) * cb, (int64_t)hkv * cb, n, kv->bits, D, tile);
+    for (int j = 0; j < n; j++) {
+        float *kr = tile + j * D;
+        for (int i = 0; i < D; i++) kr[i] = kr[i] * ksc[i] + kze[i];
+        if (kv->outlier_idx) { /* dense-and-sparse: the kept 16-bit channels */
+            const int o_n = kv->n_outlier;
+            const int64_t *oi = kv->outlier_idx + (int64_t)hk * o_n;
+            const float *ov = kv->k_outlier + ((tok + j) * hkv + hk) * o_n;
+            for (int o = 0; o < o_n; o++) kr[oi[o]] = ov[o];
+        }
+    }
+}
+
+/* Values of n tokens from flat token row tok (consecutive tokens of one block), KV head hk, decoded into
+ * tile[j * D + c]: codes times their token's per-group scale plus zero (fp16, widened per channel first so
+ * the last loop runs over D contiguous floats). The one value decode: the attention below and
+ * sinkserve_quant_token read values here. */
+static inline void dequant_values(const QuantCache *kv, int64_t tok, int n, int hkv, int hk, int D, float *tile) {
+    const int64_t cb = (int64_t)D * kv->bits / 8;
+    const int ng = D / kv->group, G = kv->group;
+    float vsc[256], vze[256];
+    unpack_rows(kv->v_codes + (tok * hkv + hk) * cb, (int64_t)hkv * cb, n, kv->bits, D, tile);
+    for (int j = 0; j < n; j++) {
+        float *vr = tile + j * D;
+        const int64_t vo = ((tok + j) * hkv + hk) * ng;
+        for (int e = 0; e < ng; e++) {
+            const float a = half_to_float(kv->v_scale[vo + e]), b = half_to_float(kv->v_zero[vo + e]);
+            for (int i = 0; i < G; i++) { vsc[e * G + i] = a; vze[e * G + i] = b; }
+        }
+        for (int i = 0; i < D; i++) vr[i] = vr[i] * vsc[i] + vze[i];
+    }
+}
+
+static inline void key_scales(const QuantCache *kv, int32_t blk, int hkv, int hk, int D, float *ksc, float *kze) {
+    const int64_t so = ((int64_t)blk * hkv + hk) * D;
+    for (int i = 0; i < D; i++) {
+        ksc[i] = half_to_float(kv->k_scale[so + i]);
+        kze[i] = half_to_float(kv->k_zero[so + i]);
+    }
+}
+
+const float *sinkserve_quant_keys(const QuantCache *kv, int32_t blk, int off, int n, int block, int hkv, int hk,
+                                  int d, float *tile, int64_t *stride) {
+    const int32_t slot = kv->fp_index[blk];
+    if (slot >= 0) { /* a 16-bit block: read in place */
+        *stride = (int64_t)hkv * d;
+        return kv->fp_k + (((int64_t)slot * block + off) * hkv + hk) * d;
+    }
+    float ksc[256], kze[256];
+    key_scales(kv, blk, hkv, hk, d, ksc, kze);
+    dequant_keys(kv, blk, off, n, block, hkv, hk, d, ksc, kze, tile);
+    *stride = d;
+    return tile;
+}
+
+void sinkserve_quant_token(const QuantCache *kv, int64_t slot, int block, int hkv, int d, float *k, float *v) {
+    const int32_t blk = (int32_t)(slot / block), off = (int)(slot % block), fp = kv->fp_index[blk];
+    if (fp >= 0) { /* a 16-bit block */
+        const int64_t o = ((int64_t)fp * block + off) * hkv * d;
+        memcpy(k, kv->fp_k + o, sizeof(float) * hkv * d);
+        memcpy(v, kv->fp_v + o, sizeof(float) * hkv * d);
+        return;
+    }
+    float ksc[256], kze[256];
+    for (int hk = 0; hk < hkv; hk++) {
+        key_scales(kv, blk, hkv, hk, d, ksc, kze);
+        dequant_keys(kv, blk, off, 1, block, hkv, hk, d, ksc, kze, k + (int64_t)hk * d);
+        dequant_values(kv, slot, 1, hkv, hk, d, v + (int64_t)hk * d);
+    }
+}
+
+/* ---- the online-softmax core ------------------------------------------------------------------------- */
 
 /* One (sequence, KV head): G <= MAX_GROUP query heads q[g] (stride q_sh) over the keys at positions
- * lo..len-1 of `table`. D is a compile-time constant in the specialised copies below, so the dot
- * products and the value accumulation unroll into vector registers. */
+ * lo..len-1 of `table`, read from `src`. D is a compile-time constant in the specialised copies below. */
 #define DEFINE_HEAD(NAME, DCONST)                                                                          \
-static void NAME(const float *q, int64_t q_sh, const float *k_cache, const float *v_cache,                \
-                 const int32_t *table, int32_t lo, int32_t len, int block, int64_t tok_stride, int hk,    \
-                 int g_n, int d_rt, float scale, const float *sinks, float *out, float *scratch) {          \
+static void NAME(const float *q, int64_t q_sh, const KVSource *src, const int32_t *table, int32_t lo,      \
+                 int32_t len, int block, int hkv, int hk, int g_n, int d_rt, float scale,                  \
+                 const float *sinks, float *out) {                                                         \
+    enum { DM = DCONST > 0 ? DCONST : 256 };                                                               \
     const int D = DCONST > 0 ? DCONST : d_rt;                                                              \
-    const int64_t cap = len - lo;                                                                          \
-    float qs[MAX_GROUP][DCONST > 0 ? DCONST : 256];                                                        \
-    for (int g = 0; g < g_n; g++)                                                                          \
-        for (int i = 0; i < D; i++) qs[g][i] = q[g * q_sh + i] * scale;                                   \
-    int n = 0;                                                                                             \
+    const int chunk_max = TILE_FLOATS / D < MAX_CHUNK ? TILE_FLOATS / D : MAX_CHUNK;                       \
+    const int64_t f_stride = (int64_t)hkv * D;      /* floats between two tokens of a float32 block */    \
+    const QuantCache *kv = src->kv;                                                                        \
+    float qs[MAX_GROUP][DM], acc[MAX_GROUP][DM], m[MAX_GROUP], l[MAX_GROUP];                               \
+    float s[MAX_GROUP][MAX_CHUNK];                                                                         \
+    float kt[TILE_FLOATS], vt[TILE_FLOATS], ksc[DM], kze[DM];                                              \
+    for (int g = 0; g < g_n; g++) {                                                                        \
+        for (int i = 0; i < D; i++) { qs[g][i] = q[g * q_sh + i] * scale; acc[g][i] = 0.0f; }              \
+        m[g] = sinks ? sinks[g] : 0.0f;                                                                    \
+        l[g] = sinks ? 1.0f : 0.0f;                                                                        \
+    }                                                                                                      \
+    int started = sinks != NULL, seen = 0;                                                                 \
     for (int32_t pos = lo; pos < len;) {                                                                   \
         const int32_t bi = pos / block;                                                                    \
         const int32_t end = (bi + 1) * block < len ? (bi + 1) * block : len;                               \
         const int32_t blk = table[bi];                                                                     \
         if (blk == 0) { pos = end; continue; }                                                             \
-        const float *kb = k_cache + ((int64_t)blk * block) * tok_stride + (int64_t)hk * D;                 \
-        for (; pos < end; pos++, n++) {                                                                    \
-            const float *kp = kb + (int64_t)(pos % block) * tok_stride;                                    \
-            for (int g = 0; g < g_n; g++) {                                                                \
-                float acc = 0.0f;                                                                          \
-                for (int i = 0; i < D; i++) acc += qs[g][i] * kp[i];                                       \
-                scratch[g * cap + n] = acc;                                                                \
-            }                                                                                              \
+        /* a block read in place (its token 0, KV head hk), or packed: kb NULL */                          \
+        const float *kb = NULL, *vb = NULL;                                                                \
+        if (!kv) {                                                                                         \
+            kb = src->k_cache + (int64_t)blk * block * f_stride + (int64_t)hk * D;                         \
+            vb = src->v_cache + (int64_t)blk * block * f_stride + (int64_t)hk * D;                         \
+        } else if (kv->fp_index[blk] >= 0) {                                                               \
+            kb = kv->fp_k + (int64_t)kv->fp_index[blk] * block * f_stride + (int64_t)hk * D;               \
+            vb = kv->fp_v + (int64_t)kv->fp_index[blk] * block * f_stride + (int64_t)hk * D;               \
+        } else {                                                                                           \
+            key_scales(kv, blk, hkv, hk, D, ksc, kze); /* the block's, once */                             \
         }                                                                                                  \
-    }                                                                                                      \
-    float acc[MAX_GROUP][DCONST > 0 ? DCONST : 256];                                                       \
-    for (int g = 0; g < g_n; g++) {                                                                        \
-        for (int i = 0; i < D; i++) acc[g][i] = 0.0f;                                                      \
-        if (n == 0) continue;                                                                              \
-        float *sc = scratch + g * cap;                                                                     \
-        float m = sc[0];                                                                                   \
-        for (int j = 1; j < n; j++) m = sc[j] > m ? sc[j] : m;                                             \
-        const float sink = sinks ? sinks[g] : 0.0f;                                                        \
-        if (sinks && sink > m) m = sink;                                                                   \
-        float sum = sinks ? expf(sink - m) : 0.0f;                                                         \
-        for (int j = 0; j < n; j++) { sc[j] = expf(sc[j] - m); sum += sc[j]; }                             \
-        const float inv = 1.0f / sum;                                                                      \
-        for (int j = 0; j < n; j++) sc[j] *= inv;                                                          \
-    }                                                                                                      \
-    if (n > 0) {                                                                                           \
-        n = 0;                                                                                             \
-        for (int32_t pos = lo; pos < len;) {                                                               \
-            const int32_t bi = pos / block;                                                                \
-            const int32_t end = (bi + 1) * block < len ? (bi + 1) * block : len;                           \
-            const int32_t blk = table[bi];                                                                 \
-            if (blk == 0) { pos = end; continue; }                                                         \
-            const float *vb = v_cache + ((int64_t)blk * block) * tok_stride + (int64_t)hk * D;             \
-            for (; pos < end; pos++, n++) {                                                                \
-                const float *vp = vb + (int64_t)(pos % block) * tok_stride;                                \
+        while (pos < end) {                                                                                \
+            const int n = end - pos < chunk_max ? end - pos : chunk_max;                                   \
+            const float *kp, *vp;                                                                          \
+            int64_t ks;                                                                                    \
+            if (kb) {                                                                                      \
+                kp = kb + (pos % block) * f_stride; vp = vb + (pos % block) * f_stride; ks = f_stride;     \
+            } else {                                                                                       \
+                dequant_keys(kv, blk, pos % block, n, block, hkv, hk, D, ksc, kze, kt);                    \
+                dequant_values(kv, (int64_t)blk * block + pos % block, n, hkv, hk, D, vt);                 \
+                kp = kt; vp = vt; ks = D;                                                                  \
+            }                                                                                              \
+            for (int j = 0; j < n; j++) {                                                                  \
+                const float *kr = kp + j * ks;                                                             \
                 for (int g = 0; g < g_n; g++) {                                                            \
-                    const float p = scratch[g * cap + n];                                                  \
-                    for (int i = 0; i < D; i++) acc[g][i] += p * vp[i];                                    \
+                    float a = 0.0f;                                                                        \
+                    for (int i = 0; i < D; i++) a += qs[g][i] * kr[i];                                     \
+                    s[g][j] = a;                                                                           \
                 }                                                                                          \
             }                                                                                              \
+            for (int g = 0; g < g_n; g++) {                                                                \
+                float bm = s[g][0];                                                                        \
+                for (int j = 1; j < n; j++) bm = s[g][j] > bm ? s[g][j] : bm;                              \
+                if (!started || bm > m[g]) {                                                               \
+                    const float a = started ? expf(m[g] - bm) : 0.0f;                                      \
+                    for (int i = 0; i < D; i++) acc[g][i] *= a;                                            \
+                    l[g] *= a;                                                                             \
+                    m[g] = bm;                                                                             \
+                }                                                                                          \
+                float sum = 0.0f;                                                                          \
+                for (int j = 0; j < n; j++) { s[g][j] = expf(s[g][j] - m[g]); sum += s[g][j]; }            \
+                l[g] += sum;                                                                               \
+            }                                                                                              \
+            started = 1;                                                                                   \
+            for (int j = 0; j < n; j++) {                                                                  \
+                const float *vr = vp + j * ks;                                                             \
+                for (int g = 0; g < g_n; g++) {                                                            \
+                    const float p = s[g][j];                                                               \
+                    for (int i = 0; i < D; i++) acc[g][i] += p * vr[i];                                    \
+                }                                                                                          \
+            }                                                                                              \
+            pos += n;                                                                                      \
+            seen += n;                                                                                     \
         }                                                                                                  \
     }                                                                                                      \
-    for (int g = 0; g < g_n; g++) memcpy(out + (int64_t)g * D, acc[g], sizeof(float) * D);                 \
+    for (int g = 0; g < g_n; g++) {                                                                        \
+        const float inv = seen ? 1.0f / l[g] : 0.0f;                                                       \
+        for (int i = 0; i < D; i++) out[(int64_t)g * D + i] = acc[g][i] * inv;                             \
+    }                                                                                                      \
 }
 
-#ifndef __AVX512F__
 DEFINE_HEAD(head_d32, 32)
 DEFINE_HEAD(head_d64, 64)
 DEFINE_HEAD(head_d128, 128)
-#endif
 DEFINE_HEAD(head_any, 0)
+
+/* ---- the AVX-512 path (float32 cache) ---------------------------------------------------------------- */
 
 #ifdef __AVX512F__
 /* The AVX-512 path. Per sequence, one pass over its keys in chunks of up to 16 positions of one block
@@ -371,16 +566,14 @@ DEFINE_SEQ512(seq_d128, 128)
 DEFINE_SEQ512(seq_v16, 0) /* any other multiple of 16 */
 #endif
 
-int sinkserve_decode_attention(const float *q, int64_t q_st, int64_t q_sh,
-                               const float *k_cache, const float *v_cache,
-                               const int32_t *block_tables, int64_t bt_stride,
-                               const int32_t *seq_lens, const int32_t *query_start_loc, int num_seqs,
-                               int hq, int hkv, int d, int block, float scale, int window,
-                               const float *sinks, float *out, float *scratch, int64_t scratch_len) {
-    if (d > 256) return -2;
+/* ---- the one per-sequence driver --------------------------------------------------------------------- */
+
+static int decode_rows(const float *q, int64_t q_st, int64_t q_sh, const KVSource *src, const int32_t *block_tables,
+                       int64_t bt_stride, const int32_t *seq_lens, const int32_t *query_start_loc, int num_seqs,
+                       int hq, int hkv, int d, int block, float scale, int window, const float *sinks, float *out) {
     const int g_per = hq / hkv;
-    const int64_t tok_stride = (int64_t)hkv * d; /* one slot of one block */
 #ifdef __AVX512F__
+    const int wide = !src->kv && d % 16 == 0; /* the AVX-512 path's cache and head dims */
     int primed = 0; /* the previous decode sequence prefetched this one's first blocks */
 #endif
     for (int s = 0; s < num_seqs; s++) {
@@ -388,10 +581,9 @@ int sinkserve_decode_attention(const float *q, int64_t q_st, int64_t q_sh,
         if (query_start_loc[s + 1] - t != 1) continue;
         const int32_t len = seq_lens[s];
         const int32_t lo = (window > 0 && len > window) ? len - window : 0;
-        if ((int64_t)(len - lo) * (g_per < MAX_GROUP ? g_per : MAX_GROUP) > scratch_len) return -1;
         const int32_t *table = block_tables + (int64_t)s * bt_stride;
 #ifdef __AVX512F__
-        if (d % 16 == 0) {
+        if (wide) {
             const float *qp = q + t * q_st;
             float *op = out + (int64_t)t * hq * d;
             const Span cur = {table, lo, len};
@@ -403,14 +595,15 @@ int sinkserve_decode_attention(const float *q, int64_t q_st, int64_t q_sh,
                     next.lo = (window > 0 && next.len > window) ? next.len - window : 0;
                 }
             const Span *np = next.table ? &next : NULL;
+            const float *kc = src->k_cache, *vc = src->v_cache;
             if (d == 32)
-                seq_d32(qp, q_sh, k_cache, v_cache, &cur, np, primed, block, hq, hkv, d, scale, sinks, op);
+                seq_d32(qp, q_sh, kc, vc, &cur, np, primed, block, hq, hkv, d, scale, sinks, op);
             else if (d == 64)
-                seq_d64(qp, q_sh, k_cache, v_cache, &cur, np, primed, block, hq, hkv, d, scale, sinks, op);
+                seq_d64(qp, q_sh, kc, vc, &cur, np, primed, block, hq, hkv, d, scale, sinks, op);
             else if (d == 128)
-                seq_d128(qp, q_sh, k_cache, v_cache, &cur, np, primed, block, hq, hkv, d, scale, sinks, op);
+                seq_d128(qp, q_sh, kc, vc, &cur, np, primed, block, hq, hkv, d, scale, sinks, op);
             else
-                seq_v16(qp, q_sh, k_cache, v_cache, &cur, np, primed, block, hq, hkv, d, scale, sinks, op);
+                seq_v16(qp, q_sh, kc, vc, &cur, np, primed, block, hq, hkv, d, scale, sinks, op);
             primed = 1;
             continue;
         }
@@ -422,18 +615,38 @@ int sinkserve_decode_attention(const float *q, int64_t q_st, int64_t q_sh,
                 const float *qp = q + t * q_st + h0 * q_sh;
                 float *op = out + ((int64_t)t * hq + h0) * d;
                 const float *sp = sinks ? sinks + h0 : NULL;
-#ifndef __AVX512F__
                 if (d == 32)
-                    head_d32(qp, q_sh, k_cache, v_cache, table, lo, len, block, tok_stride, hk, g_n, d, scale, sp, op, scratch);
+                    head_d32(qp, q_sh, src, table, lo, len, block, hkv, hk, g_n, d, scale, sp, op);
                 else if (d == 64)
-                    head_d64(qp, q_sh, k_cache, v_cache, table, lo, len, block, tok_stride, hk, g_n, d, scale, sp, op, scratch);
+                    head_d64(qp, q_sh, src, table, lo, len, block, hkv, hk, g_n, d, scale, sp, op);
                 else if (d == 128)
-                    head_d128(qp, q_sh, k_cache, v_cache, table, lo, len, block, tok_stride, hk, g_n, d, scale, sp, op, scratch);
+                    head_d128(qp, q_sh, src, table, lo, len, block, hkv, hk, g_n, d, scale, sp, op);
                 else
-#endif
-                    head_any(qp, q_sh, k_cache, v_cache, table, lo, len, block, tok_stride, hk, g_n, d, scale, sp, op, scratch);
+                    head_any(qp, q_sh, src, table, lo, len, block, hkv, hk, g_n, d, scale, sp, op);
             }
         }
     }
     return 0;
+}
+
+int sinkserve_decode_attention(const float *q, int64_t q_st, int64_t q_sh, const float *k_cache, const float *v_cache,
+                               const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                               const int32_t *query_start_loc, int num_seqs, int hq, int hkv, int d, int block,
+                               float scale, int window, const float *sinks, float *out) {
+    if (d < 1 || d > 256) return -2;
+    const KVSource src = {k_cache, v_cache, NULL};
+    return decode_rows(q, q_st, q_sh, &src, block_tables, bt_stride, seq_lens, query_start_loc, num_seqs, hq, hkv,
+                       d, block, scale, window, sinks, out);
+}
+
+int sinkserve_decode_attention_quant(const float *q, int64_t q_st, int64_t q_sh, const QuantCache *kv,
+                                     const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                                     const int32_t *query_start_loc, int num_seqs, int hq, int hkv, int d,
+                                     int block, float scale, int window, const float *sinks, float *out) {
+    if (d > 256 || d < 4 || d % 4) return -2; /* the packings need D % 4 == 0 (int2: quarters); chunks >= 8 tokens */
+    if (kv->bits != 8 && kv->bits != 4 && kv->bits != 2) return -3;
+    if (kv->group <= 0 || d % kv->group) return -4;
+    const KVSource src = {NULL, NULL, kv};
+    return decode_rows(q, q_st, q_sh, &src, block_tables, bt_stride, seq_lens, query_start_loc, num_seqs, hq, hkv,
+                       d, block, scale, window, sinks, out);
 }

@@ -19,7 +19,7 @@
  *     (importance eviction, full-attention layers) mass[s][j] += block j's largest per-head attention mass
  *                                                                  (block_mass, below)
  *     a = sinkserve_decode_attention(q; the paged cache, window[l])      (decode_attention.c)
- *       packed cache: sinkserve_decode_attention_quant(q; QuantCache, window[l])  (decode_attention_quant.c)
+ *       packed cache: sinkserve_decode_attention_quant(q; QuantCache, window[l])  (the same core)
  *       (trained indexer, a selecting sequence) over its forced + top-k tokens only   (index_select,
  *       gather_selected, below; then the float32 kernel over the gathered tokens)
  *     h += a W_o^T (+ b);  x = rms_norm(h, post_norm)
@@ -38,11 +38,11 @@
  * packed by sinkserve_pack_linear_i8 with one float32 scale per output row (a layer's F_*_S fields and
  * lm_head_scale; 0 / NULL: that matrix is float32); embedding and norm weights as they are, contiguous;
  * caches contiguous [num_blocks, B, Hkv, D], or per layer one packed cache (F_KV_QUANT: a QuantCache,
- * quant_cache.h; then F_K_CACHE and F_V_CACHE are 0). The per-layer pointers come as one int64 table
+ * decode_attention.h; then F_K_CACHE and F_V_CACHE are 0). The per-layer pointers come as one int64 table
  * [L, LAYER_FIELDS] (field order below; 0 = absent). Returns 0, or < 0 before writing anything when an
  * argument is out of range (-1 a slot past the cache, -3 a token id past the vocabulary, -4 no memory),
- * or the attention kernel's error code minus 10 (-11 scratch too small, -12 head_dim out of range; packed:
- * -13 bits, -14 value group). */
+ * or the attention kernel's error code minus 10 (-12 head_dim out of range; packed: -13 bits,
+ * -14 value group). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -59,13 +59,8 @@ enum { F_IN_NORM, F_POST_NORM, F_QKV_W, F_QKV_B, F_O_W, F_O_B, F_QK_NORM, F_GU_W
        F_IX_WQ, F_IX_WK, F_IX_WW, F_IX_KEYS, F_IX_SCALE, LAYER_FIELDS };
 enum { MAX_INDEX_DIM = 1024 }; /* the index-key width Di at most (cpu_decode.py refuses wider) */
 
-int sinkserve_decode_attention(const float *q, int64_t q_st, int64_t q_sh, const float *k_cache, const float *v_cache,
-                               const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
-                               const int32_t *query_start_loc, int num_seqs, int hq, int hkv, int d, int block,
-                               float scale, int window, const float *sinks, float *out, float *scratch,
-                               int64_t scratch_len);
 
-#include "quant_cache.h"
+#include "decode_attention.h"
 #include "rms_row.h"
 #include "team.h"
 
@@ -603,8 +598,8 @@ typedef struct {
     atomic_int rc;
 } Step;
 
-/* Decode attention of sequences s0 .. s0 + n - 1 (tables: theirs, stride bt_stride) through the cache's
- * kernel: decode_attention_quant.c for a packed cache, decode_attention.c for float32. starts[] holds
+/* Decode attention of sequences s0 .. s0 + n - 1 (tables: theirs, stride bt_stride) through
+ * decode_attention.c's core, over the packed cache or the float32 one. starts[] holds
  * absolute rows, so q and att stay the whole step's arrays. An error is the kernel's code minus 10. */
 static void attend(Step *S, const QuantCache *kv, const float *k_cache, const float *v_cache, int qkv_n,
                    const int32_t *tables, int s0, int n, int window, int tid) {
@@ -614,8 +609,7 @@ static void attend(Step *S, const QuantCache *kv, const float *k_cache, const fl
                                                           NULL, S->att)
                        : sinkserve_decode_attention(S->qkv, qkv_n, d, k_cache, v_cache, tables, S->bt_stride,
                                                     S->seq_lens + s0, S->starts + s0, n, hq, hkv, d, S->block,
-                                                    S->scale, window, NULL, S->att,
-                                                    S->scratch + S->scratch_len * tid, S->scratch_len);
+                                                    S->scale, window, NULL, S->att);
     if (arc != 0) atomic_store(&S->rc, arc - 10);
 }
 
@@ -715,8 +709,7 @@ static void step_job(void *arg, int tid, int nt) {
                 gather_selected(kv, k_cache, v_cache, table, pos, n, S->block, hkv, d, gk, gv, gtable);
                 const int32_t starts[2] = {S->starts[s], S->starts[s] + 1};
                 const int arc = sinkserve_decode_attention(qkv, qkv_n, d, gk, gv, gtable, 0, &n, starts, 1, hq, hkv, d,
-                                                           S->block, S->scale, 0, NULL, att,
-                                                           S->scratch + S->scratch_len * tid, S->scratch_len);
+                                                           S->block, S->scale, 0, NULL, att);
                 if (arc != 0) atomic_store(&S->rc, arc - 10);
             }
         } else if (a1 > a0) {
@@ -776,7 +769,8 @@ int sinkserve_llama_decode(const int64_t *layers, int num_layers, const float *e
     const int qkv_n = (hq + 2 * hkv) * d, g_per = hq / hkv;
     int32_t longest = 1;
     for (int t = 0; t < rows; t++) longest = seq_lens[t] > longest ? seq_lens[t] : longest;
-    const int64_t scratch_len = (int64_t)longest * (g_per < 16 ? g_per : 16); /* per thread */
+    /* block_mass's score rows, per thread (the attention itself needs no scratch: its softmax is online) */
+    const int64_t scratch_len = importance ? (int64_t)longest * (g_per < 16 ? g_per : 16) : 0;
     const int64_t per_row = 2 * (int64_t)hidden + qkv_n + (int64_t)hq * d + hidden + 3 * (int64_t)inter + 2 * d;
     float *work = malloc(sizeof(float) * ((size_t)rows * per_row + (size_t)scratch_len * threads));
     int32_t *sel = forced ? malloc(sizeof(int32_t) * (size_t)bt_stride * threads) : NULL;

@@ -1,14 +1,19 @@
-"""The ``cpu`` backend's packed-KV decode kernel (``sinkserve_kernels/csrc/decode_attention_quant.c``) against the torch
+"""The ``cpu`` backend's packed-KV decode (``sinkserve_kernels/csrc/decode_attention.c``'s core) against the torch
 reference ``sinkserve_kernels.torch_kernels.paged_attention_quant``, on caches in the exact layout of ``sinkserve_kernels/kv_quant.py``:
 int8 / int4 / int2 codes, per-channel key and per-token value scales, outlier key channels, and sequences
 that mix 16-bit side-pool blocks with packed ones."""
 
 from __future__ import annotations
 
+import ctypes
+import functools
+from pathlib import Path
+
 import pytest
 import torch
 
 from sinkserve_kernels import cpu_attention, torch_kernels
+from sinkserve_kernels.cpu_lib import load_source
 from sinkserve_kernels.kv_quant import QuantKVCache
 from tests.kernels.kernel_cases import check, make_batch, rel_err
 
@@ -132,3 +137,56 @@ def test_bfloat16_side_pool_falls_back_to_reference():
     b.query = b.query.bfloat16()
     out, ref = _both(b, cache)
     assert torch.equal(out, ref)
+
+
+# --- one core: the portable build (-mno-avx512f), and float32 blocks read by the packed cache's path ---------
+
+SOURCE = Path(cpu_attention.__file__).parent / "csrc" / "decode_attention.c"
+
+
+@functools.cache
+def _portable():
+    return load_source(SOURCE.read_text(), ("-I", str(SOURCE.parent), "-mno-avx512f"))
+
+
+def _quant_call(lib, b, cache, window=None, sinks=None) -> torch.Tensor:
+    _, hq, d = b.query.shape
+    tables, lens, starts = (t.to(torch.int32).contiguous() for t in (b.block_tables, b.seq_lens, b.query_start_loc))
+    kv = cpu_attention.quant_cache_args(cache)
+    out = torch.full(b.query.shape, float("nan"))
+    sinks = sinks.contiguous() if sinks is not None else None
+    rc = lib.sinkserve_decode_attention_quant(
+        b.query.data_ptr(), b.query.stride(0), b.query.stride(1), ctypes.byref(kv), tables.data_ptr(),
+        tables.stride(0), lens.data_ptr(), starts.data_ptr(), lens.shape[0], hq, cache.num_kv_heads, d,
+        cache.block_size, d ** -0.5, window or 0, sinks.data_ptr() if sinks is not None else None, out.data_ptr())
+    assert rc == 0
+    return out
+
+
+@pytest.mark.parametrize("bits,outliers", [(8, 0), (4, 3), (2, 4)])
+def test_portable_build_matches_reference(bits, outliers):
+    """The packed cache through the core built without AVX-512 (what a CPU without it runs)."""
+    b = make_batch([1] * 4, [9, 70, 45, 130], 8, 2, 64, block_size=16, seed=bits + outliers)
+    cache = _mixed(b, bits, outliers)
+    sinks = torch.linspace(-2.0, 3.0, 8)
+    ref = torch_kernels.paged_attention_quant(b.query, cache, b.block_tables, b.seq_lens, b.query_start_loc,
+                                              64 ** -0.5, window=20, sinks=sinks)
+    check(f"portable decode_attention_quant int{bits}", _quant_call(_portable(), b, cache, 20, sinks), ref,
+          torch.float32)
+
+
+@pytest.mark.parametrize("head_dim", [32, 48, 64])
+def test_float32_cache_and_sixteen_bit_blocks_share_one_loop(head_dim):
+    """One core reads a float32 cache and a packed cache's 16-bit blocks: with every block in the side pool
+    the packed entry gives bit for bit what the float32 entry gives (portable build: no AVX-512 path)."""
+    b = make_batch([1] * 3, [7, 50, 129], 8, 2, head_dim, block_size=16, seed=head_dim)
+    cache = _cache(b, 4, 0, sorted({blk for row in _used_blocks(b) for blk in row}))
+    sinks = torch.randn(8)
+    tables, lens, starts = (t.to(torch.int32).contiguous() for t in (b.block_tables, b.seq_lens, b.query_start_loc))
+    fp = torch.full(b.query.shape, float("nan"))
+    rc = _portable().sinkserve_decode_attention(
+        b.query.data_ptr(), b.query.stride(0), b.query.stride(1), b.k_cache.data_ptr(), b.v_cache.data_ptr(),
+        tables.data_ptr(), tables.stride(0), lens.data_ptr(), starts.data_ptr(), lens.shape[0], 8, 2, head_dim, 16,
+        head_dim ** -0.5, 0, sinks.data_ptr(), fp.data_ptr())
+    assert rc == 0
+    assert torch.equal(_quant_call(_portable(), b, cache, sinks=sinks), fp)

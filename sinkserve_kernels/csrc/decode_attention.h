@@ -1,10 +1,10 @@
-/* One layer's packed (quantized) paged KV cache as the C kernels read it, and the packed decode attention
- * that reads it: shared by decode_attention_quant.c (which defines the attention; the CPU backend's decode
- * rows) and decode_step.c (the C decode step, which writes a step's new keys and values into the 16-bit
- * side pool and attends through the same routine). Layout: sinkserve_kernels/kv_quant.py; field order:
+/* The decode attention's interface (decode_attention.c): the KV a decode query reads -- a float32 paged cache
+ * or one layer's packed (quantized) paged cache -- and the routines over it. Shared by decode_attention.c and
+ * decode_step.c (the C decode step, which writes a step's new keys and values into the cache and attends
+ * through the same routines). Packed layout: sinkserve_kernels/kv_quant.py; QuantCache's field order:
  * sinkserve_kernels/cpu_attention.py's QuantCacheArgs. */
-#ifndef SINKSERVE_QUANT_CACHE_H
-#define SINKSERVE_QUANT_CACHE_H
+#ifndef SINKSERVE_DECODE_ATTENTION_H
+#define SINKSERVE_DECODE_ATTENTION_H
 #include <stdint.h>
 
 typedef struct {
@@ -17,8 +17,15 @@ typedef struct {
     int32_t bits, group, n_outlier;
 } QuantCache;
 
-/* Decode attention of every one-token query segment over `kv` (decode_attention_quant.c's header has the
- * semantics). Returns 0, -2 (head_dim out of range), -3 (bits), -4 (value group). */
+/* Decode attention of every one-token query segment over a float32 paged cache k_cache / v_cache
+ * [num_blocks, B, Hkv, D] (decode_attention.c's header has the semantics). Returns 0 or -2 (head_dim
+ * out of range). */
+int sinkserve_decode_attention(const float *q, int64_t q_st, int64_t q_sh, const float *k_cache, const float *v_cache,
+                               const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                               const int32_t *query_start_loc, int num_seqs, int hq, int hkv, int d, int block,
+                               float scale, int window, const float *sinks, float *out);
+
+/* The same over a packed cache `kv`. Returns 0, -2 (head_dim out of range), -3 (bits), -4 (value group). */
 int sinkserve_decode_attention_quant(const float *q, int64_t q_st, int64_t q_sh, const QuantCache *kv,
                                      const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                                      const int32_t *query_start_loc, int num_seqs, int hq, int hkv, int d,
