@@ -131,9 +131,56 @@ def test_two_stores_on_one_server_see_and_bound_each_others_entries(redis_url, p
     assert a.counters.misses == 1 and b.counters.evictions == 1
 
 
+def test_batched_reads_are_one_round_trip_per_batch_and_refresh_use_times(redis_url, prefix, monkeypatch) -> None:
+    """A restore's blocks in ceil(n / BATCH) script calls, in order, a missing one as None (counted as a
+    miss); the save's question (which are missing) refreshes the stored ones' use times, and an entry whose
+    value was deleted by hand leaves the books, as get_block does."""
+    import redis
+
+    from engine.memory import kv_store_redis
+
+    monkeypatch.setattr(kv_store_redis, "BATCH", 3)
+    clock = Clock()
+    s = RedisKVStore(redis_url, max_bytes=10_000, max_age_s=600, prefix=prefix, clock=clock)
+    keys = [f"k{i}-q" for i in range(7)]
+    for i, k in enumerate(keys):
+        if i != 4:
+            s.put_block(k, bytes([i]) * (i + 1))
+    r = redis.Redis.from_url(redis_url)
+    r.delete(prefix + "b:k6-q")  # gone behind the store's back
+    calls = []
+    real = s._call
+    monkeypatch.setattr(s, "_call", lambda script, *a: calls.append(script) or real(script, *a))
+    clock.t = 1005.0
+    got = s.get_blocks(keys)
+    assert got == [bytes([i]) * (i + 1) for i in range(4)] + [None, b"\x05" * 6, None]
+    assert len(calls) == 3  # 7 keys in batches of 3
+    assert (s.counters.hits, s.counters.misses, s.counters.bytes_read) == (5, 2, 1 + 2 + 3 + 4 + 6)
+    assert r.zscore(prefix + "lru", "b:k0-q") == 1005.0 and r.zscore(prefix + "lru", "b:k6-q") is None
+    assert int(r.get(prefix + "bytes")) == sum(i + 1 for i in range(6) if i != 4)  # k6's 7 bytes left the books
+    calls.clear()
+    clock.t = 1010.0
+    assert s.missing_blocks(keys) == [4, 6] and len(calls) == 3
+    assert r.zscore(prefix + "lru", "b:k5-q") == 1010.0
+    assert s.get_blocks([]) == [] and s.missing_blocks([]) == []
+
+
+def test_tiered_batched_reads_take_what_redis_lacks_from_disk(redis_url, prefix, tmp_path) -> None:
+    clock = Clock()
+    small = RedisKVStore(redis_url, max_bytes=1000, max_age_s=60, prefix=prefix, clock=clock)
+    t = TieredKVStore(small, DirectoryKVStore(str(tmp_path), 1000, 60, clock=clock), threshold=64)
+    t.put_block("a-q", b"a" * 10)
+    t.put_block("b-f", b"B" * 100)
+    assert t.get_blocks(["a-q", "none-q", "b-f"]) == [b"a" * 10, None, b"B" * 100]
+    assert t.missing_blocks(["b-f", "none-q", "a-q"]) == [1]
+    c = t.counters
+    assert (c.hits, c.misses) == (2, 1)  # Redis' probes for the large block and the missing one are not misses
+
+
 def test_an_unreachable_server_raises_with_the_url_masked() -> None:
     s = RedisKVStore("redis://:hunter2@127.0.0.1:1/0", 100, 60, timeout_s=0.5)
-    for call in (lambda: s.get_manifest("c"), lambda: s.put_block("k-q", b"x"), lambda: s.has_block("k-q")):
+    for call in (lambda: s.get_manifest("c"), lambda: s.put_block("k-q", b"x"), lambda: s.has_block("k-q"),
+                 lambda: s.get_blocks(["k-q"]), lambda: s.missing_blocks(["k-q"])):
         with pytest.raises(KVStoreUnavailable, match=r"redis://\*\*\*@127.0.0.1:1/0") as e:
             call()
         assert "hunter2" not in str(e.value)

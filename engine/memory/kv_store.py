@@ -63,6 +63,14 @@ class KVStore(Protocol):
 
     def get_block(self, key: str) -> bytes | None: ...
 
+    def get_blocks(self, keys: list[str]) -> list[bytes | None]:
+        """``get_block`` of each key, in order (a network store reads them in few round trips)."""
+        ...
+
+    def missing_blocks(self, keys: list[str]) -> list[int]:
+        """Indices of ``keys`` whose blocks are not stored (the others count as used, as ``has_block``)."""
+        ...
+
     def put_block(self, key: str, data: bytes) -> None: ...
 
     def get_manifest(self, session: str) -> bytes | None: ...
@@ -168,6 +176,12 @@ class DirectoryKVStore:
 
     def get_block(self, key: str) -> bytes | None:
         return self._get(self._block_path(key))
+
+    def get_blocks(self, keys: list[str]) -> list[bytes | None]:
+        return [self.get_block(k) for k in keys]
+
+    def missing_blocks(self, keys: list[str]) -> list[int]:
+        return [i for i, k in enumerate(keys) if not self.has_block(k)]
 
     def put_block(self, key: str, data: bytes) -> None:
         self._put(self._block_path(key), data)

@@ -100,9 +100,27 @@ if redis.call('zscore', KEYS[1], e) then drop(e) end
 if ARGV[6] == '1' then return false end
 return 0
 """
+# ARGV[5]: "1" to return the values, "0" for whether each exists; ARGV[6..]: entries. One reply for many
+# entries (a turn's restore reads all its blocks, its save asks which are stored): each entry as _GET.
+_GET_MANY = _HEAD + """
+local out = {}
+for i = 6, #ARGV do
+  local e = ARGV[i]
+  local v = redis.call('get', prefix .. e)
+  if v then
+    redis.call('zadd', KEYS[1], 'XX', now, e)
+    if ARGV[5] == '1' then out[i - 5] = v else out[i - 5] = 1 end
+  else
+    if redis.call('zscore', KEYS[1], e) then drop(e) end
+    out[i - 5] = false
+  end
+end
+return out
+"""
 _EVICT = _HEAD + """
 return gauges(evict(''))
 """
+BATCH = 32  # entries per _GET_MANY call: a reply holds at most this many blocks (a few MiB on a real model)
 
 
 class RedisKVStore:
@@ -125,6 +143,7 @@ class RedisKVStore:
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self._put = self.r.register_script(_PUT)
         self._get = self.r.register_script(_GET)
+        self._get_many = self.r.register_script(_GET_MANY)
         self._evict = self.r.register_script(_EVICT)
         self._keys = [prefix + "lru", prefix + "size", prefix + "bytes"]
 
@@ -169,6 +188,28 @@ class RedisKVStore:
 
     def get_block(self, key: str) -> bytes | None:
         return self._read("b:" + safe_key(key))
+
+    def get_blocks(self, keys: list[str]) -> list[bytes | None]:
+        """``get_block`` of each key, ``BATCH`` keys per round trip (a restore's blocks, not one call each)."""
+        out: list[bytes | None] = []
+        for i in range(0, len(keys), BATCH):
+            got = self._call(self._get_many, "1", *("b:" + safe_key(k) for k in keys[i : i + BATCH]))
+            for data in got:
+                if data is None:
+                    self.counters.misses += 1
+                else:
+                    self.counters.hits += 1
+                    self.counters.bytes_read += len(data)
+                out.append(data)
+        return out
+
+    def missing_blocks(self, keys: list[str]) -> list[int]:
+        """Indices of the keys not stored (the stored ones' use times refreshed), ``BATCH`` per round trip."""
+        found: list[bool] = []
+        for i in range(0, len(keys), BATCH):
+            found += [bool(x) for x in self._call(self._get_many, "0",
+                                                  *("b:" + safe_key(k) for k in keys[i : i + BATCH]))]
+        return [i for i, ok in enumerate(found) if not ok]
 
     def put_block(self, key: str, data: bytes) -> None:
         self._write("b:" + safe_key(key), data)

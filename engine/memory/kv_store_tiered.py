@@ -48,6 +48,19 @@ class TieredKVStore:
             data = self.large.get_block(key)
         return data
 
+    def get_blocks(self, keys: list[str]) -> list[bytes | None]:
+        """Redis first in batches; the keys it lacks (large blocks) from the directory."""
+        out = self.small.get_blocks(keys)
+        probe = [i for i, d in enumerate(out) if d is None]
+        self.small.counters.misses -= len(probe)  # probes, as in get_block
+        for i, data in zip(probe, self.large.get_blocks([keys[i] for i in probe])):
+            out[i] = data
+        return out
+
+    def missing_blocks(self, keys: list[str]) -> list[int]:
+        probe = self.small.missing_blocks(keys)
+        return [probe[j] for j in self.large.missing_blocks([keys[i] for i in probe])]
+
     def put_block(self, key: str, data: bytes) -> None:
         self._tier(data).put_block(key, data)
 

@@ -106,10 +106,9 @@ class SessionKVCache:
             self.counters.local_tokens += n * bs
             return 0
         payloads: list[bytes] = []
-        for key in manifest.keys[len(local) : n]:
-            data = self.store.get_block(key)
+        for data in self.store.get_blocks(list(manifest.keys[len(local) : n])):  # few round trips, not one a block
             if data is None:
-                break
+                break  # the blocks before a missing one still restore
             payloads.append(data)
         if not payloads:
             return self._fallback(seq, "block_missing", f"block {len(local)} of {n} is no longer stored")
@@ -168,7 +167,7 @@ class SessionKVCache:
         fp = [self.bm.is_fp(b) for b in hits]
         keys = [block_key(c, f) for c, f in zip(chain_keys(self._context(), seq.token_ids, bs, n), fp)]
         try:
-            missing = [i for i, k in enumerate(keys) if not self.store.has_block(k)]
+            missing = self.store.missing_blocks(keys)
         except KVStoreUnavailable:
             self.executor.export_kv_blocks(self.bm.take_kv_ops(), [])  # the pending precision changes still apply
             raise
