@@ -41,10 +41,12 @@ TORCH_OK := import sys, torch; v, cuda = sys.argv[1], sys.argv[2] or None; \
 
 .PHONY: install run test test-cluster cluster cluster-down chaos bench clean
 
-$(VENV)/.installed: pyproject.toml
+# constraints.txt pins every other package to the versions the suite last passed with, so a fresh clone
+# (and CI) does not pick up a release the code was never run against.
+$(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH_PIP)
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
 	touch $@
 
 $(TORCH_STAMP): | $(VENV)/.installed
