@@ -52,7 +52,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         p.add_argument("--arms", help="comma-separated arms to run (default all; long-ppl: dense, recompute, "
                                       "recompute_bos, sinks_window, window_only; needle: dense, window_only, "
                                       "sinks_window, sinks_window_anchor; needle --selected-memory: dense (always), "
-                                      "sinks_window, selected_memory)")
+                                      "sinks_window, selected_memory; --sparse N: dense (always), trained_1/N, "
+                                      "block_bounds_1/N, random_1/N)")
         p.add_argument("--kv-cache-dtype", choices=("int8", "int4", "int2"),
                        help="run the KV-storage A/B instead (16-bit vs packed with protection vs packed everything; "
                             "writes <name>_kv_<dtype>.*; evals.kv_quant)")
@@ -279,13 +280,18 @@ def _sparse_ab(args: argparse.Namespace, ctx: int) -> EvalResult:
 
     denoms = tuple(int(x) for x in args.sparse.split(","))
     chunk = args.chunk or ctx // 8
+    arms = tuple(a.strip() for a in args.arms.split(",") if a.strip()) if args.arms else None
+    try:  # a misspelt arm fails here, before any model loads
+        sparse.sparse_arms(ctx, denoms, sparse.selectors(args.model), only=arms)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     if args.eval_name == "needle":
         lengths = [float(x) for x in (args.lengths or "1").split(",")]
         if len(lengths) != 1:
             raise SystemExit("needle --sparse: --lengths takes one fraction of the context (e.g. 0.5), "
                              f"got {args.lengths!r}")
         return sparse.run_sparse_needle(args.model, denoms, args.docs or (4 if args.quick else 50), chunk,
-                                        length=lengths[0], filler=args.filler)
+                                        length=lengths[0], filler=args.filler, arms=arms)
     recall_docs = args.recall_docs if args.recall_docs is not None else (2 if args.quick else 8)
     if recall_docs > 0:
         recall = sparse.run_recall(args.model, denoms, docs=recall_docs)
@@ -293,7 +299,7 @@ def _sparse_ab(args: argparse.Namespace, ctx: int) -> EvalResult:
         write_report(recall, Path(args.out))
         print(markdown_table(recall.columns, recall.rows))
     tokens = args.tokens or (2 if args.quick else 8) * ctx
-    return sparse.run_sparse_long_ppl(args.model, denoms, tokens, chunk, text=args.text)
+    return sparse.run_sparse_long_ppl(args.model, denoms, tokens, chunk, text=args.text, arms=arms)
 
 
 def _selected_memory(args: argparse.Namespace) -> EvalResult:

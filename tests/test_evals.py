@@ -106,6 +106,28 @@ def test_sparse_ab_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.Captur
     assert "| block_bounds_1/8 |" in printed and "| trained_1/8 |" in printed
 
 
+def test_sparse_ab_reruns_the_named_arms_beside_dense(tiny_llama: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """``--sparse 8 --arms trained_1/8``: dense and the trained arm only (a retrained indexer is measured
+    without rerunning the indexers it does not change), its target line still written; a misspelt arm
+    name stops the run naming the arms there are."""
+    from tests.tiny_models import with_indexer_weights
+
+    model = with_indexer_weights(tiny_llama, tmp_path / "model")
+    run_cli(["eval", "needle", "--quick", "--sparse", "8", "--model", str(model), "--out", str(tmp_path),
+             "--docs", "1", "--chunk", "64", "--arms", "trained_1/8"], capsys)
+    blob = load(tmp_path, "needle_sparse")
+    assert [r["arm"] for r in blob["rows"]] == ["dense", "trained_1/8"]
+    assert "trained" in blob["notes"][0] and "block_bounds" not in blob["notes"][0]
+    run_cli(["eval", "long-ppl", "--quick", "--sparse", "8", "--model", str(model), "--out", str(tmp_path),
+             "--text", "licenses", "--tokens", "300", "--chunk", "64", "--recall-docs", "0", "--arms",
+             "random_1/8"], capsys)
+    assert [r["arm"] for r in load(tmp_path, "long_ppl_sparse")["rows"]] == ["dense", "random_1/8"]
+    with pytest.raises(SystemExit, match="no sparse arm trained_1/4.*trained_1/8"):
+        run_cli(["eval", "needle", "--quick", "--sparse", "8", "--model", str(model), "--out", str(tmp_path),
+                 "--arms", "trained_1/4"], capsys)
+
+
 def test_sparse_needle_at_a_fraction_of_the_context(tiny_llama: Path, tmp_path: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     """``needle --sparse 8 --lengths 0.5``: documents of half the context, a budget of L/8 of that length,
