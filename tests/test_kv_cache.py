@@ -6,12 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.memory import kv_block_codec
 from engine.worker.indexer_runtime import IndexerState
 from engine.worker.kv_cache import DenseKVCache, KVCache, PackedKVCache
 from engine.worker.lightning import LightningIndexer, quantize_keys
 from engine.worker.rope import rotate_keys
 from engine.worker.sparse_runtime import BoundsMirror, allocate_bounds
 from sinkserve_kernels import block_sparse, torch_kernels
+from sinkserve_kernels.backend import torch_backend
 from sinkserve_kernels.indexed_sparse import IndexCache
 from sinkserve_kernels.kv_quant import QuantKVCache
 
@@ -211,3 +213,37 @@ def test_position_free_bounds_ignore_rotations() -> None:
     before = [b.packed.clone() for b in bounds]
     cache.rotate([(3, 4)], _inv_freqs())
     assert all(torch.equal(b.packed, p) for b, p in zip(bounds, before))
+
+
+@pytest.mark.parametrize("make", [_dense, _packed], ids=["dense", "packed"])
+def test_write_then_attend_reads_the_new_tokens(make) -> None:
+    cache = make()
+    backend = torch_backend()
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(B, H, D, generator=g), torch.randn(B, H, D, generator=g)
+    slots = torch.arange(5 * B, 6 * B)  # block 5: 16-bit in both layouts
+    cache.write(backend, 1, k, v, slots)
+    got_k, got_v = cache.gather(1, torch.tensor([5]), torch.float32)
+    assert torch.equal(got_k[0], k) and torch.equal(got_v[0], v)
+    # One query over that block alone: attention over exactly the written keys and values.
+    q = torch.randn(1, H, D, generator=g)
+    out = cache.paged_attention(backend, 1, q, torch.tensor([[5]], dtype=torch.int32), torch.tensor([B]),
+                                torch.tensor([0, 1]), D ** -0.5)
+    w = torch.softmax(torch.einsum("hd,bhd->hb", q[0], k) * D ** -0.5, dim=-1)
+    assert torch.allclose(out.reshape(H, D), torch.einsum("hb,bhd->hd", w, v), atol=1e-5)
+
+
+@pytest.mark.parametrize("make", [_dense, _packed], ids=["dense", "packed"])
+def test_session_payload_of_a_block_loads_bit_for_bit_into_another_cache(make) -> None:
+    src, dst = make(seed=0), make(seed=1)
+    assert kv_block_codec.layout_digest(src, None) == kv_block_codec.layout_digest(dst, None)
+    for block in (2, 6):  # packed: a packed block and a 16-bit one
+        slot = src.fp_slot(block)
+        data = kv_block_codec.read_block(src, block, slot, fp=slot >= 0)
+        assert kv_block_codec.payload_is_fp(data) == (slot >= 0)
+        kv_block_codec.write_block(dst, block, slot, data)
+        for i in range(LAYERS):
+            for a, b in zip(src.gather(i, torch.tensor([block]), torch.float32),
+                            dst.gather(i, torch.tensor([block]), torch.float32)):
+                assert torch.equal(a, b)
+    assert kv_block_codec.layout_digest(_dense(), None) != kv_block_codec.layout_digest(_packed(), None)

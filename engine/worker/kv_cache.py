@@ -19,8 +19,9 @@ the K/V changed, so what lives beside each block follows it without a second cop
       cache.copy(inp.copies)                                  -> listeners.on_copy(src, dst)
       cache.rotate(inp.rotations, inv_freqs)                  -> listeners.on_rotate(sorted block ids, cache)
 
-``layers`` is what the attention kernels take (a ``(k, v)`` tuple or a ``QuantKVCache`` per layer); their
-argument lists are unchanged.
+The attention function writes and attends through ``write`` and ``paged_attention``, which pick the
+backend's dense or packed entry point; ``layers`` is what the kernels take (a ``(k, v)`` tuple or a
+``QuantKVCache`` per layer), their argument lists unchanged.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 
 from engine.worker.rope import rotate_keys
 from sinkserve_kernels import block_sparse
+from sinkserve_kernels.backend import AttentionBackend
 
 
 class BlockListener(Protocol):
@@ -49,6 +51,8 @@ class KVCache(ABC):
     """All layers' paged K/V of one rank, and the block operations a step applies to them."""
 
     is_packed = False
+    # The precisions a block's payload can have (``block_tensors``' ``fp``): 16-bit only, unless packed.
+    payload_precisions: tuple[bool, ...] = (True,)
 
     def __init__(self, layers: list, device: torch.device) -> None:
         self.layers = layers
@@ -82,6 +86,22 @@ class KVCache(ABC):
                     seen.add(id(t))
                     total += t.numel() * t.element_size()
         return total
+
+    @abstractmethod
+    def block_tensors(self, layer: int, block: int, slot: int, fp: bool) -> list[torch.Tensor]:
+        """The views of ``layer`` that hold ``block`` (``slot``: its 16-bit side-pool slot when ``fp``), in the
+        session KV payload's order (``engine/memory/kv_block_codec.py``)."""
+
+    @abstractmethod
+    def write(self, backend: AttentionBackend, layer: int, key: torch.Tensor, value: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+        """New tokens' keys and values ``[T, Hkv, D]`` into their slots of ``layer`` (< 0: not stored)."""
+
+    @abstractmethod
+    def paged_attention(self, backend: AttentionBackend, layer: int, query: torch.Tensor, block_tables: torch.Tensor,
+                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                        **kw: object) -> torch.Tensor:
+        """``backend``'s paged attention of ``query [T, Hq, D]`` over ``layer`` (``kw``: window, sinks, plan)."""
 
     def gather(self, layer: int, block_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[n, block_size, Hkv, D]`` of blocks of ``layer`` in ``dtype`` (packed ones decoded)."""
@@ -152,6 +172,21 @@ class DenseKVCache(KVCache):
     def block_size(self) -> int:
         return int(self.layers[0][0].shape[1])
 
+    def block_tensors(self, layer: int, block: int, slot: int, fp: bool) -> list[torch.Tensor]:
+        k_cache, v_cache = self.layers[layer]
+        return [k_cache[block], v_cache[block]]
+
+    def write(self, backend: AttentionBackend, layer: int, key: torch.Tensor, value: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+        k_cache, v_cache = self.layers[layer]
+        backend.write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+    def paged_attention(self, backend: AttentionBackend, layer: int, query: torch.Tensor, block_tables: torch.Tensor,
+                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                        **kw: object) -> torch.Tensor:
+        k_cache, v_cache = self.layers[layer]
+        return backend.paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, **kw)
+
     def _tensors(self, layer: object) -> list[torch.Tensor]:
         return list(layer)  # type: ignore[call-overload]
 
@@ -172,6 +207,7 @@ class PackedKVCache(KVCache):
     ``quantize_blocks(cache, block_ids, fp_slots)`` (the device's kernel)."""
 
     is_packed = True
+    payload_precisions = (False, True)
 
     def __init__(self, layers: list, device: torch.device, pack: Callable[..., None]) -> None:
         super().__init__(layers, device)
@@ -192,6 +228,26 @@ class PackedKVCache(KVCache):
 
     def fp_slot(self, block: int) -> int:
         return int(self.fp_index[block])
+
+    def block_tensors(self, layer: int, block: int, slot: int, fp: bool) -> list[torch.Tensor]:
+        cache = self.layers[layer]
+        if fp:
+            return [cache.fp_k[slot], cache.fp_v[slot]]
+        out = [cache.k_codes[block], cache.v_codes[block], cache.k_scale[block], cache.k_zero[block],
+               cache.v_scale[block], cache.v_zero[block]]
+        if cache.k_outlier is not None:
+            out.append(cache.k_outlier[block])
+        return out
+
+    def write(self, backend: AttentionBackend, layer: int, key: torch.Tensor, value: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+        backend.write_kv_quant(key, value, self.layers[layer], slot_mapping)
+
+    def paged_attention(self, backend: AttentionBackend, layer: int, query: torch.Tensor, block_tables: torch.Tensor,
+                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                        **kw: object) -> torch.Tensor:
+        return backend.paged_attention_quant(query, self.layers[layer], block_tables, seq_lens, query_start_loc, scale,
+                                             **kw)
 
     def _tensors(self, layer: object) -> list[torch.Tensor]:
         return [t for t in vars(layer).values() if isinstance(t, torch.Tensor)]

@@ -516,7 +516,6 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inp: ModelInput, key_absmax: list | None = None) -> torch.Tensor:
         """Run one ragged forward; returns float32 logits ``[len(logits_indices), vocab]``."""
-        quantized = self.config.kv_quantized
         # Once, on the cache: the block bounds and index keys follow as its subscribers.
         self.kv_cache.apply_precision_ops(inp.kv_ops)
         self.kv_cache.copy(inp.copies)
@@ -526,14 +525,12 @@ class ModelRunner:
                                self.step_tables(inp), inp.seq_lens, inp.query_start_loc)
         ctx = attention.ForwardContext(
             backend=self.backend,
-            kv_caches=self.kv_caches,
+            kv_cache=self.kv_cache,
             slot_mapping=st.slot_mapping,
             block_tables=st.block_tables,
             seq_lens=st.seq_lens,
             query_start_loc=st.query_start_loc,
-            quantized=quantized,
             key_absmax=key_absmax,
-            block_size=self.config.block_size,
             block_bounds=self.block_bounds,
             indexer=self.indexer,
             sparse_plan=sparse_runtime.plan(inp.sparse_forced, self.config, st.block_tables.shape[1], self.device),
@@ -576,7 +573,7 @@ class ModelRunner:
 
         c = self.config
         return (f"{c.kv_cache_dtype}/{c.dtype}/b{c.block_size}/{c.kv_key_scheme}/{c.kv_value_scheme}/"
-                f"tp{self.world_size}/{kv_block_codec.layout_digest(self.kv_caches, self.outlier_idx)}")
+                f"tp{self.world_size}/{kv_block_codec.layout_digest(self.kv_cache, self.outlier_idx)}")
 
     @torch.inference_mode()
     def export_kv_blocks(self, kv_ops: list[tuple[str, int, int]], blocks: list[int]) -> list[bytes]:
@@ -588,7 +585,7 @@ class ModelRunner:
         out = []
         for b in blocks:
             slot = self.kv_cache.fp_slot(b)
-            out.append(kv_block_codec.read_block(self.kv_caches, b, slot, fp=slot >= 0))
+            out.append(kv_block_codec.read_block(self.kv_cache, b, slot, fp=slot >= 0))
         return out
 
     @torch.inference_mode()
@@ -602,4 +599,4 @@ class ModelRunner:
             slot = self.kv_cache.fp_slot(b)
             if self.kv_cache.is_packed and kv_block_codec.payload_is_fp(data) != (slot >= 0):
                 raise ValueError(f"block {b}: payload precision does not match the block's (slot {slot})")
-            kv_block_codec.write_block(self.kv_caches, b, slot, data)
+            kv_block_codec.write_block(self.kv_cache, b, slot, data)
