@@ -27,7 +27,7 @@ backend's dense or packed entry point; ``layers`` is what the kernels take (a ``
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 import torch
@@ -59,17 +59,9 @@ class KVCache(ABC):
         self.device = device
         self._listeners: list[BlockListener] = []
 
-    def __len__(self) -> int:
-        return len(self.layers)
-
     def subscribe(self, listener: BlockListener) -> None:
         """Have ``listener`` follow every later copy and rotation."""
         self._listeners.append(listener)
-
-    @property
-    @abstractmethod
-    def num_blocks(self) -> int:
-        ...
 
     @property
     @abstractmethod
@@ -116,7 +108,9 @@ class KVCache(ABC):
         if not copies:
             return
         self._copy(copies)
-        self._notify_copy([a for a, _ in copies], [b for _, b in copies])
+        src, dst = [a for a, _ in copies], [b for _, b in copies]
+        for listener in self._listeners:
+            listener.on_copy(src, dst)
 
     def rotate(self, rotations: Sequence[tuple[int, int]], inv_freqs: Sequence[torch.Tensor]) -> None:
         """Retention: rotate the keys of each ``(block, shift)`` by ``shift`` positions with the layer's RoPE
@@ -133,11 +127,7 @@ class KVCache(ABC):
         if ops:
             raise ValueError(f"a dense KV cache has no precision ops, got {ops[0][0]!r}")
 
-    def _notify_copy(self, src: list[int], dst: list[int]) -> None:
-        for listener in self._listeners:
-            listener.on_copy(src, dst)
-
-    def _ids(self, values: Sequence[int]) -> torch.Tensor:
+    def _ids(self, values: Iterable[int]) -> torch.Tensor:
         return torch.tensor(list(values), dtype=torch.long, device=self.device)
 
     @abstractmethod
@@ -163,10 +153,6 @@ class DenseKVCache(KVCache):
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         return cls([(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                     for _ in range(num_layers)], device)
-
-    @property
-    def num_blocks(self) -> int:
-        return int(self.layers[0][0].shape[0])
 
     @property
     def block_size(self) -> int:
@@ -217,10 +203,6 @@ class PackedKVCache(KVCache):
     def fp_index(self) -> torch.Tensor:
         """``int32 [num_blocks]``: each block's 16-bit slot, ``-1`` for a packed block (shared by every layer)."""
         return self.layers[0].fp_index
-
-    @property
-    def num_blocks(self) -> int:
-        return int(self.layers[0].num_blocks)
 
     @property
     def block_size(self) -> int:
