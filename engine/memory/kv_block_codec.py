@@ -6,8 +6,10 @@ A payload is ``MAGIC``, one precision byte and the block's tensors of every laye
     b"SKV1" b"f"  layer 0: fp_k fp_v (the 16-bit side pool slot; the model dtype)      layer 1: ...
     (a cache that is not quantized: b"f" with each layer's K and V block)
 
-Shapes and dtypes come from the destination caches, so a payload only loads into a runner of the same
-KV layout (``kv_layout``); a size mismatch raises instead of loading garbage.
+The tensors of a block are the cache's (``engine.worker.kv_cache.KVCache.block_tensors``: a dense cache's K and
+V, a packed cache's codes and scales or its side-pool slot). Shapes and dtypes come from the destination
+cache, so a payload only loads into a runner of the same KV layout (``kv_layout``); a size mismatch raises
+instead of loading garbage.
 """
 
 from __future__ import annotations
@@ -20,29 +22,18 @@ import torch
 MAGIC = b"SKV1"
 
 
-def _block_tensors(cache: Any, block: int, slot: int, fp: bool) -> list[torch.Tensor]:
-    """The views of one layer that hold ``block`` (``slot``: its 16-bit side-pool slot when ``fp``)."""
-    if isinstance(cache, tuple):  # not quantized: (K, V) [NB, B, H, D]
-        return [cache[0][block], cache[1][block]]
-    if fp:
-        return [cache.fp_k[slot], cache.fp_v[slot]]
-    out = [cache.k_codes[block], cache.v_codes[block], cache.k_scale[block], cache.k_zero[block],
-           cache.v_scale[block], cache.v_zero[block]]
-    if cache.k_outlier is not None:
-        out.append(cache.k_outlier[block])
-    return out
+def _views(cache: Any, block: int, slot: int, fp: bool) -> list[torch.Tensor]:
+    """Every layer's views of ``block``, layer by layer (``cache``: an ``engine.worker.kv_cache.KVCache``)."""
+    return [t for layer in range(len(cache.layers)) for t in cache.block_tensors(layer, block, slot, fp)]
 
 
 def _bytes(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
 
 
-def read_block(caches: list, block: int, slot: int, fp: bool) -> bytes:
-    """The payload of ``block`` (16-bit in ``slot`` when ``fp``)."""
-    parts = [MAGIC, b"f" if fp else b"q"]
-    for cache in caches:
-        parts.extend(_bytes(t) for t in _block_tensors(cache, block, slot, fp))
-    return b"".join(parts)
+def read_block(cache: Any, block: int, slot: int, fp: bool) -> bytes:
+    """The payload of ``block`` of ``cache`` (an ``engine.worker.kv_cache.KVCache``; 16-bit in ``slot`` when ``fp``)."""
+    return b"".join([MAGIC, b"f" if fp else b"q", *(_bytes(t) for t in _views(cache, block, slot, fp))])
 
 
 def payload_is_fp(data: bytes) -> bool:
@@ -52,10 +43,10 @@ def payload_is_fp(data: bytes) -> bool:
     return data[4:5] == b"f"
 
 
-def write_block(caches: list, block: int, slot: int, data: bytes) -> None:
-    """Load a payload into ``block`` (its 16-bit data into side-pool ``slot`` when the payload is 16-bit)."""
-    fp = payload_is_fp(data)
-    views = [t for cache in caches for t in _block_tensors(cache, block, slot, fp)]
+def write_block(cache: Any, block: int, slot: int, data: bytes) -> None:
+    """Load a payload into ``block`` of ``cache`` (its 16-bit data into side-pool ``slot`` when the payload is
+    16-bit)."""
+    views = _views(cache, block, slot, payload_is_fp(data))
     expected = 5 + sum(t.numel() * t.element_size() for t in views)
     if len(data) != expected:
         raise ValueError(f"session KV block payload has {len(data)} bytes, this KV layout needs {expected}")
@@ -67,15 +58,14 @@ def write_block(caches: list, block: int, slot: int, data: bytes) -> None:
         at += n
 
 
-def layout_digest(caches: list, outlier_idx: list | None) -> str:
+def layout_digest(cache: Any, outlier_idx: list | None) -> str:
     """Shapes and dtypes of one block's tensors (and the calibrated outlier channels), hashed: two
     runners whose digests agree read each other's payloads the same way."""
     h = hashlib.sha256()
-    for cache in caches[:1]:
-        for fp in (False, True) if not isinstance(cache, tuple) else (True,):
-            for t in _block_tensors(cache, 0, 0, fp):
-                h.update(f"{tuple(t.shape)}{t.dtype};".encode())
-    h.update(f"layers={len(caches)};".encode())
+    for fp in cache.payload_precisions:
+        for t in cache.block_tensors(0, 0, 0, fp):
+            h.update(f"{tuple(t.shape)}{t.dtype};".encode())
+    h.update(f"layers={len(cache.layers)};".encode())
     for idx in outlier_idx or ():
         h.update(_bytes(idx.to(torch.int64)))
     return h.hexdigest()[:16]

@@ -285,7 +285,7 @@ class LlamaForward(nn.Module):
             if self._decode_kernel is None:
                 self._decode_kernel = cpu_decode.DecodeStep(self)
             return self._decode_kernel(input_ids, positions, ctx.slot_mapping, ctx.block_tables, ctx.seq_lens,
-                                       ctx.query_start_loc, logits_indices, ctx.kv_caches, ctx.block_bounds,
+                                       ctx.query_start_loc, logits_indices, ctx.kv_cache.layers, ctx.block_bounds,
                                        ctx.sparse_plan,
                                        # [L, S, W]: the C step adds its per-layer scores, summed, into row 0
                                        # (engine/worker/importance.py: pool_layers then sums the rows)

@@ -19,6 +19,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from engine.worker import importance
 from engine.worker.architectures import AttentionLayout, check_hook_window
+from engine.worker.kv_cache import KVCache
 from sinkserve_kernels.backend import AttentionBackend
 from sinkserve_kernels import block_sparse as _sparse
 
@@ -30,13 +31,11 @@ class ForwardContext:
     """What one forward pass of a ragged batch needs in every attention layer."""
 
     backend: AttentionBackend
-    kv_caches: list  # per layer (k_cache, v_cache), or a sinkserve_kernels.kv_quant.QuantKVCache when quantized
+    kv_cache: KVCache  # every layer's K/V (dense or packed), written and read through it
     slot_mapping: torch.Tensor  # [T] flat slot of each new token
     block_tables: torch.Tensor  # [S, max_blocks] int32
     seq_lens: torch.Tensor  # [S] logical tokens in cache after this forward
     query_start_loc: torch.Tensor  # [S + 1]
-    quantized: bool = False
-    block_size: int = 16  # the cache's block size (slot -> block for the block bounds)
     # Outlier calibration: per layer, the running max |key| per (KV head, channel); None when not calibrating.
     key_absmax: list[torch.Tensor | None] | None = None
     # Sparse attention (engine/worker/sparse_config.py): per layer block key bounds, kept current on every write
@@ -124,38 +123,30 @@ def attend_tokens(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: 
         m = k.detach().abs().amax(0).float()  # [Hkv, D]
         prev = ctx.key_absmax[module.layer_idx]
         ctx.key_absmax[module.layer_idx] = m if prev is None else torch.maximum(prev, m)
+    cache = ctx.kv_cache
     if ctx.block_bounds is not None:
         kb = k if ctx.selected_memory is None else ctx.selected_memory.bounds_keys(k, module.layer_idx)
-        _sparse.update_bounds(ctx.block_bounds[module.layer_idx], kb, ctx.slot_mapping, ctx.block_size)
+        _sparse.update_bounds(ctx.block_bounds[module.layer_idx], kb, ctx.slot_mapping, cache.block_size)
     if ctx.indexer is not None:
         ctx.indexer.write(module.layer_idx, k, ctx.slot_mapping)
     # Sparse selection on full-attention layers without learned sinks: a sliding-window layer is already
     # bounded by its window, and the block-sparse path has no sink logit (such layers stay on the paged path).
     sparse = ctx.sparse_plan is not None and window is None and sinks is None
-    if ctx.quantized:
-        cache = ctx.kv_caches[module.layer_idx]
-        plan = ctx.plan_kwargs(window, cache.block_size)
-        ctx.backend.write_kv_quant(k, v, cache, ctx.slot_mapping)
-        _score(ctx, module.layer_idx, q, cache, scale, window)
-        if sparse:
-            return _sparse_forward(ctx, module.layer_idx, q, cache, scale)
-        return ctx.backend.paged_attention_quant(q, cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, scale,
-                                                 window=window, sinks=sinks, **plan)
-    k_cache, v_cache = ctx.kv_caches[module.layer_idx]
-    plan = ctx.plan_kwargs(window, k_cache.shape[1])
-    ctx.backend.write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
-    _score(ctx, module.layer_idx, q, (k_cache, v_cache), scale, window)
+    layer = module.layer_idx
+    plan = ctx.plan_kwargs(window, cache.block_size)
+    cache.write(ctx.backend, layer, k, v, ctx.slot_mapping)
+    _score(ctx, layer, q, cache.layers[layer], scale, window)
     if sparse:
-        return _sparse_forward(ctx, module.layer_idx, q, (k_cache, v_cache), scale)
-    return ctx.backend.paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, scale,
-                                       window=window, sinks=sinks, **plan)
+        return _sparse_forward(ctx, layer, q, cache.layers[layer], scale)
+    return cache.paged_attention(ctx.backend, layer, q, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, scale,
+                                 window=window, sinks=sinks, **plan)
 
 
 def _score(ctx: ForwardContext, layer: int, q: torch.Tensor, kv: object, scale: float, window: int | None) -> None:
     # Full-attention layers only: a sliding-window layer never reads the blocks eviction chooses between.
     if ctx.block_importance is not None and window is None:
         importance.accumulate(ctx.block_importance[layer], q, kv, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
-                              scale, ctx.block_size)
+                              scale, ctx.kv_cache.block_size)
 
 
 def _sparse_forward(ctx: ForwardContext, layer: int, q: torch.Tensor, kv: object, scale: float) -> torch.Tensor:

@@ -28,10 +28,10 @@ from sinkserve_kernels.backend import BackendError, get_backend
 from engine.limits import derive_limits, read_model_config, trained_context
 from engine.config import EngineConfig, kv_outlier_channels, kv_value_group_size, validate_kv_cache_for_model
 from engine.worker.decode_path import DecodeFacts, DecodePath, choose_decode_path
+from engine.worker.kv_cache import DenseKVCache, KVCache, PackedKVCache
 from engine.errors import ConfigError, ModelLoadError
 from engine.worker.sparse_config import INDEXER_WEIGHTS
 from engine.memory.kv_budget import KVBudget, MemoryProfile
-from engine.worker.rope import rotate_keys
 from engine.worker.step_inputs import BlockTables, StepBuffers, tables_from_lists
 from engine.worker.sampler import Sampler, SamplerOutput, SeqSampling
 from engine.worker.weights import verify_model_dir
@@ -237,7 +237,7 @@ class ModelRunner:
         self.sampler = Sampler(self.device, config.seed, tokenizer_path=config.model) if rank == 0 else None
         self.num_kv_blocks = 0
         self.num_fp_blocks = 0
-        self.kv_caches: list = []  # per layer (k, v) tensors, or QuantKVCache when quantized
+        self.kv_cache: KVCache | None = None  # every layer's K/V and the block operations on them
         self.last_block_importance: list[list[float]] | None = None  # the last step's (engine/worker/importance.py)
         self.block_bounds: list | None = None  # per layer sinkserve_kernels.block_sparse.BlockBounds (sparse attention)
         # The trained lightning indexer (sparse.indexer 'trained'): weights once, index-key caches per allocation.
@@ -331,49 +331,51 @@ class ModelRunner:
             self.block_bounds = sparse_runtime.allocate_bounds(self.shape.num_layers, num_kv_blocks, kv_heads,
                                                                self.shape.head_dim, dtype, self.device)
         if self.config.kv_quantized:
-            self._allocate_quant(num_kv_blocks, kv_heads, dtype)
-            return
-        shape = (num_kv_blocks, self.config.block_size, kv_heads, self.shape.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
-            for _ in range(self.shape.num_layers)
-        ]
+            self.kv_cache = self._allocate_quant(num_kv_blocks, kv_heads, dtype)
+        else:
+            self.kv_cache = DenseKVCache.allocate(self.shape.num_layers, num_kv_blocks, self.config.block_size,
+                                                  kv_heads, self.shape.head_dim, dtype, self.device)
         self.num_kv_blocks = num_kv_blocks
+        # What lives beside each block follows it through the cache's copies and rotations.
+        if self.indexer is not None:
+            self.kv_cache.subscribe(self.indexer)
+        if self.block_bounds is not None:
+            self.kv_cache.subscribe(sparse_runtime.BoundsMirror(self.block_bounds,
+                                                                position_free=self.config.sparse.compact))
+        if self.config.kv_quantized and kv_outlier_channels(self.config, self.shape.head_dim):
+            # After the cache is in place: calibration runs a forward over it.
+            if self.outlier_idx is None:
+                self.outlier_idx = self.calibrate_outliers()
+            for cache, idx in zip(self.kv_caches, self.outlier_idx):
+                cache.outlier_idx = idx
 
-    def _allocate_quant(self, num_kv_blocks: int, kv_heads: int, dtype: torch.dtype) -> None:
+    @property
+    def kv_caches(self) -> list:
+        """Per layer what the attention kernels take: ``(k, v)`` tensors, or a ``QuantKVCache`` (packed)."""
+        return [] if self.kv_cache is None else self.kv_cache.layers
+
+    def _allocate_quant(self, num_kv_blocks: int, kv_heads: int, dtype: torch.dtype) -> PackedKVCache:
         from sinkserve_kernels.kv_quant import QuantKVCache
 
         c = self.config
         nf = num_fp_pool_blocks(c, self.max_model_len, num_kv_blocks)
         # One block -> 16-bit slot map for all layers: the block manager's precision is per block id.
         fp_index = torch.full((num_kv_blocks,), -1, dtype=torch.int32, device=self.device)
-        self.kv_caches = [
+        layers = [
             QuantKVCache.allocate(num_kv_blocks, nf, c.block_size, kv_heads, self.shape.head_dim, bits=c.kv_bits,
                                   group_size=kv_value_group_size(c, self.shape.head_dim), dtype=dtype,
                                   device=self.device, outlier_channels=kv_outlier_channels(c, self.shape.head_dim), fp_index=fp_index)
             for _ in range(self.shape.num_layers)
         ]
-        self.num_kv_blocks = num_kv_blocks
         self.num_fp_blocks = nf
-        if kv_outlier_channels(c, self.shape.head_dim):
-            if self.outlier_idx is None:
-                self.outlier_idx = self.calibrate_outliers()
-            for cache, idx in zip(self.kv_caches, self.outlier_idx):
-                cache.outlier_idx = idx
+        return PackedKVCache(layers, self.device, pack=self.backend.quantize_blocks)
 
     def kv_allocated_bytes(self) -> int:
         """Bytes the KV tensors of this rank occupy (every layer, every pool, the sparse bounds)."""
-        seen: set[int] = set()
         total = sum(b.packed.numel() * b.packed.element_size() for b in self.block_bounds or ())
         for c in self.indexer.caches if self.indexer is not None else ():
             total += c.keys.numel() * c.keys.element_size() + c.scale.numel() * c.scale.element_size()
-        for layer in self.kv_caches:
-            tensors = vars(layer).values() if not isinstance(layer, tuple) else layer
-            for t in tensors:
-                if isinstance(t, torch.Tensor) and id(t) not in seen and t.dtype is not torch.int32 and t.dtype is not torch.int64:
-                    seen.add(id(t))
-                    total += t.numel() * t.element_size()
-        return total
+        return total + (self.kv_cache.nbytes() if self.kv_cache is not None else 0)
 
     @torch.inference_mode()
     def calibrate_outliers(self, num_tokens: int = 256) -> list[torch.Tensor]:
@@ -409,7 +411,7 @@ class ModelRunner:
         return out
 
     def free_kv(self) -> None:
-        self.kv_caches = []
+        self.kv_cache = None
         self.block_bounds = None
         self.indexer = None
         self.num_kv_blocks = 0
@@ -514,30 +516,21 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inp: ModelInput, key_absmax: list | None = None) -> torch.Tensor:
         """Run one ragged forward; returns float32 logits ``[len(logits_indices), vocab]``."""
-        quantized = self.config.kv_quantized
-        if inp.kv_ops:
-            self._apply_kv_ops(inp.kv_ops)
-        if inp.copies:
-            self._copy_blocks(inp.copies)
+        # Once, on the cache: the block bounds and index keys follow as its subscribers.
+        self.kv_cache.apply_precision_ops(inp.kv_ops)
+        self.kv_cache.copy(inp.copies)
         if inp.rotations:
-            (self._rotate_quant_blocks if quantized else self._rotate_blocks)(inp.rotations)
-        if self.block_bounds is not None:
-            sparse_runtime.apply_block_ops(self.block_bounds, self.kv_caches, inp, self.device,
-                                           position_free=self.config.sparse.compact)
-        if self.indexer is not None:
-            indexer_runtime.apply_block_ops(self.indexer, self.kv_caches, inp, self.device)
+            self.kv_cache.rotate(inp.rotations, self._layer_inv_freqs())
         st = self.buffers.load(inp.input_ids, inp.positions, inp.slot_mapping, inp.logits_indices,
                                self.step_tables(inp), inp.seq_lens, inp.query_start_loc)
         ctx = attention.ForwardContext(
             backend=self.backend,
-            kv_caches=self.kv_caches,
+            kv_cache=self.kv_cache,
             slot_mapping=st.slot_mapping,
             block_tables=st.block_tables,
             seq_lens=st.seq_lens,
             query_start_loc=st.query_start_loc,
-            quantized=quantized,
             key_absmax=key_absmax,
-            block_size=self.config.block_size,
             block_bounds=self.block_bounds,
             indexer=self.indexer,
             sparse_plan=sparse_runtime.plan(inp.sparse_forced, self.config, st.block_tables.shape[1], self.device),
@@ -572,58 +565,6 @@ class ModelRunner:
             return self.block_tables.gather(inp.table_rows, inp.table_width)
         return tables_from_lists(inp.block_tables, self.device)
 
-    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.device)
-        dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.device)
-        for k_cache, v_cache in self.kv_caches:
-            k_cache[dst] = k_cache[src]
-            v_cache[dst] = v_cache[src]
-
-    def _rotate_blocks(self, rotations: list[tuple[int, int]]) -> None:
-        inv_freqs = self._layer_inv_freqs()
-        blocks = torch.tensor([b for b, _ in rotations], dtype=torch.long, device=self.device)
-        shifts = torch.tensor([s for _, s in rotations], dtype=torch.long, device=self.device)
-        for (k_cache, _), inv_freq in zip(self.kv_caches, inv_freqs):
-            k_cache[blocks] = rotate_keys(k_cache[blocks], shifts, inv_freq)
-
-    # ------------------------------------------------------------------ quantized KV
-    def _apply_kv_ops(self, ops: list[tuple[str, int, int]]) -> None:
-        """Mirror the block manager's precision changes, in its order (consecutive packs batched)."""
-        fp_index = self.kv_caches[0].fp_index  # shared by every layer
-        pending: list[tuple[int, int]] = []
-
-        def flush() -> None:
-            if not pending:
-                return
-            blocks = torch.tensor([b for b, _ in pending], dtype=torch.long, device=self.device)
-            slots = torch.tensor([f for _, f in pending], dtype=torch.long, device=self.device)
-            for cache in self.kv_caches:
-                self.backend.quantize_blocks(cache, blocks, slots)
-            fp_index[blocks] = -1
-            pending.clear()
-
-        for op, a, b in ops:
-            if op == "quantize":
-                pending.append((a, b))
-                continue
-            flush()
-            if op == "assign":
-                fp_index[a] = b
-            elif op == "dequantize":
-                from sinkserve_kernels import torch_kernels
-
-                idx = torch.tensor([a], dtype=torch.long, device=self.device)
-                for cache in self.kv_caches:
-                    k, v = torch_kernels.dequantize_blocks(cache, idx)
-                    cache.fp_k[b] = k[0].to(cache.fp_k.dtype)
-                    cache.fp_v[b] = v[0].to(cache.fp_v.dtype)
-                fp_index[a] = b
-            elif op == "copy":
-                self._copy_quant_block(a, b)
-            else:
-                raise ValueError(f"unknown KV op {op!r}")
-        flush()
-
     # ------------------------------------------------------------------ session KV (engine/memory/session_cache.py)
     def kv_layout(self) -> str:
         """What a saved block's bytes depend on besides its tokens: the KV dtype and schemes, the block size,
@@ -632,10 +573,7 @@ class ModelRunner:
 
         c = self.config
         return (f"{c.kv_cache_dtype}/{c.dtype}/b{c.block_size}/{c.kv_key_scheme}/{c.kv_value_scheme}/"
-                f"tp{self.world_size}/{kv_block_codec.layout_digest(self.kv_caches, self.outlier_idx)}")
-
-    def _fp_slot_of(self, block: int) -> int:
-        return int(self.kv_caches[0].fp_index[block]) if self.config.kv_quantized else 0
+                f"tp{self.world_size}/{kv_block_codec.layout_digest(self.kv_cache, self.outlier_idx)}")
 
     @torch.inference_mode()
     def export_kv_blocks(self, kv_ops: list[tuple[str, int, int]], blocks: list[int]) -> list[bytes]:
@@ -643,13 +581,11 @@ class ModelRunner:
         each block's payload: packed codes and scales as they are, a 16-bit block in 16 bits."""
         from engine.memory import kv_block_codec
 
-        if kv_ops:
-            self._apply_kv_ops(kv_ops)
+        self.kv_cache.apply_precision_ops(kv_ops)
         out = []
         for b in blocks:
-            slot = self._fp_slot_of(b)
-            fp = not self.config.kv_quantized or slot >= 0
-            out.append(kv_block_codec.read_block(self.kv_caches, b, slot, fp))
+            slot = self.kv_cache.fp_slot(b)
+            out.append(kv_block_codec.read_block(self.kv_cache, b, slot, fp=slot >= 0))
         return out
 
     @torch.inference_mode()
@@ -658,43 +594,9 @@ class ModelRunner:
         block; a payload whose precision or size does not fit raises."""
         from engine.memory import kv_block_codec
 
-        if kv_ops:
-            self._apply_kv_ops(kv_ops)
+        self.kv_cache.apply_precision_ops(kv_ops)
         for b, data in zip(blocks, payloads):
-            slot = self._fp_slot_of(b)
-            if self.config.kv_quantized and kv_block_codec.payload_is_fp(data) != (slot >= 0):
+            slot = self.kv_cache.fp_slot(b)
+            if self.kv_cache.is_packed and kv_block_codec.payload_is_fp(data) != (slot >= 0):
                 raise ValueError(f"block {b}: payload precision does not match the block's (slot {slot})")
-            kv_block_codec.write_block(self.kv_caches, b, slot, data)
-
-    def _copy_quant_block(self, src: int, dst: int) -> None:
-        fs, fd = int(self.kv_caches[0].fp_index[src]), int(self.kv_caches[0].fp_index[dst])
-        for cache in self.kv_caches:
-            if fs >= 0 and fd >= 0:
-                cache.fp_k[fd] = cache.fp_k[fs]
-                cache.fp_v[fd] = cache.fp_v[fs]
-            for t in (cache.k_codes, cache.v_codes, cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero, cache.k_outlier):
-                if t is not None:
-                    t[dst] = t[src]
-
-    def _rotate_quant_blocks(self, rotations: list[tuple[int, int]]) -> None:
-        """Rotate kept keys of a quantized cache: 16-bit blocks in the side pool as usual (the scheduler
-        promotes a packed block to 16-bit before its first rotation). Only when no slot was free is a packed
-        key block dequantized, rotated in float32 and packed again with fresh per-channel scales (RoPE
-        mixes channel c with c + D/2, so a rotation cannot be applied to codes)."""
-        from sinkserve_kernels import torch_kernels
-
-        inv_freqs = self._layer_inv_freqs()
-        fp_index = self.kv_caches[0].fp_index
-        slots = [int(fp_index[b]) for b, _ in rotations]
-        fp_rot = [(s, sh) for (_, sh), s in zip(rotations, slots) if s >= 0]
-        q_rot = [(b, sh) for (b, sh), s in zip(rotations, slots) if s < 0]
-        for cache, inv_freq in zip(self.kv_caches, inv_freqs):
-            if fp_rot:
-                idx = torch.tensor([s for s, _ in fp_rot], dtype=torch.long, device=self.device)
-                shifts = torch.tensor([sh for _, sh in fp_rot], dtype=torch.long, device=self.device)
-                cache.fp_k[idx] = rotate_keys(cache.fp_k[idx], shifts, inv_freq)
-            if q_rot:
-                idx = torch.tensor([b for b, _ in q_rot], dtype=torch.long, device=self.device)
-                shifts = torch.tensor([sh for _, sh in q_rot], dtype=torch.long, device=self.device)
-                k, _ = torch_kernels.dequantize_blocks(cache, idx)
-                torch_kernels.requantize_keys(cache, idx, rotate_keys(k, shifts, inv_freq))
+            kv_block_codec.write_block(self.kv_cache, b, slot, data)

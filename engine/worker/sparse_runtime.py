@@ -1,17 +1,21 @@
 """The model runner's side of sparse attention: block bounds storage and upkeep, and a step's plan.
 
 The bounds (``sinkserve_kernels.block_sparse.BlockBounds``, one per layer) share the KV cache's block ids, so they
-follow their blocks through every block operation of a step: the quantized cache's ``copy`` ops and
-copy-on-write copies copy them; retention's rotations change the keys, so the rotated blocks' bounds are
-recomputed from the rotated keys; evicted or freed blocks need nothing (the next owner's first write, at
-offset 0, resets them); prefix-cache sharing reads the same block id, hence the same bounds.
+follow their blocks through every block operation of a step (``BoundsMirror``, subscribed to the runner's
+``engine.worker.kv_cache.KVCache``): the packed cache's ``copy`` ops and copy-on-write copies copy them;
+retention's rotations change the keys, so the rotated blocks' bounds are recomputed from the rotated keys;
+evicted or freed blocks need nothing (the next owner's first write, at offset 0, resets them); prefix-cache
+sharing reads the same block id, hence the same bounds.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engine.config import EngineConfig
+from engine.worker.kv_cache import KVCache
 from sinkserve_kernels import block_sparse
 
 
@@ -23,21 +27,29 @@ def allocate_bounds(num_layers: int, num_blocks: int, num_kv_heads: int, head_di
             for _ in range(num_layers)]
 
 
-def apply_block_ops(bounds: list[block_sparse.BlockBounds], kv_caches: list, inp, device: torch.device,
-                    position_free: bool = False) -> None:
-    """Mirror a step's block copies and rotations (``ModelInput``; already applied to the K/V) on the bounds.
-    ``position_free``: the bounds hold pre-RoPE keys (selected memory), which rotations do not change."""
-    copies = [(a, b) for op, a, b in inp.kv_ops if op == "copy"] + list(inp.copies)
-    if copies:
-        src = torch.tensor([a for a, _ in copies], dtype=torch.long, device=device)
-        dst = torch.tensor([b for _, b in copies], dtype=torch.long, device=device)
-        for layer in bounds:  # in order: a chain of copies must see its predecessors (rare; loop is cheap)
-            for i in range(len(copies)):
-                block_sparse.copy_bounds(layer, src[i : i + 1], dst[i : i + 1])
-    if inp.rotations and not position_free:
-        ids = torch.tensor(sorted({b for b, _ in inp.rotations}), dtype=torch.long, device=device)
-        for layer, kv in zip(bounds, kv_caches):
-            keys, _ = block_sparse.gather_blocks(kv, ids, torch.float32)
+@dataclass(frozen=True)
+class BoundsMirror:
+    """Keeps the bounds with their blocks (an ``engine.worker.kv_cache.BlockListener``): copies copy them,
+    rotations recompute them from the rotated keys. ``position_free``: the bounds hold pre-RoPE keys
+    (selected memory), which rotations do not change."""
+
+    bounds: list[block_sparse.BlockBounds]
+    position_free: bool = False
+
+    def on_copy(self, src: list[int], dst: list[int]) -> None:
+        device = self.bounds[0].packed.device
+        s = torch.tensor(src, dtype=torch.long, device=device)
+        d = torch.tensor(dst, dtype=torch.long, device=device)
+        for layer in self.bounds:  # in order: a chain of copies must see its predecessors (rare; loop is cheap)
+            for i in range(len(src)):
+                block_sparse.copy_bounds(layer, s[i : i + 1], d[i : i + 1])
+
+    def on_rotate(self, block_ids: list[int], cache: KVCache) -> None:
+        if self.position_free:
+            return
+        ids = torch.tensor(block_ids, dtype=torch.long, device=cache.device)
+        for i, layer in enumerate(self.bounds):
+            keys, _ = cache.gather(i, ids, torch.float32)
             block_sparse.set_bounds(layer, ids, keys)
 
 

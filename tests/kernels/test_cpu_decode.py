@@ -255,8 +255,8 @@ def _packed_runner(case: str, path: Path, kv_cache_dtype: str) -> tuple[ModelRun
     pre.kv_ops = [("assign", b, i) for i, b in enumerate(used)]
     runner.execute(pre)
     fp_index = runner.kv_caches[0].fp_index
-    runner._apply_kv_ops([("quantize", b, int(fp_index[b])) for t, n in zip(pre.block_tables, lens)
-                          for j, b in enumerate(t) if b and 0 < j and (j + 1) * 16 <= n])
+    runner.kv_cache.apply_precision_ops([("quantize", b, int(fp_index[b])) for t, n in zip(pre.block_tables, lens)
+                                         for j, b in enumerate(t) if b and 0 < j and (j + 1) * 16 <= n])
     assert bool((fp_index[torch.tensor(used)] < 0).any()) and bool((fp_index[torch.tensor(used)] >= 0).any())
     return runner, _step([n + 1 for n in lens], lens, 16, rng, 250)
 
