@@ -16,6 +16,7 @@ layers below it and from the shared modules at this level (``tests/test_imports.
 
 A chat request walks it top to bottom: ``http.ingress`` parses and authenticates it, ``plan.planner``
 picks a pool by prompt length (and a replica key), ``pool.streaming`` sends it to that pool's
-``pool.server`` replica and relays its tokens back over ``pool.token_bus``; ``state`` keeps what outlives
+``pool.server`` replica, whose engine writes the tokens straight back to the ingress on the token bus
+(``engine/frontend/token_bus.py``); ``state`` keeps what outlives
 the request (a conversation's turns, a tenant's token count, a job).
 """

@@ -16,11 +16,6 @@ from pydantic import ValidationError
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list[int]", "TokenRange", "dict", "list"}
 
-# Engine request fields whose HTTP name differs (the engine's anchors are the request's
-# ``sinkserve.anchors``); every other engine field is named as in the request already.
-_ENGINE_PARAMS = {"anchors": "sinkserve.anchors", "kv_budget_blocks": "sinkserve.kv_budget_blocks"}
-
-
 class APIError(Exception):
     """A refused or failed request, with everything the HTTP answer needs."""
 
@@ -42,23 +37,21 @@ class APIError(Exception):
 
     @classmethod
     def from_engine(cls, e: BaseException) -> "APIError":
-        """The HTTP form of an engine error: 400 naming the field for invalid requests, 499 for an
-        abort, 500 naming the request and the stage when it alone failed inside the engine, 503 (retry)
-        when the engine has died, 500 for anything unexpected."""
-        from engine.errors import (EngineDeadError, EngineUnavailableError, InvalidRequestError, RequestAbortedError,
-                                   RequestFailedError)
+        """The HTTP form of an engine error (``engine.errors.stream_error``: the one table)."""
+        from engine.errors import stream_error
 
-        if isinstance(e, InvalidRequestError):
-            return cls(400, str(e), _ENGINE_PARAMS.get(e.field, e.field))
-        if isinstance(e, RequestAbortedError):
-            return cls(499, f"request aborted: {e}", type="aborted")
-        if isinstance(e, RequestFailedError):  # this request alone; the engine went on
-            return cls(500, str(e), type="server_error")
-        if isinstance(e, EngineUnavailableError):  # never reached the engine: another pool may serve it
-            return cls(503, f"engine unavailable: {e}", type="unavailable", retry_after=5)
-        if isinstance(e, EngineDeadError):
-            return cls(503, f"engine unavailable: {e}", type="server_error", retry_after=5)
-        return cls(500, f"internal error: {type(e).__name__}", type="server_error")
+        return cls.from_stream_error(stream_error(e))
+
+    @classmethod
+    def from_stream_error(cls, e: Any) -> "APIError":
+        """An ``engine.errors.StreamError`` (what the token bus carries) as the error to raise and render."""
+        return cls(e.status, e.message, e.param, e.type, e.retry_after)
+
+    def stream_error(self) -> Any:
+        """This error as the token bus carries it (``engine.errors.StreamError``)."""
+        from engine.errors import StreamError
+
+        return StreamError(self.status, self.message, self.param, self.type, self.retry_after)
 
     @property
     def headers(self) -> dict[str, str]:

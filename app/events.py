@@ -2,8 +2,9 @@
 
 ::
 
-    ingress --PoolRequest (Serve call)--> pool replica
-    ingress <==TokenDelta ... | APIError== pool replica     (token bus: one return channel)
+    ingress --PoolRequest (Serve call)--> pool replica --AddRequest (pipe)--> engine process
+    ingress <==TokenDelta ... | StreamError==================================== engine process
+                                                   (token bus: one return channel, one crossing)
 
 A handle caller of ``Ingress.generate`` receives ``RouteInfo`` first (so headers can be set before
 any token), then ``TokenDelta`` items, the last with ``finished=True``; or one ``APIError``
@@ -14,7 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.outputs import TokenDelta  # the one streamed delta type, made by the engine's front
 from engine.sampling_params import SamplingParams
+
+__all__ = ["PassageReport", "PassageScore", "PoolRequest", "RouteInfo", "RoutePlan", "TokenDelta"]
 
 
 @dataclass(frozen=True)
@@ -57,27 +61,6 @@ class RouteInfo:
 
 
 @dataclass(frozen=True)
-class TokenDelta:
-    text: str
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...] | None
-    finished: bool
-    finish_reason: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    tokens: tuple[str, ...] | None = None  # token strings, filled by the pool when logprobs are asked
-    # Which of the request's ``n`` choices this delta belongs to. With n > 1 a choice ends at the delta
-    # with its ``finish_reason``; ``finished`` marks the request's last delta (all choices done), and
-    # ``completion_tokens`` counts this choice's tokens.
-    index: int = 0
-    # Per token: its ``top_logprobs`` alternatives ``(token string, log-prob)``, best first.
-    top_logprobs: tuple[tuple[tuple[str, float], ...], ...] | None = None
-    # log p(prompt[i] | prompt[:i]) for i >= 1, when the request echoes its prompt with logprobs.
-    prompt_logprobs: tuple[float, ...] | None = None
-    cached_tokens: int = 0  # prompt tokens this request found in the replica's prefix cache
-
-
-@dataclass(frozen=True)
 class PoolRequest:
     """What the planner hands a pool: the prompt already tokenized, sampling already validated,
     anchors already resolved to token ranges ``(start, end)`` of the prompt."""
@@ -89,7 +72,7 @@ class PoolRequest:
     timeout_s: float | None = None
     soft_timeout_s: float | None = None  # the ingress ends the stream cleanly here (app/pool/streaming.py)
     # The caller's token-bus inbox (host, port, secret): every delta and any error go there,
-    # one frame per engine message (app/pool/token_bus.py).
+    # one frame per engine message, written where the engine steps (engine/frontend/token_bus.py).
     reply_to: tuple[str, int, bytes] | None = None
     # A session's id: the pool's router sends every turn of a session to the same replica
     # (app/pool/affinity.py), where its earlier turns' blocks sit in the prefix cache.

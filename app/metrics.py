@@ -156,8 +156,8 @@ ENGINE_STATS: tuple[tuple[str, str, str, str], ...] = (
     ("session_kv_restored_tokens", "session_kv_restored_tokens_total", "counter", "Tokens of KV restored from the store (not prefilled)"),
     ("session_kv_saves", "session_kv_saves_total", "counter", "Session turns whose KV was saved to the store"),
     ("session_kv_shared_blocks", "session_kv_shared_blocks_total", "counter", "KV blocks a save found already stored (earlier turns, shared prefixes)"),
-    # The pool replica's own counters, beside the engine's (app/pool/token_bus.py).
-    ("token_bus_frames", "token_bus_frames_total", "counter", "Token-bus frames sent to ingress replicas"),
+    # The token bus (engine/frontend/token_bus.py): the engine front's frames plus the pool replica's own.
+    ("token_bus_frames", "token_bus_frames_total", "counter", "Token-bus frames sent to ingress replicas (by the engine process, or the replica at TP > 1)"),
     ("token_bus_deltas", "token_bus_deltas_total", "counter", "Token deltas sent on the token bus (deltas / frames = streams per frame)"),
     ("engine_restarts_died", "engine_restarts_died_total", "counter", "Engine processes restarted in their replica after they died"),
     ("engine_restarts_hung", "engine_watchdog_restarts_total", "counter", "Engine processes the watchdog killed and restarted (held work, no step for engine_watchdog_s)"),

@@ -31,6 +31,7 @@ _EXPORTS = {
     "EngineConfig": "engine.config",
     "DEFAULT_MODEL": "engine.config",
     "RequestOutput": "engine.outputs",
+    "TokenDelta": "engine.outputs",
     "CompletionResult": "engine.outputs",
     "SamplingParams": "engine.sampling_params",
 }

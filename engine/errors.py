@@ -3,6 +3,8 @@ clear HTTP status without parsing messages."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 
 class SinkserveError(Exception):
     """Base class of every error the engine raises on purpose."""
@@ -86,3 +88,38 @@ class GGUFReadError(ModelLoadError):
         self.file = file
         self.field = field
         self.message = message
+
+
+@dataclass(frozen=True)
+class StreamError:
+    """What ends a stream with an error, as the client will see it: HTTP status, message, the request
+    field to blame, OpenAI's error type, Retry-After. The token bus carries it (engine/frontend/token_bus.py);
+    the serving layer renders it (``app.errors.APIError``)."""
+
+    status: int
+    message: str
+    param: str | None = None
+    type: str = "invalid_request_error"
+    retry_after: float | None = None
+
+
+# Engine request fields whose HTTP name differs (the engine's anchors are the request's
+# ``sinkserve.anchors``); every other engine field is named as in the request already.
+HTTP_PARAMS = {"anchors": "sinkserve.anchors", "kv_budget_blocks": "sinkserve.kv_budget_blocks"}
+
+
+def stream_error(e: BaseException) -> StreamError:
+    """The HTTP form of an engine error: 400 naming the field for invalid requests, 499 for an abort, 500
+    naming the request and the stage when it alone failed inside the engine, 503 (retry) when the engine
+    has died, 500 for anything unexpected."""
+    if isinstance(e, InvalidRequestError):
+        return StreamError(400, str(e), HTTP_PARAMS.get(e.field, e.field))
+    if isinstance(e, RequestAbortedError):
+        return StreamError(499, f"request aborted: {e}", type="aborted")
+    if isinstance(e, RequestFailedError):  # this request alone; the engine went on
+        return StreamError(500, str(e), type="server_error")
+    if isinstance(e, EngineUnavailableError):  # never reached the engine: another pool may serve it
+        return StreamError(503, f"engine unavailable: {e}", type="unavailable", retry_after=5)
+    if isinstance(e, EngineDeadError):
+        return StreamError(503, f"engine unavailable: {e}", type="server_error", retry_after=5)
+    return StreamError(500, f"internal error: {type(e).__name__}", type="server_error")

@@ -11,7 +11,7 @@ import pytest
 
 from engine import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
 from engine.errors import InvalidRequestError
-from tests.engine_streams import collect
+from tests.engine_streams import check_choices_and_token_strings, collect
 
 PARAMS = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
@@ -26,6 +26,36 @@ async def test_concurrent_streams_match_offline_generate(tiny_llama: Path) -> No
         assert toks == ref.token_ids and text == ref.text and reason == "length"
         assert deltas == 20  # one delta per token: it really streams
     assert engine.stats().blocks_used == 0
+    await engine.shutdown()
+
+
+async def test_choices_fan_out_with_token_strings(tiny_llama: Path) -> None:
+    config = EngineConfig(model=str(tiny_llama), num_kv_blocks=128)
+    engine = AsyncLLMEngine(config)
+    await check_choices_and_token_strings(engine, config)
+    assert engine.stats().blocks_used == 0
+    engine.engine.check_integrity()
+    await engine.shutdown()
+
+
+async def test_abort_ends_every_choice(tiny_llama: Path) -> None:
+    """``abort(request_id)`` of an ``n`` = 3 request aborts its three engine requests: the stream raises
+    ``RequestAbortedError`` and every block returns."""
+    from engine.errors import RequestAbortedError
+
+    engine = AsyncLLMEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=128))
+    params = SamplingParams(max_tokens=300, temperature=1.0, seed=1, n=3, ignore_eos=True)
+    seen = 0
+    with pytest.raises(RequestAbortedError):
+        async for _ in engine.generate("three ways", params, request_id="r3"):
+            seen += 1
+            if seen == 4:
+                engine.abort("r3")
+    for _ in range(50):
+        if engine.stats().running == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert engine.stats().running == 0 and engine.stats().blocks_used == 0
     await engine.shutdown()
 
 
@@ -89,3 +119,26 @@ def test_cli_generate_streams_text(tiny_llama: Path) -> None:
         capture_output=True, text=True, timeout=120,
     )
     assert bad.returncode == 2 and "no such file or directory" in bad.stderr
+
+
+async def test_stream_writes_the_deltas_and_a_refusal_to_the_token_bus(tiny_llama: Path) -> None:
+    """At TP > 1 the engine steps in the pool replica: ``stream`` writes from there (one crossing)."""
+    from engine.errors import StreamError
+    from engine.frontend.token_bus import TokenInbox
+
+    engine = AsyncLLMEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=128))
+    inbox = TokenInbox()
+    addr = await inbox.start("127.0.0.1")
+    q = inbox.open("s1")
+    await asyncio.wait_for(engine.stream(addr, "hello", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                                         "s1"), 30)
+    got = []
+    while not got or not got[-1].finished:
+        got.append(await asyncio.wait_for(q.get(), 5))
+    assert sum(len(d.token_ids) for d in got) == 4 and engine.stats().token_bus_deltas == len(got)
+    q = inbox.open("s2")
+    await asyncio.wait_for(engine.stream(addr, "x", SamplingParams(max_tokens=0), "s2"), 30)
+    err = await asyncio.wait_for(q.get(), 5)
+    assert isinstance(err, StreamError) and err.status == 400 and err.param == "max_tokens"
+    await engine.shutdown()
+    await inbox.stop()

@@ -14,7 +14,7 @@ import pytest
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.frontend.engine_process import EngineProcess
 from engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError
-from tests.engine_streams import collect
+from tests.engine_streams import check_choices_and_token_strings, collect
 
 PARAMS = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
@@ -41,9 +41,19 @@ async def test_streams_match_offline_generate_and_blocks_return(tiny_llama: Path
         assert 1 < deltas <= 20
     stats = engine.stats()
     assert stats.blocks_used == 0 and stats.requests_finished_total == 3
-    assert engine.tokenizer.decode(results[0][0]) == LLMEngine(config).tokenizer.decode(offline[0].token_ids)
     await engine.shutdown()
     assert engine._proc.returncode == 0  # noqa: SLF001 - the child left cleanly
+
+
+async def test_choices_fan_out_and_token_strings_are_made_in_the_child(tiny_llama: Path) -> None:
+    """The serving process loads no tokenizer: the child fans ``n`` out and writes the token strings."""
+    config = EngineConfig(model=str(tiny_llama), num_kv_blocks=128)
+    engine = EngineProcess(config)
+    assert not hasattr(engine, "tokenizer")
+    await check_choices_and_token_strings(engine, config)
+    await wait_for(lambda: engine.stats().running == 0)
+    assert engine.stats().blocks_used == 0
+    await engine.shutdown()
 
 
 async def test_leaving_the_stream_aborts_and_frees_blocks(tiny_llama: Path) -> None:
@@ -172,3 +182,54 @@ def test_a_prompt_larger_than_the_pipe_buffer_under_uvloop_is_judged_not_fatal(t
             await engine.shutdown()
 
     uvloop.run(main())
+
+
+async def test_the_child_writes_a_bus_request_straight_to_its_inbox(tiny_llama: Path) -> None:
+    """``stream``: the child writes the deltas (n = 2 here) to the token-bus inbox itself, so nothing of them
+    crosses this process (no delta in its queues, the frames counted by the child); ``Done`` ends the call.
+    A refused request's 400 goes the same way; cancelling aborts and frees the blocks."""
+    from engine.errors import StreamError
+    from engine.frontend.token_bus import TokenInbox
+
+    config = EngineConfig(model=str(tiny_llama), num_kv_blocks=128)
+    engine = EngineProcess(config)
+    inbox = TokenInbox()
+    addr = await inbox.start("127.0.0.1")
+    q = inbox.open("bus-1")
+    params = replace(PARAMS, max_tokens=5, n=2, temperature=1.0, seed=3)
+    await asyncio.wait_for(engine.stream(addr, "hello there", params, "bus-1"), 30)
+    got = []
+    while not got or not got[-1].finished:
+        got.append(await asyncio.wait_for(q.get(), 5))
+    assert sorted({d.index for d in got}) == [0, 1] and sum(len(d.token_ids) for d in got) == 10
+    assert engine.stats().token_bus_deltas >= len(got) and engine.stats().token_bus_frames >= 1
+    offline = LLMEngine(config).generate(["hello there"], replace(params, n=1, seed=4))[0]
+    assert [t for d in got if d.index == 1 for t in d.token_ids] == offline.token_ids
+
+    q = inbox.open("bus-bad")
+    await asyncio.wait_for(engine.stream(addr, "x", replace(PARAMS, max_tokens=0), "bus-bad"), 30)
+    err = await asyncio.wait_for(q.get(), 5)
+    assert isinstance(err, StreamError) and err.status == 400 and err.param == "max_tokens"
+
+    inbox.open("bus-left")
+    task = asyncio.ensure_future(engine.stream(addr, "long one", replace(PARAMS, max_tokens=400), "bus-left"))
+    await wait_for(lambda: engine.stats().running == 1)
+    task.cancel()
+    await wait_for(lambda: engine.stats().running == 0 and engine.stats().blocks_used == 0)
+    await engine.shutdown()
+    await inbox.stop()
+
+
+async def test_a_bus_request_learns_of_the_engine_dying(tiny_llama: Path) -> None:
+    from engine.frontend.token_bus import TokenInbox
+
+    engine = EngineProcess(EngineConfig(model=str(tiny_llama), num_kv_blocks=128))
+    inbox = TokenInbox()
+    addr = await inbox.start("127.0.0.1")
+    inbox.open("doomed")
+    task = asyncio.ensure_future(engine.stream(addr, "long one", replace(PARAMS, max_tokens=4000), "doomed"))
+    await wait_for(lambda: engine.stats().running == 1)
+    os.kill(engine.pid, signal.SIGKILL)
+    with pytest.raises(EngineDeadError):
+        await asyncio.wait_for(task, 10)
+    await inbox.stop()

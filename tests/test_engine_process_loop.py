@@ -11,6 +11,7 @@ import types
 import pytest
 
 from engine.frontend import engine_process as ep
+from engine.core.stats import EngineStats
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -64,9 +65,9 @@ class FakeEngine:
             self.conn.incoming.put(ep.Stop())  # what the parent sends at shutdown
         return [out]
 
-    def stats(self) -> str:
+    def stats(self) -> EngineStats:
         self.stats_calls += 1
-        return f"stats-{self.stats_calls}"
+        return EngineStats(steps_total=self.stats_calls)
 
     def shutdown(self) -> None:
         pass
@@ -88,7 +89,7 @@ def test_first_and_last_delta_at_once_the_rest_merged_within_the_interval(monkey
     assert isinstance(conn.sent[0], ep.Ready)
     steps = [m for m in conn.sent[1:] if isinstance(m, ep.StepResult)]
     assert len(steps) == len(conn.sent) - 1
-    got = [[t for o in m.outputs for t in o.token_ids] for m in steps]
+    got = [[t for _, o in m.outputs for t in o.token_ids] for m in steps]
     # Step 1's token goes out alone (time to first token); then a delta waits until the step after
     # which it would be older than the interval (4 steps: held since step 2, out after step 5); the
     # finishing step's goes at once.
@@ -96,11 +97,12 @@ def test_first_and_last_delta_at_once_the_rest_merged_within_the_interval(monkey
     assert got == expected
     for m in steps:
         assert len(m.outputs) == 1  # one delta per request per message, merged
-        o = m.outputs[0]
-        assert o.text == "".join(f"t{t} " for t in o.token_ids) and o.completion_tokens == o.token_ids[-1]
-        assert o.logprobs == [-0.5] * len(o.token_ids)
-    assert steps[-1].outputs[0].finished and steps[-1].outputs[0].finish_reason == "length"
-    assert all(not m.outputs[0].finished for m in steps[:-1])
+        rid, o = m.outputs[0]
+        assert rid == "r" and o.text == "".join(f"t{t} " for t in o.token_ids)
+        assert o.completion_tokens == o.token_ids[-1] and o.logprobs == (-0.5,) * len(o.token_ids)
+        assert o.tokens is None  # token strings only when logprobs are asked
+    assert steps[-1].outputs[0][1].finished and steps[-1].outputs[0][1].finish_reason == "length"
+    assert all(not m.outputs[0][1].finished for m in steps[:-1])
     # Stats ride the first message (a request arrived) and the last (it finished), not the ones
     # between (all within STATS_INTERVAL_S).
     assert steps[0].stats is not None and steps[-1].stats is not None

@@ -1,4 +1,4 @@
-"""The token bus (app/pool/token_bus.py) and the ingress side of a bus stream (app.pool.streaming.bus_stream),
+"""The token bus (engine/frontend/token_bus.py) and the ingress side of a bus stream (app.pool.streaming.bus_stream),
 without Ray: a real TCP inbox and outbox on loopback in one event loop."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from app.errors import APIError
 from app.events import TokenDelta
 from app.pool.streaming import bus_stream
-from app.pool.token_bus import TokenInbox, TokenOutbox
+from engine.frontend.token_bus import TokenInbox, TokenOutbox
 
 
 def delta(text: str, n: int, finished: bool = False) -> TokenDelta:
@@ -225,7 +225,7 @@ def test_silent_connections_are_dropped_and_pickled_frames_never_unpickled(monke
     import pickle
     import struct
 
-    import app.pool.token_bus as bus
+    import engine.frontend.token_bus as bus
 
     monkeypatch.setattr(bus, "HANDSHAKE_S", 0.2)
 
@@ -234,7 +234,7 @@ def test_silent_connections_are_dropped_and_pickled_frames_never_unpickled(monke
             return (exec, ("raise SystemExit('unpickled')",))
 
     async def main():
-        inbox, outbox = TokenInbox(), TokenOutbox()
+        inbox, outbox = TokenInbox(error=APIError.from_stream_error), TokenOutbox()
         host, port, secret = await inbox.start("127.0.0.1")
         reader, writer = await asyncio.open_connection(host, port)
         assert await asyncio.wait_for(reader.read(), 2) == b""  # closed by the inbox, no secret sent
@@ -249,12 +249,61 @@ def test_silent_connections_are_dropped_and_pickled_frames_never_unpickled(monke
         assert await asyncio.wait_for(reader.read(), 2) == b""
         writer.close()
         q = inbox.open("a")
-        outbox.send((host, port, secret), "a", APIError(429, "slow down", "tokens_per_minute", "quota_exceeded", 3))
+        outbox.send((host, port, secret), "a",
+                    APIError(429, "slow down", "tokens_per_minute", "quota_exceeded", 3).stream_error())
         await outbox.drain((host, port, secret))
         [err] = await take(q, 1)
+        assert isinstance(err, APIError)  # the inbox's error factory made it
         assert (err.status, err.param, err.type, err.retry_after) == (429, "tokens_per_minute", "quota_exceeded", 3)
         assert inbox.frames == 1
         await outbox.close()
         await inbox.stop()
+
+    asyncio.run(main())
+
+
+def test_the_engine_process_writer_sends_one_frame_per_batch_from_its_thread_and_reconnects():
+    """``ThreadOutbox`` (the engine process's writer): a batch is one frame, written by the lane's thread,
+    errors too; a lane whose connection the ingress dropped connects again (the batch that met the broken
+    socket is dropped: its stream ends through the Serve call); ``close`` writes what is queued first."""
+    import struct
+
+    from engine.errors import StreamError
+    from engine.frontend.token_bus import ThreadOutbox, decode_frame
+
+    async def main():
+        inbox = TokenInbox()
+        addr = await inbox.start("127.0.0.1")
+        qa, qb = inbox.open("a"), inbox.open("b")
+        out = ThreadOutbox()
+        out.send(addr, [("a", delta("x", 1)), ("b", delta("y", 1))])
+        assert [d.text for d in await take(qa, 1)] == ["x"] and [d.text for d in await take(qb, 1)] == ["y"]
+        assert inbox.frames == 1 and (out.frames, out.deltas) == (1, 2)
+        out.send(addr, [("a", StreamError(500, "boom", type="server_error"))])
+        assert await take(qa, 1) == [StreamError(500, "boom", type="server_error")]
+        out.close()
+        await inbox.stop()
+
+        # An ingress that drops every connection after one frame: the lane connects again.
+        conns, frames = [], []
+
+        async def once(reader, writer):
+            conns.append(await reader.readexactly(16))
+            (n,) = struct.unpack("!I", await reader.readexactly(4))
+            frames.append(decode_frame(await reader.readexactly(n)))
+            writer.close()
+
+        server = await asyncio.start_server(once, "127.0.0.1", 0)
+        lost = ("127.0.0.1", server.sockets[0].getsockname()[1], b"s" * 16)
+        out = ThreadOutbox()
+        for i in range(100):
+            out.send(lost, [("a", delta(str(i), i))])
+            await asyncio.sleep(0.02)
+            if len(conns) >= 2 and len(frames) >= 2:
+                break
+        assert len(conns) >= 2 and conns[0] == b"s" * 16  # a new connection, opened with the secret again
+        assert [f[0][1].text for f in frames[:2]][0] == "0"
+        out.close()
+        server.close()
 
     asyncio.run(main())

@@ -57,7 +57,7 @@ from app.schemas import (
 from app.settings import IngressSpec
 from app.http.sse import DONE, SettledStreamingResponse, sse_event
 from app.pool.failover import fallback_plans, stream_with_failover
-from app.pool.token_bus import TokenInbox
+from engine.frontend.token_bus import TokenInbox
 from engine.core.detokenizer import token_text
 
 logger = logging.getLogger("sinkserve.ingress")
@@ -180,8 +180,9 @@ class Ingress:
         self.quotas = Quotas(self.store, dict(spec.tenants), fail_closed=spec.quotas.fail_closed)
         self.jobs = JobQueue(self.store)
         self.audit = AuditLog(spec.audit.path, spec.audit.include_text) if spec.audit.path else None
-        # Deltas and errors come back on the token bus, one frame per engine message (app/pool/token_bus.py).
-        self.inbox = TokenInbox()
+        # Deltas and errors come back on the token bus, one frame per engine message, written by the
+        # engine's process itself (engine/frontend/token_bus.py); its errors become APIErrors here.
+        self.inbox = TokenInbox(error=APIError.from_stream_error)
         await self.inbox.start(node_address())
         self._push = None
         self._tasks: set[asyncio.Task[Any]] = set()  # fire-and-forget work (settling, releasing), kept referenced

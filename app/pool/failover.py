@@ -32,7 +32,7 @@ from app.events import RouteInfo, RoutePlan, TokenDelta
 from app.settings import BucketSpec, pool_deployment_name
 from app.pool.prefix_affinity import prefix_key
 from app.pool.streaming import stream_plan
-from app.pool.token_bus import TokenInbox
+from engine.frontend.token_bus import TokenInbox
 
 UNAVAILABLE = "unavailable"  # the pool answered that it cannot serve now
 NOT_READY = "not_ready"  # the hub says no replica of the pool is ready

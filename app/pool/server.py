@@ -8,16 +8,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from typing import Any
 
 from app.errors import APIError
-from app.events import PoolRequest, TokenDelta
+from app.events import PoolRequest
 from app.pool.replica import push_forever, replica_tag
 from app.settings import PoolSpec
-from app.pool.token_bus import TokenOutbox
+from engine.frontend.token_bus import TokenOutbox
 from engine.config_io import cache_policy_from_dict
-from engine.core.detokenizer import token_text
 
 logger = logging.getLogger("sinkserve.server")
 
@@ -131,15 +130,16 @@ class LLMServer:
     # ---- data path ------------------------------------------------------------------------------
 
     async def generate(self, req: PoolRequest) -> None:
-        """Run one request: every delta, or the ``APIError`` that refuses or ends it, goes to the
-        caller's token-bus inbox (``req.reply_to``); this call returns once the last one is written.
-        Cancelling the call (client gone, timeout) aborts the request in the engine, which frees its
-        blocks at once."""
+        """Run one request: the engine writes every delta, or the error that refuses or ends it, to the
+        caller's token-bus inbox (``req.reply_to``) from where it steps -- at TP = 1 its own process, so a
+        token crosses one process boundary to the ingress; this call returns once the last is on its way.
+        What the engine cannot say (it died, or never took the request) this replica writes. Cancelling the
+        call (client gone, timeout) aborts the request in the engine, which frees its blocks at once."""
         if req.reply_to is None:
             raise ValueError("PoolRequest.reply_to: the caller's token-bus inbox is required")
         try:
-            async for delta in self._deltas(req):
-                self.outbox.send(req.reply_to, req.request_id, delta)
+            await self.engine.stream(req.reply_to, list(req.prompt_token_ids), req.params, req.request_id,
+                                     anchors=list(req.anchors) or None, session=req.affinity)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - every failure reaches the caller, typed
@@ -147,76 +147,16 @@ class LLMServer:
                 if type(e).__module__ != "engine.errors":
                     logger.exception("request %s failed", req.request_id)
                 e = APIError.from_engine(e)
-            self.outbox.send(req.reply_to, req.request_id, e)
-        await self.outbox.drain(req.reply_to)
+            self.outbox.send(req.reply_to, req.request_id, e.stream_error())
+            await self.outbox.drain(req.reply_to)
 
-    async def _deltas(self, req: PoolRequest) -> Any:
-        """The request's deltas; ``n > 1`` fans out to ``n`` engine requests (``<id>.<i>``, seeds
-        ``seed + i``) submitted together, so the engine prefills the shared prompt once
-        (engine/core/scheduler.py waits a copy on its twin's blocks) and each choice keeps its own index."""
-        params = req.params
-        # Only requests that want logprobs touch the tokenizer (an engine process loads its copy here
-        # on first use).
-        tok = token_text(self.engine.tokenizer) if params.logprobs else None
-        if params.n == 1:
-            # A conversation's turn names its session: with session_kv on, the engine restores the KV an
-            # earlier turn saved (on any replica) and saves this turn's (engine/memory/session_cache.py).
-            gen = self.engine.generate(list(req.prompt_token_ids), params, request_id=req.request_id,
-                                       anchors=list(req.anchors) or None, session=req.affinity)
-            async for out in gen:
-                yield self._delta(out, tok, 0, out.finished)
-            return
-        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-
-        async def run(i: int) -> None:
-            seed = None if params.seed is None else (params.seed + i) % 2**63
-            try:
-                gen = self.engine.generate(list(req.prompt_token_ids), replace(params, n=1, seed=seed),
-                                           request_id=f"{req.request_id}.{i}", anchors=list(req.anchors) or None)
-                async for out in gen:
-                    queue.put_nowait((i, out))
-            except asyncio.CancelledError:
-                raise
-            except BaseException as e:  # noqa: BLE001 - re-raised by the consumer
-                queue.put_nowait((i, e))
-
-        tasks = [asyncio.get_running_loop().create_task(run(i)) for i in range(params.n)]
-        try:
-            open_choices = set(range(params.n))
-            while open_choices:
-                i, item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.finished:
-                    open_choices.discard(i)
-                yield self._delta(item, tok, i, not open_choices)
-        finally:
-            for t in tasks:
-                t.cancel()  # closes the choices' engine streams: unfinished ones are aborted
-
-    @staticmethod
-    def _delta(out: Any, tok: Any, index: int, last: bool) -> TokenDelta:
-        """One engine ``RequestOutput`` of choice ``index`` as a ``TokenDelta`` (``last``: the
-        request's final delta)."""
-        tops = None
-        if tok is not None and out.top_logprobs is not None:
-            tops = tuple(tuple(zip(tok.texts([t for t, _ in alts]), (lp for _, lp in alts)))
-                         for alts in out.top_logprobs)
-        return TokenDelta(
-            text=out.text,
-            token_ids=tuple(out.token_ids),
-            logprobs=tuple(out.logprobs) if out.logprobs is not None else None,
-            finished=last,
-            finish_reason=out.finish_reason,
-            prompt_tokens=out.prompt_tokens,
-            completion_tokens=out.completion_tokens,
-            # Token texts for OpenAI logprobs (engine/core/detokenizer.py: TokenText), only when asked.
-            tokens=tok.texts(out.token_ids) if tok is not None else None,
-            index=index,
-            top_logprobs=tops,
-            prompt_logprobs=tuple(out.prompt_logprobs) if out.prompt_logprobs else None,
-            cached_tokens=out.cached_tokens,
-        )
+    def _deltas(self, req: PoolRequest) -> Any:
+        """The request's deltas, every choice of its ``n`` (the engine fans out and writes the token
+        strings: engine/frontend/deltas.py). A conversation's turn names its session: with session_kv on,
+        the engine restores the KV an earlier turn saved (on any replica) and saves this turn's
+        (engine/memory/session_cache.py)."""
+        return self.engine.generate(list(req.prompt_token_ids), req.params, request_id=req.request_id,
+                                    anchors=list(req.anchors) or None, session=req.affinity)
 
     # ---- control path ---------------------------------------------------------------------------
 
@@ -224,6 +164,7 @@ class LLMServer:
         return self.engine.stats().as_dict()
 
     def _entry(self) -> dict[str, Any]:
+        stats = self.stats()
         return {
             "kind": "pool",
             "pool": self.spec.bucket,
@@ -232,7 +173,8 @@ class LLMServer:
             "replica": self.replica,
             "data": {
                 "ready": self.ready and self._engine_alive(),
-                "stats": {**self.stats(), "token_bus_frames": self.outbox.frames, "token_bus_deltas": self.outbox.deltas,
+                "stats": {**stats, "token_bus_frames": stats["token_bus_frames"] + self.outbox.frames,
+                          "token_bus_deltas": stats["token_bus_deltas"] + self.outbox.deltas,
                           "engine_restarts_died": self.engine_restarts["died"],
                           "engine_restarts_hung": self.engine_restarts["hung"]},
                 "policy_version": self.policy_version,
@@ -254,6 +196,7 @@ class LLMServer:
 
     def info(self) -> dict[str, Any]:
         """Replica identity and policy (used by tests and operators)."""
+        stats = self.engine.stats()
         return {
             "replica": self.replica,
             "deployment": self.spec.deployment_name,
@@ -262,7 +205,10 @@ class LLMServer:
             "policy": asdict(self.policy),
             "tensor_parallel_size": self.spec.engine.tensor_parallel_size,
             "pid": os.getpid(),
-            "token_bus": {"frames": self.outbox.frames, "deltas": self.outbox.deltas},
+            # Frames and deltas written on the token bus: by the engine's front (its own process at TP = 1),
+            # and by this replica (the errors of requests its engine could not run).
+            "token_bus": {"engine_frames": stats.token_bus_frames, "engine_deltas": stats.token_bus_deltas,
+                          "replica_frames": self.outbox.frames, "replica_deltas": self.outbox.deltas},
             # The engine's own process at TP=1, else this replica's.
             "engine_pid": getattr(self.engine, "pid", os.getpid()),
         }

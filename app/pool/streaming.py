@@ -27,8 +27,8 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 
 from app.errors import APIError
 from app.events import RoutePlan, RouteInfo, TokenDelta
-from app.pool.token_bus import TokenInbox
-from engine.outputs import concat_optional
+from engine.frontend.token_bus import TokenInbox
+from engine.outputs import merge_deltas
 
 logger = logging.getLogger("sinkserve.streaming")
 
@@ -36,23 +36,6 @@ T = TypeVar("T")
 _END = object()
 _TIMEOUT = object()
 _CALL_END = object()
-
-
-def merge_deltas(a: TokenDelta, b: TokenDelta) -> TokenDelta:
-    """``a`` then ``b`` as one delta: texts, ids, logprobs and token strings concatenated; the
-    finish state and counters are ``b``'s (counters are cumulative).
-
-    >>> a = TokenDelta("he", (1,), None, False, None, 3, 1)
-    >>> b = TokenDelta("llo", (2,), None, True, "length", 3, 2)
-    >>> m = merge_deltas(a, b); (m.text, m.token_ids, m.finished, m.completion_tokens)
-    ('hello', (1, 2), True, 2)
-    """
-    if a.index != b.index:
-        raise ValueError(f"cannot merge deltas of choices {a.index} and {b.index}")
-    cat = concat_optional
-    return replace(b, text=a.text + b.text, token_ids=a.token_ids + b.token_ids, logprobs=cat(a.logprobs, b.logprobs),
-                   tokens=cat(a.tokens, b.tokens), top_logprobs=cat(a.top_logprobs, b.top_logprobs),
-                   prompt_logprobs=cat(a.prompt_logprobs, b.prompt_logprobs))
 
 
 async def coalesced(source: AsyncIterator[T], timeout_s: float | None = None) -> AsyncIterator[T]:

@@ -219,7 +219,7 @@ class LLMEngine:
         conversation it is a turn of; with ``session_kv`` enabled its KV is restored before it is scheduled
         and saved when it finishes (``engine/memory/session_cache.py``)."""
         request_id = request_id or uuid.uuid4().hex
-        if params.n != 1:  # one sequence per request: n choices are n requests (app/pool/server.py fans out)
+        if params.n != 1:  # one sequence per request: n choices are n requests (engine/frontend/deltas.py fans out)
             raise InvalidRequestError("n", f"the engine runs one choice per request; submit {params.n} requests")
         if self.outputs.is_live(request_id):  # two live requests cannot share deltas or an abort
             raise InvalidRequestError("request_id", f"request {request_id!r} is already in flight")

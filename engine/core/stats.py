@@ -110,6 +110,9 @@ class EngineStats:
     session_kv_shared_blocks: int = 0
     session_kv_fallbacks: tuple[tuple[str, int], ...] = ()
     session_kv_save_failures: tuple[tuple[str, int], ...] = ()  # reason -> finished turns whose KV was not saved
+    # The engine front's writes on the token bus (engine/frontend/token_bus.py): frames, and the deltas in them.
+    token_bus_frames: int = 0
+    token_bus_deltas: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -9,18 +9,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence as Seq
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 from engine.cache_policy import CachePolicy
 from engine.config import EngineConfig
+from engine.core.detokenizer import token_text
 from engine.core.engine import LLMEngine
-from engine.errors import EngineDeadError, EngineUnavailableError, InvalidRequestError, RequestAbortedError, RequestFailedError
+from engine.errors import (EngineDeadError, EngineUnavailableError, InvalidRequestError, RequestAbortedError,
+                           RequestFailedError, stream_error)
 from engine.frontend.grammar_admission import COMPILE_TIMEOUT_S, MAX_ABANDONED
 from engine.core.executor import ExecutorFactory
 from engine.core.input_processor import Anchor
-from engine.outputs import RequestOutput, next_delta
+from engine.frontend.deltas import ChoiceStreams
+from engine.frontend.token_bus import Address, TokenOutbox
+from engine.outputs import TokenDelta
 from engine.sampling_params import SamplingParams
 from engine.core.stats import EngineStats
 
@@ -30,8 +36,9 @@ logger = logging.getLogger(__name__)
 class AsyncLLMEngine:
     """Asyncio front of ``LLMEngine``: a background loop steps the engine in a worker thread.
 
-    ``generate`` returns an async iterator of ``RequestOutput`` deltas; leaving the iterator early (or
-    cancelling its task, as a disconnecting HTTP client does) aborts the request and frees its blocks.
+    ``generate`` returns an async iterator of ``TokenDelta``s (``n`` choices fan out here,
+    engine/frontend/deltas.py); leaving the iterator early (or cancelling its task, as a disconnecting
+    HTTP client does) aborts the request and frees its blocks.
 
     Watchdog: a step that has not returned after ``watchdog_s`` (a hung worker, a collective that
     never completes) marks the engine dead: every stream gets ``EngineDeadError`` ("engine hung ...",
@@ -51,11 +58,13 @@ class AsyncLLMEngine:
         self._abandoned: list[Future[Any]] = []  # compiles past their limit, still running on their thread
         self.engine = LLMEngine(config, executor_factory)
         self.tokenizer = self.engine.tokenizer
-        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._streams = ChoiceStreams(lambda: token_text(self.tokenizer))
+        self._queues: dict[str, asyncio.Queue[TokenDelta | BaseException]] = {}
         self._loop_task: asyncio.Task[None] | None = None
         self._wakeup: asyncio.Event | None = None
         self._dead: str | None = None  # why the loop died
         self._stopping = False
+        self._outbox: TokenOutbox | None = None  # made on the first stream()
 
     @property
     def config(self) -> EngineConfig:
@@ -101,9 +110,12 @@ class AsyncLLMEngine:
                 if self._dead is not None:  # the watchdog gave up on this step
                     return
                 for out in outputs:
-                    q = self._queues.get(out.request_id)
+                    taken = self._streams.take(out)
+                    if taken is None:
+                        continue
+                    q = self._queues.get(taken[0])
                     if q is not None:
-                        q.put_nowait(out)
+                        q.put_nowait(taken[1])
         except Exception as exc:  # noqa: BLE001 - any failure kills the loop; callers must hear of it
             logger.exception("engine loop died")
             self._fail(repr(exc))
@@ -115,30 +127,61 @@ class AsyncLLMEngine:
         request_id: str | None = None,
         anchors: Iterable[Anchor] | None = None,
         session: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncIterator[TokenDelta]:
         """Stream the deltas of one request. Validation errors raise before the first delta; so does a
         grammar (``response_format``) that does not compile within ``COMPILE_TIMEOUT_S``."""
         self._ensure_loop()
         if params.structured_output is not None:
             await self._compile(params.structured_output)
-        request_id = self.engine.add_request(request_id, prompt, params, anchors, session=session)
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        request_id = request_id or uuid.uuid4().hex
+        try:
+            choices = self._streams.open(request_id, params)
+        except ValueError as e:
+            raise InvalidRequestError("request_id", str(e)) from None
+        try:
+            for eid, p in choices:  # a session's KV is one conversation's: a single choice only
+                self.engine.add_request(eid, prompt, p, anchors, session=session if len(choices) == 1 else None)
+        except BaseException:
+            for eid in self._streams.close(request_id):
+                self.engine.abort(eid)
+            raise
+        queue: asyncio.Queue[TokenDelta | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
         assert self._wakeup is not None
         self._wakeup.set()
-        done = False  # the engine is through with it (finished or aborted)
         try:
-            while not done:
-                item = await next_delta(queue, request_id)
-                done = item.finished
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
                 yield item
-        except (RequestAbortedError, RequestFailedError):  # the engine is through with it
-            done = True
-            raise
+                if item.finished:
+                    return
         finally:
             self._queues.pop(request_id, None)
-            if not done:
-                self.engine.abort(request_id)
+            for eid in self._streams.close(request_id):  # unfinished (left early, or a choice failed)
+                self.engine.abort(eid)
+
+    async def stream(
+        self,
+        reply_to: Address,
+        prompt: str | Seq[int],
+        params: SamplingParams,
+        request_id: str,
+        anchors: Iterable[Anchor] | None = None,
+        session: str | None = None,
+    ) -> None:
+        """``EngineProcess.stream`` for the engine in this process (TP > 1): the deltas, or the error that
+        ends the request, go to the token-bus inbox ``reply_to`` from here. Raises ``EngineDeadError``
+        when the engine loop is dead; cancelling aborts the request."""
+        if self._outbox is None:
+            self._outbox = TokenOutbox()
+        try:
+            async for delta in self.generate(prompt, params, request_id, anchors, session):
+                self._outbox.send(reply_to, request_id, delta)
+        except (InvalidRequestError, RequestAbortedError, RequestFailedError) as e:  # this request's end
+            self._outbox.send(reply_to, request_id, stream_error(e))
+        await self._outbox.drain(reply_to)
 
     async def _compile(self, so: Any) -> None:
         """Compile the grammar before admission, on one thread beside the step (xgrammar releases the GIL),
@@ -167,12 +210,19 @@ class AsyncLLMEngine:
             raise InvalidRequestError("response_format", f"the grammar does not compile: {type(e).__name__}: {e}") from None
 
     def abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
+        """Abort a request (every choice); its stream raises ``RequestAbortedError``."""
+        for eid in self._streams.close(request_id):
+            self.engine.abort(eid)
+        q = self._queues.get(request_id)
+        if q is not None:
+            q.put_nowait(RequestAbortedError(f"request {request_id} was aborted"))
         if self._wakeup is not None:
             self._wakeup.set()
 
     def stats(self) -> EngineStats:
-        return self.engine.stats()
+        bus = self._outbox
+        return replace(self.engine.stats(), token_bus_frames=bus.frames if bus else 0,
+                       token_bus_deltas=bus.deltas if bus else 0)
 
     def check_health(self) -> None:
         if self._dead is not None:
@@ -193,4 +243,6 @@ class AsyncLLMEngine:
             self._watch_task.cancel()
         if self._loop_task is not None:
             await asyncio.wait([self._loop_task], timeout=5)
+        if self._outbox is not None:
+            await self._outbox.close()
         self.engine.shutdown()

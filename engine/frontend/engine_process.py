@@ -26,7 +26,7 @@ message, ``Ready(stats)`` or ``LoadFailed(traceback)`` the answer. Every message
 frozen dataclasses below (pickled by ``multiprocessing.connection``), never a tagged tuple.
 
 Deltas are held in the child for up to ``STREAM_INTERVAL_S`` and go out merged (one delta per request,
-``merge_deltas``): on a small model a decode step is ~0.3 ms, and a message per step cost more than the
+``DeltaBatch``): on a small model a decode step is ~0.3 ms, and a message per step cost more than the
 step's Python -- the write that wakes the serving process took a quarter of the engine process's time,
 and every message wakes the pool replica and the ingress once more (docs/fast_step.md, "Fifth pass").
 What a reader waits on goes out at once: a request's first delta (time to first token), its last (or
@@ -71,9 +71,12 @@ from typing import Any, AsyncIterator, Iterable, Sequence as Seq
 
 from engine.config import CachePolicy, EngineConfig
 from engine.frontend.grammar_admission import GrammarAdmission
-from engine.errors import EngineDeadError, EngineUnavailableError, InvalidRequestError, ModelLoadError, RequestAbortedError, RequestFailedError
+from engine.errors import (EngineDeadError, EngineUnavailableError, InvalidRequestError, ModelLoadError,
+                           RequestAbortedError, RequestFailedError, stream_error)
 from engine.core.input_processor import Anchor
-from engine.outputs import RequestOutput, merge_deltas, next_delta
+from engine.frontend.deltas import ChoiceStreams
+from engine.frontend.token_bus import Address, ThreadOutbox
+from engine.outputs import DeltaBatch, TokenDelta
 from engine.sampling_params import SamplingParams
 from engine.worker.sparse_config import policy_version as sparse_policy_version
 from engine.core.stats import EngineStats
@@ -91,6 +94,9 @@ class AddRequest:
     params: SamplingParams
     anchors: tuple[Anchor, ...] = ()
     session: str | None = None  # the conversation it is a turn of (session KV)
+    # A token-bus inbox (engine/frontend/token_bus.py): the request's deltas, or the error that ends it,
+    # go there straight from this process, and ``Done`` comes back over the pipe. None: over the pipe.
+    reply_to: Address | None = None
 
 
 @dataclass(frozen=True)
@@ -133,10 +139,11 @@ STREAM_INTERVAL_S = 0.004  # how long a delta may wait in the child for the next
 
 @dataclass(frozen=True)
 class StepResult:
-    """The deltas of the steps since the last message, one per request, and the stats after the last
-    step (None: unchanged as far as a reader needs, see above)."""
+    """The deltas of the steps since the last message, ``(request, delta)`` in order, each choice's merged
+    (``DeltaBatch``), and the stats after the last step (None: unchanged as far as a reader needs, see
+    above)."""
 
-    outputs: list[RequestOutput]
+    outputs: list[tuple[str, TokenDelta]]
     stats: EngineStats | None
 
 
@@ -149,10 +156,26 @@ class Rejected:
 
 @dataclass(frozen=True)
 class Failed:
-    """A request that could not be admitted for a reason of the engine's, not the request's (a 500)."""
+    """A request that could not be admitted for a reason of the engine's, not the request's, or that failed
+    inside the engine alone (engine/isolation.py): a 500."""
 
     request_id: str
     reason: str
+
+
+@dataclass(frozen=True)
+class Aborted:
+    """The engine aborted a request that its reader had not given up."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Done:
+    """A token-bus request's last item -- its finished delta, or the error that ended it -- is on its way
+    to the inbox (handed to the writer; the ingress waits a grace period for it)."""
+
+    request_id: str
 
 
 @dataclass(frozen=True)
@@ -202,10 +225,10 @@ class EngineProcess:
             reason = answer.traceback.strip().splitlines()[-1]  # the exception line first, the traceback after
             raise ModelLoadError(f"engine process could not start: {reason}\n{answer.traceback}")
         self._stats: EngineStats = answer.stats
-        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._queues: dict[str, asyncio.Queue[TokenDelta | BaseException]] = {}
+        self._bus: dict[str, asyncio.Future[None]] = {}  # token-bus requests -> resolved by Done
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead: str | None = None
-        self._tokenizer: Any = None
         self._attach()
         logger.info("engine process %d ready (%s)", self._proc.pid, config.model)
 
@@ -214,15 +237,6 @@ class EngineProcess:
     @property
     def config(self) -> EngineConfig:
         return self._config
-
-    @property
-    def tokenizer(self) -> Any:
-        """The model's tokenizer, loaded here on first use (token strings for logprobs)."""
-        if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
-            self._tokenizer = AutoTokenizer.from_pretrained(self._config.model, local_files_only=True)
-        return self._tokenizer
 
     @property
     def pid(self) -> int:
@@ -235,15 +249,16 @@ class EngineProcess:
         request_id: str | None = None,
         anchors: Iterable[Any] | None = None,
         session: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream the deltas of one request; an invalid request raises ``InvalidRequestError``
-        before the first delta, and leaving early aborts it in the engine (its blocks are freed)."""
+    ) -> AsyncIterator[TokenDelta]:
+        """Stream the deltas of one request (its ``n`` choices: the child fans out,
+        engine/frontend/deltas.py); an invalid request raises ``InvalidRequestError`` before the first
+        delta, and leaving early aborts it in the engine (its blocks are freed)."""
         self.check_health()
         self._attach()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._queues:  # the child would refuse it too, but this queue is the first one's
             raise InvalidRequestError("request_id", f"request {request_id!r} is already in flight")
-        q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        q: asyncio.Queue[TokenDelta | BaseException] = asyncio.Queue()
         self._queues[request_id] = q
         done = False  # the engine is through with it (finished, aborted, never admitted)
         try:
@@ -252,7 +267,9 @@ class EngineProcess:
             if self._sent_at is None:
                 self._sent_at = time.monotonic()
             while not done:
-                item = await next_delta(q, request_id)
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
                 done = item.finished
                 yield item
         except (RequestAbortedError, RequestFailedError, InvalidRequestError):
@@ -261,6 +278,38 @@ class EngineProcess:
         finally:
             self._queues.pop(request_id, None)
             if not done and self._dead is None:
+                self._send(AbortRequest(request_id))
+
+    async def stream(
+        self,
+        reply_to: Address,
+        prompt: str | Seq[int],
+        params: SamplingParams,
+        request_id: str,
+        anchors: Iterable[Any] | None = None,
+        session: str | None = None,
+    ) -> None:
+        """Run one request whose deltas -- or the error that ends it -- the engine process writes to the
+        token-bus inbox ``reply_to`` itself (one process crossing per token); returns when its last item is
+        on its way. Raises ``EngineDeadError`` when the engine dies first (its reader learns it from the
+        caller); cancelling aborts the request in the engine."""
+        self.check_health()
+        self._attach()
+        if request_id in self._queues or request_id in self._bus:
+            raise InvalidRequestError("request_id", f"request {request_id!r} is already in flight")
+        assert self._loop is not None, "stream() runs on an event loop"
+        done = self._bus[request_id] = self._loop.create_future()
+        finished = False
+        try:
+            self._send(AddRequest(request_id, prompt if isinstance(prompt, str) else tuple(prompt), params,
+                                  tuple(anchors or ()), session, reply_to))
+            if self._sent_at is None:
+                self._sent_at = time.monotonic()
+            await done
+            finished = True
+        finally:
+            self._bus.pop(request_id, None)
+            if not finished and self._dead is None:
                 self._send(AbortRequest(request_id))
 
     def abort(self, request_id: str) -> None:
@@ -298,7 +347,7 @@ class EngineProcess:
         """Let running requests finish (up to ``drain_timeout`` seconds), then stop the child."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + drain_timeout
-        while self._queues and self._dead is None and loop.time() < deadline:
+        while (self._queues or self._bus) and self._dead is None and loop.time() < deadline:
             await asyncio.sleep(0.05)
         if self._dead is None:
             self._send(Stop())
@@ -351,7 +400,7 @@ class EngineProcess:
             except subprocess.TimeoutExpired:
                 pass
             self._die(f"engine hung: no step for {silent:.1f}s while holding work ({held} requests at its last "
-                      f"report, {len(self._queues)} streams open; watchdog_s={self.watchdog_s:g}); it was killed")
+                      f"report, {len(self._queues) + len(self._bus)} streams open; watchdog_s={self.watchdog_s:g}); it was killed")
             return
         assert self._loop is not None
         self._loop.call_later(self._watch_period, self._watch)
@@ -363,11 +412,11 @@ class EngineProcess:
             self._die(f"engine process unreachable: {e}")
 
     def _on_readable(self) -> None:
-        # Every step that is ready is read before any delta is handed on, and a request's deltas from
-        # those steps go on as one (merge_deltas): when this loop falls behind the engine it catches up
+        # Every step that is ready is read before any delta is handed on, and each choice's deltas from
+        # those steps go on as one (DeltaBatch): when this loop falls behind the engine it catches up
         # in one wake-up per request, not one per step. Whatever is ready goes out now, so a stream is
         # never held back.
-        ready: dict[str, RequestOutput] = {}
+        ready = DeltaBatch()
         self._heard_at, self._sent_at = time.monotonic(), None
         try:
             while self._conn.poll():
@@ -375,9 +424,20 @@ class EngineProcess:
                 if isinstance(msg, StepResult):
                     if msg.stats is not None:
                         self._stats = msg.stats
-                    for out in msg.outputs:
-                        prev = ready.get(out.request_id)
-                        ready[out.request_id] = out if prev is None else merge_deltas(prev, out)
+                    for rid, delta in msg.outputs:
+                        ready.add(rid, delta)
+                    continue
+                if isinstance(msg, Done):
+                    fut = self._bus.get(msg.request_id)
+                    if fut is not None and not fut.done():
+                        fut.set_result(None)
+                    continue
+                self._hand_on(ready)  # a request's deltas before the message that ends it
+                ready = DeltaBatch()
+                if isinstance(msg, Aborted):
+                    q = self._queues.get(msg.request_id)
+                    if q is not None:
+                        q.put_nowait(RequestAbortedError(f"request {msg.request_id} was aborted"))
                 elif isinstance(msg, Rejected):  # a request that never ran: no deltas of its own
                     q = self._queues.get(msg.request_id)
                     if q is not None:
@@ -397,11 +457,11 @@ class EngineProcess:
             return
         self._hand_on(ready)
 
-    def _hand_on(self, ready: dict[str, RequestOutput]) -> None:
-        for rid, out in ready.items():
+    def _hand_on(self, ready: DeltaBatch) -> None:
+        for rid, delta in ready.items():
             q = self._queues.get(rid)
             if q is not None:
-                q.put_nowait(out)
+                q.put_nowait(delta)
 
     def _die(self, reason: str, level: int = logging.ERROR) -> None:
         if self._dead is not None:
@@ -413,6 +473,9 @@ class EngineProcess:
         self._conn.close()
         for q in self._queues.values():
             q.put_nowait(EngineDeadError(reason))
+        for fut in self._bus.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError(reason))
 
 
 # ---- the child ----------------------------------------------------------------------------------
@@ -428,7 +491,10 @@ def _receive_forever(conn: Connection, inbox: queue.SimpleQueue) -> None:
 
 
 def serve_engine(conn: Connection) -> None:
-    """The child's main loop: take what arrived, step, send the deltas; block only when idle."""
+    """The child's main loop: take what arrived, step, send the deltas; block only when idle. A request
+    with ``reply_to`` streams on the token bus (``ThreadOutbox``) and is closed with ``Done`` over the pipe;
+    the others' deltas and refusals go over the pipe."""
+    from engine.core.detokenizer import token_text
     from engine.core.engine import LLMEngine
 
     config = conn.recv()
@@ -447,21 +513,85 @@ def serve_engine(conn: Connection) -> None:
     # Requests with response_format wait here until their grammar is compiled, off the step (made with
     # the first such request).
     admission: GrammarAdmission[AddRequest] | None = None
+    streams = ChoiceStreams(lambda: token_text(engine.tokenizer))  # n fan-out, deltas with token strings
+    outbox = ThreadOutbox()
+    reply: dict[str, Address] = {}  # open token-bus requests -> their inbox
+
+    def stats() -> EngineStats:
+        return replace(engine.stats(), token_bus_frames=outbox.frames, token_bus_deltas=outbox.deltas)
+
+    def ended(request_id: str, error: Exception, reply_to: Address | None) -> None:
+        """Tell the reader that ``error`` ended its request: on the bus (then ``Done``), or over the pipe."""
+        if reply_to is not None:
+            outbox.send(reply_to, [(request_id, stream_error(error))])
+            conn.send(Done(request_id))
+        elif isinstance(error, InvalidRequestError):
+            conn.send(Rejected(request_id, error.field, error.message))
+        elif isinstance(error, RequestAbortedError):
+            conn.send(Aborted(request_id))
+        else:
+            conn.send(Failed(request_id, error.reason if isinstance(error, RequestFailedError) else str(error)))
 
     def admit(msg: AddRequest) -> None:
         try:
-            engine.add_request(msg.request_id, msg.prompt, msg.params, msg.anchors, session=msg.session)
-        except InvalidRequestError as e:
-            conn.send(Rejected(msg.request_id, e.field, e.message))
-        except (TypeError, ValueError) as e:
-            conn.send(Rejected(msg.request_id, "sampling", str(e)))
-        except Exception as e:  # noqa: BLE001 - one request's admission must not end the engine
-            logger.exception("request %s: admission failed", msg.request_id)
-            conn.send(Failed(msg.request_id, f"admission failed: {type(e).__name__}: {e}"))
+            choices = streams.open(msg.request_id, msg.params)
+        except ValueError as e:
+            ended(msg.request_id, InvalidRequestError("request_id", str(e)), msg.reply_to)
+            return
+        try:
+            for eid, params in choices:
+                # a session's KV is one conversation's: restored and saved for a single choice only
+                engine.add_request(eid, msg.prompt, params, msg.anchors,
+                                   session=msg.session if len(choices) == 1 else None)
+        except Exception as e:  # noqa: BLE001 - reported below; one request's admission must not end the engine
+            for eid in streams.close(msg.request_id):
+                engine.abort(eid)
+            if isinstance(e, InvalidRequestError):
+                ended(msg.request_id, e, msg.reply_to)
+            elif isinstance(e, (TypeError, ValueError)):
+                ended(msg.request_id, InvalidRequestError("sampling", str(e)), msg.reply_to)
+            else:
+                logger.exception("request %s: admission failed", msg.request_id)
+                ended(msg.request_id, RequestFailedError(msg.request_id, f"admission failed: {type(e).__name__}: {e}"),
+                      msg.reply_to)
+            return
+        if msg.reply_to is not None:
+            reply[msg.request_id] = msg.reply_to
+
+    def end(request_id: str) -> None:
+        """The reader gave up (or the request failed): its choices still running are aborted."""
+        for eid in streams.close(request_id):
+            engine.abort(eid)
 
     stats_at = 0.0  # when the last snapshot went out (monotonic)
-    held: dict[str, RequestOutput] = {}  # deltas not sent yet, merged per request
+    held = DeltaBatch()  # deltas not sent yet, each choice's merged
     held_since = 0.0  # when the oldest of them was made
+
+    def flush(with_stats: bool) -> None:
+        """Send what is held: bus requests' deltas to their inboxes (one frame per inbox), the others'
+        over the pipe, with the stats snapshot when asked (taken after the frames are counted); then
+        ``Done`` for the bus requests that finished."""
+        nonlocal held
+        pipe: list[tuple[str, TokenDelta]] = []
+        lanes: dict[Address, list[tuple[str, TokenDelta]]] = {}
+        done: list[str] = []
+        for rid, delta in held.items():
+            address = reply.get(rid)
+            if address is None:
+                pipe.append((rid, delta))
+                continue
+            lanes.setdefault(address, []).append((rid, delta))
+            if delta.finished:
+                done.append(rid)
+                del reply[rid]
+        held = DeltaBatch()
+        for address, batch in lanes.items():
+            outbox.send(address, batch)
+        if pipe or with_stats:
+            conn.send(StepResult(pipe, stats() if with_stats else None))
+        for rid in done:
+            conn.send(Done(rid))
+
     while True:
         msgs = []
         if not engine.has_unfinished():  # idle: block for a message (or a grammar's deadline)
@@ -483,15 +613,16 @@ def serve_engine(conn: Connection) -> None:
                 try:
                     admission.submit(msg.request_id, so, msg)
                 except InvalidRequestError as e:
-                    conn.send(Rejected(msg.request_id, e.field, e.message))
+                    ended(msg.request_id, e, msg.reply_to)
             elif isinstance(msg, AbortRequest):
                 if admission is None or not admission.discard(msg.request_id):
-                    engine.abort(msg.request_id)
+                    end(msg.request_id)
+                reply.pop(msg.request_id, None)  # its reader is gone: nothing more to tell it
             elif isinstance(msg, SetPolicy):
                 engine.set_cache_policy(msg.policy)
             elif isinstance(msg, Stop):
-                if held:
-                    conn.send(StepResult(list(held.values()), None))
+                flush(False)
+                outbox.close()
                 if admission is not None:
                     admission.shutdown()
                 engine.shutdown()
@@ -501,7 +632,7 @@ def serve_engine(conn: Connection) -> None:
             for msg in ready:
                 admit(msg)
             for msg, reason in refused:
-                conn.send(Rejected(msg.request_id, "response_format", reason))
+                ended(msg.request_id, InvalidRequestError("response_format", reason), msg.reply_to)
             if ready or refused:
                 msgs.append(_Wake())  # stats go out with this step (a request arrived or left)
         started = time.monotonic()
@@ -509,28 +640,34 @@ def serve_engine(conn: Connection) -> None:
             outputs = engine.step() if engine.has_unfinished() else []
         except Exception:  # noqa: BLE001 - the parent fails every stream and its health check
             logger.exception("engine step failed")
-            if held:
-                conn.send(StepResult(list(held.values()), None))
+            flush(False)
+            outbox.close()
             conn.send(EngineDied(traceback.format_exc(limit=5)))
             return
         now = time.monotonic()
         urgent = last = False
         for out in outputs:
-            prev = held.get(out.request_id)
-            if prev is None:
-                held_since = now if not held else held_since
-                held[out.request_id] = out
-            else:
-                held[out.request_id] = merge_deltas(prev, out)
-            # The first delta (its tokens are all it has) and the last go out at once.
-            last = last or out.finished
-            urgent = urgent or out.completion_tokens <= len(out.token_ids)
+            taken = streams.take(out)
+            if taken is None:  # a choice of a request that ended a moment ago
+                continue
+            rid, item = taken
+            if isinstance(item, Exception):  # the engine aborted or failed a choice: the request ends
+                end(rid)
+                flush(False)  # its deltas before what ends it
+                ended(rid, item, reply.pop(rid, None))
+                last = True
+                continue
+            if not held:
+                held_since = now
+            held.add(rid, item)
+            # A choice's first delta (its tokens are all it has) and its last go out at once.
+            last = last or item.finish_reason is not None
+            urgent = urgent or item.completion_tokens <= len(item.token_ids)
         with_stats = bool(msgs) or last or not engine.has_unfinished() or now - stats_at >= STATS_INTERVAL_S
         if with_stats or (held and (urgent or now + (now - started) - held_since >= STREAM_INTERVAL_S)):
             if with_stats:
                 stats_at = now
-            conn.send(StepResult(list(held.values()), engine.stats() if with_stats else None))
-            held = {}
+            flush(with_stats)
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ import httpx
 
 from app.events import PoolRequest, TokenDelta
 from app.settings import REPO_ROOT, BucketSpec, IngressArgs, IngressSpec, PlanSpec, QuotaArgs, StoreArgs, TenantArgs, VersionSpec
-from app.pool.token_bus import TokenOutbox
+from engine.frontend.token_bus import TokenOutbox
 
 MODEL = str(REPO_ROOT / "assets/reference-model")
 KEY, ACME_KEY, OPERATOR_KEY = "chaos-key", "chaos-acme", "chaos-operator"
@@ -51,7 +51,7 @@ class FakePool:
         n = len(req.prompt_token_ids)
         if self.error is not None:
             await asyncio.sleep(self.delay_s)
-            self.outbox.send(req.reply_to, req.request_id, self.error)
+            self.outbox.send(req.reply_to, req.request_id, self.error.stream_error())
             await self.outbox.drain(req.reply_to)
             return
         if self.tokens == 0:

@@ -10,7 +10,7 @@ import pytest
 from app.errors import APIError
 from app.events import PoolRequest, RouteInfo, RoutePlan, TokenDelta
 from app.pool.streaming import stream_plan
-from app.pool.token_bus import TokenInbox, TokenOutbox
+from engine.frontend.token_bus import TokenInbox, TokenOutbox
 from engine.sampling_params import SamplingParams
 
 
@@ -30,7 +30,9 @@ class FakeCall:
             raise error
         for item in items:
             await asyncio.sleep(delay)
-            outbox.send(self.req.reply_to, self.req.request_id, item)
+            # an APIError goes on the bus as the pool replica sends it (its StreamError)
+            outbox.send(self.req.reply_to, self.req.request_id,
+                        item.stream_error() if isinstance(item, APIError) else item)
         await outbox.drain(self.req.reply_to)
 
     def __await__(self):
@@ -72,7 +74,7 @@ async def collect(gen, n=None):
 
 @pytest.fixture()
 async def bus():
-    inbox, outbox = TokenInbox(), TokenOutbox()
+    inbox, outbox = TokenInbox(error=APIError.from_stream_error), TokenOutbox()  # the ingress's inbox
     await inbox.start("127.0.0.1")
     yield inbox, outbox
     await outbox.close()

@@ -1,6 +1,7 @@
-"""Token bus: token deltas from pool replicas to ingress replicas, one TCP connection per pair and
+"""Token bus: token deltas from the engine's front to ingress replicas, one TCP connection per pair and
 one frame per engine message (a step's deltas; at one stream a few steps' merged, held up to
-``engine.frontend.engine_process.STREAM_INTERVAL_S``), beside the Serve handle call that still carries the request.
+``engine.frontend.engine_process.STREAM_INTERVAL_S``), beside the Serve handle call that still carries
+the request.
 
 Why: every item a Serve streaming handle yields costs a gRPC message, a pickle and a few event-loop
 wakeups on each side, per token per hop -- on small models as much as the engine's own work per token
@@ -8,22 +9,27 @@ wakeups on each side, per token per hop -- on small models as much as the engine
 On the bus, the deltas one step makes for the streams of one ingress replica travel as one frame --
 first tokens included, so a burst of requests prefilled in one step gets its first tokens in one frame.
 
-::
+The writer is wherever the engine steps, so a token crosses one process boundary to reach the ingress:
+at TP = 1 the engine's own process (``ThreadOutbox``: the engine loop never waits on a socket), at TP > 1
+the pool replica that drives the workers (``TokenOutbox``, on its event loop)::
 
-    ingress replica                                  pool replica
-    ---------------                                  ------------
-    handle.generate(PoolRequest(reply_to=inbox)) --> LLMServer.generate      (unary Serve call)
-    TokenInbox  <== frame [(request_id, TokenDelta | APIError), ...] == TokenOutbox
-        <-- the call returns ----------------------     (after the last item went on the bus)
+    ingress replica                     pool replica                      engine process (TP = 1)
+    ---------------                     ------------                      -----------------------
+    handle.generate(PoolRequest(reply_to=inbox)) --> LLMServer.generate
+                                          AddRequest(reply_to) ---pipe--> step, deltas
+    TokenInbox  <== frame [(request_id, TokenDelta | StreamError), ...] ==== ThreadOutbox
+                                          <---pipe--- Done(request_id)
+        <-- the call returns ---------------
 
 The Serve call stays open for the whole request, so Serve's queue caps, backpressure, autoscaling
 metrics and cancellation behave as before: cancelling it (client gone, timeout) aborts the request in
-the engine. What the pool has to say -- deltas, and the ``APIError`` that refuses or ends a request --
-travels on the bus, in order. Frames are msgpack, length-prefixed, in a typed encoding (a delta is
-its fields in order, an error its status, message, param, type and Retry-After) -- never pickle, so
-a frame can only ever become a ``TokenDelta`` or an ``APIError``. A connection opens with the inbox's
-secret (compared in constant time, within ``HANDSHAKE_S`` or the connection is dropped) so nothing
-else on the network can write into a stream; a malformed frame closes its connection.
+the engine. What the engine has to say -- deltas, and the ``StreamError`` that refuses or ends a request
+-- travels on the bus, in order; the pool replica writes on it only what the engine cannot (the engine
+died). Frames are msgpack, length-prefixed, in a typed encoding (a delta is its fields in order, an error
+its status, message, param, type and Retry-After) -- never pickle, so a frame can only ever become a
+``TokenDelta`` or a ``StreamError``. A connection opens with the inbox's secret (compared in constant
+time, within ``HANDSHAKE_S`` or the connection is dropped) so nothing else on the network can write into a
+stream; a malformed frame closes its connection.
 """
 
 from __future__ import annotations
@@ -32,14 +38,18 @@ import asyncio
 import dataclasses
 import hmac
 import logging
+import queue
 import secrets
+import socket
 import struct
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
 
-from app.errors import APIError
-from app.events import TokenDelta
+from engine.errors import StreamError
+from engine.outputs import TokenDelta
 
 logger = logging.getLogger("sinkserve.token_bus")
 
@@ -52,29 +62,30 @@ _DELTA_FIELDS = tuple(f.name for f in dataclasses.fields(TokenDelta))
 
 
 def encode_frame(batch: list[tuple[str, Any]]) -> bytes:
-    """``[(request_id, TokenDelta | APIError), ...]`` as msgpack.
+    """``[(request_id, TokenDelta | StreamError), ...]`` as msgpack.
 
     >>> d = TokenDelta("hi", (1, 2), None, True, "stop", 3, 2, top_logprobs=((("a", -0.1),),))
-    >>> decode_frame(encode_frame([("r1", d), ("r2", APIError(429, "slow down", retry_after=3))]))[0] == ("r1", d)
+    >>> e = StreamError(429, "slow down", retry_after=3)
+    >>> decode_frame(encode_frame([("r1", d), ("r2", e)])) == [("r1", d), ("r2", e)]
     True
     """
     out = []
     for request_id, item in batch:
         if isinstance(item, TokenDelta):
             out.append((request_id, _DELTA, [getattr(item, f) for f in _DELTA_FIELDS]))
-        elif isinstance(item, APIError):
+        elif isinstance(item, StreamError):
             out.append((request_id, _ERROR, [item.status, item.message, item.param, item.type, item.retry_after]))
         else:
-            raise TypeError(f"the token bus carries TokenDelta and APIError, not {type(item).__name__}")
+            raise TypeError(f"the token bus carries TokenDelta and StreamError, not {type(item).__name__}")
     return msgpack.packb(out, use_bin_type=True)
 
 
-def decode_frame(data: bytes) -> list[tuple[str, TokenDelta | APIError]]:
+def decode_frame(data: bytes) -> list[tuple[str, TokenDelta | StreamError]]:
     """The inverse of :func:`encode_frame`; ``ValueError`` for anything it did not write."""
     try:
         # Arrays decode as tuples: exactly the shape of TokenDelta's sequence fields.
         items = msgpack.unpackb(data, use_list=False, raw=False, strict_map_key=True)
-        out: list[tuple[str, TokenDelta | APIError]] = []
+        out: list[tuple[str, TokenDelta | StreamError]] = []
         for request_id, tag, fields in items:
             if not isinstance(request_id, str):
                 raise ValueError("request id is not a string")
@@ -82,7 +93,7 @@ def decode_frame(data: bytes) -> list[tuple[str, TokenDelta | APIError]]:
                 out.append((request_id, TokenDelta(*fields)))
             elif tag == _ERROR:
                 status, message, param, type_, retry_after = fields
-                out.append((request_id, APIError(int(status), str(message), param, str(type_), retry_after)))
+                out.append((request_id, StreamError(int(status), str(message), param, str(type_), retry_after)))
             else:
                 raise ValueError(f"unknown item tag {tag!r}")
         return out
@@ -91,9 +102,11 @@ def decode_frame(data: bytes) -> list[tuple[str, TokenDelta | APIError]]:
 
 
 class TokenInbox:
-    """Ingress side: a TCP server whose frames are sorted into one queue per open request."""
+    """Ingress side: a TCP server whose frames are sorted into one queue per open request. ``error``
+    turns a ``StreamError`` into what the queue's reader takes (the ingress: ``APIError``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, error: Callable[[StreamError], Any] = lambda e: e) -> None:
+        self._error = error
         self._queues: dict[str, asyncio.Queue[Any]] = {}
         self._secret = secrets.token_bytes(16)
         self._server: asyncio.Server | None = None
@@ -145,11 +158,11 @@ class TokenInbox:
                     logger.warning("token bus: dropped a connection from %s: %s", peer, e)
                     return
                 self.frames += 1
-                for request_id, delta in batch:
+                for request_id, item in batch:
                     self.deltas += 1
                     q = self._queues.get(request_id)
                     if q is not None:  # else the request already ended here (cancelled)
-                        q.put_nowait(delta)
+                        q.put_nowait(self._error(item) if isinstance(item, StreamError) else item)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
@@ -157,8 +170,9 @@ class TokenInbox:
 
 
 class TokenOutbox:
-    """Pool side: buffers deltas per inbox and writes each buffer as one frame once the current
-    event-loop pass is done (so all deltas of one engine step share a frame)."""
+    """A writer on an event loop (the pool replica: an in-process engine's deltas at TP > 1, and the error
+    of a request whose engine died): buffers deltas per inbox and writes each buffer as one frame once the
+    current event-loop pass is done (so all deltas of one engine step share a frame)."""
 
     def __init__(self) -> None:
         self._writers: dict[Address, asyncio.StreamWriter] = {}
@@ -246,3 +260,60 @@ class TokenOutbox:
         for writer in self._writers.values():
             writer.close()
         self._writers.clear()
+
+
+class ThreadOutbox:
+    """The engine process's writer: ``send`` hands a batch to one thread per inbox address, which encodes
+    it and writes it as one frame, so the step loop never waits on a socket or on a slow ingress. A lane
+    connects on its first frame and again after a failure; frames that cannot be written are dropped
+    (their streams end through the Serve call, as the event-loop writer's)."""
+
+    def __init__(self) -> None:
+        self._lanes: dict[Address, queue.SimpleQueue[list[tuple[str, Any]] | None]] = {}
+        self._threads: list[threading.Thread] = []
+        self.frames = 0
+        self.deltas = 0
+
+    def send(self, address: Address, batch: list[tuple[str, Any]]) -> None:
+        """Queue ``batch`` as one frame to ``address`` (counted now: a snapshot taken after this counts it;
+        a frame the lane then fails to write is logged with its deltas)."""
+        self.frames += 1
+        self.deltas += len(batch)
+        lane = self._lanes.get(address)
+        if lane is None:
+            lane = self._lanes[address] = queue.SimpleQueue()
+            t = threading.Thread(target=self._write_forever, args=(address, lane), daemon=True,
+                                 name=f"token-bus-{address[0]}:{address[1]}")
+            t.start()
+            self._threads.append(t)
+        lane.put(batch)
+
+    def _write_forever(self, address: Address, lane: queue.SimpleQueue[list[tuple[str, Any]] | None]) -> None:
+        host, port, secret = address
+        sock: socket.socket | None = None
+        while True:
+            batch = lane.get()
+            if batch is None:
+                break
+            data = encode_frame(batch)
+            try:
+                if sock is None:
+                    sock = socket.create_connection((host, port), timeout=HANDSHAKE_S)
+                    sock.settimeout(None)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    sock.sendall(secret)
+                sock.sendall(_LEN.pack(len(data)) + data)
+            except OSError as e:
+                logger.warning("token bus to %s:%d failed (%s); %d deltas dropped", host, port, e, len(batch))
+                if sock is not None:
+                    sock.close()
+                sock = None
+        if sock is not None:
+            sock.close()
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Write what is queued (each lane within ``timeout_s``), then end the lanes."""
+        for lane in self._lanes.values():
+            lane.put(None)
+        for t in self._threads:
+            t.join(timeout_s)
