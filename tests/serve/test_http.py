@@ -409,8 +409,9 @@ def test_tp1_pools_step_the_engine_in_a_child_process(server):
 
 
 def test_stream_deltas_travel_on_the_token_bus(server):
-    """The pool writes a stream's deltas to the ingress's inbox, several deltas per frame when
-    streams run together; its Serve call returns nothing."""
+    """The engine process writes a stream's deltas to the ingress's inbox itself (one process crossing per
+    token: the pool replica writes none of them), several deltas per frame when streams run together; the
+    pool's Serve call returns nothing."""
     from concurrent.futures import ThreadPoolExecutor
 
     from ray import serve
@@ -429,10 +430,11 @@ def test_stream_deltas_travel_on_the_token_bus(server):
         bodies = list(ex.map(stream, range(4)))
     assert all(b.endswith("data: [DONE]") and '"completion_tokens":12' in b for b in bodies)
     after = h.info.remote().result()["token_bus"]
-    sent = after["deltas"] - before["deltas"]
-    # At most one delta per token (the pool merges steps that were ready together; so may the ingress).
+    sent = after["engine_deltas"] - before["engine_deltas"]
+    # At most one delta per token (the engine merges steps that were ready together; so may the ingress).
     assert 4 <= sent <= 4 * 12
-    assert 0 < after["frames"] - before["frames"] <= sent
+    assert 0 < after["engine_frames"] - before["engine_frames"] <= sent
+    assert after["replica_deltas"] == before["replica_deltas"]  # the replica relays nothing
 
 
 def test_reconfigure_swaps_policy_live(server):
