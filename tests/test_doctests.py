@@ -24,7 +24,7 @@ def modules_with_examples() -> list[str]:
 
 def test_the_examples_are_found() -> None:
     mods = modules_with_examples()
-    assert {"app.plan.planner", "app.pool.streaming", "engine.memory.retention", "engine.config_io"} <= set(mods), mods
+    assert {"app.plan.planner", "engine.outputs", "engine.memory.retention", "engine.config_io"} <= set(mods), mods
 
 
 @pytest.mark.parametrize("name", modules_with_examples())

@@ -73,8 +73,9 @@ def index_keys_equal(config, prompts: list[list[int]], max_tokens: int, monkeypa
         torch.testing.assert_close(c.scale, r.scale, rtol=1e-5, atol=1e-12)
 
 
-def selection_matters(config, prompts: list[list[int]], max_tokens: int) -> None:
-    """The sparse pool's logits differ from the same pool's dense run (so equal logits mean equal picks)."""
+def selection_matters(config, prompts: list[list[int]], max_tokens: int, threshold: float = 1e-2) -> None:
+    """The sparse pool's logits differ from the same pool's dense run by more than ``threshold`` (so logits
+    equal to well within it mean equal picks)."""
     import engine.models.llama as llama
 
     llama.DECODE_KERNEL_MAX_ROWS, saved = 0, llama.DECODE_KERNEL_MAX_ROWS
@@ -85,7 +86,7 @@ def selection_matters(config, prompts: list[list[int]], max_tokens: int) -> None
         llama.DECODE_KERNEL_MAX_ROWS = saved
     diff = max((torch.stack(a[0:1]) - torch.stack(b[0:1])).abs().max().item() for a, b in zip(sparse, dense))
     last = max((a[-1] - b[-1]).abs().max().item() for a, b in zip(sparse, dense))
-    assert max(diff, last) > 1e-2
+    assert max(diff, last) > threshold
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -185,9 +186,15 @@ def test_trained_indexer_on_smollm2(kv: str, monkeypatch: pytest.MonkeyPatch) ->
     config = indexed_pool(SMOLLM2, kv, 128, 256, 64, num_kv_blocks=64, block_size=64,
                           cache_policy=CachePolicy(eviction_policy="sliding_window", protected_positions=PROTECTED))
     # 30 layers, logits ~20: the dense C step already differs from eager by up to 7e-5 here (float summation
-    # order), and the index scores' rounding differs too, hence 3e-4; the tokens must be equal.
-    steps = against_eager(config, [prompt], 24, monkeypatch, atol=3e-4)
+    # order). An index key's int8 code can land one step apart where the float product sits on a rounding
+    # edge (a few in 1e5, as index_keys_equal allows), and on a real model's near-tied scores that can swap
+    # one token at the top-k boundary: one step's logits then move by ~1e-2 (9.4e-3 seen with a random
+    # indexer, 2.9e-3 with the 228-step trained one), and later steps by ~1e-3. Hence 3e-2, still 100x below
+    # what the selection itself moves (checked below); the tokens must be equal.
+    steps = against_eager(config, [prompt], 24, monkeypatch, atol=3e-2)
     assert {p for p, _ in steps} == {"c_step"} and min(n for _, n in steps) > 256
+    if kv == "auto":
+        selection_matters(config, [prompt], 24, threshold=3.0)
 
 
 @pytest.mark.parametrize("family,over", [
