@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     sys.path.insert(0, str(ROOT))
-    from engine.worker.model_runner import read_model_shape
+    from engine.worker.architectures import read_model_shape
     from evals import arms as A
     from evals import eviction
     from evals.report import EvalResult, Panel, Series, write_report

@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from engine.worker.model_store import resolve_model
-    from engine.worker.model_runner import read_model_shape
+    from engine.worker.architectures import read_model_shape
 
     torch.set_num_threads(args.threads)
     steal = StealMeter()

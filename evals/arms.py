@@ -113,7 +113,7 @@ def default_model() -> str:
 
 def trained_context(model: str | Path) -> int:
     """The context the model was trained on (``engine.limits.trained_context`` of its config.json)."""
-    from engine.worker.model_runner import read_model_shape
+    from engine.worker.architectures import read_model_shape
 
     return read_model_shape(str(model)).trained_context
 

@@ -106,11 +106,12 @@ def triton_backend() -> AttentionBackend:
     from sinkserve_kernels import kv_quant as kq
     from sinkserve_kernels import paged_attention as pa
     from sinkserve_kernels import sparse_attention as sa
+    from sinkserve_kernels import triton_warm_up
 
     from sinkserve_kernels import block_sparse as bs
     from sinkserve_kernels import indexed_sparse as ix
 
-    return AttentionBackend("triton", pa.write_kv, pa.paged_attention, warm_up=pa.warm_up,
+    return AttentionBackend("triton", pa.write_kv, pa.paged_attention, warm_up=triton_warm_up.warm_up,
                             warm_up_sparse=sa.warm_up_sparse,
                             write_kv_quant=kq.write_kv_fp, paged_attention_quant=kq.paged_attention_quant,
                             quantize_blocks=kq.quantize_fp_slots,

@@ -103,7 +103,7 @@ def test_cpu_runner_sizes_kv_after_loading_and_warm_up_is_a_no_op(tiny_llama: Pa
     monkeypatch.setattr(_triton, "interpreting", lambda: True)
 
     calls: list[tuple] = []
-    monkeypatch.setattr("sinkserve_kernels.paged_attention.warm_up", lambda *a: calls.append(a), raising=False)
+    monkeypatch.setattr("sinkserve_kernels.triton_warm_up.warm_up", lambda *a: calls.append(a), raising=False)
     ex = LocalExecutor(EngineConfig(model=str(tiny_llama), attention_backend="triton", max_num_seqs=2))
     # CPU: kv_cache_memory_fraction of available memory, capped at 2 full-length (512-token) sequences
     assert ex.num_kv_blocks == 2 * 512 // 16 + 1

@@ -32,7 +32,8 @@ from engine.core.executor import ExecutorFactory, LocalExecutor
 from engine.core.input_processor import Anchor, InputProcessor
 from engine.limits import derive_limits, limits_for_policy, read_model_config
 from engine.isolation import ERROR_FINISH, RequestFailures
-from engine.worker.model_runner import ModelInput, kv_cache_bytes, num_fp_pool_blocks, read_model_shape
+from engine.worker.architectures import read_model_shape
+from engine.worker.model_runner import ModelInput, kv_cache_bytes, num_fp_pool_blocks
 from engine.core.output_processor import OutputProcessor
 from engine.outputs import CompletionResult, RequestOutput
 from engine.worker.sampler import SamplerOutput, SeqSampling

@@ -31,6 +31,7 @@ transformers modules, which call the engine's attention hook with ``scaling``, `
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ from typing import Any
 import torch
 
 from engine.errors import ConfigError, ModelLoadError
+from engine.limits import trained_context
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -176,3 +178,44 @@ def layer_inv_freqs(model: torch.nn.Module, layout: AttentionLayout) -> list[tor
             table = getattr(rotary, "inv_freq", None)
         out.append(None if table is None else table.detach().to(torch.float32))
     return out
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the KV layout needs to know about a model."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    trained_context: int  # engine.limits.trained_context: max_position_embeddings, else the rope's original
+    architecture: str
+
+
+def read_model_shape(model_dir: str) -> ModelShape:
+    """Validate a model directory and read its shape from ``config.json``, without loading weights."""
+    path = Path(model_dir)
+    if not path.exists():
+        raise ModelLoadError(f"model directory {model_dir!r} does not exist")
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise ModelLoadError(f"{model_dir!r} is not a model directory (no config.json)")
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{model_dir}/config.json is not valid JSON: {exc}") from exc
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ModelLoadError(
+            f"unsupported architecture {archs or cfg.get('model_type')!r} in {model_dir}; "
+            f"supported: {list(SUPPORTED_ARCHITECTURES)}"
+        )
+    heads = cfg["num_attention_heads"]
+    return ModelShape(
+        num_layers=cfg["num_hidden_layers"],
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        vocab_size=cfg["vocab_size"],
+        trained_context=trained_context(cfg),
+        architecture=arch,
+    )

@@ -149,7 +149,7 @@ def decode_path_for(config: EngineConfig) -> DecodePath:
     it logs and exports. The model runner reaches the same answer from the model it loaded."""
     from engine.worker.architectures import read_attention_layout
     from sinkserve_kernels.backend import get_backend
-    from engine.worker.model_runner import read_model_shape
+    from engine.worker.architectures import read_model_shape
     from sinkserve_kernels import cpu_decode
 
     if config.attention_backend == "triton" or config.on_cuda:  # the device decides; no model files needed

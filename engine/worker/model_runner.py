@@ -9,7 +9,6 @@ A step's batch is ragged: prefill chunks and decode tokens of many sequences pac
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -19,17 +18,18 @@ import torch
 from engine.worker import attention, importance, indexer_runtime, lightning, selected_memory, sparse_runtime
 from engine.memory import kv_budget
 from engine.worker.architectures import (
-    SUPPORTED_ARCHITECTURES,
+    ModelShape,
     layer_inv_freqs,
     read_attention_layout,
+    read_model_shape,
     validate_for_engine,
 )
 from sinkserve_kernels.backend import BackendError, get_backend
-from engine.limits import derive_limits, read_model_config, trained_context
+from engine.limits import derive_limits, read_model_config
 from engine.config import EngineConfig, kv_outlier_channels, kv_value_group_size, validate_kv_cache_for_model
 from engine.worker.decode_path import DecodeFacts, DecodePath, choose_decode_path
 from engine.worker.kv_cache import DenseKVCache, KVCache, PackedKVCache
-from engine.errors import ConfigError, ModelLoadError
+from engine.errors import ConfigError
 from engine.worker.sparse_config import INDEXER_WEIGHTS
 from engine.memory.kv_budget import KVBudget, MemoryProfile
 from engine.worker.step_inputs import BlockTables, StepBuffers, tables_from_lists
@@ -83,47 +83,6 @@ class ModelInput:
     table_ops: list[tuple[str, int, int, list[int]]] = field(default_factory=list)
     table_rows: list[int] = field(default_factory=list)
     table_width: int = 0
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the KV layout needs to know about a model."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    trained_context: int  # engine.limits.trained_context: max_position_embeddings, else the rope's original
-    architecture: str
-
-
-def read_model_shape(model_dir: str) -> ModelShape:
-    """Validate a model directory and read its shape from ``config.json``, without loading weights."""
-    path = Path(model_dir)
-    if not path.exists():
-        raise ModelLoadError(f"model directory {model_dir!r} does not exist")
-    if not path.is_dir() or not (path / "config.json").is_file():
-        raise ModelLoadError(f"{model_dir!r} is not a model directory (no config.json)")
-    try:
-        cfg = json.loads((path / "config.json").read_text())
-    except json.JSONDecodeError as exc:
-        raise ModelLoadError(f"{model_dir}/config.json is not valid JSON: {exc}") from exc
-    archs = cfg.get("architectures") or []
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)  # engine/worker/architectures.py
-    if arch is None:
-        raise ModelLoadError(
-            f"unsupported architecture {archs or cfg.get('model_type')!r} in {model_dir}; "
-            f"supported: {list(SUPPORTED_ARCHITECTURES)}"
-        )
-    heads = cfg["num_attention_heads"]
-    return ModelShape(
-        num_layers=cfg["num_hidden_layers"],
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        vocab_size=cfg["vocab_size"],
-        trained_context=trained_context(cfg),
-        architecture=arch,
-    )
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from sinkserve_kernels import paged_attention as pa
+from sinkserve_kernels import triton_warm_up
 from sinkserve_kernels.torch_kernels import paged_attention as ref_paged_attention
 
 
@@ -91,7 +92,7 @@ def test_launchers_pass_exactly_an_enumerated_configuration(monkeypatch, device:
 
 
 def test_warm_up_is_a_no_op_off_cuda() -> None:
-    assert pa.warm_up(32, 8, 128, 16, torch.float32, torch.device("cpu")) == 0
+    assert triton_warm_up.warm_up(32, 8, 128, 16, torch.float32, torch.device("cpu")) == 0
 
 
 @pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
@@ -110,8 +111,8 @@ def test_warm_up_launches_every_configuration_through_the_launchers(monkeypatch,
         return got
 
     monkeypatch.setattr(pa, "paged_attention", spy)
-    n = pa.warm_up(4, 2, 16, 4, torch.float32, device, force=device.type != "cuda",  # no max_model_len: all splits
-                   sinks=sinks)
+    n = triton_warm_up.warm_up(4, 2, 16, 4, torch.float32, device, force=device.type != "cuda",  # no max_model_len: all splits
+                               sinks=sinks)
     assert sorted(calls) == sorted((d, s, sinks) for d in (True, False) for s in pa.SPLIT_CHOICES)
     assert n == 1 + len(calls)
     configs = pa.engine_launch_configs(4, 2, 16, 4, torch.float32, sinks=sinks)
