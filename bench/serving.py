@@ -273,7 +273,7 @@ def main() -> int:
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
         "",
         "HTTP = client -> HAProxy -> Ingress (plans: tokenize, bucket) -> pool (LLMServer) -> engine (child "
-        "process), tokens back pool -> Ingress on the token bus -> SSE; "
+        "process), tokens back engine -> Ingress on the token bus -> SSE; "
         f"client: {'minimal asyncio HTTP/1.1' if args.client == 'raw' else 'httpx'}; "
         "in-process = `AsyncLLMEngine.generate` in the benchmark process. ITL is per token: requests ask "
         "`logprobs: 0` on both sides so every chunk lists its tokens, and a chunk of n tokens counts n gaps "
