@@ -11,7 +11,8 @@ parameters), random and the block oracle::
     .venv/bin/python -m bench.indexer_recall_by_length --model smollm2-135m-instruct \
         --lengths 2048,4096,8192 --out docs/evals/smollm2
 
-Queries: positions L/4 .. L, every 8th; forced set: the sink block + the engine's local window.
+Queries: positions L/4 .. L, every 8th; forced set: the sink block + the engine's local window (the
+trained context's, at every length).
 """
 
 from __future__ import annotations
@@ -33,27 +34,13 @@ logger = logging.getLogger("bench.indexer_recall_by_length")
 ARMS = ("trained", "block_bounds", "random", "oracle")
 
 
-def recall_at(model: str, ids: list[int], length: int, docs: int, window: int) -> dict[str, float]:
-    """Mean 'beyond forced' recall per arm over ``docs`` windows of ``length`` tokens and all layers."""
-    import evals.arms as A
-    from engine.worker import lightning
-    from engine.worker.sparse_config import INDEXER_WEIGHTS
-    from evals.sparse import attention_recall, capture_qk
+def recall_at(model: str, ids: list[int], length: int, docs: int) -> dict[str, float]:
+    """Mean 'beyond forced' recall per arm over ``docs`` windows of ``length`` tokens and all layers, at a
+    ``length / 8`` budget (``evals.sparse.run_recall``'s per-layer rows, averaged)."""
+    from evals.sparse import run_recall
 
-    weights = lightning.LightningIndexer.load(Path(model) / INDEXER_WEIGHTS)
-    gen = torch.Generator().manual_seed(0)
-    acc: dict[str, list[float]] = {}
-    for d in range(docs):
-        layers = capture_qk(model, ids[d * length : (d + 1) * length])
-        queries = torch.arange(length // 4, length, 8)
-        for li, (q, k, scale) in enumerate(layers):
-            iq, iw = weights.queries(li, q.transpose(0, 1))
-            codes, ks = lightning.quantize_keys(weights.keys(li, k.transpose(0, 1)))
-            r = attention_recall(q, k, scale, queries, (length // 8) // A.BLOCK_SIZE, window, A.BLOCK_SIZE, gen,
-                                 (iq, iw, codes.float() * ks[:, None]))
-            for arm in ARMS:
-                acc.setdefault(arm, []).append(r[f"{arm} beyond forced"])
-    return {arm: float(np.mean(v)) for arm, v in acc.items()}
+    rows = run_recall(model, (8,), docs, ids=ids, length=length).rows
+    return {arm: float(np.mean([r[f"{arm} beyond forced"] for r in rows])) for arm in ARMS}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,13 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     model = resolve_model(args.model, fetch=False, fallback=False)
     lengths = [int(x) for x in args.lengths.split(",")]
-    window = derived_local_window(trained_context(model))
+    window = derived_local_window(trained_context(model))  # run_recall's forced window, for the notes
     tok = AutoTokenizer.from_pretrained(model)
     ids = heldout_stream(tok, args.docs * max(lengths), "prose_heldout")
     t0 = time.perf_counter()
     rows = []
     for length in lengths:
-        r = recall_at(model, ids, length, args.docs, window)
+        r = recall_at(model, ids, length, args.docs)
         logger.info("length %d: %s", length, {k: round(v, 3) for k, v in r.items()})
         rows.append({"window tokens": length, "budget (tokens)": length // 8,
                      **{arm: round(r[arm], 3) for arm in ARMS},

@@ -266,9 +266,10 @@ def attention_recall(q: torch.Tensor, k: torch.Tensor, scale: float, queries: to
 
 def run_recall(model: str, denoms: tuple[int, ...], docs: int, stride: int = 8, *, ids: list[int] | None = None,
                start: list[int] | None = None, local_window: int | None = None,
-               indexer_path: Path | None = None) -> EvalResult:
+               indexer_path: Path | None = None, length: int | None = None) -> EvalResult:
     """Per layer and budget: recall of dense attention mass, averaged over queries ``ctx/4 .. ctx`` (every
-    ``stride``-th position) of ``docs`` held-out windows of the trained context.
+    ``stride``-th position) of ``docs`` held-out windows of the trained context (``length``: windows of that
+    many tokens instead, budgets ``length / d``; ``bench.indexer_recall_by_length``).
 
     ``ids``: the held-out token stream (default: the reference corpus' held-out split), each window led by
     ``start`` (default: the tokenizer's own, BOS or nothing). ``local_window``: the forced window (default:
@@ -279,9 +280,10 @@ def run_recall(model: str, denoms: tuple[int, ...], docs: int, stride: int = 8, 
     from evals.long_ppl import heldout_stream, start_ids
 
     t0 = time.perf_counter()
-    ctx = A.trained_context(model)
+    trained = A.trained_context(model)
+    ctx = length or trained
     if local_window is None:
-        local_window = derived_local_window(ctx)
+        local_window = derived_local_window(trained)
     tok = AutoTokenizer.from_pretrained(model)
     lead = start_ids(tok) if start is None else start
     body = ctx - len(lead)
@@ -331,5 +333,5 @@ def run_recall(model: str, denoms: tuple[int, ...], docs: int, stride: int = 8, 
                "(attended - forced) / (1 - forced): the share of the mass outside the forced set the selector finds",
                "trained: the lightning indexer (int8 index keys, as in the engine), token granular: forced = the sink "
                f"block's tokens + the newest {local_window} tokens ('trained forced'), + the top_k best-scoring tokens"],
-        meta={"model": model, "trained_context": ctx, "docs": docs, "local_window": local_window,
+        meta={"model": model, "trained_context": trained, "window": ctx, "docs": docs, "local_window": local_window,
               "indexer": str(indexer_path) if indexer_path else "none", "wall_s": round(time.perf_counter() - t0, 1)})
