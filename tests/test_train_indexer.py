@@ -92,6 +92,34 @@ def test_resume_with_other_settings_names_the_option(no_bos_model: Path, tmp_pat
     assert "--heads:" in capsys.readouterr().err
 
 
+def test_init_starts_from_an_earlier_indexer_and_refuses_one_of_another_shape(
+        no_bos_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from engine.worker.lightning import LightningIndexer
+    from training.train_indexer import Indexer, init_from
+
+    first = tmp_path / "a" / INDEXER_WEIGHTS
+    assert cli(["model", "train-indexer", str(no_bos_model), "--out", str(first), "--steps", "2", *FAST]) == 0
+    old = LightningIndexer.load(first)
+    idx = Indexer(len(old.wq), old.wq[0].shape[1], old.wk[0].shape[1], old.heads, old.dim, seed=7)
+    assert not torch.equal(idx.wq[0].detach(), old.wq[0])
+    init_from(idx, first)
+    for i in range(len(old.wq)):
+        assert torch.equal(idx.wq[i].detach(), old.wq[i]) and torch.equal(idx.wk[i].detach(), old.wk[i])
+        assert torch.equal(idx.ww[i].detach(), old.ww[i])
+    # Through the CLI: a run started from it records where it came from; another shape names --init.
+    second = tmp_path / "b" / INDEXER_WEIGHTS
+    assert cli(["model", "train-indexer", str(no_bos_model), "--out", str(second), "--steps", "1", "--init",
+                str(first), *FAST]) == 0
+    from safetensors import safe_open
+
+    with safe_open(str(second), "pt") as f:
+        assert f.metadata()["init"] == str(first)
+    wider = [a if a != "8" else "16" for a in FAST]  # --dim 16
+    assert cli(["model", "train-indexer", str(no_bos_model), "--out", str(tmp_path / "c" / INDEXER_WEIGHTS),
+                "--steps", "1", "--init", str(first), *wider]) != 0
+    assert "--init:" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args,expected", [
     (["no-such-model"], "model 'no-such-model': no such file or directory"),
     (["MODEL", "--seq-len", "40"], "--seq-len: 40 leaves no candidate outside the forced set"),
@@ -139,3 +167,33 @@ def test_report_writes_curve_card_and_recall_per_layer(no_bos_model: Path, tmp_p
     rows = recall["rows"]
     assert {r["layer"] for r in rows} == {0, 1} and all({"trained", "block_bounds", "random"} <= set(r) for r in rows)
     assert recall["meta"]["local_window"] == 32 and recall["meta"]["indexer"].endswith(INDEXER_WEIGHTS)
+
+
+def test_window_positions_cover_the_trained_context_and_no_more() -> None:
+    import random
+
+    from training.indexer_data import window_positions
+
+    pos = window_positions(512, 96, 4000, random.Random(0))
+    assert pos.shape == (4000, 96)
+    assert bool((pos[:, 1:] - pos[:, :-1] == 1).all())  # each window is consecutive positions
+    starts = pos[:, 0]
+    assert int(starts.min()) == 0 and int(starts.max()) == 512 - 96  # both ends reached, none past the context
+    assert window_positions(96, 96, 3, random.Random(0)).tolist() == [list(range(96))] * 3
+    with pytest.raises(ValueError, match="longer than the trained context"):
+        window_positions(64, 96, 1, random.Random(0))
+
+
+def test_capture_at_an_offset_sees_the_rotations_of_those_positions(no_bos_model: Path) -> None:
+    # A window placed at positions 100..139 must capture the keys a forward over 140 tokens has there: the
+    # offset reaches RoPE (without it the indexer would only ever see positions 0..seq_len-1). Keys depend on
+    # the token and its position only, so the prefix the shifted window lacks does not matter.
+    from training.train_indexer import Capture
+
+    cap = Capture(str(no_bos_model))
+    ids = torch.randint(5, 250, (1, 140), generator=torch.Generator().manual_seed(1))
+    full_k = cap(ids)[0][1][:, :, 100:]
+    shifted_k = cap(ids[:, 100:], torch.arange(100, 140)[None, :])[0][1]
+    at_zero_k = cap(ids[:, 100:])[0][1]
+    torch.testing.assert_close(shifted_k, full_k, atol=1e-5, rtol=1e-5)
+    assert float((at_zero_k - full_k).abs().max()) > 1e-2

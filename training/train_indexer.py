@@ -2,7 +2,9 @@
 stage, where per layer a small indexer learns to reproduce the model's own attention distribution.
 
 Per training window (``seq_len`` tokens of ``training/indexer_data.py``'s train stream: the reference
-corpus for the reference model, real English prose for any other) one frozen forward records every layer's
+corpus for the reference model, real English prose for any other; placed at a random offset of the trained
+context, ``window_positions``, so a window shorter than the context still teaches every position's rotary
+angles) one frozen forward records every layer's
 query and key (after RoPE, with the model's own GQA shapes: ``q [B, Hq, T, D]``, ``k [B, Hkv, T, D]``).
 Target per query ``t``: the model's attention probabilities averaged over heads, restricted to the
 *candidate* positions and renormalised. Candidates are the positions outside the forced set the engine
@@ -16,6 +18,8 @@ the indexer spends its few parameters on the positions it actually ranks. Loss:
 
 writes ``<model>/indexer.safetensors`` (its ``SHA256SUMS`` entry added), resumes from
 ``<out>.ckpt`` (``training/indexer_checkpoint.py``), and records the loss curve and held-out KL / recall.
+``--init`` starts from an earlier indexer of the same shape (e.g. continue a short-window run on windows
+of the whole context: ``--seq-len 8192 --batch 1 --reuse 8 --lr 1e-3 --init old.safetensors``).
 """
 
 from __future__ import annotations
@@ -96,12 +100,14 @@ class Capture:
         self.model.eval().requires_grad_(False)
 
     @torch.no_grad()
-    def __call__(self, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
-        """Per layer ``(q, k, scale)`` of one forward over ``ids [B, T]``."""
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor | None = None
+                 ) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+        """Per layer ``(q, k, scale)`` of one forward over ``ids [B, T]`` at ``positions [B, T]`` (default
+        ``0..T-1``; ``indexer_data.window_positions`` places a window anywhere in the trained context)."""
         self.captured = []
         # The decoder only: the LM head's logits ([B, T, vocab], 400 MB per 2K window of a 49K vocabulary)
         # are not needed.
-        self.model.base_model(input_ids=ids)
+        self.model.base_model(input_ids=ids, position_ids=positions)
         return [(q.clone(), k.clone(), s) for q, k, s in self.captured]
 
 
@@ -222,6 +228,7 @@ class TrainSettings:
     reuse: int = 4
     checkpoint_every: int = 20
     checkpoint_minutes: float = 5.0
+    init: str | None = None
 
     def validate(self) -> None:
         """``ConfigError`` naming the option of the first value that cannot work."""
@@ -254,6 +261,23 @@ class TrainResult:
     seq_len: int
 
 
+def init_from(idx: Indexer, path: Path) -> None:
+    """Start ``idx`` from the weights of an earlier ``indexer.safetensors`` (e.g. one trained on shorter
+    windows, fine-tuned here on longer ones); ``ConfigError`` naming ``init`` when its shapes differ."""
+    old = lightning.LightningIndexer.load(path)
+    mine = [(idx.wq[i], idx.wk[i], idx.ww[i]) for i in range(len(idx.wq))]
+    theirs = list(zip(old.wq, old.wk, old.ww))
+    shapes = lambda ws: [tuple(t.shape) for trio in ws for t in trio]  # noqa: E731
+    if shapes(mine) != shapes(theirs):
+        raise ConfigError("init", f"{path}: {len(theirs)} layers of {old.heads} heads x {old.dim} do not fit this "
+                          f"run's {len(mine)} layers of {idx.heads} heads x {idx.dim}")
+    with torch.no_grad():
+        for trio, old_trio in zip(mine, theirs):
+            for p, t in zip(trio, old_trio):
+                p.copy_(t)
+    logger.info("initialised from %s", path)
+
+
 def _lr(base: float, step: int, steps: int) -> float:
     # Warm-up over 50 steps, then cosine to 10 % (a resumed run continues the same schedule).
     return base * min(1.0, step / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / steps))))
@@ -269,7 +293,7 @@ def train(s: TrainSettings, progress: bool = True) -> TrainResult:
     from engine.worker.sparse_config import INDEXER_WEIGHTS
     from training import indexer_checkpoint as ckpt
     from training.indexer_report import write_card
-    from training.indexer_data import consecutive_windows, load_text, windows
+    from training.indexer_data import consecutive_windows, load_text, window_positions, windows
 
     s.validate()
     torch.set_num_threads(s.threads)
@@ -298,8 +322,13 @@ def train(s: TrainSettings, progress: bool = True) -> TrainResult:
     rng = random.Random(s.seed)
     # What a resumed run must share with the checkpoint (steps, minutes, threads may change between runs).
     fixed = {"seq_len": seq_len, "batch": s.batch, "heads": s.heads, "dim": s.dim, "lr": s.lr, "seed": s.seed,
-             "sink_tokens": forced.sink_tokens, "local_window": forced.local_window}
+             "sink_tokens": forced.sink_tokens, "local_window": forced.local_window,
+             # Windows at random offsets (window_positions) since the first SmolLM2 indexer, which trained at
+             # 0..seq_len-1 only: a checkpoint of that recipe must not resume into this one.
+             "positions": f"0..{ctx - 1}"}
     state = ckpt.load(out, fixed, idx, opt, rng)
+    if s.init and state.step == 0:
+        init_from(idx, Path(s.init))
     ckpt.truncate_curve(out, state.step)
     logger.info("%s: %d layers, q %d x %d, k %d x %d; indexer %d heads x %d; windows %d x %d tokens; forced: sink %d "
                 "+ local window %d; from step %d of %d", model_dir, layers, hq, d, hkv, d, s.heads, s.dim, s.batch,
@@ -326,7 +355,8 @@ def train(s: TrainSettings, progress: bool = True) -> TrainResult:
             for g in opt.param_groups:
                 g["lr"] = lr
             if (step - 1) % s.reuse == 0 or caught is None:
-                caught = cap(windows(text.train, text.start, seq_len, s.batch, rng))
+                caught = cap(windows(text.train, text.start, seq_len, s.batch, rng),
+                             window_positions(ctx, seq_len, s.batch, rng))
             # A random subset of the queries that have candidates: the loss is a mean over queries, so a
             # subset is unbiased, and the targets and scores cost G x T instead of T x T.
             pos = torch.tensor(sorted(rng.sample(query_pool, min(s.queries, len(query_pool)))))
@@ -353,10 +383,10 @@ def train(s: TrainSettings, progress: bool = True) -> TrainResult:
     res = evaluate(cap, idx, heldout, RECALL_KS, forced)
     logger.info("held-out KL per layer %s (sum %.3f)", [round(x, 3) for x in res["kl"]], sum(res["kl"]))
     meta = {"heads": str(s.heads), "dim": str(s.dim), "steps": str(step), "seq_len": str(seq_len),
-            "batch": str(s.batch), "sink_tokens": str(forced.sink_tokens), "local_window": str(forced.local_window),
+            "batch": str(s.batch), "positions": f"0..{ctx - 1}", "sink_tokens": str(forced.sink_tokens), "local_window": str(forced.local_window),
             "wall_s": str(round(wall_s)), "final_kl_ema": f"{ema:.4f}" if ema is not None else "nan",
             "queries": str(s.queries), "reuse": str(s.reuse), "text": text.source, "heldout_windows": str(HELDOUT_WINDOWS), "threads": str(s.threads),
-            "heldout": json.dumps(res)}
+            "init": s.init or "", "heldout": json.dumps(res)}
     # Written under a name the manifest does not cover, hashed, then renamed into place and listed at once:
     # a server verifying this model meanwhile sees the old state or (for two syscalls) an unlisted file.
     tmp = out.with_name(f".{out.name}.tmp")
@@ -398,6 +428,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "sink block; default: the engine's)")
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="checkpoint every N steps")
     p.add_argument("--checkpoint-minutes", type=float, default=d.checkpoint_minutes, help="... or every M minutes")
+    p.add_argument("--init", default=None, help="start from this indexer.safetensors (same heads and dim) instead "
+                   "of random weights; ignored when resuming from a checkpoint")
 
 
 def settings_from_args(args: argparse.Namespace, model_dir: str) -> TrainSettings:
