@@ -6,6 +6,7 @@ SmolLM2's indexer, where it has been trained into the user's model cache, loads 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -55,6 +56,8 @@ def test_train_writes_weights_and_manifest_entry_and_the_engine_serves_them(no_b
     assert "3 steps" in capsys.readouterr().out
     weights = model / INDEXER_WEIGHTS
     assert weights.is_file() and (model / "indexer_card.md").is_file()
+    card = (model / "indexer_card.md").read_text()
+    assert "heads alive" in card and re.search(r"^\| 0 \| [0-9.]+ \| [0-2]/2 \(0\.\d\d, 0\.\d\d\) \|", card, re.M)
     manifest = W.verify_model_dir(model, require=True)  # still passes, and now vouches for the indexer
     assert manifest is not None and INDEXER_WEIGHTS in manifest.files
     assert ckpt.checkpoint_path(weights).is_file() and len(ckpt.read_curve(weights)) == 3
@@ -197,3 +200,46 @@ def test_capture_at_an_offset_sees_the_rotations_of_those_positions(no_bos_model
     at_zero_k = cap(ids[:, 100:])[0][1]
     torch.testing.assert_close(shifted_k, full_k, atol=1e-5, rtol=1e-5)
     assert float((at_zero_k - full_k).abs().max()) > 1e-2
+
+
+def test_held_out_check_in_slices_equals_all_queries_at_once(no_bos_model: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # The held-out check runs EVAL_QUERIES queries at a time (an 8,192-token window at once took ~12 GB);
+    # the slices must average to the figures of one pass (7 does not divide the 64 queries: a short tail).
+    from training import train_indexer as T
+
+    cap = T.Capture(str(no_bos_model))
+    forced = forced_set(str(no_bos_model))
+    cfg = json.loads((no_bos_model / "config.json").read_text())
+    hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = cfg["hidden_size"] // hq
+    idx = T.Indexer(cfg["num_hidden_layers"], hq * d, hkv * d, 2, 8, seed=3)
+    ids = torch.randint(5, 250, (2, 112), generator=torch.Generator().manual_seed(2))
+    monkeypatch.setattr(T, "EVAL_QUERIES", 10_000)
+    whole = T.evaluate(cap, idx, ids, (4, 16), forced)
+    monkeypatch.setattr(T, "EVAL_QUERIES", 7)
+    sliced = T.evaluate(cap, idx, ids, (4, 16), forced)
+    assert whole["kl"] == pytest.approx(sliced["kl"], rel=1e-5) and all(x > 0 for x in whole["kl"])
+    assert whole["recall"] == sliced["recall"] and whole["oracle"] == sliced["oracle"]
+    assert all(0 < r <= o <= 1 for r, o in zip(whole["recall"][16], whole["oracle"][16]))
+
+
+def test_a_head_whose_relu_passes_nothing_is_reported_dead(no_bos_model: Path) -> None:
+    # A head with a zero query projection has qi . ki = 0 everywhere: its ReLU passes nothing, as for the
+    # heads that died in training (8 of SmolLM2's 30 layers had every head so, and ranked near random).
+    # The held-out check must name it dead and the random head alive.
+    from training import train_indexer as T
+
+    cap = T.Capture(str(no_bos_model))
+    forced = forced_set(str(no_bos_model))
+    cfg = json.loads((no_bos_model / "config.json").read_text())
+    hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = cfg["hidden_size"] // hq
+    idx = T.Indexer(cfg["num_hidden_layers"], hq * d, hkv * d, 2, 8, seed=3)
+    with torch.no_grad():
+        idx.wq[0][:8].zero_()  # head 0 of layer 0 (rows 0..7 of wq: head-major, dim 8)
+    ids = torch.randint(5, 250, (1, 112), generator=torch.Generator().manual_seed(2))
+    res = T.evaluate(cap, idx, ids, (4,), forced)
+    assert len(res["alive"]) == cfg["num_hidden_layers"]
+    assert res["alive"][0][0] == 0.0 and 0.05 < res["alive"][0][1] < 0.95
+    assert all(0.05 < a < 0.95 for a in res["alive"][1])

@@ -45,13 +45,17 @@ def render_card(weights: Path) -> str:
         f"{meta['final_kl_ema']}; held-out sum {sum(res['kl']):.3f}).", "",
         f"Held-out ({meta.get('heldout_windows', '2')} windows of {meta['seq_len']} tokens, every query with more than "
         "top_k candidates): share of the candidates' attention mass held by the top_k candidates the indexer ranks "
-        "first, vs the oracle (the top_k heaviest).", "",
-        "| layer | KL | " + " | ".join(f"top_k {k}: indexer / oracle" for k in ks) + " |",
-        "|---|---|" + "---|" * len(ks),
+        "first, vs the oracle (the top_k heaviest). Heads alive: heads whose ReLU passes at least 1 % of the "
+        "(query, candidate) pairs; a dead head scores every candidate 0 (the shares per head in brackets).", "",
+        "| layer | KL | heads alive | " + " | ".join(f"top_k {k}: indexer / oracle" for k in ks) + " |",
+        "|---|---|---|" + "---|" * len(ks),
     ]
+    alive = res.get("alive") or [[] for _ in range(layers)]  # cards of indexers trained before it was measured
     for li in range(layers):
         cells = [f"{res['recall'][k][li]:.2f} / {res['oracle'][k][li]:.2f}" for k in ks]
-        lines.append(f"| {li} | {res['kl'][li]:.3f} | " + " | ".join(cells) + " |")
+        heads = (f"{sum(a >= 0.01 for a in alive[li])}/{len(alive[li])} ("
+                 + ", ".join(f"{a:.2f}" for a in alive[li]) + ")") if alive[li] else "-"
+        lines.append(f"| {li} | {res['kl'][li]:.3f} | {heads} | " + " | ".join(cells) + " |")
     lines += ["", "Engine-level figures (forced set + selection, both indexers, needle and perplexity at 1/8 and 1/16 "
               "budgets): `docs/sparse_attention.md`, `docs/evals/sparse_recall.md`."]
     return "\n".join(lines) + "\n"
