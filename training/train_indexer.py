@@ -214,6 +214,7 @@ def evaluate(cap: Capture, idx: Indexer, heldout: torch.Tensor, ks: tuple[int, .
     res: dict = {"kl": [], "recall": {k: [] for k in ks}, "oracle": {k: [] for k in ks}, "alive": []}
     t = heldout.shape[1]
     every = torch.arange(forced.sink_tokens + forced.local_window, t)  # every query with a candidate
+    cand_all = candidates(t, forced)
     layers = cap(heldout)
     with torch.no_grad():
         for li, (q_all, k, s) in enumerate(layers):
@@ -221,7 +222,7 @@ def evaluate(cap: Capture, idx: Indexer, heldout: torch.Tensor, ks: tuple[int, .
             got: dict[int, list[torch.Tensor]] = {kk: [] for kk in ks}
             best: dict[int, list[torch.Tensor]] = {kk: [] for kk in ks}
             for pos in every.split(EVAL_QUERIES):
-                cand = candidates(t, forced)[pos]
+                cand = cand_all[pos]
                 q = q_all[:, :, pos]
                 tgt = targets(q, k, s, cand, pos)
                 lg = idx.logits(li, q, k)
@@ -234,7 +235,7 @@ def evaluate(cap: Capture, idx: Indexer, heldout: torch.Tensor, ks: tuple[int, .
                     got[kk].append(g)
                     best[kk].append(b)
             res["kl"].append(kl_sum / rows)
-            res["alive"].append([round(float(a), 4) for a in alive / candidates(t, forced)[every].sum()])
+            res["alive"].append([round(float(a), 4) for a in alive / cand_all[every].sum()])
             for kk in ks:
                 g, b = torch.cat(got[kk]), torch.cat(best[kk])
                 res["recall"][kk].append(round(float(g.mean()), 4) if g.numel() else float("nan"))
@@ -360,10 +361,7 @@ def train(s: TrainSettings, progress: bool = True) -> TrainResult:
     rng = random.Random(s.seed)
     # What a resumed run must share with the checkpoint (steps, minutes, threads may change between runs).
     fixed = {"seq_len": seq_len, "batch": s.batch, "heads": s.heads, "dim": s.dim, "lr": s.lr, "seed": s.seed,
-             "sink_tokens": forced.sink_tokens, "local_window": forced.local_window,
-             # Windows at random offsets (window_positions) since the first SmolLM2 indexer, which trained at
-             # 0..seq_len-1 only: a checkpoint of that recipe must not resume into this one.
-             "positions": f"0..{ctx - 1}"}
+             "sink_tokens": forced.sink_tokens, "local_window": forced.local_window}
     state = ckpt.load(out, fixed, idx, opt, rng)
     if s.init and state.step == 0:
         init_from(idx, Path(s.init))
@@ -421,7 +419,7 @@ def train(s: TrainSettings, progress: bool = True) -> TrainResult:
     res = evaluate(cap, idx, heldout, RECALL_KS, forced)
     logger.info("held-out KL per layer %s (sum %.3f)", [round(x, 3) for x in res["kl"]], sum(res["kl"]))
     meta = {"heads": str(s.heads), "dim": str(s.dim), "steps": str(step), "seq_len": str(seq_len),
-            "batch": str(s.batch), "positions": f"0..{ctx - 1}", "sink_tokens": str(forced.sink_tokens), "local_window": str(forced.local_window),
+            "batch": str(s.batch), "positions": f"windows at random offsets in 0..{ctx - 1}", "sink_tokens": str(forced.sink_tokens), "local_window": str(forced.local_window),
             "wall_s": str(round(wall_s)), "final_kl_ema": f"{ema:.4f}" if ema is not None else "nan",
             "queries": str(s.queries), "reuse": str(s.reuse), "text": text.source, "heldout_windows": str(HELDOUT_WINDOWS), "threads": str(s.threads),
             "init": s.init or "", "heldout": json.dumps(res)}
