@@ -9,6 +9,7 @@ import json
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -202,18 +203,23 @@ def test_capture_at_an_offset_sees_the_rotations_of_those_positions(no_bos_model
     assert float((at_zero_k - full_k).abs().max()) > 1e-2
 
 
+def _capture_and_indexer(model: Path) -> tuple[Any, Any, Any]:
+    """The tiny model's capture, forced set, and a random 2-head x 8-dim indexer (seed 3) for it."""
+    from training import train_indexer as T
+
+    cfg = json.loads((model / "config.json").read_text())
+    hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = cfg["hidden_size"] // hq
+    return T.Capture(str(model)), forced_set(str(model)), T.Indexer(cfg["num_hidden_layers"], hq * d, hkv * d, 2, 8, seed=3)
+
+
 def test_held_out_check_in_slices_equals_all_queries_at_once(no_bos_model: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     # The held-out check runs EVAL_QUERIES queries at a time (an 8,192-token window at once took ~12 GB);
     # the slices must average to the figures of one pass (7 does not divide the 64 queries: a short tail).
     from training import train_indexer as T
 
-    cap = T.Capture(str(no_bos_model))
-    forced = forced_set(str(no_bos_model))
-    cfg = json.loads((no_bos_model / "config.json").read_text())
-    hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d = cfg["hidden_size"] // hq
-    idx = T.Indexer(cfg["num_hidden_layers"], hq * d, hkv * d, 2, 8, seed=3)
+    cap, forced, idx = _capture_and_indexer(no_bos_model)
     ids = torch.randint(5, 250, (2, 112), generator=torch.Generator().manual_seed(2))
     monkeypatch.setattr(T, "EVAL_QUERIES", 10_000)
     whole = T.evaluate(cap, idx, ids, (4, 16), forced)
@@ -230,16 +236,11 @@ def test_a_head_whose_relu_passes_nothing_is_reported_dead(no_bos_model: Path) -
     # The held-out check must name it dead and the random head alive.
     from training import train_indexer as T
 
-    cap = T.Capture(str(no_bos_model))
-    forced = forced_set(str(no_bos_model))
-    cfg = json.loads((no_bos_model / "config.json").read_text())
-    hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d = cfg["hidden_size"] // hq
-    idx = T.Indexer(cfg["num_hidden_layers"], hq * d, hkv * d, 2, 8, seed=3)
+    cap, forced, idx = _capture_and_indexer(no_bos_model)
     with torch.no_grad():
         idx.wq[0][:8].zero_()  # head 0 of layer 0 (rows 0..7 of wq: head-major, dim 8)
     ids = torch.randint(5, 250, (1, 112), generator=torch.Generator().manual_seed(2))
     res = T.evaluate(cap, idx, ids, (4,), forced)
-    assert len(res["alive"]) == cfg["num_hidden_layers"]
+    assert len(res["alive"]) == len(idx.wq)
     assert res["alive"][0][0] == 0.0 and 0.05 < res["alive"][0][1] < 0.95
     assert all(0.05 < a < 0.95 for a in res["alive"][1])
