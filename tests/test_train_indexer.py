@@ -210,7 +210,8 @@ def _capture_and_indexer(model: Path) -> tuple[Any, Any, Any]:
     cfg = json.loads((model / "config.json").read_text())
     hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = cfg["hidden_size"] // hq
-    return T.Capture(str(model)), forced_set(str(model)), T.Indexer(cfg["num_hidden_layers"], hq * d, hkv * d, 2, 8, seed=3)
+    idx = T.Indexer(cfg["num_hidden_layers"], hq * d, hkv * d, 2, 8, seed=3)
+    return T.Capture(str(model)), forced_set(str(model)), idx
 
 
 def test_held_out_check_in_slices_equals_all_queries_at_once(no_bos_model: Path,
