@@ -129,6 +129,7 @@ def test_init_starts_from_an_earlier_indexer_and_refuses_one_of_another_shape(
     (["MODEL", "--seq-len", "40"], "--seq-len: 40 leaves no candidate outside the forced set"),
     (["MODEL", "--seq-len", "4096"], "--seq-len: 4096 is longer than the model's trained context (512)"),
     (["MODEL", "--steps", "0"], "--steps: must be >= 1"),
+    (["MODEL", "--revive-below", "0.5"], "--revive-below: must be in [0, 0.5), got 0.5"),
 ])
 def test_bad_input_is_a_clear_error(no_bos_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture,
                                     args: list[str], expected: str) -> None:
@@ -245,3 +246,65 @@ def test_a_head_whose_relu_passes_nothing_is_reported_dead(no_bos_model: Path) -
     assert len(res["alive"]) == len(idx.wq)
     assert res["alive"][0][0] == 0.0 and 0.05 < res["alive"][0][1] < 0.95
     assert all(0.05 < a < 0.95 for a in res["alive"][1])
+
+
+def test_revive_flips_a_head_dead_by_sign_to_the_live_side_and_zeroes_its_adam_moments() -> None:
+    # Keys with one big common direction (as a real model's index keys: 52-92 % of their energy on
+    # SmolLM2): a head whose query points against it passes nothing; flipped, it passes nearly everything.
+    from training.train_indexer import Indexer
+
+    g = torch.Generator().manual_seed(0)
+    idx = Indexer(1, 8, 8, 2, 4, seed=1)
+    common = torch.tensor([3.0, 0, 0, 0, 0, 0, 0, 0])
+    k = (common + 0.3 * torch.randn(1, 1, 64, 8, generator=g))  # [B, Hkv, T, D]
+    q = (common + 0.3 * torch.randn(1, 1, 16, 8, generator=g))  # [B, Hq, G, D]
+    with torch.no_grad():
+        idx.wk[0].copy_(torch.eye(4, 8))
+        idx.wq[0][:4] = -torch.eye(4, 8)  # head 0: qi . ki ~ -9 < 0 for every pair
+        idx.wq[0][4:] = torch.eye(4, 8)   # head 1: ~ +9 > 0 for every pair
+    cand = torch.ones(16, 64, dtype=torch.bool)
+    opt = torch.optim.Adam(idx.parameters(), lr=1e-3)
+    idx.logits(0, q, k).square().sum().backward()
+    opt.step()
+    before = idx.wq[0].detach().clone()
+    alive = idx.alive(0, q, k, cand)
+    assert float(alive[0]) < 0.01 and float(alive[1]) > 0.99
+    assert idx.revive(0, alive, 0.05, opt) == [0]
+    torch.testing.assert_close(idx.wq[0].detach()[:4], -before[:4])
+    torch.testing.assert_close(idx.wq[0].detach()[4:], before[4:])
+    after = idx.alive(0, q, k, cand)
+    assert float(after[0]) > 0.99 and float(after[1]) > 0.99
+    st = opt.state[idx.wq[0]]
+    assert float(st["exp_avg"][:4].abs().sum()) == 0.0 and float(st["exp_avg_sq"][:4].sum()) == 0.0
+    assert float(st["exp_avg_sq"][4:].sum()) > 0.0  # the live head's moments are kept
+
+
+def test_training_revives_heads_below_the_threshold_and_records_them(no_bos_model: Path, tmp_path: Path) -> None:
+    # Through the CLI, from an --init indexer: at the first step every head under --revive-below is flipped
+    # (on the tiny random model no head is dead, so the threshold is set near half to make some qualify),
+    # the curve names them, the weights carry the count, and the flipped heads' query rows point the other
+    # way from where they started (one small step later) while the others keep their sign.
+    from safetensors import safe_open
+
+    from engine.worker.lightning import LightningIndexer
+
+    first = tmp_path / "a" / INDEXER_WEIGHTS
+    assert cli(["model", "train-indexer", str(no_bos_model), "--out", str(first), "--steps", "1",
+                "--revive-below", "0", *FAST]) == 0
+    second = tmp_path / "b" / INDEXER_WEIGHTS
+    assert cli(["model", "train-indexer", str(no_bos_model), "--out", str(second), "--steps", "1", "--init",
+                str(first), "--revive-below", "0.49", "--lr", "1e-6", *FAST]) == 0
+    rows = [json.loads(x) for x in (second.parent / "indexer.loss.jsonl").read_text().splitlines()]
+    flipped = {tuple(x) for x in rows[0].get("revived", [])}
+    assert flipped, "a 0.49 threshold flips some head of a random indexer"
+    with safe_open(str(second), "pt") as f:
+        assert f.metadata()["revived_this_run"] == str(len(flipped))
+    from training.indexer_report import render_card
+
+    assert f"{len(flipped)} dead heads revived by a sign flip (`--revive-below 0.49`)" in render_card(second)
+    old, new = LightningIndexer.load(first), LightningIndexer.load(second)
+    for li in range(len(old.wq)):
+        for h in range(old.heads):
+            rows_h = slice(h * old.dim, (h + 1) * old.dim)
+            cos = torch.nn.functional.cosine_similarity(old.wq[li][rows_h].flatten(), new.wq[li][rows_h].flatten(), 0)
+            assert (float(cos) < -0.99) if (li, h) in flipped else (float(cos) > 0.99), (li, h, float(cos))

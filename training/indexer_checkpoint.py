@@ -3,7 +3,8 @@
     <out>.ckpt        torch.save of {settings, step, wall_s, ema, params, optimizer, rng}: written every N
                       steps / minutes (atomically: a crash mid-write leaves the previous one); a rerun with the
                       same ``--out`` continues from it
-    <out stem>.loss.jsonl   one JSON line per step: {"step", "kl", "ema", "lr", "wall_s"} (the loss curve)
+    <out stem>.loss.jsonl   one JSON line per step: {"step", "kl", "ema", "lr", "wall_s"} (the loss curve), plus
+                            "revived": [[layer, head], ...] on a step that flipped dead heads
 
 Neither name matches a pattern of the weight manifest (``engine/worker/weights.py``), so a checkpoint left beside
 a model's weights never makes its verification fail.

@@ -42,7 +42,10 @@ def render_card(weights: Path) -> str:
         f"shared 2-core CPU with {meta.get('threads', '1')} thread(s)): KL from the model's head-averaged attention to "
         "`softmax(score)`, both over the *candidate* positions (outside the forced set the engine always attends: the "
         f"first {meta['sink_tokens']} tokens and the newest {meta['local_window']}), summed over layers (final EMA "
-        f"{meta['final_kl_ema']}; held-out sum {sum(res['kl']):.3f}).", "",
+        f"{meta['final_kl_ema']}; held-out sum {sum(res['kl']):.3f})."
+        + (f" Started from `{meta['init']}`." if meta.get("init") else "")
+        + (f" {meta['revived_this_run']} dead heads revived by a sign flip (`--revive-below "
+           f"{meta['revive_below']}`)." if meta.get("revived_this_run", "0") != "0" else ""), "",
         f"Held-out ({meta.get('heldout_windows', '2')} windows of {meta['seq_len']} tokens, every query with more than "
         "top_k candidates): share of the candidates' attention mass held by the top_k candidates the indexer ranks "
         "first, vs the oracle (the top_k heaviest). Heads alive: heads whose ReLU passes at least 1 % of the "
