@@ -70,3 +70,28 @@ def test_variant_maker_breaks_exactly_the_named_layers(tmp_path):
     assert all((new[k] == 0).all() == (k in changed) for k in orig if k.endswith("o_proj.weight"))
     verify_model_dir(tmp_path / "broken")  # its own manifest, so it loads under verification
     assert fingerprint(tmp_path / "broken") != fingerprint(DEFAULT_MODEL)
+
+
+def test_instruction_probes_stop_just_before_the_code_the_first_line_named():
+    # The instruction set (for models that copy but do not answer questions): the prompt is the task input
+    # cut before the restated code, the right answer is that code, and past the context the anchor is the
+    # token range from "Instruction:" through the code.
+    from transformers import AutoTokenizer
+
+    from app.cli.canary import instruction_probes
+    from evals.first_last_task import build_task_inputs
+    from training.model_card import heldout_stream
+
+    tok = AutoTokenizer.from_pretrained("assets/reference-model")
+    prompts, checks = instruction_probes(tok, 300, 3, anchored=True)
+    full = build_task_inputs(tok, heldout_stream(tok), 300, 3, seed=0, lead=16)
+    assert len(prompts) == len(checks) == 3
+    for (ids, anchors), ok, (whole, first, second, _) in zip(prompts, checks, full):
+        assert ids == whole[: len(ids)] and len(ids) == second[0] + 1
+        code = tok.decode(whole[len(ids):]).strip()
+        assert ok(" " + code + ". more") and not ok("nothing") and not ok(code[:-1] + "#")
+        (a,) = anchors
+        assert a["start"] == 16 and a["end"] == first[1]
+        assert tok.decode(ids[a["start"]:a["end"]]).startswith("Instruction:")
+        assert tok.decode(ids[a["start"]:a["end"]]).strip().endswith(code)
+    assert all(a == [] for _, a in instruction_probes(tok, 300, 2, anchored=False)[0])

@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -46,6 +46,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--app", default="sinkserve", help="application name in the config")
     p.add_argument("--docs", type=int, default=24, help="documents per length")
+    p.add_argument("--set", dest="probe_set", choices=("needle", "instruction"), default="needle",
+                   help="the first-last set: needle (a fact near the start, its question at the end, answered in "
+                   "words) or instruction (evals/first_last_task.py: an instruction naming a code at the start, "
+                   "restated at the end up to the code, which must come next; for models that copy but do not "
+                   "answer questions, such as the AttnRes twins)")
     p.add_argument("--lengths", default="0.9,8", help="multiples of the trained context; above 1 the fact is anchored")
     p.add_argument("--max-drop", type=float, default=0.05, help="allowed drop in retrieval rate")
     p.add_argument("--steps", default="5,25,50,100", help="candidate traffic percentages, ending at 100")
@@ -66,14 +71,18 @@ def model_dir(cfg: dict[str, Any], app_name: str, version: str) -> str:
     return resolve_model(v.model or args.model)
 
 
-async def ask(url: str, key: str, model: str, prompts: list[tuple[str, list[str]]], concurrency: int = 4) -> list[str | None]:
-    """Greedy answers of ``model`` to ``prompts`` (text, anchors); None where the request failed."""
+Anchor = str | dict[str, int]  # a text to find in the prompt, or a token range {"start", "end"}
+
+
+async def ask(url: str, key: str, model: str, prompts: list[tuple[str | list[int], list[Anchor]]],
+              concurrency: int = 4) -> list[str | None]:
+    """Greedy answers of ``model`` to ``prompts`` (text or token ids, anchors); None where the request failed."""
     import httpx
 
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=900) as c:
 
-        async def one(prompt: str, anchors: list[str]) -> str | None:
+        async def one(prompt: str | list[int], anchors: list[Anchor]) -> str | None:
             body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0.0}
             if anchors:
                 body["sinkserve"] = {"anchors": anchors}
@@ -94,8 +103,6 @@ async def ask(url: str, key: str, model: str, prompts: list[tuple[str, list[str]
 def gather_evidence(args: argparse.Namespace, cfg: dict[str, Any], served: str, stable: str, key: str) -> tuple[list[Evidence], list[Evidence]]:
     from transformers import AutoTokenizer
 
-    from app import long_docs
-
     model = model_dir(cfg, args.app, stable)
     tok = AutoTokenizer.from_pretrained(model, local_files_only=True)
     from engine.limits import read_model_config, trained_context
@@ -104,18 +111,54 @@ def gather_evidence(args: argparse.Namespace, cfg: dict[str, Any], served: str, 
     lengths = [float(x) for x in args.lengths.split(",")]
     out: dict[str, list[Evidence]] = {stable: [], args.candidate: []}
     for mult in lengths:
-        docs = long_docs.build_probe_docs(tok, int(ctx * mult), range(args.docs))
-        prompts = [(d.doc.prompt, [d.fact_text] if mult > 1 else []) for d in docs]
+        build = instruction_probes if args.probe_set == "instruction" else needle_probes
+        prompts, answers_ok = build(tok, int(ctx * mult), args.docs, anchored=mult > 1)
         label = f"{mult:g}x" + (" anchored" if mult > 1 else "")
         for version in (stable, args.candidate):
             t0 = time.perf_counter()
             answers = asyncio.run(ask(args.url, key, f"{served}@{version}", prompts))
-            correct = sum(1 for a, d in zip(answers, docs) if a is not None and long_docs.check_answer(a, d.doc.answer))
+            correct = sum(1 for a, ok in zip(answers, answers_ok) if a is not None and ok(a))
             errors = sum(1 for a in answers if a is None)
-            out[version].append(Evidence(version, label, correct, len(docs), errors))
-            logger.info("%s %s: %d/%d right, %d failed (%.1fs)", version, label, correct, len(docs), errors,
+            out[version].append(Evidence(version, label, correct, len(prompts), errors))
+            logger.info("%s %s: %d/%d right, %d failed (%.1fs)", version, label, correct, len(prompts), errors,
                         time.perf_counter() - t0)
     return out[stable], out[args.candidate]
+
+
+Probes = tuple[list[tuple[str | list[int], list[Anchor]]], list[Callable[[str], bool]]]
+
+
+def needle_probes(tok: Any, length: int, n: int, anchored: bool) -> Probes:
+    """Held-out documents (``app.long_docs``) of ``length`` tokens: the fact near the start (anchored by its
+    text past the trained context), the question at the end; right when the answer word comes first."""
+    from app import long_docs
+
+    docs = long_docs.build_probe_docs(tok, length, range(n))
+    return ([(d.doc.prompt, [d.fact_text] if anchored else []) for d in docs],
+            [lambda a, d=d: long_docs.check_answer(a, d.doc.answer) for d in docs])
+
+
+def instruction_probes(tok: Any, length: int, n: int, anchored: bool) -> Probes:
+    """``evals.first_last_task`` inputs of ``length`` tokens cut just before the restated code, sent as
+    token ids; right when the greedy continuation starts with the code the first line named. Past the
+    trained context the instruction (from ``Instruction:`` through the code) is anchored as a token range.
+
+        ids     BOS text  Instruction: <rule> K9ZP.  text ... The instruction was: <rule>  | K9ZP
+        prompt  [0, c)                                                                     | c = second[0] + 1
+        anchor        [lead, first[1])
+    """
+    from evals.first_last_task import build_task_inputs
+    from training.model_card import heldout_stream
+
+    lead = 16
+    inputs = build_task_inputs(tok, heldout_stream(tok), length, n, seed=0, lead=lead)
+    prompts: list[tuple[str | list[int], list[Anchor]]] = []
+    checks: list[Callable[[str], bool]] = []
+    for ids, first, second, _decoy in inputs:
+        code = tok.decode(ids[second[0] + 1: second[1]]).strip()
+        prompts.append((ids[: second[0] + 1], [{"start": lead, "end": first[1]}] if anchored else []))
+        checks.append(lambda a, code=code: a.strip().startswith(code))
+    return prompts, checks
 
 
 def server_errors(url: str) -> float:
@@ -201,8 +244,9 @@ def run(args: argparse.Namespace) -> int:
     steps = steps_for([float(x) for x in args.steps.split(",")])
     served = app_args.served_model_name
     lines = [f"# Canary gate: {args.candidate} against {stable}", "",
-             f"`sinkserve canary {args.config} --candidate {args.candidate}` at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-             f"{args.docs} documents per length, allowed drop {args.max_drop:.2f}.", ""]
+             f"`sinkserve canary {args.config} --candidate {args.candidate} --set {args.probe_set}` at "
+             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {args.docs} documents per length, allowed drop "
+             f"{args.max_drop:.2f}.", ""]
     s_ev, c_ev = gather_evidence(args, cfg, served, stable, key)
     verdict = decide(s_ev, c_ev, args.max_drop)
     lines += ["Evidence (first-last consistency, greedy, pinned versions):", ""] + [f"- {x}" for x in verdict.lines] + [""]
