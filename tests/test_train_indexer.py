@@ -266,7 +266,8 @@ def test_revive_flips_a_head_dead_by_sign_to_the_live_side_and_zeroes_its_adam_m
     opt = torch.optim.Adam(idx.parameters(), lr=1e-3)
     idx.logits(0, q, k).square().sum().backward()
     opt.step()
-    before = idx.wq[0].detach().clone()
+    before, ww_before = idx.wq[0].detach().clone(), idx.ww[0].detach().clone()
+    scores_before = idx.logits(0, q, k).detach()
     alive = idx.alive(0, q, k, cand)
     assert float(alive[0]) < 0.01 and float(alive[1]) > 0.99
     assert idx.revive(0, alive, 0.05, opt) == [0]
@@ -274,9 +275,17 @@ def test_revive_flips_a_head_dead_by_sign_to_the_live_side_and_zeroes_its_adam_m
     torch.testing.assert_close(idx.wq[0].detach()[4:], before[4:])
     after = idx.alive(0, q, k, cand)
     assert float(after[0]) > 0.99 and float(after[1]) > 0.99
-    st = opt.state[idx.wq[0]]
-    assert float(st["exp_avg"][:4].abs().sum()) == 0.0 and float(st["exp_avg_sq"][:4].sum()) == 0.0
-    assert float(st["exp_avg_sq"][4:].sum()) > 0.0  # the live head's moments are kept
+    # It enters with weight 0: the scores (so the loss) are those before the flip, the live head's weight kept.
+    assert float(idx.ww[0].detach()[0].abs().sum()) == 0.0 and torch.equal(idx.ww[0][1].detach(), ww_before[1])
+    torch.testing.assert_close(idx.logits(0, q, k).detach(), scores_before)
+    for p, dead, live in ((idx.wq[0], slice(0, 4), slice(4, 8)), (idx.ww[0], 0, 1)):
+        st = opt.state[p]
+        assert float(st["exp_avg"][dead].abs().sum()) == 0.0 and float(st["exp_avg_sq"][dead].sum()) == 0.0
+        assert float(st["exp_avg_sq"][live].sum()) > 0.0  # the live head's moments are kept
+    # ... and it learns: the next step's gradient reaches its weight (then its query rows through it).
+    opt.zero_grad()
+    idx.logits(0, q, k).square().sum().backward()
+    assert float(idx.ww[0].grad[0].abs().sum()) > 0.0
 
 
 def test_training_revives_heads_below_the_threshold_and_records_them(no_bos_model: Path, tmp_path: Path) -> None:

@@ -172,21 +172,24 @@ class Indexer(torch.nn.Module):
         of their energy on SmolLM2), so a head's ``qi . ki`` has that direction's sign for almost every key.
         Heads on the positive side pass everything and rank by the rest (every live head found trained was
         so); heads on the negative side pass nothing and never get a gradient again. Negating ``qi`` puts a
-        dead head on the live side with its size unchanged; its ``ww`` never moved while it was dead, so it
-        enters at its small initial weight. Its Adam moments are zeroed (they describe the other sign).
+        dead head on the live side with its size unchanged. Its ``ww`` row is zeroed so that it enters with
+        weight 0: the scores, and so the loss, are unchanged at the flip (on SmolLM2 a flipped head at its
+        old ``ww`` made arbitrary scores of hundreds and raised the KL from ~23 to ~5,000), then ``ww`` learns
+        first and ``wq`` follows. Its Adam moments are zeroed (they describe the other sign).
 
             alive  [0.001, 0.97, 0.002, 0.3]   below 0.05  ->  flip heads 0 and 2: alive ~[0.999, 0.97, 0.998, 0.3]
         """
         heads = [h for h in range(self.heads) if float(alive[h]) < below]
-        w = self.wq[layer]
-        state = opt.state.get(w, {})
+        wq, ww = self.wq[layer], self.ww[layer]
         with torch.no_grad():
             for h in heads:
                 rows = slice(h * self.dim, (h + 1) * self.dim)
-                w[rows] *= -1
-                for m in ("exp_avg", "exp_avg_sq"):
-                    if m in state:
-                        state[m][rows] = 0.0
+                wq[rows] *= -1
+                ww[h] = 0.0
+                for p, r in ((wq, rows), (ww, h)):
+                    for m in ("exp_avg", "exp_avg_sq"):
+                        if m in opt.state.get(p, {}):
+                            opt.state[p][m][r] = 0.0
         return heads
 
     def state(self) -> dict[str, torch.Tensor]:
