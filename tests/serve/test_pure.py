@@ -138,7 +138,7 @@ def test_builder_refuses_to_build_without_keys(monkeypatch):
         build_app({"model": "reference"})
 
 
-def test_prod_and_local_configs_validate():
+def test_prod_and_local_configs_validate(monkeypatch):
     import yaml
 
     from app.settings import AppArgs
@@ -150,6 +150,15 @@ def test_prod_and_local_configs_validate():
         assert app["import_path"] == "app.builder:build_app"
         args = AppArgs.model_validate(app["args"])
         assert args.auth == "enabled"
+    # The twins' models ship in assets/, so the build-time limits check `sinkserve serve` runs can run here
+    # (it once refused this config: a 512-token short pool on 512-token models, one output token short).
+    from app.settings import check_limits
+
+    twins = yaml.safe_load((REPO / "serve_configs" / "attnres-twins.yaml").read_text())["applications"][0]["args"]
+    monkeypatch.chdir(REPO)
+    check_limits(AppArgs.model_validate(twins))
+    with pytest.raises(Exception, match=r"pools\[short\]\.max_prompt_tokens: 512 is more than"):
+        check_limits(AppArgs.model_validate({**twins, "pools": [{**twins["pools"][0], "max_prompt_tokens": 512}]}))
     prod = AppArgs.model_validate(yaml.safe_load((REPO / "serve_configs" / "prod.yaml").read_text())["applications"][0]["args"])
     assert [p.name for p in prod.pools] == ["short", "long"]
     # TP=1 on the CPU default (TP=2 measured slower there: docs/tp_cpu.md); the 8-GPU config keeps a TP pool.
