@@ -24,8 +24,10 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("sinkserve_kernels", "engine", "app", "evals", "training")
 FORBIDDEN = {"sinkserve_kernels": {"engine", "app", "evals", "training"}, "engine": {"app", "evals", "training"},
              "app": {"evals", "training"}}
-# Source-tree tools reached from the shipped CLI behind a ModuleNotFoundError guard (app/cli/model.py).
-GUARDED = {("app.cli.model", "training.train_indexer"), ("app.cli.model", "training.indexer_report")}
+# Source-tree tools reached from the shipped CLI behind a ModuleNotFoundError guard (app/cli/model.py,
+# app/cli/canary.py's --set instruction).
+GUARDED = {("app.cli.model", "training.train_indexer"), ("app.cli.model", "training.indexer_report"),
+           ("app.cli.canary", "evals.first_last_task"), ("app.cli.canary", "training.model_card")}
 SHIPPED = ("sinkserve_kernels", "engine", "app")
 
 

@@ -147,8 +147,14 @@ def instruction_probes(tok: Any, length: int, n: int, anchored: bool) -> Probes:
         prompt  [0, c)                                                                     | c = second[0] + 1
         anchor        [lead, first[1])
     """
-    from evals.first_last_task import build_task_inputs
-    from training.model_card import heldout_stream
+    try:
+        from evals.first_last_task import build_task_inputs
+        from training.model_card import heldout_stream
+    except ModuleNotFoundError as e:  # the wheel leaves ``evals`` and ``training`` out: a source-tree set
+        if e.name not in ("evals", "training"):
+            raise
+        raise SystemExit("sinkserve canary: --set instruction needs a source checkout (evals/, training/); "
+                         "the installed package has only --set needle") from None
 
     lead = 16
     inputs = build_task_inputs(tok, heldout_stream(tok), length, n, seed=0, lead=lead)
