@@ -270,6 +270,9 @@ def test_revive_flips_a_head_dead_by_sign_to_the_live_side_and_zeroes_its_adam_m
     scores_before = idx.logits(0, q, k).detach()
     alive = idx.alive(0, q, k, cand)
     assert float(alive[0]) < 0.01 and float(alive[1]) > 0.99
+    both = idx.logits_and_alive(0, q, k, cand)  # the held-out check's one-product form: the same figures
+    torch.testing.assert_close(both[0], idx.logits(0, q, k))
+    torch.testing.assert_close(both[1], alive)
     assert idx.revive(0, alive, 0.05, opt) == [0]
     torch.testing.assert_close(idx.wq[0].detach()[:4], -before[:4])
     torch.testing.assert_close(idx.wq[0].detach()[4:], before[4:])

@@ -158,13 +158,24 @@ class Indexer(torch.nn.Module):
         """``q [B, Hq, G, D]`` (G queries), ``k [B, Hkv, T, D]`` -> indexer scores ``[B, G, T]``."""
         return lightning.scores(*self._project(layer, q, k))
 
+    def logits_and_alive(self, layer: int, q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``logits`` and ``alive`` from one projection and one product (the held-out check needs both)."""
+        qi, w, ki = self._project(layer, q, k)
+        products = lightning.head_products(qi, ki)  # [B, G, H, T]
+        return lightning.scores(qi, w, ki, products), self._alive_share(products, cand)
+
     def alive(self, layer: int, q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
         """Per indexer head ``[H]``: the share of (query, candidate) pairs whose ``qi . ki`` is positive, i.e.
         where the head's ReLU passes anything. A head near 0 is dead: it scores every candidate 0, ranks
         nothing and gets no gradient (``cand [G, T]`` the candidates of the ``G`` queries)."""
         qi, _, ki = self._project(layer, q, k)
-        pre = torch.einsum("bghd,btd->bhgt", qi, ki) > 0
-        return (pre & cand).sum((0, 2, 3)).float() / (cand.sum() * q.shape[0]).clamp(min=1)
+        return self._alive_share(lightning.head_products(qi, ki), cand)
+
+    @staticmethod
+    def _alive_share(products: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+        passed = (products > 0) & cand[:, None, :]  # [B, G, H, T]
+        return passed.sum((0, 1, 3)).float() / (cand.sum() * products.shape[0]).clamp(min=1)
 
     def revive(self, layer: int, alive: torch.Tensor, below: float, opt: torch.optim.Optimizer) -> list[int]:
         """Flip the sign of the query rows of every head of ``layer`` whose ``alive`` share is under ``below``;
@@ -257,11 +268,11 @@ def evaluate(cap: Capture, idx: Indexer, heldout: torch.Tensor, ks: tuple[int, .
                 cand = cand_all[pos]
                 q = q_all[:, :, pos]
                 tgt = targets(q, k, s, cand, pos)
-                lg = idx.logits(li, q, k)
+                lg, head_alive = idx.logits_and_alive(li, q, k, cand)
                 n = tgt.shape[0] * tgt.shape[1]  # every row here has candidates: kl_loss is a mean over n
                 kl_sum += float(kl_loss(lg, tgt, cand)) * n
                 rows += n
-                alive += idx.alive(li, q, k, cand) * cand.sum()
+                alive += head_alive * cand.sum()
                 for kk in ks:
                     g, b = recall_rows(lg, tgt, cand.expand_as(tgt), kk)
                     got[kk].append(g)

@@ -79,10 +79,17 @@ class LightningIndexer:
         return cls(wq, wk, ww, wq[0].shape[0] // dim, dim)
 
 
-def scores(qi: torch.Tensor, w: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
+def head_products(qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
+    """Each indexer head's ``qi[.., t, h] . ki[.., p]`` before the ReLU: ``[..., T, Hi, P]`` (``scores``
+    weighs them; training also reads where they are positive, ``train_indexer.Indexer.alive``)."""
+    return torch.einsum("...thd,...pd->...thp", qi, ki)
+
+
+def scores(qi: torch.Tensor, w: torch.Tensor, ki: torch.Tensor, products: torch.Tensor | None = None) -> torch.Tensor:
     """``sum_h w[.., t, h] * relu(qi[.., t, h] . ki[.., p])``: ``qi [..., T, Hi, Di]``, ``w [..., T, Hi]``,
-    ``ki [..., P, Di]`` -> ``[..., T, P]`` (the training loss and the torch reference use this)."""
-    logits = torch.einsum("...thd,...pd->...thp", qi, ki).relu()
+    ``ki [..., P, Di]`` -> ``[..., T, P]`` (the training loss and the torch reference use this); ``products``:
+    ``head_products(qi, ki)`` when the caller already has them."""
+    logits = (head_products(qi, ki) if products is None else products).relu()
     return (w.unsqueeze(-1) * logits).sum(-2)
 
 
