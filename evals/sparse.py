@@ -27,6 +27,7 @@ import dataclasses
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -91,11 +92,14 @@ def run_sparse_needle(model: str, denoms: tuple[int, ...], docs: int, chunk: int
     cfg = NeedleConfig(model=model, lengths=(length,), docs=docs, window=ctx, chunk=chunk, filler=filler)
     dset = build_docs(_tokenizer(model), cfg, attended - cfg.max_new_tokens - 1)
     rows, rates = [], {}
+    per_doc: list[dict[str, Any]] = []  # which documents each arm misses: a ratio of 8 hides that
     sels = selectors(model)
     for arm in sparse_arms(ctx, denoms, sels, attended, only=arms):
         texts, wall = run_arm(cfg, arm, dset, f"{length:g}x", progress=False)
         ok = [long_docs.check_answer(t, d.doc.answer) for t, d in zip(texts, dset)]
         rates[arm.name] = sum(ok) / len(ok)
+        per_doc += [{"arm": arm.name, "doc": d.index, "template": d.doc.template, "answer": d.doc.answer,
+                     "generated": t[:40], "correct": o} for d, t, o in zip(dset, texts, ok)]
         logger.info("sparse needle %s: %d/%d (%.0fs)", arm.name, sum(ok), len(ok), wall)
         rows.append({"arm": arm.name, "top_k": arm.sparse.top_k if arm.sparse else "-",
                      "attended (approx.)": _attended_label(arm, ctx, attended), "correct": f"{sum(ok)}/{len(ok)}",
@@ -124,15 +128,34 @@ def run_sparse_needle(model: str, denoms: tuple[int, ...], docs: int, chunk: int
                   "retrieval rate", [
                       Series(sel, [attended / d for d in denoms], [rates[f"{sel}_1/{d}"] for d in denoms], "-o")
                       for sel in shown], logx=True, hlines=[(dense, "dense")], ylim=(-0.03, 1.03))
-    return EvalResult(
+    result = EvalResult(
         name="needle_sparse", title="Needle retrieval with sparse attention (inside the trained context)",
         columns=["arm", "top_k", "attended (approx.)", "correct", "rate", "x dense", "wall s"], rows=rows,
-        panels=[panel], notes=notes,
+        panels=[panel], notes=notes, extra={"per_doc": per_doc},
         meta={"model": model, "trained_context": ctx, "doc_tokens": attended - cfg.max_new_tokens - 1, "docs": docs,
               "length": length, "filler": filler or "licenses and haystack in turn",
               "prefill_chunk": chunk, "local_window": derived_local_window(ctx), "sinks": list(A.SINK_POSITIONS),
               "block_size": A.BLOCK_SIZE, "anchor": "none (the indexer must find the fact)",
               "wall_s": round(time.perf_counter() - t0, 1)})
+    result.tables.append(disagreements(per_doc))
+    return result
+
+
+def disagreements(per_doc: list[dict[str, Any]]) -> tuple[str, list[str], list[dict[str, Any]]]:
+    """The documents the arms do not all get right or all get wrong, with each arm's answer: a ratio of n
+    documents hides which ones an indexer loses (``bench/needle_selection.py`` then says where)."""
+    arms = list(dict.fromkeys(r["arm"] for r in per_doc))
+    by_doc: dict[int, dict[str, dict[str, Any]]] = {}
+    for r in per_doc:
+        by_doc.setdefault(r["doc"], {})[r["arm"]] = r
+    rows = []
+    for doc, got in sorted(by_doc.items()):
+        if len({got[a]["correct"] for a in got}) > 1:
+            first = next(iter(got.values()))
+            rows.append({"doc": doc, "template": first["template"], "answer": first["answer"],
+                         **{a: f"{'ok' if got[a]['correct'] else 'wrong'}: {got[a]['generated'][:16]!r}"
+                            for a in arms if a in got}})
+    return ("Documents the arms disagree on", ["doc", "template", "answer", *arms], rows)
 
 
 def _attended_label(arm: A.Arm, ctx: int, attended: int | None = None) -> str:

@@ -92,6 +92,10 @@ def test_sparse_ab_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.Captur
              "--docs", "2", "--chunk", "64"], capsys)
     blob = load(tmp_path, "needle_sparse")
     assert [r["arm"] for r in blob["rows"]] == ["dense", "trained_1/8", "block_bounds_1/8", "random_1/8"]
+    per_doc = blob["extra"]["per_doc"]  # every arm's answer to every document, agreeing with the counts
+    for row in blob["rows"]:
+        mine = [r for r in per_doc if r["arm"] == row["arm"]]
+        assert [r["doc"] for r in mine] == [0, 1] and row["correct"] == f"{sum(r['correct'] for r in mine)}/2"
     printed = run_cli(["eval", "long-ppl", "--quick", "--sparse", "8", "--model", str(model), "--out",
                        str(tmp_path), "--text", "licenses", "--tokens", "700", "--chunk", "64"], capsys)
     ppl = load(tmp_path, "long_ppl_sparse")["rows"]
@@ -316,3 +320,20 @@ def test_retrieval_items_keep_the_fact_whole_and_the_mix(tmp_path: Path) -> None
         assert 4 * small.relevant_tokens <= small.distractor_tokens < 4 * small.relevant_tokens + cfg.passage_tokens + 2
         assert set(small.passages) <= set(big.passages)  # 16x extends 4x's distractors
         assert "{passages}" in small.prompt_template and "Question: " in small.prompt_template
+
+
+def test_sparse_needle_lists_the_documents_the_arms_disagree_on() -> None:
+    """A ratio of n documents hides which one an indexer loses: the table names it, with each arm's answer,
+    and leaves out documents every arm gets right (or wrong)."""
+    from evals.sparse import disagreements
+
+    def rec(arm: str, doc: int, ok: bool, text: str) -> dict[str, object]:
+        return {"arm": arm, "doc": doc, "template": "heldout_vault", "answer": "78339", "generated": text, "correct": ok}
+
+    per_doc = [rec("dense", 0, True, " 78339"), rec("dense", 1, True, " 78339"), rec("dense", 2, False, " 1"),
+               rec("trained_1/8", 0, True, " 78339"), rec("trained_1/8", 1, False, ' "11111'),
+               rec("trained_1/8", 2, False, " 2")]
+    heading, columns, rows = disagreements(per_doc)
+    assert columns == ["doc", "template", "answer", "dense", "trained_1/8"]
+    assert rows == [{"doc": 1, "template": "heldout_vault", "answer": "78339", "dense": "ok: ' 78339'",
+                     "trained_1/8": "wrong: ' \"11111'"}]
