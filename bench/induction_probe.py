@@ -3,6 +3,7 @@
     python -m bench.induction_probe --task offset --layers 2 --steps 600
     python -m bench.induction_probe --task gap --gap 128 --filler text --steps 800
     python -m bench.induction_probe --task period --init-std 0.08 --steps 1200
+    python -m bench.induction_probe --task gap --arch attnres --attn-res-blocks 4 --layers 4 --init-std 0.08
 
 The model is the twins' shape (training.train_reference_model.MODEL_SHAPE, RoPE base 20,000) built the
 way the trainer builds it (LlamaConfig, sdpa); the loop is a plain AdamW loop (warmup 50 steps, clip 1.0),
@@ -78,6 +79,10 @@ def main(argv=None) -> None:
     ap.add_argument("--rope-theta", type=float, default=20000.0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--arch", choices=("llama", "attnres"), default="llama",
+                    help="attnres: the AttnRes twin's residual stream (engine.attnres), same attention and MLP")
+    ap.add_argument("--attn-res-blocks", type=int, default=None,
+                    help="--arch attnres: blocks of sub-layers (default: Full AttnRes, every sub-layer a source)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)
@@ -101,11 +106,21 @@ def main(argv=None) -> None:
             return [rng.randrange(3, VOCAB) for _ in range(n)]
 
     shape = dict(MODEL_SHAPE, num_hidden_layers=args.layers, max_position_embeddings=512, rope_theta=args.rope_theta)
-    cfg = LlamaConfig(vocab_size=VOCAB, bos_token_id=0, eos_token_id=1, pad_token_id=2, attn_implementation="sdpa",
-                      initializer_range=args.init_std, **shape)
+    config_cls, model_cls = LlamaConfig, LlamaForCausalLM
+    if args.arch == "attnres":
+        from engine.attnres import AttnResConfig, AttnResForCausalLM
+
+        config_cls, model_cls = AttnResConfig, AttnResForCausalLM
+        shape["attn_res_num_blocks"] = args.attn_res_blocks
+    cfg = config_cls(vocab_size=VOCAB, bos_token_id=0, eos_token_id=1, pad_token_id=2, attn_implementation="sdpa",
+                     initializer_range=args.init_std, **shape)
     torch.manual_seed(args.seed)
-    model = LlamaForCausalLM(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    model = model_cls(cfg)
+    # as the trainer: no decay on vectors (norm gains, AttnRes pseudo-queries: decay would pull them to uniform)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95))
     t0 = time.time()
     for step in range(1, args.steps + 1):
         for g in opt.param_groups:
