@@ -3,7 +3,7 @@
     python -m bench.depth_mix_weights --attnres assets/twin-attnres,/path/to/full-twin \
         --standard assets/twin-standard --out docs/attnres/depth_mix_weights
 
-Input: ``BOS R R`` (``--rows`` rows of ``--span`` random ids, as ``bench/induction_heads.py``). For every
+Input: ``BOS R R`` (``--rows`` rows of ``--span`` random ids), the input of ``bench/induction_heads.py``. For every
 depth mix of an AttnRes model (each sub-layer's and the final one), averaged over tokens:
 
 - ``weight``: the softmax weight ``a_i`` of each source (``v_0`` = the embedding, then block sums or
@@ -26,14 +26,9 @@ from typing import Any
 
 import torch
 
+from bench.induction_heads import repeated_rows
+
 logger = logging.getLogger(__name__)
-
-
-def repeated_rows(rows: int, span: int, seed: int, vocab: int) -> torch.Tensor:
-    """``BOS R R`` per row (BOS = 0; ids from ``[10, vocab - 96)``, clear of the special tokens)."""
-    g = torch.Generator().manual_seed(seed)
-    r = torch.randint(10, vocab - 96, (rows, span), generator=g)
-    return torch.cat([torch.zeros(rows, 1, dtype=torch.long), r, r], 1)
 
 
 @torch.inference_mode()
@@ -88,10 +83,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True, help="output stem: <out>.md, <out>.json")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    torch.manual_seed(args.seed)
     dirs = [d for d in args.attnres.split(",") if d]
-    vocab = json.loads((Path(dirs[0]) / "config.json").read_text())["vocab_size"]
-    ids = repeated_rows(args.rows, args.span, args.seed, vocab)
+    config = json.loads((Path(dirs[0]) / "config.json").read_text())
+    ids = repeated_rows(args.rows, args.span, args.seed, config["vocab_size"], config.get("bos_token_id") or 0)
     report: dict[str, Any] = {"attnres": {d: attnres_mixes(d, ids) for d in dirs}}
     cmd = f"python -m bench.depth_mix_weights --attnres {args.attnres}" + (
         f" --standard {args.standard}" if args.standard else "") + f" --out {args.out}"

@@ -30,16 +30,20 @@ import torch
 logger = logging.getLogger(__name__)
 
 
+def repeated_rows(rows: int, span: int, seed: int, vocab: int, bos: int) -> torch.Tensor:
+    """``BOS R R`` per row, ``R`` = ``span`` ids drawn from ``[10, vocab)`` (clear of the special tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    r = torch.randint(10, vocab, (rows, span), generator=g)
+    return torch.cat([torch.full((rows, 1), bos), r, r], 1)
+
+
 def head_scores(model_dir: str, span: int, rows: int, seed: int) -> dict[str, list[list[float]]]:
     """``{"previous": [layer][head], "induction": [layer][head]}`` for one model."""
     import engine.attnres  # noqa: F401  an AttnRes directory loads as AttnRes
     from transformers import AutoModelForCausalLM
 
-    g = torch.Generator().manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
-    r = torch.randint(10, model.config.vocab_size, (rows, span), generator=g)
-    bos = model.config.bos_token_id or 0
-    ids = torch.cat([torch.full((rows, 1), bos), r, r], 1)
+    ids = repeated_rows(rows, span, seed, model.config.vocab_size, model.config.bos_token_id or 0)
     with torch.no_grad():
         attentions = model(ids, output_attentions=True).attentions  # per layer [B, H, T, T]
     t = torch.arange(2, ids.shape[1])
