@@ -30,8 +30,8 @@ from app import long_docs
 from engine.worker import attention, decode_path
 from engine.worker.model_store import resolve_model
 from evals import arms as A
-from evals.needle import NeedleConfig, _tokenizer, build_docs, run_arm
-from evals.sparse import sparse_arms
+from evals.needle import run_arm
+from evals.sparse import needle_documents, sparse_arms
 
 logger = logging.getLogger("needle_layer_ablation")
 
@@ -84,9 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     num_layers = json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"]
     entries = parse_entries(args.dense_layers, num_layers)
     attended = int(ctx * args.length)
-    cfg = NeedleConfig(model=model, lengths=(args.length,), docs=args.doc + 1, window=ctx, chunk=1024,
-                       filler=args.filler)
-    doc = build_docs(_tokenizer(model), cfg, attended - cfg.max_new_tokens - 1, range(args.doc, args.doc + 1))
+    cfg, doc = needle_documents(model, args.length, [args.doc], args.filler)
     arm = sparse_arms(ctx, (args.denom,), ("trained",), attended, only=(f"trained_1/{args.denom}",))[1]
     dense: set[int] = set()
     attention._sparse_forward = dense_layers_patch(dense)

@@ -32,8 +32,8 @@ from engine.limits import derived_local_window
 from engine.worker import lightning
 from engine.worker.sparse_config import INDEXER_WEIGHTS
 from evals import arms as A
-from evals.needle import NeedleConfig, _tokenizer, build_docs
-from evals.sparse import capture_qk
+from evals.needle import _tokenizer
+from evals.sparse import capture_qk, needle_documents
 
 logger = logging.getLogger("needle_selection")
 
@@ -77,8 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     attended = int(ctx * args.length)
     top_k, window = attended // args.denom, derived_local_window(ctx)
     indices = [int(x) for x in args.docs.split(",")]
-    cfg = NeedleConfig(model=model, lengths=(args.length,), docs=max(indices) + 1, window=ctx, chunk=1024,
-                       filler=args.filler)
+    cfg, docs = needle_documents(model, args.length, indices, args.filler)
     tok = _tokenizer(model)
     ix = lightning.LightningIndexer.load(Path(model) / INDEXER_WEIGHTS)
     report: list[dict[str, object]] = []
@@ -88,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
              f"Document length {attended - cfg.max_new_tokens - 1} tokens, top_k {top_k} (L/{args.denom}), forced set: "
              f"sink block + newest {window}. At the last prompt token; layers whose max head puts >= {args.heavy:g} "
              "of its attention on the fact.", ""]
-    for d in build_docs(tok, cfg, attended - cfg.max_new_tokens - 1, indices):
+    for d in docs:
         enc = tok(d.doc.prompt, return_offsets_mapping=True)
         ids = enc["input_ids"]
         start = d.doc.fact_span[0]

@@ -79,18 +79,29 @@ def sparse_arms(ctx: int, denoms: tuple[int, ...], sels: tuple[str, ...] = SELEC
 
 
 # ------------------------------------------------------------------------------------------- needle
+def needle_documents(model: str, length: float, indices: range | list[int], filler: str | None,
+                     chunk: int = 1024) -> tuple[Any, list[Any]]:
+    """The sparse needle's config and its documents ``indices``: ``length`` x ctx tokens with the answer.
+    One builder, so a diagnostic (``bench/needle_selection.py``, ``bench/needle_layer_ablation.py``) reads
+    exactly the documents the eval asks."""
+    from evals.needle import NeedleConfig, _tokenizer, build_docs
+
+    ctx = A.trained_context(model)
+    cfg = NeedleConfig(model=model, lengths=(length,), docs=max(indices) + 1, window=ctx, chunk=chunk, filler=filler)
+    return cfg, build_docs(_tokenizer(model), cfg, int(ctx * length) - cfg.max_new_tokens - 1, indices)
+
+
 def run_sparse_needle(model: str, denoms: tuple[int, ...], docs: int, chunk: int, length: float = 1.0,
                       filler: str | None = None, arms: tuple[str, ...] | None = None) -> EvalResult:
     """Needle retrieval inside the context: documents of ``length`` x ctx tokens, budgets of L/N."""
-    from evals.needle import NeedleConfig, _tokenizer, build_docs, run_arm
+    from evals.needle import run_arm
 
     if not 0 < length <= 1:
         raise ValueError(f"--lengths for the sparse needle is one fraction of the context in (0, 1], got {length}")
     t0 = time.perf_counter()
     ctx = A.trained_context(model)
     attended = int(ctx * length)
-    cfg = NeedleConfig(model=model, lengths=(length,), docs=docs, window=ctx, chunk=chunk, filler=filler)
-    dset = build_docs(_tokenizer(model), cfg, attended - cfg.max_new_tokens - 1)
+    cfg, dset = needle_documents(model, length, range(docs), filler, chunk)
     rows, rates = [], {}
     per_doc: list[dict[str, Any]] = []  # which documents each arm misses: a ratio of 8 hides that
     sels = selectors(model)
