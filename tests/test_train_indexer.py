@@ -16,6 +16,7 @@ import torch
 
 from app.cli import main as cli
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.errors import ConfigError
 from engine.worker import weights as W
 from engine.worker.model_store import cache_root, is_complete, resolve_model
 from engine.worker.sparse_config import INDEXER_WEIGHTS, SparseAttention
@@ -320,3 +321,53 @@ def test_training_revives_heads_below_the_threshold_and_records_them(no_bos_mode
             rows_h = slice(h * old.dim, (h + 1) * old.dim)
             cos = torch.nn.functional.cosine_similarity(old.wq[li][rows_h].flatten(), new.wq[li][rows_h].flatten(), 0)
             assert (float(cos) < -0.99) if (li, h) in flipped else (float(cos) > 0.99), (li, h, float(cos))
+
+
+def test_max_target_counts_a_single_heads_peak_in_full() -> None:
+    # Three heads over three keys, all candidates (the docstring's worked example, built from logits): heads
+    # 0 and 1 split between p0 and p1, head 2 is uniform. The mean gives p2 a ninth of the mass, the max a
+    # quarter; both are distributions over the candidates.
+    from training.train_indexer import targets
+
+    big = 50.0
+    q = torch.zeros(1, 3, 1, 2)
+    q[0, 0, 0] = q[0, 1, 0] = torch.tensor([big, 0.0])  # heads 0, 1 score k0 and k1 high, k2 low
+    k = torch.tensor([[[[1.0, 0.0], [1.0, 0.0], [0.0, 0.0]]]]).expand(1, 3, 3, 2).clone()
+    cand, pos = torch.ones(1, 3, dtype=torch.bool), torch.tensor([2])
+    mean = targets(q, k, 1.0, cand, pos, "mean")[0, 0]
+    peak = targets(q, k, 1.0, cand, pos, "max")[0, 0]
+    assert torch.allclose(mean, torch.tensor([4 / 9, 4 / 9, 1 / 9]), atol=1e-4)
+    assert torch.allclose(peak, torch.tensor([0.375, 0.375, 0.25]), atol=1e-4)
+    with pytest.raises(ConfigError, match="target"):
+        targets(q, k, 1.0, cand, pos, "median")
+
+
+def test_layers_train_only_those_and_keep_the_others_bitwise(no_bos_model: Path, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture) -> None:
+    from safetensors import safe_open
+
+    from engine.worker.lightning import LightningIndexer
+
+    first = tmp_path / "a" / INDEXER_WEIGHTS
+    assert cli(["model", "train-indexer", str(no_bos_model), "--out", str(first), "--steps", "1", *FAST]) == 0
+    second = tmp_path / "b" / INDEXER_WEIGHTS
+    assert cli(["model", "train-indexer", str(no_bos_model), "--out", str(second), "--steps", "2", "--init",
+                str(first), "--layers", "1", "--target", "max", *FAST]) == 0
+    old, new = LightningIndexer.load(first), LightningIndexer.load(second)
+    assert len(old.wq) > 1
+    for li in range(len(old.wq)):
+        same = all(torch.equal(a[li], b[li]) for a, b in ((old.wq, new.wq), (old.wk, new.wk), (old.ww, new.ww)))
+        assert same == (li != 1), li
+    with safe_open(str(second), "pt") as f:
+        assert (f.metadata()["target"], f.metadata()["layers_trained"]) == ("max", "1")
+    from training.indexer_report import render_card
+
+    card = render_card(second)
+    assert "`--target max`" in card and "Only layers 1 trained this run" in card
+    # Without --init the layers left out would be random; a layer the model lacks is named.
+    assert cli(["model", "train-indexer", str(no_bos_model), "--out", str(tmp_path / "c" / INDEXER_WEIGHTS),
+                "--steps", "1", "--layers", "1", *FAST]) != 0
+    assert "--layers: trains only some layers; the others need --init's weights" in capsys.readouterr().err
+    assert cli(["model", "train-indexer", str(no_bos_model), "--out", str(tmp_path / "d" / INDEXER_WEIGHTS),
+                "--steps", "1", "--init", str(first), "--layers", "1,99", *FAST]) != 0
+    assert "--layers: 1,99: the model has layers 0.." in capsys.readouterr().err

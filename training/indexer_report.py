@@ -45,7 +45,12 @@ def render_card(weights: Path) -> str:
         f"{meta['final_kl_ema']}; held-out sum {sum(res['kl']):.3f})."
         + (f" Started from `{meta['init']}`." if meta.get("init") else "")
         + (f" {meta['revived_this_run']} dead heads revived by a sign flip (`--revive-below "
-           f"{meta['revive_below']}`)." if meta.get("revived_this_run", "0") != "0" else ""), "",
+           f"{meta['revive_below']}`)." if meta.get("revived_this_run", "0") != "0" else "")
+        + (" Target: per position the most attending head's attention (`--target max`)."
+           if meta.get("target") == "max" else "")
+        + (f" Only layers {meta['layers_trained']} trained this run (`--layers`); the others are `--init`'s."
+           if meta.get("layers_trained") and meta["layers_trained"] != ",".join(map(str, range(len(res["kl"]))))
+           else ""), "",
         f"Held-out ({meta.get('heldout_windows', '2')} windows of {meta['seq_len']} tokens, every query with more than "
         "top_k candidates): share of the candidates' attention mass held by the top_k candidates the indexer ranks "
         "first, vs the oracle (the top_k heaviest). Heads alive: heads whose ReLU passes at least 1 % of the "

@@ -119,14 +119,34 @@ def candidates(t: int, forced: ForcedSet) -> torch.Tensor:
     return (i[None, :] >= forced.sink_tokens) & (i[None, :] <= i[:, None] - forced.local_window)
 
 
-def targets(q: torch.Tensor, k: torch.Tensor, scale: float, cand: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """Head-averaged causal attention ``[B, G, T]`` of the queries ``q [B, Hq, G, D]`` at positions ``pos [G]``
-    over the keys ``k [B, Hkv, T, D]``, restricted to ``cand [G, T]`` and renormalised per row (rows without
-    candidates are all zero)."""
+# What a position is worth to the indexer, from the model's per-head attention on it (``--target``).
+TARGETS = ("mean", "max")
+
+
+def targets(q: torch.Tensor, k: torch.Tensor, scale: float, cand: torch.Tensor, pos: torch.Tensor,
+            reduce: str = "mean") -> torch.Tensor:
+    """Causal attention ``[B, G, T]`` of the queries ``q [B, Hq, G, D]`` at positions ``pos [G]`` over the keys
+    ``k [B, Hkv, T, D]``, reduced over heads, restricted to ``cand [G, T]`` and renormalised per row (rows
+    without candidates are all zero).
+
+    ``reduce`` "mean" is DeepSeek-V3.2's target (the heads' attention summed). "max" takes, per position, the
+    head that attends it most: a position that one retrieval head needs counts in full, where the mean divides
+    it by the head count. Worked example, 3 heads and 3 candidates (rows: heads; one retrieval head on p2):
+
+        head 0  [0.50 0.50 0.00]
+        head 1  [0.50 0.50 0.00]        mean -> [0.44 0.44 0.11]   (p2's 0.33 divided by 3)
+        head 2  [0.33 0.33 0.33]        max  -> [0.38 0.38 0.25]   (p2 at its head's 0.33, then renormalised)
+
+    On SmolLM2 the needle a document loses under sparse attention is the head-mean's blind spot: layer 26
+    head 1 puts 0.16 on the fact's first digit, which that head adds 0.018 to the mean, and the indexer ranked it 1,367th
+    (``docs/evals/smollm2/needle_layer_ablation.md``)."""
+    if reduce not in TARGETS:
+        raise ConfigError("target", f"must be one of {', '.join(TARGETS)}, got {reduce!r}")
     rep = q.shape[1] // k.shape[1]
     logits = torch.einsum("bhtd,bhpd->bhtp", q, k.repeat_interleave(rep, 1)) * scale
     causal = torch.arange(k.shape[2])[None, :] <= pos[:, None]
-    probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), -1).mean(1)
+    per_head = torch.softmax(logits.masked_fill(~causal, float("-inf")), -1)
+    probs = per_head.mean(1) if reduce == "mean" else per_head.amax(1)
     probs = probs * cand
     return probs / probs.sum(-1, keepdim=True).clamp(min=1e-12)
 
@@ -312,9 +332,19 @@ class TrainSettings:
     checkpoint_minutes: float = 5.0
     init: str | None = None
     revive_below: float = 0.002
+    target: str = "mean"
+    layers: tuple[int, ...] | None = None  # None: every layer; else only these train, the rest keep --init's
 
     def validate(self) -> None:
-        """``ConfigError`` naming the option of the first value that cannot work."""
+        """``ConfigError`` naming the option of the first value that cannot work (the layer indices are
+        checked against the model in ``train``)."""
+        if self.target not in TARGETS:
+            raise ConfigError("target", f"must be one of {', '.join(TARGETS)}, got {self.target!r}")
+        if self.layers is not None and not self.layers:
+            raise ConfigError("layers", "names no layer")
+        if self.layers is not None and not self.init:
+            # The layers left out would keep random weights: a served indexer that ranks nothing there.
+            raise ConfigError("layers", "trains only some layers; the others need --init's weights")
         for name in ("steps", "batch", "threads", "heads", "dim", "queries", "reuse", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(name.replace("_", "-"), f"must be >= 1, got {getattr(self, name)}")
@@ -402,13 +432,17 @@ def train(s: TrainSettings, progress: bool = True) -> TrainResult:
     hq, hkv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     d = cfg.get("head_dim") or cfg["hidden_size"] // hq
     layers = cfg["num_hidden_layers"]
+    if s.layers is not None and not all(0 <= li < layers for li in s.layers):
+        raise ConfigError("layers", f"{','.join(map(str, s.layers))}: the model has layers 0..{layers - 1}")
+    trained = sorted(set(s.layers)) if s.layers is not None else list(range(layers))
     cap = Capture(str(model_dir))
     idx = Indexer(layers, hq * d, hkv * d, s.heads, s.dim, s.seed)
     opt = torch.optim.Adam(idx.parameters(), lr=s.lr)
     rng = random.Random(s.seed)
     # What a resumed run must share with the checkpoint (steps, minutes, threads may change between runs).
     fixed = {"seq_len": seq_len, "batch": s.batch, "heads": s.heads, "dim": s.dim, "lr": s.lr, "seed": s.seed,
-             "sink_tokens": forced.sink_tokens, "local_window": forced.local_window}
+             "sink_tokens": forced.sink_tokens, "local_window": forced.local_window, "target": s.target,
+             "layers": ",".join(map(str, trained))}
     state = ckpt.load(out, fixed, idx, opt, rng)
     if s.init and state.step == 0:
         init_from(idx, Path(s.init))
@@ -447,14 +481,15 @@ def train(s: TrainSettings, progress: bool = True) -> TrainResult:
             opt.zero_grad()
             total, flipped = 0.0, []
             check = s.revive_below > 0 and (step == first_step or step % REVIVE_EVERY == 0)
-            for li, (q, k, sc) in enumerate(caught):
+            for li in trained:  # layers share no parameters: one left out keeps its weights exactly
+                q, k, sc = caught[li]
                 q = q[:, :, pos]
                 if check:
                     with torch.no_grad():
                         alive = idx.alive(li, q, k, cand[pos])
                     flipped += [(li, h) for h in idx.revive(li, alive, s.revive_below, opt)]
                 with torch.no_grad():
-                    tgt = targets(q, k, sc, cand[pos], pos)
+                    tgt = targets(q, k, sc, cand[pos], pos, s.target)
                 loss = kl_loss(idx.logits(li, q, k), tgt, cand[pos])
                 loss.backward()  # per layer: the layers share no parameters, and one graph at a time fits memory
                 total += float(loss.detach())
@@ -480,6 +515,7 @@ def train(s: TrainSettings, progress: bool = True) -> TrainResult:
             "wall_s": str(round(wall_s)), "final_kl_ema": f"{ema:.4f}" if ema is not None else "nan",
             "queries": str(s.queries), "reuse": str(s.reuse), "text": text.source, "heldout_windows": str(HELDOUT_WINDOWS), "threads": str(s.threads),
             "init": s.init or "", "revive_below": str(s.revive_below), "revived_this_run": str(revived),
+            "target": s.target, "layers_trained": ",".join(map(str, trained)),
             "heldout": json.dumps(res)}
     # Written under a name the manifest does not cover, hashed, then renamed into place and listed at once:
     # a server verifying this model meanwhile sees the old state or (for two syscalls) an unlisted file.
@@ -527,6 +563,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--revive-below", type=float, default=d.revive_below, help="flip the query sign of heads whose "
                    "ReLU passes under this share of (query, candidate) pairs, at the first step and every "
                    f"{REVIVE_EVERY} (dead heads get no gradient; 0 turns it off)")
+    p.add_argument("--target", choices=TARGETS, default=d.target, help="per position, the heads' mean attention "
+                   "(DeepSeek's) or the most attending head's (a position one retrieval head needs counts in full); "
+                   "the held-out KL and recall stay against the mean")
+    p.add_argument("--layers", type=_layer_list, default=None, help="train only these layers, e.g. 26 or 20,26 "
+                   "(the others keep --init's weights, which it then requires)")
+
+
+def _layer_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated layer indices, e.g. 26 or 20,26") from None
 
 
 def settings_from_args(args: argparse.Namespace, model_dir: str) -> TrainSettings:
