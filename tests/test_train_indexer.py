@@ -363,7 +363,7 @@ def test_layers_train_only_those_and_keep_the_others_bitwise(no_bos_model: Path,
     from training.indexer_report import render_card
 
     card = render_card(second)
-    assert "`--target max`" in card and "Only layers 1 trained this run" in card
+    assert "most attending head per position (`--target max`" in card and "Only layers 1 trained this run" in card
     # Without --init the layers left out would be random; a layer the model lacks is named.
     assert cli(["model", "train-indexer", str(no_bos_model), "--out", str(tmp_path / "c" / INDEXER_WEIGHTS),
                 "--steps", "1", "--layers", "1", *FAST]) != 0

@@ -39,20 +39,21 @@ def render_card(weights: Path) -> str:
         f"cached as int8 + one fp32 scale per token ({int(meta['dim']) + 4} bytes per token and layer).", "",
         f"Trained with the model frozen (`sinkserve model train-indexer`, {meta['steps']} steps of {meta['batch']} x "
         f"{meta['seq_len']}-token windows of {meta.get('text', 'the model training corpus')}, {minutes:.1f} min on the "
-        f"shared 2-core CPU with {meta.get('threads', '1')} thread(s)): KL from the model's head-averaged attention to "
-        "`softmax(score)`, both over the *candidate* positions (outside the forced set the engine always attends: the "
+        f"shared 2-core CPU with {meta.get('threads', '1')} thread(s)): KL from the model's "
+        + ("attention of the most attending head per position (`--target max`; renormalised)"
+           if meta.get("target") == "max" else "head-averaged attention")
+        + " to `softmax(score)`, both over the *candidate* positions (outside the forced set the engine always attends: the "
         f"first {meta['sink_tokens']} tokens and the newest {meta['local_window']}), summed over layers (final EMA "
         f"{meta['final_kl_ema']}; held-out sum {sum(res['kl']):.3f})."
         + (f" Started from `{meta['init']}`." if meta.get("init") else "")
         + (f" {meta['revived_this_run']} dead heads revived by a sign flip (`--revive-below "
            f"{meta['revive_below']}`)." if meta.get("revived_this_run", "0") != "0" else "")
-        + (" Target: per position the most attending head's attention (`--target max`)."
-           if meta.get("target") == "max" else "")
         + (f" Only layers {meta['layers_trained']} trained this run (`--layers`); the others are `--init`'s."
            if meta.get("layers_trained") and meta["layers_trained"] != ",".join(map(str, range(len(res["kl"]))))
            else ""), "",
         f"Held-out ({meta.get('heldout_windows', '2')} windows of {meta['seq_len']} tokens, every query with more than "
-        "top_k candidates): share of the candidates' attention mass held by the top_k candidates the indexer ranks "
+        "top_k candidates; KL and recall against the head-averaged attention whatever the training target): share "
+        "of the candidates' attention mass held by the top_k candidates the indexer ranks "
         "first, vs the oracle (the top_k heaviest). Heads alive: heads whose ReLU passes at least 1 % of the "
         "(query, candidate) pairs; a dead head scores every candidate 0 (the shares per head in brackets).", "",
         "| layer | KL | heads alive | " + " | ".join(f"top_k {k}: indexer / oracle" for k in ks) + " |",
