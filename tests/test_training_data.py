@@ -188,3 +188,33 @@ def test_prior_verb_frac_draws_memory_documents_from_the_prior_verb_family(sampl
     assert hits == n
     mixed, n = questions(sampler_factory(mem_frac=1.0, copy_frac=0.0, code_frac=0.5, prior_verb_frac=0.5))
     assert 0 < mixed < n
+
+
+def test_decay_frac_holds_the_peak_then_puts_the_whole_cosine_at_the_end():
+    """``--decay-frac`` (warmup-stable-decay): the docstring's worked example, and the default left as it was."""
+    from training.train_reference_model import lr_at
+
+    peak, warm = 3e-3, 0.03
+    # Default: cosine from the end of the warmup to 10 % of the peak.
+    assert lr_at(0.015, peak, warm) == pytest.approx(1.5e-3)
+    assert lr_at(0.4, peak, warm) == pytest.approx(2.1413e-3, rel=1e-4)
+    assert lr_at(1.0, peak, warm) == pytest.approx(3e-4)
+    # WSD 0.25: the same warmup, the peak until 0.75, half-way down the cosine at 0.875, 10 % at the end.
+    wsd = [lr_at(f, peak, warm, decay_frac=0.25) for f in (0.015, 0.4, 0.75, 0.875, 1.0)]
+    assert wsd == pytest.approx([1.5e-3, 3e-3, 3e-3, 1.65e-3, 3e-4])
+    # decay_frac 1 (or anything past the warmup) is the default schedule.
+    assert lr_at(0.4, peak, warm, decay_frac=1.0) == pytest.approx(lr_at(0.4, peak, warm))
+
+
+def test_decay_frac_is_recorded_and_checked(tmp_path):
+    import json
+
+    from training.train_reference_model import main
+
+    out = tmp_path / "out"
+    main(["--tokenizer", str(MODEL_DIR), "--out", str(out), "--work", str(tmp_path / "work"), "--layers", "1",
+          "--context", "64", "--minutes", "0", "--no-compile", "--threads", "1", "--decay-frac", "0.25"])
+    assert json.loads((out / "training_meta.json").read_text())["decay_frac"] == 0.25
+    with pytest.raises(SystemExit):
+        main(["--tokenizer", str(MODEL_DIR), "--out", str(out), "--work", str(tmp_path / "work"),
+              "--minutes", "0", "--decay-frac", "1.5"])

@@ -37,4 +37,11 @@ def test_cards_carry_each_twins_copy_the_gate_and_the_verdict(tmp_path: Path) ->
             assert f"| {r['kind']} | {r['point']} | {r[column]} |" in card
         meta = json.loads((d / "training_meta.json").read_text())
         assert f"{meta['steps']} optimizer steps" in card and meta["command"] in card
+        assert twin_card._schedule(meta) in card
         W.verify_model_dir(d, require=True)
+
+
+def test_schedule_names_warmup_stable_decay_when_the_run_used_it() -> None:
+    assert twin_card._schedule({"lr": 3e-3}) == "warmup + cosine to 10 %"
+    wsd = twin_card._schedule({"lr": 3e-3, "decay_frac": 0.25})
+    assert "last 25% of the tokens" in wsd and "--decay-frac 0.25" in wsd

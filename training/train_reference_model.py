@@ -298,10 +298,25 @@ def plot_curve(path: Path) -> Path | None:
     return png
 
 
-def lr_at(frac: float, peak: float, warmup_frac: float, min_ratio: float = 0.1) -> float:
+def lr_at(frac: float, peak: float, warmup_frac: float, min_ratio: float = 0.1,
+          decay_frac: float | None = None) -> float:
+    """The learning rate at ``frac`` of the run: linear warmup, then cosine down to ``min_ratio * peak``.
+
+    ``decay_frac`` (warmup-stable-decay, MiniCPM's WSD) holds the peak until the last ``decay_frac`` of
+    the run and puts the whole cosine there; None spreads the cosine over everything after the warmup.
+    Why: an induction head forms after a plateau whose length is not known in advance, and a cosine over
+    the whole run has already lowered the LR when it ends. Worked example, peak 3e-3, warmup 0.03:
+
+        frac            0.0    0.03   0.40    0.75    0.875   1.0
+        cosine (None)   0      3e-3   2.1e-3  7.2e-4  4.1e-4  3e-4
+        decay_frac 0.25 0      3e-3   3e-3    3e-3    1.65e-3 3e-4
+    """
     if frac < warmup_frac:
         return peak * frac / warmup_frac
-    p = min(1.0, (frac - warmup_frac) / max(1e-9, 1 - warmup_frac))
+    start = warmup_frac if decay_frac is None else max(warmup_frac, 1.0 - decay_frac)
+    if frac < start:
+        return peak
+    p = min(1.0, (frac - start) / max(1e-9, 1 - start))
     return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
 
 
@@ -376,6 +391,9 @@ def main(argv=None):
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup-frac", type=float, default=0.03)
+    ap.add_argument("--decay-frac", type=float, default=None,
+                    help="hold the peak LR and decay (cosine to 10%%) only over this last fraction of the run "
+                         "(warmup-stable-decay); default: cosine over the whole run after the warmup")
     ap.add_argument("--mem-frac", type=float, default=0.3)
     ap.add_argument("--chat-frac", type=float, default=0.1)
     ap.add_argument("--copy-frac", type=float, default=0.5,
@@ -435,6 +453,8 @@ def main(argv=None):
     ap.add_argument("--bf16", action="store_true",
                     help="bf16 autocast (measured ~25x SLOWER than fp32 here: slow CPU backward)")
     args = ap.parse_args(argv)
+    if args.decay_frac is not None and not 0.0 < args.decay_frac <= 1.0:
+        ap.error(f"--decay-frac must be in (0, 1], got {args.decay_frac}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -535,7 +555,7 @@ def main(argv=None):
     def run_meta() -> dict:
         return dict(command="python -m training.train_reference_model " + " ".join(argv if argv is not None else sys.argv[1:]),
                     params=n_params, steps=step, tokens=tokens, train_seconds=round(time.time() - t0, 1),
-                    final_loss_ema=None if ema is None else round(ema, 4), lr=args.lr, mem_frac=args.mem_frac,
+                    final_loss_ema=None if ema is None else round(ema, 4), lr=args.lr, decay_frac=args.decay_frac, mem_frac=args.mem_frac,
                     chat_frac=args.chat_frac, copy_frac=args.copy_frac, random_span_frac=args.random_span_frac,
                     copy_max_gap_frac=args.copy_max_gap_frac, weight_decay=args.weight_decay,
                     mem_min_frac=args.mem_min_frac, relation_frac=args.relation_frac, code_frac=args.code_frac,
@@ -562,7 +582,7 @@ def main(argv=None):
             if frac >= 1.0:
                 break
         _, seq_len, bsz = phase_at(frac, args.curriculum)
-        lr = lr_at(frac, args.lr, args.warmup_frac)
+        lr = lr_at(frac, args.lr, args.warmup_frac, decay_frac=args.decay_frac)
         for g in opt.param_groups:
             g["lr"] = lr
         x = sampler.batch(bsz, seq_len).to(args.device)

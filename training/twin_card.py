@@ -40,6 +40,14 @@ def _shape_lines(cfg: dict[str, Any], arch: str) -> list[str]:
             "- tokenizer, chat template: the reference model's (assets/reference-model; byte-level BPE, 4,096 ids)"]
 
 
+def _schedule(meta: dict[str, Any]) -> str:
+    """The LR schedule in words: warmup + cosine, or warmup-stable-decay when ``--decay-frac`` was given."""
+    decay = meta.get("decay_frac")
+    if decay is None:
+        return "warmup + cosine to 10 %"
+    return f"warmup, the peak held, then cosine to 10 % over the last {decay:.0%} of the tokens (`--decay-frac {decay}`)"
+
+
 def render(model_dir: Path, report: dict[str, Any], report_path: str) -> tuple[str, dict[str, Any]]:
     """``(README text, eval_results dict)`` of one twin."""
     meta = json.loads((model_dir / "training_meta.json").read_text())
@@ -65,7 +73,7 @@ def render(model_dir: Path, report: dict[str, Any], report_path: str) -> tuple[s
         f"- sequence mix: {meta['longrange_frac']:.0%} long-range sequences (`--longrange-mix {meta['longrange_mix']}`: "
         "random spans repeated across the sequence, an instruction restated and obeyed at the end, key-value "
         f"lookups; counts {lr_seqs}), the rest Python stdlib text",
-        f"- curriculum {meta['curriculum']}; AdamW, peak LR {meta['lr']}, warmup + cosine, seed {meta['seed']}, "
+        f"- curriculum {meta['curriculum']}; AdamW, peak LR {meta['lr']}, {_schedule(meta)}, seed {meta['seed']}, "
         f"init std {meta.get('init_std', 0.02)}, {meta['threads']} thread{'s' if meta['threads'] > 1 else ''}, float32",
         f"- loss curve: docs/attnres/train-{'attnres' if arch == 'attnres' else 'standard'}/loss_curve.{{jsonl,png}}",
         f"- command: `{meta['command']}`", "",
