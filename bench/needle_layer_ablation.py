@@ -37,18 +37,23 @@ logger = logging.getLogger("needle_layer_ablation")
 
 
 def parse_entries(spec: str, num_layers: int) -> list[frozenset[int]]:
-    """``",26,7;17,all"`` -> ``[{}, {26}, {7, 17}, {0..n-1}]``."""
-    out = []
+    """``",26,7;17,all"`` -> ``[{}, {26}, {7, 17}, {0..n-1}]``; an entry given twice runs once (``","`` is
+    two empty entries, one arm)."""
+    out: list[frozenset[int]] = []
     for entry in spec.split(","):
         entry = entry.strip()
         if entry == "all":
-            out.append(frozenset(range(num_layers)))
-            continue
-        layers = frozenset(int(x) for x in entry.split(";") if x.strip())
+            layers = frozenset(range(num_layers))
+        else:
+            try:
+                layers = frozenset(int(x) for x in entry.split(";") if x.strip())
+            except ValueError:
+                raise SystemExit(f"--dense-layers: {entry!r} is not ';'-joined layer numbers, '' or 'all'") from None
         bad = sorted(x for x in layers if not 0 <= x < num_layers)
         if bad:
             raise SystemExit(f"--dense-layers: no layer {bad[0]} (the model has {num_layers})")
-        out.append(layers)
+        if layers not in out:
+            out.append(layers)
     return out
 
 

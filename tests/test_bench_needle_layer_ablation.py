@@ -22,6 +22,11 @@ def test_parse_entries_names_the_layers_and_refuses_a_missing_one() -> None:
                                                           frozenset(range(30))]
     with pytest.raises(SystemExit, match="no layer 30 .the model has 30"):
         ablation.parse_entries("30", 30)
+    # "," is two empty entries: the all-sparse arm once, not twice; "all" and every layer named are one arm.
+    assert ablation.parse_entries(",", 4) == [frozenset()]
+    assert ablation.parse_entries("all,0;1;2;3,2", 4) == [frozenset(range(4)), frozenset({2})]
+    with pytest.raises(SystemExit, match="'x7' is not"):
+        ablation.parse_entries("x7", 30)
 
 
 def test_all_dense_equals_the_dense_arm_and_none_the_sparse_arm(tiny_llama: Path, tmp_path: Path,
