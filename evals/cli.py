@@ -96,7 +96,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         else:
             p.add_argument("--docs", type=int, help="documents per point (default 50; quick 4)")
             p.add_argument("--lengths", help="comma-separated multiples of ctx (default 1,2,4,8,16; quick 1,2)")
-            p.add_argument("--workers", type=int, default=1, help="processes running (arm, length) points")
+            p.add_argument("--workers", type=int, default=1, help="processes running (arm, length) points (--sparse: arms)")
             p.add_argument("--filler", choices=("licenses", "haystack", "prose"),
                            help="one filler for every document (default: licenses and haystack in turn; prose: "
                                 "pydoc_data.topics, English documentation prose shipped with CPython)")
@@ -291,7 +291,8 @@ def _sparse_ab(args: argparse.Namespace, ctx: int) -> EvalResult:
             raise SystemExit("needle --sparse: --lengths takes one fraction of the context (e.g. 0.5), "
                              f"got {args.lengths!r}")
         return sparse.run_sparse_needle(args.model, denoms, args.docs or (4 if args.quick else 50), chunk,
-                                        length=lengths[0], filler=args.filler, arms=arms)
+                                        length=lengths[0], filler=args.filler, arms=arms,
+                                        workers=args.workers)
     recall_docs = args.recall_docs if args.recall_docs is not None else (2 if args.quick else 8)
     if recall_docs > 0:
         recall = sparse.run_recall(args.model, denoms, docs=recall_docs)

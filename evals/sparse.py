@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import multiprocessing as mp
 import time
 from pathlib import Path
 from typing import Any
@@ -91,11 +92,21 @@ def needle_documents(model: str, length: float, indices: range | list[int], fill
     return cfg, build_docs(_tokenizer(model), cfg, int(ctx * length) - cfg.max_new_tokens - 1, indices)
 
 
-def run_sparse_needle(model: str, denoms: tuple[int, ...], docs: int, chunk: int, length: float = 1.0,
-                      filler: str | None = None, arms: tuple[str, ...] | None = None) -> EvalResult:
-    """Needle retrieval inside the context: documents of ``length`` x ctx tokens, budgets of L/N."""
+def _run_sparse_arm(job: tuple[Any, Any, list[Any], str]) -> tuple[list[str], float]:
+    """One arm over every document; runs in a forked worker when ``workers > 1``."""
     from evals.needle import run_arm
 
+    cfg, arm, dset, label = job
+    return run_arm(cfg, arm, dset, label, progress=False)
+
+
+def run_sparse_needle(model: str, denoms: tuple[int, ...], docs: int, chunk: int, length: float = 1.0,
+                      filler: str | None = None, arms: tuple[str, ...] | None = None,
+                      workers: int = 1) -> EvalResult:
+    """Needle retrieval inside the context: documents of ``length`` x ctx tokens, budgets of L/N.
+
+    Arms are independent: ``workers > 1`` runs them in forked processes (results in arm order, the same
+    answers as one process)."""
     if not 0 < length <= 1:
         raise ValueError(f"--lengths for the sparse needle is one fraction of the context in (0, 1], got {length}")
     t0 = time.perf_counter()
@@ -105,8 +116,14 @@ def run_sparse_needle(model: str, denoms: tuple[int, ...], docs: int, chunk: int
     rows, rates = [], {}
     per_doc: list[dict[str, Any]] = []  # which documents each arm misses: a ratio of 8 hides that
     sels = selectors(model)
-    for arm in sparse_arms(ctx, denoms, sels, attended, only=arms):
-        texts, wall = run_arm(cfg, arm, dset, f"{length:g}x", progress=False)
+    arm_list = sparse_arms(ctx, denoms, sels, attended, only=arms)
+    jobs = [(cfg, arm, dset, f"{length:g}x") for arm in arm_list]
+    if workers > 1:
+        with mp.get_context("fork").Pool(min(workers, len(jobs))) as pool:
+            outputs = pool.map(_run_sparse_arm, jobs)
+    else:
+        outputs = [_run_sparse_arm(j) for j in jobs]
+    for arm, (texts, wall) in zip(arm_list, outputs):
         ok = [long_docs.check_answer(t, d.doc.answer) for t, d in zip(texts, dset)]
         rates[arm.name] = sum(ok) / len(ok)
         per_doc += [{"arm": arm.name, "doc": d.index, "template": d.doc.template, "answer": d.doc.answer,
@@ -147,7 +164,7 @@ def run_sparse_needle(model: str, denoms: tuple[int, ...], docs: int, chunk: int
               "length": length, "filler": filler or "licenses and haystack in turn",
               "prefill_chunk": chunk, "local_window": derived_local_window(ctx), "sinks": list(A.SINK_POSITIONS),
               "block_size": A.BLOCK_SIZE, "anchor": "none (the indexer must find the fact)",
-              "wall_s": round(time.perf_counter() - t0, 1)})
+              "wall_s": round(time.perf_counter() - t0, 1), "workers": workers})
     result.tables.append(disagreements(per_doc))
     return result
 

@@ -123,6 +123,12 @@ def test_sparse_ab_reruns_the_named_arms_beside_dense(tiny_llama: Path, tmp_path
     blob = load(tmp_path, "needle_sparse")
     assert [r["arm"] for r in blob["rows"]] == ["dense", "trained_1/8"]
     assert "trained" in blob["notes"][0] and "block_bounds" not in blob["notes"][0]
+    # --workers 2 runs the two arms in two processes: the same answers, in the same order.
+    run_cli(["eval", "needle", "--quick", "--sparse", "8", "--model", str(model), "--out", str(tmp_path / "w2"),
+             "--docs", "1", "--chunk", "64", "--arms", "trained_1/8", "--workers", "2"], capsys)
+    parallel = load(tmp_path / "w2", "needle_sparse")
+    assert parallel["meta"]["workers"] == 2 and blob["meta"]["workers"] == 1
+    assert parallel["extra"]["per_doc"] == blob["extra"]["per_doc"]
     run_cli(["eval", "long-ppl", "--quick", "--sparse", "8", "--model", str(model), "--out", str(tmp_path),
              "--text", "licenses", "--tokens", "300", "--chunk", "64", "--recall-docs", "0", "--arms",
              "random_1/8"], capsys)
