@@ -364,6 +364,31 @@ def test_layers_train_only_those_and_keep_the_others_bitwise(no_bos_model: Path,
 
     card = render_card(second)
     assert "most attending head per position (`--target max`" in card and "Only layers 1 trained this run" in card
+    # The held-out figures of the layers left out are --init's (same key, same weights); layer 1's are new.
+    with safe_open(str(first), "pt") as f:
+        before, key = json.loads(f.metadata()["heldout"]), f.metadata()["heldout_key"]
+    with safe_open(str(second), "pt") as f:
+        meta = f.metadata()
+    after = json.loads(meta["heldout"])
+    assert meta["heldout_key"] == key and meta["heldout_copied_from_init"] == ",".join(
+        str(li) for li in range(len(old.wq)) if li != 1)
+    assert [a == b for a, b in zip(after["kl"], before["kl"])] == [li != 1 for li in range(len(old.wq))]
+    assert after["recall"]["32"][0] == before["recall"]["32"][0] and "copied from `--init`'s record" in card
+    # ... and they are what evaluating says: from an --init without the key, every layer is recomputed.
+    from safetensors.torch import save_file
+
+    keyless = tmp_path / "keyless.safetensors"
+    with safe_open(str(second), "pt") as f:
+        save_file({k: f.get_tensor(k) for k in f.keys()}, str(keyless),
+                  metadata={k: v for k, v in meta.items() if k != "heldout_key"})
+    third = tmp_path / "e" / INDEXER_WEIGHTS
+    assert cli(["model", "train-indexer", str(no_bos_model), "--out", str(third), "--steps", "1", "--init",
+                str(keyless), "--layers", "1", *FAST]) == 0
+    with safe_open(str(third), "pt") as f:
+        recomputed, copied = json.loads(f.metadata()["heldout"]), f.metadata()["heldout_copied_from_init"]
+    assert copied == ""
+    left_out = [li for li in range(len(old.wq)) if li != 1]
+    assert [recomputed["kl"][li] for li in left_out] == pytest.approx([after["kl"][li] for li in left_out], rel=1e-5)
     # Without --init the layers left out would be random; a layer the model lacks is named.
     assert cli(["model", "train-indexer", str(no_bos_model), "--out", str(tmp_path / "c" / INDEXER_WEIGHTS),
                 "--steps", "1", "--layers", "1", *FAST]) != 0

@@ -50,7 +50,9 @@ def render_card(weights: Path) -> str:
            f"{meta['revive_below']}`)." if meta.get("revived_this_run", "0") != "0" else "")
         + (f" Only layers {meta['layers_trained']} trained this run (`--layers`); the others are `--init`'s."
            if meta.get("layers_trained") and meta["layers_trained"] != ",".join(map(str, range(len(res["kl"]))))
-           else ""), "",
+           else "")
+        + (" Their held-out figures are copied from `--init`'s record (same held-out key: model, text, windows "
+           "and forced set; weights unchanged), not recomputed." if meta.get("heldout_copied_from_init") else ""), "",
         f"Held-out ({meta.get('heldout_windows', '2')} windows of {meta['seq_len']} tokens, every query with more than "
         "top_k candidates; KL and recall against the head-averaged attention whatever the training target): share "
         "of the candidates' attention mass held by the top_k candidates the indexer ranks "

@@ -271,9 +271,14 @@ def recall_at(logits: torch.Tensor, probs_full: torch.Tensor, cand: torch.Tensor
 EVAL_QUERIES = 512
 
 
-def evaluate(cap: Capture, idx: Indexer, heldout: torch.Tensor, ks: tuple[int, ...], forced: ForcedSet) -> dict:
+def evaluate(cap: Capture, idx: Indexer, heldout: torch.Tensor, ks: tuple[int, ...], forced: ForcedSet,
+             prior: dict | None = None, fresh: set[int] | None = None) -> dict:
     """Held-out KL, recall (top-``k`` candidates vs the oracle) and the share of candidates each head's ReLU
-    passes (``Indexer.alive``), per layer, over every query with candidates, ``EVAL_QUERIES`` at a time."""
+    passes (``Indexer.alive``), per layer, over every query with candidates, ``EVAL_QUERIES`` at a time.
+
+    With ``prior`` (an earlier result on the same held-out key, ``heldout_key``), only the ``fresh`` layers
+    are computed and every other layer's figures are copied from it: a ``--layers 26`` run keeps 29 layers'
+    weights bitwise, so their figures cannot change, and computing them cost ~10 of SmolLM2's ~11 minutes."""
     res: dict = {"kl": [], "recall": {k: [] for k in ks}, "oracle": {k: [] for k in ks}, "alive": []}
     t = heldout.shape[1]
     every = torch.arange(forced.sink_tokens + forced.local_window, t)  # every query with a candidate
@@ -281,6 +286,13 @@ def evaluate(cap: Capture, idx: Indexer, heldout: torch.Tensor, ks: tuple[int, .
     layers = cap(heldout)
     with torch.no_grad():
         for li, (q_all, k, s) in enumerate(layers):
+            if prior is not None and fresh is not None and li not in fresh:
+                res["kl"].append(prior["kl"][li])
+                res["alive"].append(prior["alive"][li])
+                for kk in ks:
+                    res["recall"][kk].append(prior["recall"][kk][li])
+                    res["oracle"][kk].append(prior["oracle"][kk][li])
+                continue
             kl_sum, rows, alive = 0.0, 0, torch.zeros(idx.heads)
             got: dict[int, list[torch.Tensor]] = {kk: [] for kk in ks}
             best: dict[int, list[torch.Tensor]] = {kk: [] for kk in ks}
@@ -306,6 +318,45 @@ def evaluate(cap: Capture, idx: Indexer, heldout: torch.Tensor, ks: tuple[int, .
     return res
 
 
+
+
+def heldout_key(model_dir: Path, heldout: torch.Tensor, forced: ForcedSet, skip: tuple[str, ...] = ()) -> str:
+    """A digest of everything the held-out figures depend on except the indexer's weights: the held-out ids,
+    the forced set, the recall budgets and the model's config and weights (their SHA256SUMS digests where
+    listed, else hashed here). Two runs with the same key and the same weights for a layer have the same
+    figures for it. ``skip``: files of the model directory that are indexer weights, not the model's."""
+    import hashlib
+
+    from engine.worker import weights as W
+
+    h = hashlib.sha256()
+    h.update(heldout.to(torch.int64).contiguous().numpy().tobytes())
+    h.update(repr((forced, RECALL_KS, EVAL_QUERIES)).encode())
+    manifest = W.read_manifest(model_dir)
+    listed = dict(manifest.entries) if manifest is not None else {}
+    files = [model_dir / "config.json", *sorted(model_dir.glob("*.safetensors"))]
+    for f in files:
+        if f.name in skip or not f.exists():
+            continue
+        h.update(f.name.encode() + b"\0" + (listed.get(f.name) or W.hash_file(f)).encode())
+    return h.hexdigest()
+
+
+def prior_heldout(init: Path, key: str) -> dict | None:
+    """``init``'s held-out result when it was taken on the same ``heldout_key`` (else None, with the reason
+    logged: weights written before the key was recorded, or another model, text, window or forced set)."""
+    from safetensors import safe_open
+
+    with safe_open(str(init), "pt") as f:
+        meta = f.metadata() or {}
+    if meta.get("heldout_key") != key or "heldout" not in meta:
+        logger.info("held-out check: %s was evaluated on %s; evaluating every layer", init,
+                    "another held-out key" if meta.get("heldout_key") else "an unrecorded held-out key")
+        return None
+    res = json.loads(meta["heldout"])
+    for name in ("recall", "oracle"):  # JSON keys are strings; the budgets are ints
+        res[name] = {int(k): v for k, v in res[name].items()}
+    return res
 
 
 # ---------------------------------------------------------------------------------------------- the run
@@ -508,15 +559,20 @@ def train(s: TrainSettings, progress: bool = True) -> TrainResult:
     checkpoint()
     wall_s = state.wall_s + time.perf_counter() - t0
     heldout = consecutive_windows(text.heldout, text.start, seq_len, HELDOUT_WINDOWS)
-    res = evaluate(cap, idx, heldout, RECALL_KS, forced)
-    logger.info("held-out KL per layer %s (sum %.3f)", [round(x, 3) for x in res["kl"]], sum(res["kl"]))
+    key = heldout_key(model_dir, heldout, forced, skip=(INDEXER_WEIGHTS, out.name))
+    prior = prior_heldout(Path(s.init), key) if s.init and s.layers is not None else None
+    res = evaluate(cap, idx, heldout, RECALL_KS, forced, prior=prior, fresh=set(trained))
+    reused = [li for li in range(layers) if prior is not None and li not in trained]
+    logger.info("held-out KL per layer %s (sum %.3f)%s", [round(x, 3) for x in res["kl"]], sum(res["kl"]),
+                f"; layers {reused} copied from --init (weights unchanged)" if reused else "")
     meta = {"heads": str(s.heads), "dim": str(s.dim), "steps": str(step), "seq_len": str(seq_len),
             "batch": str(s.batch), "positions": f"windows at random offsets in 0..{ctx - 1}", "sink_tokens": str(forced.sink_tokens), "local_window": str(forced.local_window),
             "wall_s": str(round(wall_s)), "final_kl_ema": f"{ema:.4f}" if ema is not None else "nan",
             "queries": str(s.queries), "reuse": str(s.reuse), "text": text.source, "heldout_windows": str(HELDOUT_WINDOWS), "threads": str(s.threads),
             "init": s.init or "", "revive_below": str(s.revive_below), "revived_this_run": str(revived),
             "target": s.target, "layers_trained": ",".join(map(str, trained)),
-            "heldout": json.dumps(res)}
+            "heldout": json.dumps(res), "heldout_key": key,
+            "heldout_copied_from_init": ",".join(map(str, reused))}
     # Written under a name the manifest does not cover, hashed, then renamed into place and listed at once:
     # a server verifying this model meanwhile sees the old state or (for two syscalls) an unlisted file.
     tmp = out.with_name(f".{out.name}.tmp")
