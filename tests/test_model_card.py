@@ -46,3 +46,12 @@ def test_card_without_a_sink_loss_stage_claims_none():
     f["training"] = plain
     card = render_card(f)
     assert "auxiliary loss" not in card and "auxiliary sink loss" not in card
+
+
+def test_card_states_the_schedule_each_stage_ran():
+    """A stage trained with ``--decay-frac`` is described as warmup-stable-decay, the others as cosine."""
+    f, plain = _with_sink_stage(_figures())
+    f["training"]["decay_frac"] = 0.25
+    card = render_card(f)
+    assert "cosine decay to 10% over the last 25% of the run (`--decay-frac 0.25`)" in card
+    assert "linear warmup + cosine decay to 10%" in card  # the earlier stages, no decay_frac

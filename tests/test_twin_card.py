@@ -11,6 +11,7 @@ import pytest
 
 from engine.worker import weights as W
 from training import twin_card
+from training.model_card import schedule_text
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORT = ROOT / "docs/attnres/twins_copy.json"
@@ -37,11 +38,11 @@ def test_cards_carry_each_twins_copy_the_gate_and_the_verdict(tmp_path: Path) ->
             assert f"| {r['kind']} | {r['point']} | {r[column]} |" in card
         meta = json.loads((d / "training_meta.json").read_text())
         assert f"{meta['steps']} optimizer steps" in card and meta["command"] in card
-        assert twin_card._schedule(meta) in card
+        assert schedule_text(meta) in card
         W.verify_model_dir(d, require=True)
 
 
 def test_schedule_names_warmup_stable_decay_when_the_run_used_it() -> None:
-    assert twin_card._schedule({"lr": 3e-3}) == "warmup + cosine to 10 %"
-    wsd = twin_card._schedule({"lr": 3e-3, "decay_frac": 0.25})
-    assert "last 25% of the tokens" in wsd and "--decay-frac 0.25" in wsd
+    assert schedule_text({"lr": 3e-3}) == "linear warmup + cosine decay to 10%"
+    wsd = schedule_text({"lr": 3e-3, "decay_frac": 0.25})
+    assert "last 25% of the run" in wsd and "--decay-frac 0.25" in wsd

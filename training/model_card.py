@@ -35,6 +35,15 @@ RETRIEVAL_LENGTHS = (256, 512, 1000)
 PPL_LENGTHS = (256, 1024)
 
 
+def schedule_text(meta: dict) -> str:
+    """The LR schedule of a ``training_meta.json`` in words, for every card that states one (the reference
+    model's and the twins'): warmup + cosine, or warmup-stable-decay when ``--decay-frac`` was given."""
+    decay = meta.get("decay_frac")
+    if decay is None:
+        return "linear warmup + cosine decay to 10%"
+    return (f"linear warmup, the peak held, then cosine decay to 10% over the last {decay:.0%} of the run "
+            f"(`--decay-frac {decay}`)")
+
 def load(model_dir: str, attn: str = "sdpa"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -257,7 +266,7 @@ def _render_stage(a, tr: dict) -> None:
       f"{tr.get('train_seconds', 0) / 60:.1f} min of training wall time "
       f"({tr.get('total_seconds_including_data', 0) / 60:.1f} min including data preparation), "
       f"final training loss (EMA) {tr.get('final_loss_ema')}")
-    a(f"- AdamW (betas 0.9/0.95, weight decay {tr.get('weight_decay', 0.1)}), peak LR {tr.get('lr')}, linear warmup + cosine decay to 10%, "
+    a(f"- AdamW (betas 0.9/0.95, weight decay {tr.get('weight_decay', 0.1)}), peak LR {tr.get('lr')}, {schedule_text(tr)}, "
       "gradient clipping 1.0; " + (f"the schedule is a function of tokens seen ({tr['token_budget'] / 1e6:.2f}M-token "
       "budget, `--tokens`), so runs of different speed see the same batches" if tr.get("token_budget") else
       "the schedule is a function of elapsed wall time so the run ends on time"))

@@ -18,6 +18,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from training.model_card import schedule_text
+
 logger = logging.getLogger(__name__)
 
 # The twins-copy report's column holding each twin's copy, by architecture.
@@ -38,14 +40,6 @@ def _shape_lines(cfg: dict[str, Any], arch: str) -> list[str]:
             f"{'tied' if cfg.get('tie_word_embeddings') else 'untied'} embeddings",
             f"- trained context `max_position_embeddings: {cfg['max_position_embeddings']}`",
             "- tokenizer, chat template: the reference model's (assets/reference-model; byte-level BPE, 4,096 ids)"]
-
-
-def _schedule(meta: dict[str, Any]) -> str:
-    """The LR schedule in words: warmup + cosine, or warmup-stable-decay when ``--decay-frac`` was given."""
-    decay = meta.get("decay_frac")
-    if decay is None:
-        return "warmup + cosine to 10 %"
-    return f"warmup, the peak held, then cosine to 10 % over the last {decay:.0%} of the tokens (`--decay-frac {decay}`)"
 
 
 def render(model_dir: Path, report: dict[str, Any], report_path: str) -> tuple[str, dict[str, Any]]:
@@ -73,7 +67,7 @@ def render(model_dir: Path, report: dict[str, Any], report_path: str) -> tuple[s
         f"- sequence mix: {meta['longrange_frac']:.0%} long-range sequences (`--longrange-mix {meta['longrange_mix']}`: "
         "random spans repeated across the sequence, an instruction restated and obeyed at the end, key-value "
         f"lookups; counts {lr_seqs}), the rest Python stdlib text",
-        f"- curriculum {meta['curriculum']}; AdamW, peak LR {meta['lr']}, {_schedule(meta)}, seed {meta['seed']}, "
+        f"- curriculum {meta['curriculum']}; AdamW, peak LR {meta['lr']}, {schedule_text(meta)}, seed {meta['seed']}, "
         f"init std {meta.get('init_std', 0.02)}, {meta['threads']} thread{'s' if meta['threads'] > 1 else ''}, float32",
         f"- loss curve: docs/attnres/train-{'attnres' if arch == 'attnres' else 'standard'}/loss_curve.{{jsonl,png}}",
         f"- command: `{meta['command']}`", "",
